@@ -1,0 +1,248 @@
+"""Layouts: which device holds each KV group and each FFN neuron, per layer.
+
+A layout is balanced (G/L groups and I/L neurons on every device) and serialises to the
+`dtp-layout/1` JSON format described in the README.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LAYOUT_FORMAT = "dtp-layout/1"
+
+
+class LayoutError(ValueError):
+    """A layout (or the request for one) is malformed, unbalanced or does not fit the model."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_layers: int
+    num_kv_groups: int
+    num_query_heads: int
+    intermediate_size: int
+    hidden_size: int = 0
+    head_dim: int = 0
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_query_heads // self.num_kv_groups
+
+
+def valid_device_counts(shape: ModelShape) -> list[int]:
+    g, i = shape.num_kv_groups, shape.intermediate_size
+    return [d for d in range(1, g + 1) if g % d == 0 and i % d == 0]
+
+
+def check_devices(shape: ModelShape, devices: int) -> None:
+    """Raise LayoutError unless `devices` divides both the KV groups and the FFN width."""
+    if not isinstance(devices, int) or devices < 1:
+        raise LayoutError(f"devices must be a positive integer, got {devices!r}")
+    bad = []
+    if shape.num_kv_groups % devices:
+        bad.append(f"num_kv_groups={shape.num_kv_groups}")
+    if shape.intermediate_size % devices:
+        bad.append(f"intermediate_size={shape.intermediate_size}")
+    if bad:
+        valid = ", ".join(map(str, valid_device_counts(shape)))
+        raise LayoutError(
+            f"devices L={devices} does not divide {' and '.join(bad)}; "
+            f"L must divide both num_kv_groups and intermediate_size: valid L for this model: {valid}"
+        )
+
+
+def check_delta(shape: ModelShape, delta: int) -> None:
+    if not isinstance(delta, int) or not 0 <= delta <= shape.num_layers:
+        raise LayoutError(
+            f"delta must be an integer in [0, num_layers={shape.num_layers}] (modules are counted two "
+            f"per layer), got {delta!r}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """kv_group_device: [N, G] int; neuron_device: [N, I] int; both read-only."""
+
+    name: str
+    devices: int
+    delta: int
+    shape: ModelShape
+    kv_group_device: np.ndarray
+    neuron_device: np.ndarray
+    score: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        for attr in ("kv_group_device", "neuron_device"):
+            arr = np.array(getattr(self, attr), dtype=np.int64)
+            arr.setflags(write=False)
+            object.__setattr__(self, attr, arr)
+        validate(self)
+
+    def group_order(self, layer: int) -> np.ndarray:
+        """Storage order that puts device 0's KV groups first (stable within a device)."""
+        return np.argsort(self.kv_group_device[layer], kind="stable")
+
+    def neuron_order(self, layer: int) -> np.ndarray:
+        return np.argsort(self.neuron_device[layer], kind="stable")
+
+    def with_name(self, name: str, score: dict[str, Any] | None = None) -> Layout:
+        return Layout(name, self.devices, self.delta, self.shape, self.kv_group_device,
+                      self.neuron_device, score if score is not None else self.score)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": LAYOUT_FORMAT,
+            "name": self.name,
+            "devices": self.devices,
+            "delta": self.delta,
+            "model": asdict(self.shape),
+            "kv_group_device": self.kv_group_device.tolist(),
+            "neuron_device": self.neuron_device.tolist(),
+        }
+        if self.score is not None:
+            out["score"] = self.score
+        return out
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json_dict()))
+        tmp.replace(path)
+
+
+def _check_assignment(arr: np.ndarray, field_name: str, width: int, devices: int, layers: int) -> None:
+    if arr.ndim != 2 or arr.shape != (layers, width):
+        raise LayoutError(f"{field_name}: expected shape [{layers}, {width}], got {list(arr.shape)}")
+    per_device = width // devices
+    for layer in range(layers):
+        row = arr[layer]
+        if row.min() < 0 or row.max() >= devices:
+            raise LayoutError(
+                f"{field_name}[{layer}]: device ids must be in [0, {devices - 1}], "
+                f"found {int(row.min())}..{int(row.max())}"
+            )
+        counts = np.bincount(row, minlength=devices)
+        if (counts != per_device).any():
+            raise LayoutError(
+                f"{field_name}[{layer}]: unbalanced, per-device counts {counts.tolist()}, "
+                f"expected {per_device} on each of {devices} devices"
+            )
+
+
+def validate(layout: Layout) -> None:
+    shape = layout.shape
+    check_devices(shape, layout.devices)
+    check_delta(shape, layout.delta)
+    _check_assignment(layout.kv_group_device, "kv_group_device", shape.num_kv_groups,
+                      layout.devices, shape.num_layers)
+    _check_assignment(layout.neuron_device, "neuron_device", shape.intermediate_size,
+                      layout.devices, shape.num_layers)
+
+
+def _contiguous_row(width: int, devices: int) -> np.ndarray:
+    return np.repeat(np.arange(devices), width // devices)  # [width]
+
+
+def contiguous(shape: ModelShape, devices: int, delta: int = 1, name: str = "contiguous") -> Layout:
+    """The standard tensor-parallel layout: storage order sliced into L contiguous shards."""
+    check_devices(shape, devices)
+    n = shape.num_layers
+    groups = np.tile(_contiguous_row(shape.num_kv_groups, devices), (n, 1))
+    neurons = np.tile(_contiguous_row(shape.intermediate_size, devices), (n, 1))
+    return Layout(name, devices, delta, shape, groups, neurons)
+
+
+def random(shape: ModelShape, devices: int, delta: int = 1, seed: int = 0,
+           name: str | None = None) -> Layout:
+    """Uniform among balanced layouts: a uniform shuffle of the contiguous assignment, per layer."""
+    check_devices(shape, devices)
+    rng = np.random.default_rng(seed)
+    g_row = _contiguous_row(shape.num_kv_groups, devices)
+    i_row = _contiguous_row(shape.intermediate_size, devices)
+    groups = np.stack([rng.permutation(g_row) for _ in range(shape.num_layers)])
+    neurons = np.stack([rng.permutation(i_row) for _ in range(shape.num_layers)])
+    return Layout(name or f"random-{seed}", devices, delta, shape, groups, neurons)
+
+
+_SHAPE_FIELDS = ("model_type", "num_layers", "num_kv_groups", "num_query_heads", "intermediate_size")
+
+
+def from_json_dict(data: Any, source: str = "layout") -> Layout:
+    def fail(msg: str) -> LayoutError:
+        return LayoutError(f"{source}: {msg}")
+
+    if not isinstance(data, dict):
+        raise fail("expected a JSON object")
+    if data.get("format") != LAYOUT_FORMAT:
+        raise fail(f"field 'format' must be {LAYOUT_FORMAT!r}, got {data.get('format')!r}")
+    for key in ("devices", "delta", "model", "kv_group_device", "neuron_device"):
+        if key not in data:
+            raise fail(f"missing field {key!r}")
+    model = data["model"]
+    if not isinstance(model, dict):
+        raise fail("field 'model' must be an object")
+    for key in _SHAPE_FIELDS:
+        if key not in model:
+            raise fail(f"missing field 'model.{key}'")
+    shape = ModelShape(**{k: model[k] for k in ModelShape.__dataclass_fields__ if k in model})
+    try:
+        groups = np.asarray(data["kv_group_device"], dtype=np.int64)
+        neurons = np.asarray(data["neuron_device"], dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise fail(f"kv_group_device/neuron_device must be integer arrays: {exc}") from exc
+    try:
+        return Layout(str(data.get("name", "layout")), data["devices"], data["delta"], shape,
+                      groups, neurons, data.get("score"))
+    except LayoutError as exc:
+        raise fail(str(exc)) from exc
+
+
+def load(path: str | Path) -> Layout:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LayoutError(f"{path}: cannot read layout JSON: {exc}") from exc
+    return from_json_dict(data, source=str(path))
+
+
+def check_fits(layout: Layout, shape: ModelShape) -> None:
+    """Raise unless the layout was made for a model of this shape."""
+    for key in _SHAPE_FIELDS:
+        mine, theirs = getattr(layout.shape, key), getattr(shape, key)
+        if mine != theirs:
+            raise LayoutError(f"layout {layout.name!r} is for model.{key}={mine}, the model has {theirs}")
+
+
+def resolve(spec: str, shape: ModelShape, devices: int, delta: int) -> Layout:
+    """`contiguous`, `random:SEED` or a path to a dtp-layout/1 JSON file."""
+    check_devices(shape, devices)
+    check_delta(shape, delta)
+    if spec == "contiguous":
+        return contiguous(shape, devices, delta)
+    if spec.startswith("random:"):
+        try:
+            seed = int(spec.split(":", 1)[1])
+        except ValueError as exc:
+            raise LayoutError(f"layout {spec!r}: expected random:SEED with an integer seed") from exc
+        return random(shape, devices, delta, seed)
+    path = Path(spec)
+    if not path.is_file():
+        raise LayoutError(
+            f"layout {spec!r}: expected 'contiguous', 'random:SEED' or an existing dtp-layout/1 JSON file"
+        )
+    layout = load(path)
+    check_fits(layout, shape)
+    if layout.devices != devices:
+        raise LayoutError(f"layout {spec!r} has devices={layout.devices}, but --devices is {devices}")
+    if layout.delta != delta:
+        layout = Layout(layout.name, layout.devices, delta, layout.shape, layout.kv_group_device,
+                        layout.neuron_device, layout.score)
+    return layout

@@ -1,0 +1,84 @@
+"""Function-preserving permutation: realise a layout by reordering weights.
+
+Per layer, KV groups are reordered (each carrying its query heads): rows of q/k/v (and their
+biases) and columns of o_proj; FFN neurons are reordered: rows of gate/up and columns of down.
+Units are sorted by device, stably, so device l's shard becomes the l-th contiguous slice, which
+is what any standard tensor-parallel loader takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.families import Family, family_for_config, model_shape
+from models.layout import Layout, ModelShape, check_fits
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = model.model.layers  # type: ignore[union-attr]
+    assert isinstance(layers, nn.ModuleList)
+    return layers
+
+
+def _get(layer: nn.Module, dotted: str) -> nn.Linear:
+    mod = layer.get_submodule(dotted)
+    assert isinstance(mod, nn.Linear), dotted
+    return mod
+
+
+def group_row_index(group_order: np.ndarray, rows_per_group: int) -> torch.Tensor:
+    """Row indices that move whole groups of `rows_per_group` consecutive rows."""
+    g = torch.as_tensor(np.asarray(group_order), dtype=torch.long)  # [G]
+    return (g[:, None] * rows_per_group + torch.arange(rows_per_group)).reshape(-1)  # [G * rows]
+
+
+def _take_(param: torch.Tensor, index: torch.Tensor, dim: int) -> None:
+    param.data = param.data.index_select(dim, index.to(param.device)).contiguous()
+
+
+@torch.no_grad()
+def reorder_(model: nn.Module, family: Family, shape: ModelShape,
+             group_orders: Sequence[np.ndarray], neuron_orders: Sequence[np.ndarray]) -> None:
+    """Put group `group_orders[i][p]` at position p of layer i (and likewise neurons), in place."""
+    hd, per_group = shape.head_dim, shape.heads_per_group
+    for i, layer in enumerate(decoder_layers(model)):
+        q_rows = group_row_index(group_orders[i], per_group * hd)  # [H * hd]
+        kv_rows = group_row_index(group_orders[i], hd)  # [G * hd]
+        neurons = torch.as_tensor(np.asarray(neuron_orders[i]), dtype=torch.long)  # [I]
+        for name in family.group_rows:
+            lin = _get(layer, name)
+            rows = q_rows if lin.out_features == shape.num_query_heads * hd else kv_rows
+            _take_(lin.weight, rows, 0)
+            if lin.bias is not None:
+                _take_(lin.bias, rows, 0)
+        for name in family.group_cols:
+            _take_(_get(layer, name).weight, q_rows, 1)
+        for name in family.neuron_rows:
+            _take_(_get(layer, name).weight, neurons, 0)
+        for name in family.neuron_cols:
+            _take_(_get(layer, name).weight, neurons, 1)
+
+
+def permute_(model: nn.Module, layout: Layout) -> nn.Module:
+    """Permute `model` in place so that `layout` becomes the contiguous layout. Returns the model."""
+    family = family_for_config(model.config)
+    shape = model_shape(model.config)
+    check_fits(layout, shape)
+    n = shape.num_layers
+    reorder_(model, family, shape, [layout.group_order(i) for i in range(n)],
+             [layout.neuron_order(i) for i in range(n)])
+    return model
+
+
+def unpermute_(model: nn.Module, layout: Layout) -> nn.Module:
+    """Undo `permute_(model, layout)`: apply the inverse orders."""
+    family = family_for_config(model.config)
+    shape = model_shape(model.config)
+    n = shape.num_layers
+    reorder_(model, family, shape, [np.argsort(layout.group_order(i)) for i in range(n)],
+             [np.argsort(layout.neuron_order(i)) for i in range(n)])
+    return model

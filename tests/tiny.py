@@ -1,0 +1,56 @@
+"""Tiny random models of every supported family, CPU fp32, for parity tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+BASE: dict[str, Any] = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+# Each case exercises one family feature: GQA, q/k/v biases, per-head q/k norms, explicit head_dim,
+# tied embeddings.
+FAMILY_CASES: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama"),
+    "llama-tied-headdim": dict(model_type="llama", head_dim=8, tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+}
+
+
+def tiny_config(case: str = "llama", **overrides: Any) -> Any:
+    kwargs = {**BASE, **FAMILY_CASES[case], **overrides}
+    model_type = kwargs.pop("model_type")
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(case: str = "llama", seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(case, **overrides), dtype=torch.float32)
+    # Random init gives tiny weights and near-uniform logits; widen them so that mistakes show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def tokens(batch: int = 2, seq: int = 12, vocab: int = 97, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
