@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,9 @@ def _shard_linear_cols(x: torch.Tensor, weight: torch.Tensor, devices: int) -> t
 class DTPModel(nn.Module):
     """DTP simulator over a (permuted) Hugging Face causal LM of a supported family."""
 
-    def __init__(self, model: nn.Module, *, devices: int, delta: int, last_scale: LastScale = "sqrt",
+    model: Any  # a transformers causal LM (duck-typed: model.model.layers, lm_head, config)
+
+    def __init__(self, model: Any, *, devices: int, delta: int, last_scale: LastScale = "sqrt",
                  gradient_checkpointing: bool = False) -> None:
         super().__init__()
         config = model.config
@@ -125,8 +127,9 @@ class DTPModel(nn.Module):
         L, B, S, D = x.shape
         hd = self.shape.head_dim
         heads, groups = self.shape.num_query_heads // L, self.shape.num_kv_groups // L
-        attn = decoder_layers(self.model)[layer_idx].self_attn
-        h = rms_norm(x, decoder_layers(self.model)[layer_idx].input_layernorm.weight, self.eps)
+        layer: Any = decoder_layers(self.model)[layer_idx]
+        attn = layer.self_attn
+        h = rms_norm(x, layer.input_layernorm.weight, self.eps)
         h = h.reshape(L, B * S, D)
         q = _shard_linear(h, attn.q_proj.weight, L, attn.q_proj.bias)  # [L, B*S, heads*hd]
         k = _shard_linear(h, attn.k_proj.weight, L, attn.k_proj.bias)  # [L, B*S, groups*hd]
@@ -163,7 +166,7 @@ class DTPModel(nn.Module):
     def ffn_partials(self, layer_idx: int, x: torch.Tensor) -> torch.Tensor:
         """x: [L, B, S, D] -> [L, B, S, D]: device l's neurons applied to device l's stream."""
         L, B, S, D = x.shape
-        layer = decoder_layers(self.model)[layer_idx]
+        layer: Any = decoder_layers(self.model)[layer_idx]
         mlp = layer.mlp
         h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps).reshape(L, B * S, D)
         gate = _shard_linear(h, mlp.gate_proj.weight, L)  # [L, B*S, I/L]
@@ -197,7 +200,7 @@ class DTPModel(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> torch.Tensor:
         """input_ids: [B, S] -> final hidden state, normed per device then averaged: [B, S, D]."""
-        inner = self.model.model  # type: ignore[union-attr]
+        inner = self.model.model
         B, S = input_ids.shape
         past = cache.length if cache is not None else 0
         position_ids = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0).expand(B, S)
@@ -218,5 +221,6 @@ class DTPModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> torch.Tensor:
         """input_ids: [B, S] -> logits [B, S, V] (lm_head is linear, so averaging before it is exact)."""
-        return self.model.lm_head(self.hidden_states(input_ids, cache))  # type: ignore[union-attr,operator]
+        logits: torch.Tensor = self.model.lm_head(self.hidden_states(input_ids, cache))
+        return logits
 

@@ -103,8 +103,9 @@ def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cp
         for attr in ("quantization_config",):
             if hasattr(model.config, attr):
                 delattr(model.config, attr)
-        model.hf_quantizer = None
-    return model.to(resolve_device(device)).eval()
+        model.hf_quantizer = None  # type: ignore[assignment]
+    model.to(resolve_device(device))  # type: ignore[arg-type]
+    return model.eval()
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:

@@ -1,0 +1,38 @@
+"""Shared bench helpers: model shapes of the paper and an interleaved timer."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+# Qwen3-0.6B's dimensions (28 layers in the real model; the benches use fewer).
+QWEN3_06B = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    tie_word_embeddings=True, rope_theta=1_000_000.0,
+)
+
+
+def qwen3_06b_shaped(num_layers: int = 4, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen3", num_hidden_layers=num_layers, **QWEN3_06B)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 5,
+                      warmup: int = 1) -> dict[str, float]:
+    """Median wall time of each function, run in turn so that machine noise hits all alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
