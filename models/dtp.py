@@ -40,7 +40,11 @@ class DTPCache:
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+        """Tokens seen so far (by the last layer, so that it is stable during a forward)."""
+        return self.layer_length(len(self.keys) - 1) if self.keys else 0
+
+    def layer_length(self, layer: int) -> int:
+        return self.keys[layer].shape[2] if 0 <= layer < len(self.keys) else 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer == len(self.keys):
@@ -146,7 +150,7 @@ class DTPModel(nn.Module):
         v = v.reshape(L * B, groups, S, hd)
         past = 0
         if cache is not None:
-            past = cache.length
+            past = cache.layer_length(layer_idx)
             k, v = cache.update(layer_idx, k, v)  # [L*B, groups, past+S, hd]
         out = self._sdpa(q, k, v, past)  # [L*B, heads, S, hd]
         out = out.view(L, B, heads, S, hd).transpose(2, 3).reshape(L, B * S, heads * hd)

@@ -40,9 +40,13 @@ def valid_device_counts(shape: ModelShape) -> list[int]:
     return [d for d in range(1, g + 1) if g % d == 0 and i % d == 0]
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
 def check_devices(shape: ModelShape, devices: int) -> None:
     """Raise LayoutError unless `devices` divides both the KV groups and the FFN width."""
-    if not isinstance(devices, int) or devices < 1:
+    if not _is_int(devices) or devices < 1:
         raise LayoutError(f"devices must be a positive integer, got {devices!r}")
     bad = []
     if shape.num_kv_groups % devices:
@@ -58,7 +62,7 @@ def check_devices(shape: ModelShape, devices: int) -> None:
 
 
 def check_delta(shape: ModelShape, delta: int) -> None:
-    if not isinstance(delta, int) or not 0 <= delta <= shape.num_layers:
+    if not _is_int(delta) or not 0 <= delta <= shape.num_layers:
         raise LayoutError(
             f"delta must be an integer in [0, num_layers={shape.num_layers}] (modules are counted two "
             f"per layer), got {delta!r}"
@@ -191,17 +195,32 @@ def from_json_dict(data: Any, source: str = "layout") -> Layout:
     for key in _SHAPE_FIELDS:
         if key not in model:
             raise fail(f"missing field 'model.{key}'")
+    if not isinstance(model["model_type"], str):
+        raise fail("field 'model.model_type' must be a string")
+    for key in ModelShape.__dataclass_fields__:
+        if key != "model_type" and key in model and (not _is_int(model[key]) or model[key] < 0):
+            raise fail(f"field 'model.{key}' must be a non-negative integer, got {model[key]!r}")
+    for key in ("devices", "delta"):
+        if not _is_int(data[key]):
+            raise fail(f"field {key!r} must be an integer, got {data[key]!r}")
     shape = ModelShape(**{k: model[k] for k in ModelShape.__dataclass_fields__ if k in model})
-    try:
-        groups = np.asarray(data["kv_group_device"], dtype=np.int64)
-        neurons = np.asarray(data["neuron_device"], dtype=np.int64)
-    except (TypeError, ValueError) as exc:
-        raise fail(f"kv_group_device/neuron_device must be integer arrays: {exc}") from exc
+    groups = _int_array(data["kv_group_device"], "kv_group_device", fail)
+    neurons = _int_array(data["neuron_device"], "neuron_device", fail)
     try:
         return Layout(str(data.get("name", "layout")), data["devices"], data["delta"], shape,
                       groups, neurons, data.get("score"))
     except LayoutError as exc:
         raise fail(str(exc)) from exc
+
+
+def _int_array(value: Any, field_name: str, fail: Any) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise fail(f"{field_name}: must be equal-length integer lists, one per layer: {exc}") from exc
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise fail(f"{field_name}: device ids must be integers (one equal-length list per layer), got {arr.dtype}")
+    return arr.astype(np.int64)
 
 
 def load(path: str | Path) -> Layout:

@@ -78,6 +78,7 @@ def unpermute_(model: nn.Module, layout: Layout) -> nn.Module:
     """Undo `permute_(model, layout)`: apply the inverse orders."""
     family = family_for_config(model.config)
     shape = model_shape(model.config)
+    check_fits(layout, shape)
     n = shape.num_layers
     reorder_(model, family, shape, [np.argsort(layout.group_order(i)) for i in range(n)],
              [np.argsort(layout.neuron_order(i)) for i in range(n)])
