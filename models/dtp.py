@@ -129,6 +129,17 @@ class DTPModel(nn.Module):
         when all streams are equal).
         """
         L, B, S, D = x.shape
+        heads_out = self.attention_heads(layer_idx, x, cos, sin, cache)  # [L, B*S, heads*hd]
+        o_proj: Any = decoder_layers(self.model)[layer_idx].self_attn.o_proj  # type: ignore[union-attr]
+        return _shard_linear_cols(heads_out, o_proj.weight, L).view(L, B, S, D)
+
+    def attention_heads(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: DTPCache | None = None) -> torch.Tensor:
+        """Each device's heads' attention outputs, before o_proj.
+
+        x: [L, B, S, D] -> [L, B*S, (H/L)*hd], head-major within a device.
+        """
+        L, B, S, D = x.shape
         hd = self.shape.head_dim
         heads, groups = self.shape.num_query_heads // L, self.shape.num_kv_groups // L
         layer: Any = decoder_layers(self.model)[layer_idx]
@@ -153,8 +164,14 @@ class DTPModel(nn.Module):
             past = cache.layer_length(layer_idx)
             k, v = cache.update(layer_idx, k, v)  # [L*B, groups, past+S, hd]
         out = self._sdpa(q, k, v, past)  # [L*B, heads, S, hd]
-        out = out.view(L, B, heads, S, hd).transpose(2, 3).reshape(L, B * S, heads * hd)
-        return _shard_linear_cols(out, attn.o_proj.weight, L).view(L, B, S, D)
+        return out.view(L, B, heads, S, hd).transpose(2, 3).reshape(L, B * S, heads * hd)
+
+    def rotary(self, input_ids: torch.Tensor, emb: torch.Tensor, past: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions past .. past+S: [B, S, hd] each."""
+        B, S = input_ids.shape
+        position_ids = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0).expand(B, S)
+        cos, sin = self.model.model.rotary_emb(emb, position_ids)
+        return cos, sin
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
         s, t = q.shape[2], k.shape[2]
@@ -205,11 +222,8 @@ class DTPModel(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> torch.Tensor:
         """input_ids: [B, S] -> final hidden state, normed per device then averaged: [B, S, D]."""
         inner = self.model.model
-        B, S = input_ids.shape
-        past = cache.length if cache is not None else 0
-        position_ids = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0).expand(B, S)
         emb = inner.embed_tokens(input_ids)  # [B, S, D]
-        cos, sin = inner.rotary_emb(emb, position_ids)  # [B, S, hd]
+        cos, sin = self.rotary(input_ids, emb, cache.length if cache is not None else 0)  # [B, S, hd]
         x = emb.unsqueeze(0).expand(self.devices, *emb.shape)  # [L, B, S, D]
         pending: list[torch.Tensor] = []  # partials of modules n-δ .. n, [L, B, S, D] each
         for n in range(self.num_modules):
