@@ -53,6 +53,15 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
 
 
+def _add_calibration_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", required=True,
+                   help="calibration text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, hf:NAME")
+    p.add_argument("--calib-sequences", type=int, default=64, help="calibration blocks (default: 64)")
+    p.add_argument("--calib-seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
+    p.add_argument("--calib-seed", type=int, default=0, help="block-order seed (default: 0)")
+    p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     from models.loading import ModelSource, load_model, load_tokenizer
 
@@ -140,6 +149,85 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_spec(args: argparse.Namespace) -> Any:
+    from models.calibration import CalibrationSpec
+
+    return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
+                           seed=args.calib_seed, text_field=args.text_field)
+
+
+def cmd_optimise(args: argparse.Namespace) -> int:
+    from models import pipeline
+    from models.families import model_shape
+    from models.layout import check_delta, check_devices
+    from models.loading import ModelSource, load_config
+
+    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
+                                 random_layouts=args.random, ablations=args.ablations, export=not args.no_export,
+                                 batch_size=args.batch_size, restarts=args.restarts)
+    calibration = _calibration_spec(args)
+    t0 = time.perf_counter()
+    config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
+    check_devices(model_shape(config), args.devices)  # fail before loading weights
+    check_delta(model_shape(config), args.delta)
+    out = Path(args.out)
+    if spec.export and not args.overwrite and ((out / "checkpoint").exists() or (out / "shards").exists()):
+        raise CliError(f"{out}/checkpoint or {out}/shards already exists (pass --overwrite or --no-export)")
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = _load(args)
+    state = pipeline.RunState(out_dir=out)
+    state.timed("load", t0)
+    progress = _progress_bar()
+    pipeline.stage_calibration(state, model=model, tokenizer=tokenizer, calibration=calibration)
+    pipeline.stage_affinity(state, model=model, spec=spec, model_name=args.model, calibration=calibration,
+                            progress=progress)
+    pipeline.stage_layouts(state, spec=spec)
+    if spec.export:
+        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite)
+    report = pipeline.build_report(state, spec=spec, model_name=args.model, calibration=calibration)
+    pipeline.write_report(state, report)
+    print(pipeline.summary_table(report))
+    for note in report["notes"]:
+        print(f"note: {note}")
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in state.seconds.items())
+    print(f"wrote {out}/affinity.safetensors, {out}/layouts/*.json, {out}/report.json"
+          + ("" if not spec.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({stages})")
+    return 0
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from models.affinity import AffinityResult
+    from models.layout import check_delta, check_devices
+    from models.optimise import optimise, upper_bound
+    from models.pipeline import affinity_for, to_layout
+
+    try:
+        result = AffinityResult.load(args.affinity)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    check_devices(result.shape, args.devices)
+    check_delta(result.shape, args.delta)
+    affinity = affinity_for(result, args.score)
+    layers = None
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError as exc:
+            raise CliError(f"--layers must be comma-separated integers, got {args.layers!r}") from exc
+    try:
+        best = optimise(affinity, args.devices, maximise=not args.minimise, move_heads=not args.neurons_only,
+                        move_neurons=not args.heads_only, layers=layers, bound=upper_bound(affinity, args.devices),
+                        restarts=args.restarts)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    layout = to_layout(args.name, best, result.shape, args.devices, args.delta)
+    layout.save(args.out)
+    rep = best.report
+    print(f"{args.name}: J={rep.J:.4f} (random {rep.random_expectation:.4f}, upper bound {rep.upper_bound:.4f}) "
+          f"after {best.sweeps} sweeps → {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtp-layout",
                                      description="Affinity-aware layouts for Delayed Tensor Parallelism")
@@ -166,6 +254,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
+    _add_model_args(p)
+    p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
+    p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
+    _add_calibration_args(p)
+    p.add_argument("--score", default="fo", choices=["fo", "add"], help="up-edge affinity score (default: fo)")
+    p.add_argument("--random", type=int, default=0, metavar="K", help="also score K random layouts (seeds 1000…)")
+    p.add_argument("--ablations", action="store_true", help="also anti-optimised, heads-only, neurons-only")
+    p.add_argument("--no-export", action="store_true", help="skip the permuted checkpoint and rank shards")
+    p.add_argument("--batch-size", type=int, default=4, help="calibration sequences per micro-batch")
+    p.add_argument("--restarts", type=int, default=4,
+                   help="extra optimiser starts from random head assignments (default: 4; 0 = contiguous only)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint/shards")
+    p.set_defaults(func=cmd_optimise)
+
+    p = sub.add_parser("layout", help="run only the optimiser on a saved affinity.safetensors")
+    p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
+    p.add_argument("--devices", "-L", type=int, required=True)
+    p.add_argument("--delta", "-d", type=int, default=1)
+    p.add_argument("--score", default="fo", choices=["fo", "add"])
+    p.add_argument("--minimise", action="store_true", help="minimise J (the anti-optimised layout)")
+    variant = p.add_mutually_exclusive_group()
+    variant.add_argument("--heads-only", action="store_true", help="move KV groups only (neurons contiguous)")
+    variant.add_argument("--neurons-only", action="store_true", help="move neurons only (KV groups contiguous)")
+    p.add_argument("--layers", help="comma-separated layers to optimise (the rest stay contiguous)")
+    p.add_argument("--restarts", type=int, default=4, help="extra starts from random head assignments")
+    p.add_argument("--name", default="optimised", help="layout name stored in the JSON")
+    p.add_argument("--out", required=True, help="output dtp-layout/1 JSON file")
+    p.set_defaults(func=cmd_layout)
+
     p = sub.add_parser("demo", help="evaluate two layouts of the packaged SmolLM2-135M on the corpus")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
@@ -182,7 +301,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from models.layout import LayoutError
     from models.loading import ModelLoadError
 
-    return (CliError, AssetNotFoundError, DataError, ExportError, UnsupportedModelError, LayoutError,
+    return (ValueError, CliError, AssetNotFoundError, DataError, ExportError, UnsupportedModelError, LayoutError,
             ModelLoadError)
 
 

@@ -82,7 +82,7 @@ class AffinityResult:
             with safe_open(str(path), framework="pt") as f:
                 meta = dict(f.metadata() or {})
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        except (OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # safetensors raises its own error type for malformed headers
             raise ValueError(f"{path}: cannot read affinity safetensors: {exc}") from exc
         if meta.get("format") != "dtp-layout-affinity/1" or "shape" not in meta:
             raise ValueError(f"{path}: not a dtp-layout affinity file (metadata format/shape missing)")

@@ -68,7 +68,7 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def permuted_copy(model: nn.Module, layout: Layout) -> nn.Module:
+def permuted_copy(model: Any, layout: Layout) -> Any:
     """A deep copy of `model` with `layout` realised as the contiguous layout."""
     return permute_(copy.deepcopy(model), layout)
 

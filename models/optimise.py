@@ -621,7 +621,8 @@ def contiguous_layout(affinity: Affinity, devices: int) -> tuple[np.ndarray, np.
 
 def optimise(affinity: Affinity, devices: int, *, maximise: bool = True, move_heads: bool = True,
              move_neurons: bool = True, layers: Any = None, max_sweeps: int = 50, tol: float = 1e-12,
-             bound: UpperBound | None = None) -> OptimiseResult:
+             bound: UpperBound | None = None, initial_heads: np.ndarray | None = None, restarts: int = 0,
+             seed: int = 0) -> OptimiseResult:
     """Coordinate ascent of J over the chain's blocks, from the contiguous layout.
 
     Each sweep visits the chosen layers in order and replaces the layer's neurons, then its KV groups,
@@ -630,13 +631,42 @@ def optimise(affinity: Affinity, devices: int, *, maximise: bool = True, move_he
     maximise=False minimises J (the anti-optimised layout); move_heads=False keeps the contiguous
     heads (neurons only); move_neurons=False keeps the contiguous neurons (heads only); layers not in
     `layers` keep the contiguous heads and neurons. `bound` reuses a precomputed upper bound.
+
+    Coordinate ascent stops at a local optimum: with I ≫ G the first neuron step fits the neurons to
+    the starting heads, after which no single head step pays. `restarts` > 0 also starts from that
+    many seeded random balanced head assignments (of the moving layers) and keeps the best result;
+    `initial_heads` [N, G] replaces the contiguous start.
     """
+    if restarts < 0:
+        raise ValueError(f"restarts must be ≥ 0, got {restarts}")
+    kwargs: dict[str, Any] = dict(maximise=maximise, move_heads=move_heads, move_neurons=move_neurons, layers=layers,
+                  max_sweeps=max_sweeps, tol=tol, bound=bound)
+    best = _ascend(affinity, devices, initial_heads=initial_heads, **kwargs)
+    if not move_heads:
+        return best  # every start would be the same contiguous heads
+    rng = np.random.default_rng(seed)
+    groups_row = contiguous_row(affinity.num_kv_groups, devices)
+    sign = 1.0 if maximise else -1.0
+    for _ in range(restarts):
+        start = np.stack([rng.permutation(groups_row) for _ in range(affinity.num_layers)])
+        candidate = _ascend(affinity, devices, initial_heads=start, **kwargs)
+        if sign * (candidate.report.J - best.report.J) > tol:
+            best = candidate
+    return best
+
+
+def _ascend(affinity: Affinity, devices: int, *, maximise: bool, move_heads: bool, move_neurons: bool,
+            layers: Any, max_sweeps: int, tol: float, bound: UpperBound | None,
+            initial_heads: np.ndarray | None) -> OptimiseResult:
+    """One coordinate ascent from `initial_heads` (default contiguous) and contiguous neurons."""
     check_devices(affinity, devices)
     if max_sweeps < 1:
         raise ValueError(f"max_sweeps must be at least 1, got {max_sweeps}")
     unit = affinity.normalised()
     moving = _moving_layers(layers, affinity.num_layers)
     heads, cells = _contiguous_layout(affinity, devices)
+    if initial_heads is not None:
+        heads[moving] = np.asarray(initial_heads)[moving]
     sign = 1.0 if maximise else -1.0
     previous = _objective(unit, heads, cells)
     history: list[float] = []

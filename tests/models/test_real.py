@@ -44,3 +44,43 @@ def test_smollm2_eval_runs_on_kjv(smollm2, capsys):
     assert 1.0 < result["dense_ppl"] < 100.0
     assert result["dtp_ppl"] > result["dense_ppl"]
     assert result["kl"] > 0.1
+
+
+def test_smollm2_optimise_end_to_end(smollm2, tmp_path, capsys):
+    """`dtp-layout optimise` at L=3, δ=1 on 16 × 256 tokens of the KJV: the optimised layout beats
+    contiguous and every random layout, is an exact fixed point, and its checkpoint keeps the logits."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from models.affinity import AffinityResult
+    from models.layout import load
+    from models.optimise import is_block_optimal
+    from models.pipeline import affinity_for
+
+    model, tokenizer, gguf = smollm2
+    out = tmp_path / "run"
+    code = main(["optimise", str(gguf), "--devices", "3", "--delta", "1", "--calib", str(corpus_file("kjv")),
+                 "--calib-sequences", "16", "--calib-seq-len", "256", "--random", "4", "--out", str(out),
+                 "--device", "cpu"])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    scores = {name: rep["J"] for name, rep in report["layouts"].items()}
+    randoms = [v for k, v in scores.items() if k.startswith("random-")]
+    assert len(randoms) == 4
+    assert scores["optimised"] > scores["contiguous"]
+    assert scores["optimised"] > max(randoms)
+    assert scores["optimised"] <= report["upper_bound"] + 1e-9
+    assert report["tokens"] == 16 * 256
+    assert set(report["seconds"]) == {"load", "calibration", "affinity", "optimise", "export"}
+
+    affinity = affinity_for(AffinityResult.load(out / "affinity.safetensors"), "fo")
+    best = load(out / "layouts" / "optimised.json")
+    assert is_block_optimal(affinity, best.kv_group_device, best.neuron_device, devices=3)
+    for up in affinity.up:
+        assert np.isfinite(up).all() and up.sum() > 0
+
+    permuted = AutoModelForCausalLM.from_pretrained(out / "checkpoint").eval()
+    ids = tokenizer("And God said, Let there be light: and there was light.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(permuted(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+    assert "optimised" in capsys.readouterr().out

@@ -1,0 +1,204 @@
+"""The optimise run end to end: calibration → affinity pass → layouts → export.
+
+Each stage is its own function over an output directory, so a caller (the CLI, or a worker that
+must resume after a crash) can run them in order and skip the ones whose outputs exist.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from models import layout as layout_mod
+from models.affinity import SCORES, AffinityResult, affinity_pass
+from models.calibration import CalibrationSpec, load_blocks
+from models.export import export_checkpoint, export_rank_shards, permuted_copy
+from models.layout import Layout, ModelShape
+from models.optimise import Affinity, OptimiseResult, optimise, score, upper_bound
+
+Progress = Callable[[str, float], None]
+RANDOM_SEED_BASE = 1000  # random-<seed> layouts use seeds 1000 … 1000+K-1, as in the paper
+AFFINITY_FILE = "affinity.safetensors"
+REPORT_FILE = "report.json"
+ABLATIONS = {
+    "anti-optimised": dict(maximise=False),
+    "heads-only": dict(move_neurons=False),
+    "neurons-only": dict(move_heads=False),
+}
+
+
+@dataclass(frozen=True)
+class OptimiseSpec:
+    devices: int
+    delta: int = 1
+    score: str = "fo"
+    random_layouts: int = 0
+    ablations: bool = False
+    export: bool = True
+    batch_size: int = 4
+    restarts: int = 4
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.random_layouts < 0:
+            raise ValueError(f"random_layouts must be ≥ 0, got {self.random_layouts}")
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be ≥ 0, got {self.restarts}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be ≥ 1, got {self.batch_size}")
+
+
+@dataclass
+class RunState:
+    """What the stages produce, plus per-stage wall seconds."""
+
+    out_dir: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+    blocks: torch.Tensor | None = None
+    affinity: AffinityResult | None = None
+    layouts: dict[str, Layout] = field(default_factory=dict)
+
+    def timed(self, stage: str, start: float) -> None:
+        self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - start, 3)
+
+
+def stage_calibration(state: RunState, *, model: Any, tokenizer: Any, calibration: CalibrationSpec) -> None:
+    t0 = time.perf_counter()
+    state.blocks = load_blocks(calibration, tokenizer, vocab_size=model.config.vocab_size)
+    state.timed("calibration", t0)
+
+
+def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_name: str,
+                   calibration: CalibrationSpec, progress: Progress | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> None:
+    t0 = time.perf_counter()
+    assert state.blocks is not None, "stage_calibration first"
+    meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
+            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(next(model.parameters()).dtype)}
+    state.affinity = affinity_pass(model, state.blocks, batch_size=spec.batch_size, progress=progress,
+                                   should_stop=should_stop, metadata=meta)
+    state.affinity.save(state.out_dir / AFFINITY_FILE)
+    state.timed("affinity", t0)
+
+
+def to_layout(name: str, result: OptimiseResult, shape: ModelShape, devices: int, delta: int) -> Layout:
+    return Layout(name, devices, delta, shape, result.kv_group_device, result.neuron_device,
+                  score=result.report.as_dict())
+
+
+def affinity_for(result: AffinityResult, score_name: str) -> Affinity:
+    return Affinity(up=result.up(score_name), down=result.down)
+
+
+def build_layouts(affinity_result: AffinityResult, *, devices: int, delta: int, score_name: str = "fo",
+                  random_layouts: int = 0, ablations: bool = False, restarts: int = 4) -> dict[str, Layout]:
+    """optimised, contiguous, random-<seed> and (optionally) ablation layouts, each with its score."""
+    shape = affinity_result.shape
+    layout_mod.check_devices(shape, devices)
+    layout_mod.check_delta(shape, delta)
+    affinity = affinity_for(affinity_result, score_name)
+    bound = upper_bound(affinity, devices)
+    best = optimise(affinity, devices, bound=bound, restarts=restarts)
+    layouts = {"optimised": to_layout("optimised", best, shape, devices, delta)}
+    for name, options in ABLATIONS.items():
+        if ablations:
+            result = optimise(affinity, devices, bound=bound, restarts=restarts, **options)  # type: ignore[arg-type]
+            layouts[name] = to_layout(name, result, shape, devices, delta)
+    fixed = [layout_mod.contiguous(shape, devices, delta)]
+    fixed += [layout_mod.random(shape, devices, delta, RANDOM_SEED_BASE + k) for k in range(random_layouts)]
+    for lay in fixed:
+        report = score(affinity, lay.kv_group_device, lay.neuron_device, devices=devices, bound=bound)
+        layouts[lay.name] = lay.with_name(lay.name, report.as_dict())
+    return layouts
+
+
+def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
+    t0 = time.perf_counter()
+    assert state.affinity is not None, "stage_affinity first"
+    state.layouts = build_layouts(state.affinity, devices=spec.devices, delta=spec.delta, score_name=spec.score,
+                                  random_layouts=spec.random_layouts, ablations=spec.ablations,
+                                  restarts=spec.restarts)
+    for name, lay in state.layouts.items():
+        lay.save(state.out_dir / "layouts" / f"{name}.json")
+    state.timed("optimise", t0)
+
+
+def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
+                 overwrite: bool = False) -> None:
+    t0 = time.perf_counter()
+    best = state.layouts["optimised"]
+    permuted = permuted_copy(model, best)
+    export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
+    export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
+                       progress=progress)
+    state.timed("export", t0)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own = version("dtp-layout")
+    except PackageNotFoundError:
+        own = "unknown"
+    return {"dtp-layout": own, "torch": torch.__version__, "transformers": transformers.__version__,
+            "numpy": np.__version__, "python": platform.python_version()}
+
+
+def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec) -> dict:
+    assert state.affinity is not None
+    reports = {name: lay.score for name, lay in state.layouts.items()}
+    any_report = next(iter(reports.values())) or {}
+    notes = []
+    if spec.delta != 1:
+        notes.append(f"delta={spec.delta}: the objective models δ=1 (what a device misses from the previous "
+                     "module); the same objective is used for δ>1 until it is generalised")
+    return {
+        "format": "dtp-layout-report/1",
+        "model": model_name,
+        "shape": asdict(state.affinity.shape),
+        "devices": spec.devices,
+        "delta": spec.delta,
+        "score": spec.score,
+        "calibration": asdict(calibration),
+        "calibration_fingerprint": calibration.fingerprint(),
+        "tokens": state.affinity.tokens,
+        "random_expectation": any_report.get("random_expectation"),
+        "upper_bound": any_report.get("upper_bound"),
+        "upper_bound_exact": any_report.get("upper_bound_exact"),
+        "layouts": reports,
+        "seconds": state.seconds,
+        "versions": versions(),
+        "notes": notes,
+    }
+
+
+def write_report(state: RunState, report: dict) -> Path:
+    path = state.out_dir / REPORT_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def summary_table(report: dict) -> str:
+    rows = [f"{'layout':<16}{'J':>9}{'J/bound':>9}{'mean up':>9}{'mean down':>11}"]
+    bound = report.get("upper_bound") or float("nan")
+    for name, rep in sorted(report["layouts"].items(), key=lambda kv: -kv[1]["J"]):
+        up, down = rep["up_fraction"], rep["down_fraction"]
+        rows.append(f"{name:<16}{rep['J']:>9.3f}{rep['J'] / bound:>9.3f}{np.mean(up):>9.3f}"
+                    f"{(np.mean(down) if down else float('nan')):>11.3f}")
+    rows.append(f"random expectation (2N-1)/L = {report['random_expectation']:.3f}; upper bound = {bound:.3f}"
+                f"{'' if report.get('upper_bound_exact') else ' (relaxed)'}; {report['tokens']} calibration tokens")
+    return "\n".join(rows)
+
