@@ -285,12 +285,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dtp-layout/1 JSON file")
     p.set_defaults(func=cmd_layout)
 
+    _register_extensions(sub)
+
     p = sub.add_parser("demo", help="evaluate two layouts of the packaged SmolLM2-135M on the corpus")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_demo)
     return parser
+
+
+# Command groups that live in their own modules; each has `register(subparsers)` and must not import
+# torch at import time (the API process and `--help` stay light).
+_EXTENSIONS = ("app.cli_service", "app.cli_distill")
+
+
+def _register_extensions(sub: Any) -> None:
+    import importlib
+
+    for name in _EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        module.register(sub)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
