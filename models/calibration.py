@@ -120,7 +120,8 @@ def _hf_documents(name: str, field: str) -> Iterator[str]:
         raise DataError("hf: sources need the `datasets` package (pip install datasets)") from exc
     ds_name, config = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
     split = parts[2] if len(parts) > 2 else "train"
-    stream = datasets.load_dataset(ds_name, config, split=split, streaming=True, trust_remote_code=False)
+    # No trust_remote_code: datasets ≥ 4 runs no loading scripts at all, older ones default to False.
+    stream = datasets.load_dataset(ds_name, config, split=split, streaming=True)
     for row in stream:
         text = row.get(field)
         if not isinstance(text, str):
