@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 import torch
@@ -54,3 +56,13 @@ def tiny_model(case: str = "llama", seed: int = 0, **overrides: Any) -> PreTrain
 def tokens(batch: int = 2, seq: int = 12, vocab: int = 97, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+@functools.cache
+def _cached_tiny_model(case: str) -> PreTrainedModel:
+    return tiny_model(case)
+
+
+def fresh(case: str) -> PreTrainedModel:
+    """A private copy of the case's seed-0 tiny model (built once per session, then deep-copied)."""
+    return copy.deepcopy(_cached_tiny_model(case))

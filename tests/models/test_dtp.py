@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import math
 from typing import Any
 
@@ -16,18 +15,9 @@ from models.dtp import DTPCache, DTPModel
 from models.families import UnsupportedModelError, model_shape
 from models.layout import Layout, LayoutError, contiguous, random
 from models.permute import permute_, unpermute_
-from tests.tiny import FAMILY_CASES, tiny_model, tokens
+from tests.tiny import FAMILY_CASES, fresh, tiny_model, tokens
 
 CASES = sorted(FAMILY_CASES)
-
-
-@functools.cache
-def _base(case: str) -> PreTrainedModel:
-    return tiny_model(case)
-
-
-def fresh(case: str) -> PreTrainedModel:
-    return copy.deepcopy(_base(case))
 
 
 def permuted(case: str, devices: int, seed: int = 0, delta: int = 1) -> tuple[PreTrainedModel, Layout]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import pytest
 import torch
 from transformers import PreTrainedModel
@@ -12,18 +9,9 @@ from transformers import PreTrainedModel
 from models.families import model_shape
 from models.layout import Layout, LayoutError, contiguous, random
 from models.permute import permute_, unpermute_
-from tests.tiny import FAMILY_CASES, tiny_model, tokens
+from tests.tiny import FAMILY_CASES, fresh, tokens
 
 CASES = sorted(FAMILY_CASES)
-
-
-@functools.cache
-def _base(case: str) -> PreTrainedModel:
-    return tiny_model(case)
-
-
-def fresh(case: str) -> PreTrainedModel:
-    return copy.deepcopy(_base(case))
 
 
 def _state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
@@ -147,5 +135,6 @@ def test_permute_twice_composes() -> None:
         torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=0)
     unpermute_(model, b)
     unpermute_(model, a)
+    original = fresh("qwen3").state_dict()
     for name, value in model.state_dict().items():
-        assert torch.equal(value, _base("qwen3").state_dict()[name]), name
+        assert torch.equal(value, original[name]), name
