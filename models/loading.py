@@ -15,9 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from models.families import family_for_config
+from models.ids import GGUF_FILE, HUB_ID, REVISION
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,7 +41,7 @@ class ModelSource:
             if not path.is_file():
                 raise ModelLoadError(f"model: GGUF file {path} does not exist")
             return str(path.parent), path.name
-        if self.gguf_file is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*\.gguf", self.gguf_file):
+        if self.gguf_file is not None and not GGUF_FILE.match(self.gguf_file):
             raise ModelLoadError(f"gguf_file must be a plain file name ending in .gguf, got {self.gguf_file!r}")
         if path.is_dir():
             return str(path), self.gguf_file

@@ -134,13 +134,16 @@ def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
 
 
 def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, checkpoint: bool = True, shards: bool = True) -> None:
+    """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
     permuted = permuted_copy(model, best)
-    export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
-    export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
-                       progress=progress)
+    if checkpoint:
+        export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
+    if shards:
+        export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
+                           progress=progress)
     state.timed("export", t0)
 
 
