@@ -1,0 +1,209 @@
+"""`dtp-layout serve`, `dtp-layout worker` and `dtp-layout migrate`.
+
+Nothing here imports torch: `serve` runs the API in this process and the worker as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PACKAGED_MODEL = "smollm2-135m"
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from app.settings import Settings
+
+    overrides: dict[str, Any] = {}
+    if getattr(args, "var_dir", None):
+        overrides["var_dir"] = Path(args.var_dir)
+    return Settings(**overrides)
+
+
+def worker_command(settings: Any, *, name: str, loglevel: str = "INFO") -> list[str]:
+    """One Celery worker process: solo pool (the job runs in this process; nothing else touches its
+    device), one message at a time, on the service's queue."""
+    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", settings.queue,
+            "--pool", "solo", "--concurrency", "1", "--prefetch-multiplier", "1", "-n", f"{name}@%h",
+            "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
+
+
+def provision_packaged_model(settings: Any) -> dict[str, Any] | None:
+    """Put the packaged SmolLM2-135M GGUF under the model root (hard link, else copy) so that a job can
+    name it; returns the model spec to submit, or None when the asset package is missing."""
+    from models.assets import AssetNotFoundError, smollm2_gguf
+
+    try:
+        source = smollm2_gguf()
+    except AssetNotFoundError:
+        return None
+    target = settings.models_dir / PACKAGED_MODEL / source.name
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+        tmp.replace(target)
+    return {"id": PACKAGED_MODEL, "gguf_file": source.name}
+
+
+def example_curl(url: str, model: dict[str, Any] | None, api_keys: bool) -> str:
+    spec = {"model": model or {"id": "NAME_UNDER_MODEL_ROOT"}, "devices": 3, "delta": 1,
+            "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+            "random_layouts": 2, "export": {"checkpoint": True, "shards": True}}
+    key = " -H 'X-API-Key: YOUR_KEY'" if api_keys else ""
+    return (f"curl -s -X POST {url}/v1/jobs -H 'Content-Type: application/json'{key} \\\n"
+            f"     -d {shlex.quote(json.dumps(spec))}")
+
+
+def _wait_for_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+    from app.migrate import upgrade
+
+    settings = _settings(args)
+    for d in (settings.var_dir, settings.storage, settings.models_dir, settings.data_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    model = provision_packaged_model(settings)
+    worker = None
+    log_path = settings.var_dir / "worker.log"
+    if not args.no_worker:
+        env = {**os.environ, **settings.worker_env()}
+        log_file = open(log_path, "ab")  # noqa: SIM115 (lives as long as the worker)
+        worker = subprocess.Popen(worker_command(settings, name="local"), env=env, stdout=log_file,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    host_shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"http://{host_shown}:{args.port}"
+
+    def banner() -> None:
+        if not _wait_for_port(host_shown, args.port, 60):
+            return
+        lines = [
+            f"dtp-layout service: {url}   (API docs: {url}/docs)",
+            f"  database {settings.database_url}",
+            f"  broker   {settings.broker_url}",
+            f"  storage  {settings.storage}   models {settings.models_dir}   data {settings.data_dir}",
+            f"  worker   {'pid ' + str(worker.pid) + ', log ' + str(log_path) if worker else 'none (--no-worker)'}",
+            "",
+            "submit a job on the corpus" + (" with the packaged SmolLM2-135M:" if model else ":"),
+            "",
+            example_curl(url, model, bool(settings.api_keys)),
+            "",
+            f"then: curl -s {url}/v1/jobs/JOB_ID   (status, stage, progress, ETA)",
+            f"      curl -s {url}/v1/jobs/JOB_ID/layouts ;  curl -s {url}/v1/jobs/JOB_ID/artifacts",
+        ]
+        print("\n".join(lines), flush=True)
+
+    threading.Thread(target=banner, daemon=True).start()
+    try:
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if worker is not None:
+            _stop(worker)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else []
+    if not gpus:
+        # One worker: replace this process, so that signals (and SIGKILL) reach the worker itself.
+        cmd = worker_command(settings, name=args.name, loglevel=args.loglevel)
+        os.execve(sys.executable, cmd, {**os.environ, **settings.worker_env()})
+    procs = []
+    for gpu in gpus:
+        # The parent never touches CUDA; each child sees exactly one device.
+        env = {**os.environ, **settings.worker_env(), "CUDA_VISIBLE_DEVICES": gpu}
+        procs.append(subprocess.Popen(worker_command(settings, name=f"{args.name}-gpu{gpu}",
+                                                     loglevel=args.loglevel), env=env))
+
+    def forward(signum: int, _frame: Any) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [p.wait() for p in procs]
+    return max(codes, default=0)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from app.migrate import downgrade, upgrade
+
+    settings = _settings(args)
+    if settings.database_url.startswith("sqlite"):
+        settings.var_dir.mkdir(parents=True, exist_ok=True)
+    if args.downgrade:
+        downgrade(settings.database_url, args.downgrade)
+    else:
+        upgrade(settings.database_url)
+    print(f"database {settings.database_url}: migrated", file=sys.stderr)
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="the layout service: HTTP API + one local worker (default: SQLite under ./var)",
+                       description="Runs `alembic upgrade head`, starts one local Celery worker and the API. "
+                                   "Settings come from DTP_LAYOUT_* variables (see the README); by default "
+                                   "everything lives under ./var and no other server is needed.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR; default ./var)")
+    p.add_argument("--no-worker", action="store_true", help="run the API only")
+    p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("worker", help="a Celery worker for the job queue (one process per GPU)",
+                       description="Consumes the job queue (DTP_LAYOUT_QUEUE, default gpu) with one job at a time. "
+                                   "With --gpus 0,1 it starts one worker process per device, each with its own "
+                                   "CUDA_VISIBLE_DEVICES; this parent process never touches CUDA.")
+    p.add_argument("--gpus", help="comma-separated CUDA device ids, one worker process each (default: one worker, "
+                                  "CUDA_VISIBLE_DEVICES as set)")
+    p.add_argument("--name", default="worker", help="Celery node name prefix (default: worker)")
+    p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR)")
+    p.add_argument("--loglevel", default="INFO")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("migrate", help="apply the database migrations (alembic upgrade head)")
+    p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR)")
+    p.add_argument("--downgrade", metavar="REVISION", help="downgrade to REVISION (e.g. base) instead")
+    p.set_defaults(func=cmd_migrate)

@@ -1,0 +1,194 @@
+"""SQLAlchemy 2 models and sessions. Postgres in production and CI, SQLite in the embedded default.
+
+Times are naive UTC. The schema is created by the Alembic migrations in `migrations/`, never by
+`create_all`, so that Postgres and SQLite run the same migration.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
+
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED = ("succeeded", "failed", "cancelled")
+STAGES = ("loading", "calibration", "affinity", "optimising", "exporting")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime)
+    owner: Mapped[str | None] = mapped_column(String(100), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    fingerprint: Mapped[str] = mapped_column(String(64), index=True)
+    model_id: Mapped[str] = mapped_column(String(300), index=True)
+    revision: Mapped[str | None] = mapped_column(String(128))
+    devices: Mapped[int] = mapped_column(Integer)
+    delta: Mapped[int] = mapped_column(Integer)
+    score: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    stage: Mapped[str | None] = mapped_column(String(16))
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    eta_s: Mapped[float | None] = mapped_column(Float)
+    stage_started_at: Mapped[datetime | None] = mapped_column(DateTime)
+    stages_done: Mapped[list[str]] = mapped_column(JSONType, default=list)
+    timings: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict)
+    history: Mapped[list[dict[str, Any]]] = mapped_column(JSONType, default=list)
+    error: Mapped[str | None] = mapped_column(Text)
+    error_stage: Mapped[str | None] = mapped_column(String(16))
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    affinity_cached: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+
+    layouts: Mapped[list[LayoutRow]] = relationship(back_populates="job", cascade="all, delete-orphan",
+                                                    passive_deletes=True)
+    artifacts: Mapped[list[Artifact]] = relationship(back_populates="job", cascade="all, delete-orphan",
+                                                     passive_deletes=True)
+
+
+class LayoutRow(Base):
+    __tablename__ = "layouts"
+    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_layouts_job_name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    J: Mapped[float] = mapped_column(Float)
+    random_expectation: Mapped[float] = mapped_column(Float)
+    upper_bound: Mapped[float] = mapped_column(Float)
+    upper_bound_exact: Mapped[bool] = mapped_column(Boolean, default=True)
+    up_fraction: Mapped[list[float]] = mapped_column(JSONType)
+    down_fraction: Mapped[list[float]] = mapped_column(JSONType)
+    kv_group_device: Mapped[list[list[int]]] = mapped_column(JSONType)
+    neuron_device: Mapped[list[list[int]]] = mapped_column(JSONType)
+    shape: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    score: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+
+    job: Mapped[Job] = relationship(back_populates="layouts")
+
+
+class Artifact(Base):
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_artifacts_job_name"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(255))
+    kind: Mapped[str] = mapped_column(String(32))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="artifacts")
+
+
+class Metric(Base):
+    """Per job, layout and step: a named value (the distillation issue writes training curves here)."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_layout_name_step", "job_id", "layout", "name", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    layout: Mapped[str | None] = mapped_column(String(64))
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    name: Mapped[str] = mapped_column(String(128))
+    value: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine; SQLite gets WAL, a busy timeout, foreign keys and BEGIN IMMEDIATE transactions
+    (two processes write the embedded database: a deferred transaction that later writes can fail)."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None  # SQLAlchemy's begin event below issues BEGIN
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+class Database:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def session(self) -> Session:
+        return self._sessions()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+_databases: dict[str, Database] = {}
+
+
+def database(url: str) -> Database:
+    """One Database (engine and pool) per URL and process."""
+    db = _databases.get(url)
+    if db is None:
+        db = _databases[url] = Database(url)
+    return db

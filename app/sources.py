@@ -1,0 +1,278 @@
+"""Where a job's model and calibration data come from, without ever letting a request pick a path.
+
+A model id is either a name under the server's model root (a checkpoint directory or a `.gguf`
+file) or a hub id `owner/name`; a calibration source is `corpus:NAME`, `hf:NAME[:CONFIG[:SPLIT]]` or a
+name under the data root. Names are relative, without `..`, and must resolve (symlinks followed)
+inside their root. Torch-free: the API process uses this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
+from typing import Any
+
+from models.ids import GGUF_FILE, HUB_ID, REVISION
+
+CORPORA = ("kjv", "shakespeare")
+HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?(:[A-Za-z0-9._-]*){0,2}$")
+_NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@-]*$")
+
+
+class SourceError(ValueError):
+    """A model or data reference the server refuses; `field` is the spec field it came from."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_name(name: str, field: str, what: str) -> PurePosixPath:
+    """A relative name: parts of letters, digits, `._+=@-`, no `..`, no leading dot or slash."""
+    if not name or len(name) > 300 or "\\" in name or "\x00" in name or name.startswith(("/", "~")):
+        raise SourceError(field, f"{what} {name!r} must be a relative name under the server's root "
+                                 "(no absolute path, no '~', no backslash)")
+    path = PurePosixPath(name)
+    if any(part in ("..", ".") or not _NAME_PART.match(part) for part in path.parts) or name.endswith("/"):
+        raise SourceError(field, f"{what} {name!r}: each path part must be a plain name (letters, digits, "
+                                 "'._+=@-', not starting with '.'), without '..'")
+    return path
+
+
+def resolve_under(root: Path, name: str, field: str, what: str) -> Path | None:
+    """`root/name` with symlinks resolved, or None when it does not exist. Raises if it escapes root."""
+    rel = check_name(name, field, what)
+    base = Path(root).resolve()
+    candidate = base.joinpath(*rel.parts)
+    if not candidate.exists() and not candidate.is_symlink():
+        return None
+    resolved = candidate.resolve()
+    if not resolved.is_relative_to(base):
+        raise SourceError(field, f"{what} {name!r} resolves outside the server's root")
+    return resolved
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    """A resolved model: a local directory or .gguf file (`path`), or a hub id."""
+
+    hub_id: str | None = None
+    path: Path | None = None
+    gguf_file: str | None = None
+    revision: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.path is not None
+
+    def loader_args(self) -> dict[str, Any]:
+        """Keyword arguments for `models.loading.ModelSource`."""
+        if self.path is not None:
+            return {"path_or_id": str(self.path), "revision": None,
+                    "gguf_file": None if self.path.suffix == ".gguf" else self.gguf_file}
+        return {"path_or_id": self.hub_id, "revision": self.revision, "gguf_file": self.gguf_file}
+
+
+def resolve_model(model_root: Path, model_id: str, *, revision: str | None = None,
+                  gguf_file: str | None = None) -> ModelLocation:
+    """A name under the model root wins over a hub id of the same spelling."""
+    if revision is not None and (not REVISION.match(revision) or ".." in revision):
+        raise SourceError("model.revision", f"revision {revision!r} is not a valid branch, tag or commit "
+                                            "(letters, digits, '._/-', no '..')")
+    if gguf_file is not None and not GGUF_FILE.match(gguf_file):
+        raise SourceError("model.gguf_file", f"gguf_file must be a plain file name ending in .gguf, got {gguf_file!r}")
+    looks_like_name = True
+    try:
+        local = resolve_under(model_root, model_id, "model.id", "model")
+    except SourceError:
+        if not HUB_ID.match(model_id):
+            raise
+        local, looks_like_name = None, False
+    if local is not None:
+        if local.is_file():
+            if local.suffix != ".gguf":
+                raise SourceError("model.id", f"model {model_id!r} is a file but not a .gguf file")
+            if gguf_file:
+                raise SourceError("model.gguf_file", "give either a .gguf model id or gguf_file, not both")
+            return ModelLocation(path=local)
+        if gguf_file:
+            if not (local / gguf_file).is_file():
+                raise SourceError("model.gguf_file", f"no file {gguf_file!r} in model {model_id!r}")
+        elif not (local / "config.json").is_file():
+            raise SourceError("model.id", f"model {model_id!r} has no config.json (a Hugging Face checkpoint "
+                                          "directory, or name a .gguf file with gguf_file)")
+        return ModelLocation(path=local, gguf_file=gguf_file, revision=None)
+    if HUB_ID.match(model_id) and ".." not in model_id:
+        return ModelLocation(hub_id=model_id, gguf_file=gguf_file, revision=revision)
+    hint = " (names under the model root are relative, e.g. 'tiny' or 'team/model.gguf')" if looks_like_name else ""
+    raise SourceError("model.id", f"no model named {model_id!r} under the server's model root, and not a hub id "
+                                  f"of the form 'owner/name'{hint}")
+
+
+def resolve_data(data_root: Path, source: str) -> str:
+    """The source string `models.calibration` reads: corpus:/hf: as they are, a name as its absolute path."""
+    if source.startswith("corpus:"):
+        if source[7:] not in CORPORA:
+            raise SourceError("calibration.source", f"unknown corpus {source!r}; known: "
+                              + ", ".join(f"corpus:{c}" for c in CORPORA))
+        return source
+    if source.startswith("hf:"):
+        if not HF_SOURCE.match(source):
+            raise SourceError("calibration.source", f"{source!r}: expected hf:NAME[:CONFIG[:SPLIT]] "
+                                                    "(letters, digits, '._-')")
+        return source
+    path = resolve_under(data_root, source, "calibration.source", "calibration source")
+    if path is None:
+        raise SourceError("calibration.source", f"no file or directory {source!r} under the server's data root; "
+                          "expected corpus:kjv, corpus:shakespeare, hf:NAME[:CONFIG[:SPLIT]] or a name under "
+                          "the data root (.txt, .jsonl, .npy or a directory of .txt)")
+    return str(path)
+
+
+# ---- reading a config without weights ------------------------------------------------------------
+
+_GGUF_KEYS = {
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "intermediate_size": "feed_forward_length",
+    "hidden_size": "embedding_length",
+}
+
+
+_gguf_cache: dict[tuple[str, int, int], dict[str, Any] | None] = {}
+
+
+def _gguf_config(path: Path) -> dict[str, Any] | None:
+    """The architecture fields of a GGUF file's metadata (parsing takes a second or two: cached)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _gguf_cache:
+        _gguf_cache[key] = _read_gguf_config(path)
+    return _gguf_cache[key]
+
+
+def _read_gguf_config(path: Path) -> dict[str, Any] | None:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    try:
+        reader = GGUFReader(str(path), "r")
+        arch = str(reader.fields["general.architecture"].contents())
+        config: dict[str, Any] = {"model_type": arch}
+        for key, suffix in _GGUF_KEYS.items():
+            field = reader.fields.get(f"{arch}.{suffix}")
+            if field is not None:
+                config[key] = int(field.contents())
+        return config
+    except Exception:  # an unreadable file fails the job's loading stage with the loader's message
+        return None
+
+
+def _hub_config(location: ModelLocation) -> dict[str, Any] | None:
+    if location.gguf_file:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        cached = try_to_load_from_cache(str(location.hub_id), "config.json", revision=location.revision)
+    except Exception:
+        return None
+    if not isinstance(cached, str):
+        return None
+    return _json_config(Path(cached))
+
+
+def _json_config(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_config(location: ModelLocation) -> dict[str, Any] | None:
+    """The model's config as a dict when it is readable without downloading weights, else None."""
+    if location.path is None:
+        return _hub_config(location)
+    if location.path.suffix == ".gguf":
+        return _gguf_config(location.path)
+    if location.gguf_file:
+        return _gguf_config(location.path / location.gguf_file)
+    return _json_config(location.path / "config.json")
+
+
+def config_namespace(config: dict[str, Any]) -> SimpleNamespace:
+    """A config object for `models.families` (the defaults transformers would fill in)."""
+    ns = SimpleNamespace(**config)
+    if getattr(ns, "num_key_value_heads", None) is None:
+        ns.num_key_value_heads = getattr(ns, "num_attention_heads", None)
+    if getattr(ns, "head_dim", None) is None:
+        ns.head_dim = None
+    if getattr(ns, "hidden_size", None) is None:
+        ns.hidden_size = 0
+    return ns
+
+
+def check_config(config: dict[str, Any], *, devices: int, delta: int) -> list[tuple[str, str]]:
+    """(field, message) for every reason the job would fail its loading stage; the messages are the
+    ones `models.families` and `models.layout` raise there."""
+    from models.families import family_for_config, model_shape
+    from models.layout import LayoutError, check_delta, check_devices
+
+    ns = config_namespace(config)
+    required = ("model_type", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    if any(not isinstance(getattr(ns, key, None), int | str) for key in required):
+        return []  # an unusual config: let the loader decide
+    problems: list[tuple[str, str]] = []
+    try:
+        family_for_config(ns)
+    except ValueError as exc:
+        problems.append(("model.id", str(exc)))
+        return problems
+    try:
+        shape = model_shape(ns)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return problems
+    for field, check, value in (("devices", check_devices, devices), ("delta", check_delta, delta)):
+        try:
+            check(shape, value)
+        except LayoutError as exc:
+            problems.append((field, str(exc)))
+    return problems
+
+
+# ---- fingerprints -----------------------------------------------------------------------------------
+
+def _file_identity(path: Path, root: Path) -> list[list[Any]]:
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix in (".json", ".safetensors", ".gguf", ".txt",
+                                                                    ".jsonl", ".npy", ".model"))
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append([str(f.relative_to(root)) if f.is_relative_to(root) else f.name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def fingerprint(*, model_id: str, revision: str | None, gguf_file: str | None, dtype: str,
+                calibration: dict[str, Any], model_path: Path | None = None, data_path: Path | None = None) -> str:
+    """What the affinity result depends on: the model (and, for local files, their sizes and mtimes),
+    its revision, GGUF file and dtype, and the calibration spec (and its local files)."""
+    key: dict[str, Any] = {"model": model_id, "revision": revision, "gguf_file": gguf_file, "dtype": dtype,
+                           "calibration": calibration}
+    if model_path is not None:
+        key["model_files"] = _file_identity(model_path, model_path.parent)
+    if data_path is not None:
+        key["data_files"] = _file_identity(data_path, data_path.parent)
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,51 @@
+"""Alembic environment: one migration history for Postgres and SQLite (batch mode on SQLite)."""
+
+from __future__ import annotations
+
+from logging.config import fileConfig
+
+from alembic import context
+
+from app.db import Base, make_engine
+
+config = context.config
+if config.config_file_name is not None and config.attributes.get("configure_logging", True):
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+
+def _url() -> str:
+    x_args = context.get_x_argument(as_dictionary=True)
+    if x_args.get("url"):
+        return x_args["url"]
+    if config.get_main_option("sqlalchemy.url"):
+        return str(config.get_main_option("sqlalchemy.url"))
+    from app.settings import Settings
+
+    return Settings().database_url
+
+
+def run_migrations_offline() -> None:
+    url = _url()
+    context.configure(url=url, target_metadata=Base.metadata, literal_binds=True,
+                      render_as_batch=url.startswith("sqlite"))
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    url = _url()
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            context.configure(connection=connection, target_metadata=Base.metadata,
+                              render_as_batch=url.startswith("sqlite"))
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()
