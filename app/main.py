@@ -192,13 +192,12 @@ def build_router() -> APIRouter:
         return {"items": [ArtifactOut(name=a.name, kind=a.kind, size=a.size, sha256=a.sha256,
                                       link=f"{base}/{a.name}") for a in rows]}
 
-    @v1.api_route("/jobs/{job_id}/artifacts/{name:path}", methods=["GET", "HEAD"], tags=["artifacts"],
-                  summary="Download an artifact (Range, ETag / If-None-Match, Digest)",
-                  response_class=StreamingResponse,
-                  responses={200: {"content": {"application/octet-stream": {}}},
-                             206: {"description": "a byte range"}, 304: {"description": "not modified"},
-                             404: {"description": "no such job or artifact"},
-                             416: {"description": "range not satisfiable"}})
+    @v1.head("/jobs/{job_id}/artifacts/{name:path}", include_in_schema=False)
+    @v1.get("/jobs/{job_id}/artifacts/{name:path}", tags=["artifacts"],
+            summary="Download an artifact (Range, ETag / If-None-Match, Digest)", response_class=StreamingResponse,
+            responses={200: {"content": {"application/octet-stream": {}}},
+                       206: {"description": "a byte range"}, 304: {"description": "not modified"},
+                       404: {"description": "no such job or artifact"}, 416: {"description": "range not satisfiable"}})
     def download(request: Request, job_id: str, name: str, _owner: Owner) -> Response:
         state = request.app.state
         art = services.get_artifact(db=state.db, job_id=job_id, name=name)

@@ -36,11 +36,10 @@ def check_name(name: str, field: str, what: str) -> PurePosixPath:
     if not name or len(name) > 300 or "\\" in name or "\x00" in name or name.startswith(("/", "~")):
         raise SourceError(field, f"{what} {name!r} must be a relative name under the server's root "
                                  "(no absolute path, no '~', no backslash)")
-    path = PurePosixPath(name)
-    if any(part in ("..", ".") or not _NAME_PART.match(part) for part in path.parts) or name.endswith("/"):
+    if any(not _NAME_PART.match(part) for part in name.split("/")):  # also '', '.' and '..'
         raise SourceError(field, f"{what} {name!r}: each path part must be a plain name (letters, digits, "
                                  "'._+=@-', not starting with '.'), without '..'")
-    return path
+    return PurePosixPath(name)
 
 
 def resolve_under(root: Path, name: str, field: str, what: str) -> Path | None:

@@ -25,3 +25,111 @@ def smollm2():
         pytest.skip(str(exc))
     source = ModelSource(str(path))
     return load_model(source, device="cpu"), load_tokenizer(source), Path(path)
+
+
+# ---- servers for the service tests: a fresh Postgres database and an isolated Redis key space -----
+#
+# Tests marked `postgres` / `redis` need the real servers on 127.0.0.1 (override with
+# DTP_LAYOUT_TEST_POSTGRES_URL / DTP_LAYOUT_TEST_REDIS_URL). Unreachable: skipped, or failed when CI=true.
+# The terminal summary lists the server-backed tests that were skipped and why.
+
+SERVER_MARKERS = ("postgres", "redis", "worker")
+POSTGRES_ADMIN_URL = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("DTP_LAYOUT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def server_unavailable(what: str, reason: str) -> None:
+    message = f"{what} unreachable ({reason}); start it (see .ci/run) to run the service tests"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true: {message}", pytrace=False)
+    pytest.skip(message)
+
+
+def _psycopg_dsn(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class PostgresServer:
+    """Creates uniquely named databases through the maintenance connection and drops them at the end."""
+
+    def __init__(self, admin_url: str) -> None:
+        import psycopg
+
+        self.admin_url = admin_url
+        self.conn = psycopg.connect(_psycopg_dsn(admin_url), autocommit=True, connect_timeout=3)
+        self.created: list[str] = []
+
+    def create_database(self, prefix: str = "dtp_test") -> str:
+        import uuid
+
+        from sqlalchemy.engine import make_url
+
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        self.conn.execute(f'CREATE DATABASE "{name}"')
+        self.created.append(name)
+        return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
+
+    def drop_all(self) -> None:
+        from app import db as app_db
+
+        for url, database in list(app_db._databases.items()):
+            if any(name in url for name in self.created):
+                database.dispose()
+                del app_db._databases[url]
+        for name in self.created:
+            self.conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        self.conn.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    try:
+        server = PostgresServer(POSTGRES_ADMIN_URL)
+    except Exception as exc:
+        server_unavailable("PostgreSQL", f"{POSTGRES_ADMIN_URL}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    yield server
+    server.drop_all()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server):
+    """A fresh database for this test session, migrated to head."""
+    from app.migrate import upgrade
+
+    url = postgres_server.create_database()
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_broker():
+    """(broker URL, key prefix): every broker key of this session carries the prefix; deleted at the end."""
+    import uuid
+
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+    try:
+        client.ping()
+    except Exception as exc:
+        server_unavailable("Redis", f"{REDIS_URL}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    prefix = f"dtp-test-{uuid.uuid4().hex[:12]}:"
+    yield REDIS_URL, prefix
+    for key in client.scan_iter(match=f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    skipped = []
+    for report in terminalreporter.stats.get("skipped", []):
+        if not any(marker in getattr(report, "keywords", {}) for marker in SERVER_MARKERS):
+            continue
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        skipped.append((report.nodeid, reason.removeprefix("Skipped: ")))
+    if skipped:
+        terminalreporter.section("server-backed tests skipped")
+        for nodeid, reason in skipped:
+            terminalreporter.write_line(f"{nodeid}: {reason}")

@@ -1,0 +1,287 @@
+"""The HTTP API on the real Postgres (and Redis as the broker the submissions go to); no worker runs
+here, so submitted jobs stay queued and finished jobs are written to the database directly."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.db import Artifact, Job, LayoutRow, database, utcnow
+from app.main import create_app
+from app.storage import Storage
+from tests.service_kit import CALIB, TINY_MODEL, make_settings, provision, spec
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis]
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory, postgres_server, redis_broker):
+    from app.migrate import upgrade
+
+    url = postgres_server.create_database("dtp_api")
+    upgrade(url)
+    broker, prefix = redis_broker
+    s = make_settings(tmp_path_factory.mktemp("api"), database_url=url, broker_url=broker, broker_key_prefix=prefix)
+    provision(s)
+    return s
+
+
+@pytest.fixture(scope="module")
+def client(settings):
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def submit(client, **overrides):
+    return client.post("/v1/jobs", json=spec(**overrides))
+
+
+def test_submit_answers_202_with_id_status_and_links(client):
+    r = submit(client)
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["status"] == "queued" and job["stage"] is None and job["progress"] == 0
+    assert r.headers["location"] == job["links"]["self"] == f"/v1/jobs/{job['id']}"
+    assert set(job["links"]) == {"self", "layouts", "artifacts", "cancel"}
+    assert job["spec"]["calibration"]["source"] == CALIB and job["spec"]["export"] == {"checkpoint": True,
+                                                                                         "shards": True}
+    got = client.get(f"/v1/jobs/{job['id']}").json()
+    assert got["id"] == job["id"] and got["status"] == "queued"
+    # The affinity fingerprint depends on model, revision, dtype and calibration only.
+    same = submit(client, devices=4, random_layouts=0).json()
+    other = submit(client, calibration={"seed": 1}).json()
+    assert same["fingerprint"] == job["fingerprint"] != other["fingerprint"]
+
+
+def test_invalid_spec_names_each_bad_field(client):
+    body = spec(devices=0, score="xx", random_layouts=-1, calibration={"sequences": 0}, unknown=1)
+    body["model"] = {"dtype": "int8"}
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert {"devices", "score", "random_layouts", "calibration.sequences", "unknown", "model.id",
+            "model.dtype"} <= set(errors)
+    assert "'fo' or 'add'" in errors["score"]
+    assert "greater than or equal to 1" in errors["devices"]
+    assert "float32" in errors["model.dtype"]
+    assert "devices:" in r.json()["message"]
+
+
+@pytest.mark.parametrize(("overrides", "field", "text"), [
+    ({"devices": "2"}, "devices", "valid integer"),
+    ({"distill": {"steps": 10}}, "distill", "not available yet"),
+    ({"export": "yes"}, "export", "valid dictionary"),
+    ({"calibration": {"source": "corpus:bible"}}, "calibration.source", "corpus:kjv"),
+    ({"calibration": {"source": "hf:bad name"}}, "calibration.source", "hf:NAME"),
+    ({"model": {"gguf_file": "../x.gguf"}}, "model.gguf_file", "pattern"),
+    ({"model": {"revision": "main"}}, "model.revision", "hub models only"),
+])
+def test_invalid_values(client, overrides, field, text):
+    r = submit(client, **overrides)
+    assert r.status_code == 422, r.text
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert field in errors and text in errors[field], errors
+
+
+@pytest.mark.parametrize("name", ["../tiny", "/etc", "~root/x", "tiny/../../etc", "a\\b", ".hidden", "tiny/",
+                                  "escape", "no-such-model"])
+def test_model_names_never_leave_the_model_root(client, settings, tmp_path_factory, name):
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "config.json").write_text("{}")
+    link = settings.models_dir / "escape"
+    if not link.is_symlink():
+        link.symlink_to(outside, target_is_directory=True)
+    r = submit(client, model={"id": name})
+    assert r.status_code == 422, r.text
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert "model.id" in errors
+
+
+@pytest.mark.parametrize("source", ["../x.npy", "/etc/passwd", "calib/../../x", "leak.npy", "missing.npy"])
+def test_data_sources_never_leave_the_data_root(client, settings, tmp_path_factory, source):
+    outside = tmp_path_factory.mktemp("outside-data") / "x.npy"
+    outside.write_bytes(b"")
+    link = settings.data_dir / "leak.npy"
+    if not link.is_symlink():
+        link.symlink_to(outside)
+    r = submit(client, calibration={"source": source})
+    assert r.status_code == 422, r.text
+    assert "calibration.source" in {e["field"] for e in r.json()["detail"]}
+
+
+def test_indivisible_devices_and_delta_are_rejected_at_submit(client):
+    r = submit(client, devices=3, delta=9)
+    assert r.status_code == 422
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert "does not divide num_kv_groups=4" in errors["devices"]
+    assert "valid L for this model: 1, 2, 4" in errors["devices"]
+    assert "num_layers=3" in errors["delta"]
+
+
+def test_uncached_hub_model_is_accepted_and_checked_later(client):
+    r = submit(client, model={"id": "nobody-here/no-such-model-xyz"}, devices=3)
+    assert r.status_code == 202, r.text
+
+
+def test_listing_filters_and_pagination(client, settings):
+    ids = {d: [submit(client, devices=d, delta=delta).json()["id"] for delta in (0, 1)] for d in (1, 4)}
+    r = client.get("/v1/jobs", params={"devices": 4, "delta": 0})
+    assert r.status_code == 200
+    items = r.json()["items"]
+    assert ids[4][0] in [j["id"] for j in items] and ids[4][1] not in [j["id"] for j in items]
+    assert all(j["spec"]["devices"] == 4 and j["spec"]["delta"] == 0 for j in items)
+    page = client.get("/v1/jobs", params={"model": TINY_MODEL, "limit": 2}).json()
+    assert len(page["items"]) == 2 and page["total"] >= 4 and page["next"] and "offset=2" in page["next"]
+    second = client.get(page["next"]).json()
+    assert not {j["id"] for j in page["items"]} & {j["id"] for j in second["items"]}
+    # Newest first.
+    created = [j["created_at"] for j in page["items"] + second["items"]]
+    assert created == sorted(created, reverse=True)
+    assert client.get("/v1/jobs", params={"status": "queued", "devices": 1}).json()["total"] >= 2
+    assert client.get("/v1/jobs", params={"model": "other-model"}).json()["total"] == 0
+    bad = client.get("/v1/jobs", params={"status": "done", "limit": 0})
+    assert bad.status_code == 422
+    assert {"status", "limit"} <= {e["field"] for e in bad.json()["detail"]}
+
+
+def test_unknown_things_are_404(client):
+    job_id = submit(client).json()["id"]
+    for path in ("/v1/jobs/nope", "/v1/jobs/nope/layouts", "/v1/jobs/nope/artifacts",
+                 "/v1/jobs/nope/artifacts/report.json", f"/v1/jobs/{job_id}/layouts/optimised",
+                 f"/v1/jobs/{job_id}/artifacts/report.json"):
+        r = client.get(path)
+        assert r.status_code == 404, path
+        assert r.json()["detail"]
+    assert client.post("/v1/jobs/nope/cancel").status_code == 404
+
+
+def test_cancel_queued_job_then_409(client):
+    job_id = submit(client).json()["id"]
+    r = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 202 and r.json()["status"] == "cancelled"
+    again = client.post(f"/v1/jobs/{job_id}/cancel")
+    assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
+
+
+@pytest.fixture(scope="module")
+def finished_job(settings):
+    """A succeeded job written straight to the database, with one layout and two artifacts."""
+    db = database(settings.database_url)
+    storage = Storage(settings.storage)
+    job = Job(spec=spec(), fingerprint="f" * 64, model_id="finished-model", revision=None, devices=2, delta=1,
+              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, history=[],
+              cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
+              summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0})
+    payload = os.urandom(5000)
+    with db.transaction() as session:
+        session.add(job)
+        session.flush()
+        for name, data in (("report.json", b'{"format": "dtp-layout-report/1"}'), ("shards/blob.bin", payload)):
+            key = Storage.artifact_key(job.id, name)
+            path = storage.path(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            session.add(Artifact(job_id=job.id, name=name, kind="test", size=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest(), storage_key=key))
+        for name, value in (("optimised", 3.5), ("contiguous", 2.4)):
+            session.add(LayoutRow(job_id=job.id, name=name, J=value, random_expectation=2.5, upper_bound=4.0,
+                                  upper_bound_exact=True, up_fraction=[0.5, 0.5, 0.5], down_fraction=[0.5, 0.5],
+                                  kv_group_device=[[0, 0, 1, 1]] * 3, neuron_device=[[0] * 48 + [1] * 48] * 3,
+                                  shape={"model_type": "llama", "num_layers": 3, "num_kv_groups": 4,
+                                         "num_query_heads": 8, "intermediate_size": 96, "hidden_size": 48,
+                                         "head_dim": 6},
+                                  score={"J": value}))
+    return job.id, payload
+
+
+def test_layouts_and_dtp_layout_json(client, finished_job):
+    from models.layout import from_json_dict
+
+    job_id, _ = finished_job
+    items = client.get(f"/v1/jobs/{job_id}/layouts").json()["items"]
+    assert [i["name"] for i in items] == ["optimised", "contiguous"]
+    assert items[0]["J"] == 3.5 and items[0]["up_fraction"] == [0.5, 0.5, 0.5] and items[0]["upper_bound"] == 4.0
+    doc = client.get(items[0]["link"]).json()
+    layout = from_json_dict(doc)
+    assert layout.name == "optimised" and layout.devices == 2 and layout.shape.num_kv_groups == 4
+
+
+def test_artifact_download_range_etag_digest(client, finished_job):
+    job_id, payload = finished_job
+    listing = {a["name"]: a for a in client.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]}
+    art = listing["shards/blob.bin"]
+    assert art["size"] == len(payload) and art["sha256"] == hashlib.sha256(payload).hexdigest()
+    r = client.get(art["link"])
+    assert r.status_code == 200 and r.content == payload
+    assert r.headers["etag"] == f'"{art["sha256"]}"' and r.headers["accept-ranges"] == "bytes"
+    assert r.headers["digest"] == "sha-256=" + base64.b64encode(hashlib.sha256(payload).digest()).decode()
+    assert r.headers["content-length"] == str(len(payload))
+    part = client.get(art["link"], headers={"Range": "bytes=100-199"})
+    assert part.status_code == 206 and part.content == payload[100:200]
+    assert part.headers["content-range"] == f"bytes 100-199/{len(payload)}"
+    tail = client.get(art["link"], headers={"Range": "bytes=-10"})
+    assert tail.status_code == 206 and tail.content == payload[-10:]
+    open_ended = client.get(art["link"], headers={"Range": "bytes=4990-"})
+    assert open_ended.content == payload[4990:]
+    assert client.get(art["link"], headers={"Range": "bytes=9000-"}).status_code == 416
+    stale = client.get(art["link"], headers={"Range": "bytes=0-9", "If-Range": '"other"'})
+    assert stale.status_code == 200 and stale.content == payload
+    assert client.get(art["link"], headers={"If-None-Match": r.headers["etag"]}).status_code == 304
+    head = client.head(art["link"])
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-length"] == str(len(payload))
+    # Names are looked up in the database, never joined onto a path.
+    for name in ("..%2F..%2F..%2Fetc%2Fpasswd", "shards%2F..%2Freport.json", "%2e%2e%2f%2e%2e%2fapi.db", "blob.bin"):
+        assert client.get(f"/v1/jobs/{job_id}/artifacts/{name}").status_code == 404
+
+
+def test_scores_latest_finished(client, finished_job):
+    job_id, _ = finished_job
+    r = client.get("/v1/scores", params={"model": "finished-model", "devices": 2, "delta": 1, "score": "fo"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["job_id"] == job_id and body["layouts"] == {"optimised": 3.5, "contiguous": 2.4}
+    assert body["tokens"] == 256 and body["upper_bound"] == 4.0
+    assert client.get("/v1/scores", params={"model": "finished-model", "devices": 4}).status_code == 404
+    assert client.get("/v1/scores", params={"score": "nope"}).status_code == 422
+
+
+def test_health_ready_metrics_docs(client, settings):
+    assert client.get("/healthz").json()["status"] == "ok"
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"] == {"database": "ok", "broker": "ok"}
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'dtp_layout_jobs{status="queued"}' in metrics.text
+    assert "dtp_layout_http_requests_total" in metrics.text
+    assert client.get("/docs").status_code == 200
+    openapi = client.get("/openapi.json").json()
+    body = openapi["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
+    assert "examples" in body and any(e["value"]["model"] for e in body["examples"].values())
+    broken = make_settings(settings.var_dir, database_url=settings.database_url, broker_url="redis://127.0.0.1:1/0")
+    with TestClient(create_app(broken)) as other:
+        r = other.get("/readyz")
+        assert r.status_code == 503 and r.json()["checks"]["database"] == "ok"
+        assert r.json()["checks"]["broker"].startswith("error")
+        # Submitting while the broker is down: 503, and the job is recorded as failed.
+        down = other.post("/v1/jobs", json=spec())
+        assert down.status_code == 503
+
+
+def test_api_keys(settings):
+    keyed = make_settings(settings.var_dir, database_url=settings.database_url, broker_url=settings.broker_url,
+                          broker_key_prefix=settings.broker_key_prefix, api_keys="alice:k-alice,bob:k-bob")
+    with TestClient(create_app(keyed)) as c:
+        assert c.get("/v1/jobs").status_code == 401
+        assert c.get("/v1/jobs", headers={"X-API-Key": "wrong"}).status_code == 401
+        assert c.get("/healthz").status_code == 200
+        r = c.post("/v1/jobs", json=spec(), headers={"X-API-Key": "k-alice"})
+        assert r.status_code == 202 and r.json()["owner"] == "alice"
+        job_id = r.json()["id"]
+        mine = c.get("/v1/jobs", params={"owner": "alice"}, headers={"X-API-Key": "k-bob"}).json()
+        assert job_id in [j["id"] for j in mine["items"]]
+        assert c.post(f"/v1/jobs/{job_id}/cancel", headers={"X-API-Key": "k-bob"}).status_code == 403
+        assert c.post(f"/v1/jobs/{job_id}/cancel", headers={"X-API-Key": "k-alice"}).status_code == 202

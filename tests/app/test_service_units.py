@@ -1,0 +1,126 @@
+"""Service pieces without servers: names under the roots, the job spec, settings, no torch in the API."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from app.schemas import CalibrationIn, JobSpec
+from app.settings import Settings
+from app.sources import SourceError, check_config, resolve_data, resolve_model, resolve_under
+
+
+def test_resolve_under_refuses_escapes(tmp_path):
+    root = tmp_path / "root"
+    (root / "team").mkdir(parents=True)
+    (root / "team" / "model").mkdir()
+    (tmp_path / "outside").mkdir()
+    (root / "out").symlink_to(tmp_path / "outside", target_is_directory=True)
+    (root / "in").symlink_to(root / "team", target_is_directory=True)
+    assert resolve_under(root, "team/model", "f", "x") == (root / "team" / "model").resolve()
+    assert resolve_under(root, "in/model", "f", "x") == (root / "team" / "model").resolve()
+    assert resolve_under(root, "missing", "f", "x") is None
+    for bad in ("../x", "/etc", "~/x", "team/../../x", "team\\model", ".git", "team//model/", "a/./b", "", "x\x00"):
+        with pytest.raises(SourceError):
+            resolve_under(root, bad, "f", "x")
+    with pytest.raises(SourceError, match="outside"):
+        resolve_under(root, "out", "f", "x")
+
+
+def test_resolve_model_local_gguf_and_hub(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert resolve_model(tmp_path, "ckpt").path == (tmp_path / "ckpt").resolve()
+    assert resolve_model(tmp_path, "m.gguf").loader_args()["gguf_file"] is None
+    hub = resolve_model(tmp_path, "owner/name", revision="v1.0")
+    assert hub.hub_id == "owner/name" and hub.loader_args() == {"path_or_id": "owner/name", "revision": "v1.0",
+                                                                "gguf_file": None}
+    for bad, field in (("../owner", "model.id"), ("no spaces!", "model.id"), ("ckpt", "model.gguf_file")):
+        with pytest.raises(SourceError) as err:
+            resolve_model(tmp_path, bad, gguf_file="x.gguf" if bad == "ckpt" else None)
+        assert err.value.field == field
+    with pytest.raises(SourceError):
+        resolve_model(tmp_path, "owner/name", revision="../main")
+
+
+def test_resolve_data(tmp_path):
+    (tmp_path / "ids.npy").write_bytes(b"")
+    assert resolve_data(tmp_path, "corpus:kjv") == "corpus:kjv"
+    assert resolve_data(tmp_path, "hf:wikitext:wikitext-2-raw-v1:train").startswith("hf:")
+    assert resolve_data(tmp_path, "ids.npy") == str((tmp_path / "ids.npy").resolve())
+    for bad in ("corpus:other", "hf:", "/etc/passwd", "../ids.npy", "nope.npy"):
+        with pytest.raises(SourceError):
+            resolve_data(tmp_path, bad)
+
+
+def test_check_config_uses_the_loaders_messages():
+    config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "intermediate_size": 96, "hidden_size": 48}
+    assert check_config(config, devices=2, delta=1) == []
+    problems = dict(check_config(config, devices=3, delta=1))
+    assert "does not divide num_kv_groups=4" in problems["devices"]
+    assert "model_type='gpt2' is not supported" in dict(check_config({**config, "model_type": "gpt2"},
+                                                                      devices=2, delta=1))["model.id"]
+
+
+def test_calibration_fields_match_models_calibration():
+    from models.calibration import CalibrationSpec
+
+    assert set(CalibrationIn.model_fields) == {f.name for f in dataclasses.fields(CalibrationSpec)}
+    defaults = CalibrationSpec(source="corpus:kjv")
+    assert CalibrationIn(source="corpus:kjv").model_dump() == dataclasses.asdict(defaults)
+
+
+def test_job_spec_defaults_and_export_shorthand():
+    spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},
+                                   "export": False})
+    assert spec.delta == 1 and spec.score == "fo" and not spec.export.any and spec.distill is None
+
+
+def test_settings_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTP_LAYOUT_VAR_DIR", str(tmp_path))
+    monkeypatch.setenv("DTP_LAYOUT_BROKER_URL", "redis://example:6379/1")
+    monkeypatch.setenv("DTP_LAYOUT_API_KEYS", "ci:secret, alice:other")
+    s = Settings()
+    assert s.database_url == f"sqlite:///{tmp_path / 'dtp-layout.db'}"
+    assert s.broker_url == "redis://example:6379/1" and s.storage == tmp_path / "storage"
+    assert s.api_key_table() == {"secret": "ci", "other": "alice"}
+    assert Settings(**{k.removeprefix("DTP_LAYOUT_").lower(): v
+                       for k, v in s.worker_env().items()}).worker_env() == s.worker_env()
+    monkeypatch.setenv("DTP_LAYOUT_API_KEYS", "nocolon")
+    with pytest.raises(ValueError, match="name:key"):
+        Settings().api_key_table()
+
+
+def test_api_process_never_imports_torch(tmp_path):
+    code = f"""
+import sys
+from fastapi.testclient import TestClient
+from app.main import create_app
+from app.migrate import upgrade
+from app.settings import Settings
+import app.cli_service, worker.celery_app
+s = Settings(var_dir={str(tmp_path)!r})
+upgrade(s.database_url)
+with TestClient(create_app(s)) as c:
+    assert c.get('/healthz').status_code == 200
+    assert c.get('/v1/jobs').status_code == 200
+    assert c.post('/v1/jobs', json={{}}).status_code == 422
+    assert c.get('/openapi.json').status_code == 200
+print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_service_commands_are_registered():
+    from app.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--host", "0.0.0.0", "--port", "9000"])
+    assert args.host == "0.0.0.0" and args.port == 9000 and args.func.__name__ == "cmd_serve"
+    assert parser.parse_args(["worker", "--gpus", "0,1"]).gpus == "0,1"

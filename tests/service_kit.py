@@ -1,0 +1,115 @@
+"""Helpers for the service tests: settings over temporary roots, a tiny model under MODEL_ROOT,
+token ids under DATA_ROOT, real Celery worker subprocesses, and polling a job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.settings import Settings
+
+TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
+CALIB = "calib/ids.npy"
+
+
+def make_settings(root: Path, **overrides: Any) -> Settings:
+    return Settings(var_dir=root, **overrides)
+
+
+def provision(settings: Settings) -> None:
+    """The tiny model under MODEL_ROOT and 4096 random token ids under DATA_ROOT."""
+    from tests.tiny import tiny_model
+
+    model_dir = settings.models_dir / TINY_MODEL
+    if not (model_dir / "config.json").is_file():
+        tiny_model("llama").save_pretrained(model_dir)
+    data = settings.data_dir / CALIB
+    if not data.is_file():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        np.save(data, np.random.default_rng(0).integers(0, 97, size=4096))
+    settings.storage.mkdir(parents=True, exist_ok=True)
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"id": TINY_MODEL},
+        "devices": 2,
+        "delta": 1,
+        "calibration": {"source": CALIB, "sequences": 8, "seq_len": 32},
+        "random_layouts": 2,
+        "ablations": True,
+        "export": {"checkpoint": True, "shards": True},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
+class WorkerProcess:
+    """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess."""
+
+    def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", **env: str) -> None:
+        from app.cli_service import worker_command
+
+        self.log_path = log_path
+        self.env = {**os.environ, **settings.worker_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", **env}
+        self.cmd = worker_command(settings, name=name)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> WorkerProcess:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the subprocess)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_bytes()[offset:].decode(errors="replace")
+            if " ready." in text:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{text[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def wait_for(client: Any, job_id: str, statuses: tuple[str, ...] = ("succeeded", "failed", "cancelled"),
+             timeout: float = 60.0, until: Any = None, worker: WorkerProcess | None = None) -> dict[str, Any]:
+    """Poll GET /v1/jobs/{id} until the status is one of `statuses` (or `until(job)` holds)."""
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if (until(job) if until is not None else job["status"] in statuses):
+            return job
+        time.sleep(0.1)
+    tail = worker.log()[-4000:] if worker is not None else ""
+    raise TimeoutError(f"job {job_id} still {job.get('status')}/{job.get('stage')} after {timeout}s: {job}\n{tail}")

@@ -1,0 +1,147 @@
+"""End to end on the real stack: a tiny random model saved under MODEL_ROOT, the API on Postgres, a
+real Celery worker subprocess consuming Redis. Artifacts are downloaded and checked."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM
+
+from app.main import create_app
+from models.export import load_rank_shards
+from models.layout import from_json_dict
+from tests.service_kit import TINY_MODEL, WorkerProcess, make_settings, provision, spec, wait_for
+from tests.tiny import tokens
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory, postgres_server, redis_broker):
+    from app.migrate import upgrade
+
+    url = postgres_server.create_database("dtp_e2e")
+    upgrade(url)
+    broker, prefix = redis_broker
+    s = make_settings(tmp_path_factory.mktemp("e2e"), database_url=url, broker_url=broker,
+                      broker_key_prefix=prefix + "e2e:", stage_delay_s=0.2, device="cpu")
+    provision(s)
+    return s
+
+
+@pytest.fixture(scope="module")
+def worker(settings):
+    w = WorkerProcess(settings, settings.var_dir / "worker.log").start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def client(settings, worker):
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def download_all(client, job_id, dest):
+    """Every artifact of the job into dest/<name>, checking the sha256 of the body against the listing."""
+    items = client.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
+    for art in items:
+        r = client.get(art["link"])
+        assert r.status_code == 200, art
+        assert hashlib.sha256(r.content).hexdigest() == art["sha256"] == r.headers["x-checksum-sha256"]
+        assert len(r.content) == art["size"]
+        path = dest / art["name"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(r.content)
+    return {a["name"]: a for a in items}
+
+
+@pytest.fixture(scope="module")
+def finished(client, worker):
+    job = client.post("/v1/jobs", json=spec()).json()
+    return wait_for(client, job["id"], timeout=120, worker=worker)
+
+
+def test_job_succeeds_and_artifacts_keep_the_dense_logits(client, settings, finished, tmp_path):
+    job = finished
+    assert job["status"] == "succeeded", job
+    assert job["stages_done"] == ["loading", "calibration", "affinity", "optimising", "exporting"]
+    assert job["affinity_cached"] is False and job["attempts"] == 1 and job["error"] is None
+    assert set(job["timings"]) == set(job["stages_done"])
+    layouts = {item["name"]: item for item in client.get(job["links"]["layouts"]).json()["items"]}
+    assert set(layouts) == {"optimised", "contiguous", "random-1000", "random-1001", "anti-optimised",
+                            "heads-only", "neurons-only"}
+    assert layouts["optimised"]["J"] >= max(v["J"] for v in layouts.values()) - 1e-9
+    assert job["summary"]["layouts"]["optimised"] == pytest.approx(layouts["optimised"]["J"])
+
+    arts = download_all(client, job["id"], tmp_path)
+    kinds = {a["kind"] for a in arts.values()}
+    assert {"affinity", "report", "checkpoint", "shards"} <= kinds
+    assert "shards/manifest.json" in arts and "checkpoint/config.json" in arts
+
+    # The permuted checkpoint, as downloaded, computes the dense function.
+    dense = AutoModelForCausalLM.from_pretrained(settings.models_dir / TINY_MODEL).eval()
+    permuted = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").eval()
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(permuted(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
+    rebuilt, shard_layout = load_rank_shards(tmp_path / "shards")
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, dense(ids).logits, atol=1e-4, rtol=0)
+
+    # The layout endpoint, the checkpoint and the shards all carry the optimised layout.
+    doc = client.get(layouts["optimised"]["link"]).json()
+    optimised = from_json_dict(doc)
+    assert json.loads((tmp_path / "checkpoint" / "dtp_layout.json").read_text())["neuron_device"] == (
+        optimised.neuron_device.tolist())
+    assert shard_layout.kv_group_device.tolist() == optimised.kv_group_device.tolist()
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["format"] == "dtp-layout-report/1" and report["job"]["id"] == job["id"]
+    assert report["layouts"]["optimised"]["J"] == pytest.approx(layouts["optimised"]["J"])
+    assert report["calibration"]["source"] == "calib/ids.npy"  # the name, not the server's path
+
+    scores = client.get("/v1/scores", params={"model": TINY_MODEL, "devices": 2, "delta": 1, "score": "fo"}).json()
+    assert scores["job_id"] == job["id"]
+    assert scores["layouts"]["optimised"] == pytest.approx(layouts["optimised"]["J"])
+    assert scores["random_expectation"] == pytest.approx((2 * 3 - 1) / 2)
+
+
+def test_same_inputs_reuse_the_affinity(client, finished, worker):
+    job = client.post("/v1/jobs", json=spec(export=False, random_layouts=0, ablations=False)).json()
+    done = wait_for(client, job["id"], timeout=60, worker=worker)
+    assert done["status"] == "succeeded", done
+    assert done["affinity_cached"] is True and done["fingerprint"] == finished["fingerprint"]
+    first = {a["name"]: a for a in client.get(finished["links"]["artifacts"]).json()["items"]}
+    second = {a["name"]: a for a in client.get(done["links"]["artifacts"]).json()["items"]}
+    assert set(second) == {"affinity.safetensors", "report.json"}
+    assert second["affinity.safetensors"]["sha256"] == first["affinity.safetensors"]["sha256"]
+    scores = {i["name"]: i["J"] for i in client.get(done["links"]["layouts"]).json()["items"]}
+    assert scores["optimised"] == pytest.approx(finished["summary"]["layouts"]["optimised"])
+
+
+def test_cancel_a_running_job(client, worker):
+    body = spec(calibration={"sequences": 200, "seq_len": 16}, batch_size=1, export=False, random_layouts=0,
+                ablations=False)
+    job = client.post("/v1/jobs", json=body).json()
+    running = wait_for(client, job["id"], timeout=60, worker=worker,
+                       until=lambda j: (j["stage"] == "affinity" and j["progress"] > 0)
+                       or j["status"] not in ("queued", "running"))
+    assert running["status"] == "running" and running["stage"] == "affinity"
+    assert running["eta_s"] is not None and running["eta_s"] > 0
+    assert client.post(job["links"]["cancel"]).status_code == 202
+    cancelled = wait_for(client, job["id"], timeout=30, worker=worker)
+    assert cancelled["status"] == "cancelled" and cancelled["stage"] == "affinity"
+    assert "affinity" not in cancelled["stages_done"]
+    assert client.post(job["links"]["cancel"]).status_code == 409
+
+
+def test_unreadable_model_fails_in_its_first_stage(client, worker):
+    job = client.post("/v1/jobs", json=spec(model={"id": "nobody-here/no-such-model-xyz"})).json()
+    failed = wait_for(client, job["id"], timeout=60, worker=worker)
+    assert failed["status"] == "failed" and failed["error_stage"] == "loading" and failed["stage"] == "loading"
+    assert "nobody-here/no-such-model-xyz" in failed["error"]
