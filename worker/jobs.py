@@ -278,9 +278,11 @@ class JobRun:
         shape = model_shape(load_config(source))
         check_devices(shape, spec.devices)
         check_delta(shape, spec.delta)
+        self.monitor.report(0.05)
         loaded = Loaded()
         if not have_affinity or need_export:
             loaded.model = load_model(source, dtype=spec.model.dtype, device=self.settings.device)
+            self.monitor.report(0.9)
             loaded.tokenizer = load_tokenizer(source)
         self.complete("loading", weights=loaded.model is not None)
 
@@ -354,7 +356,10 @@ class JobRun:
             self.enter("exporting")
             for sub in ("checkpoint", "shards"):
                 shutil.rmtree(self.work / sub, ignore_errors=True)
-            pipeline.stage_export(state, model=loaded.model, tokenizer=loaded.tokenizer, progress=self.progress,
+            # The checkpoint is written first, then the shards rank by rank (those report progress).
+            offset = 0.5 if spec.export.checkpoint else 0.0
+            pipeline.stage_export(state, model=loaded.model, tokenizer=loaded.tokenizer,
+                                  progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
                                   overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards)
             self.check()
             files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")

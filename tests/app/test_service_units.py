@@ -67,6 +67,33 @@ def test_check_config_uses_the_loaders_messages():
                                                                       devices=2, delta=1))["model.id"]
 
 
+def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
+    """A hub model whose config.json sits in the HF cache is checked without downloading anything."""
+    import json
+
+    import huggingface_hub.constants as hub_constants
+
+    from app.services import SpecError, check_spec
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+        "intermediate_size": 64, "hidden_size": 48}))
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    settings = Settings(var_dir=tmp_path / "var")
+    body = {"model": {"id": "acme/tiny", "revision": "main"}, "devices": 3, "calibration": {"source": "corpus:kjv"}}
+    with pytest.raises(SpecError) as err:
+        check_spec(settings=settings, spec=JobSpec.model_validate(body))
+    assert err.value.problems[0][0] == "devices" and "valid L for this model: 1, 2" in err.value.problems[0][1]
+    fp, found = check_spec(settings=settings, spec=JobSpec.model_validate({**body, "devices": 2}))
+    assert found == {"config_checked": True} and len(fp) == 64
+    _, unknown = check_spec(settings=settings, spec=JobSpec.model_validate({**body, "model": {"id": "acme/other"}}))
+    assert unknown == {"config_checked": False}
+
+
 def test_calibration_fields_match_models_calibration():
     from models.calibration import CalibrationSpec
 
