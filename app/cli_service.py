@@ -132,10 +132,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ]
         print("\n".join(lines), flush=True)
 
+    def watch_worker() -> None:
+        assert worker is not None
+        code = worker.wait()
+        if not stopping.is_set():
+            print(f"dtp-layout serve: the worker exited with status {code}; jobs stay queued (see {log_path})",
+                  file=sys.stderr, flush=True)
+
+    stopping = threading.Event()
     threading.Thread(target=banner, daemon=True).start()
+    if worker is not None:
+        threading.Thread(target=watch_worker, daemon=True).start()
     try:
         uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
     finally:
+        stopping.set()
         if worker is not None:
             _stop(worker)
     return 0

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -147,7 +148,7 @@ def build_router() -> APIRouter:
         if offset + len(rows) < total:
             params = dict(request.query_params)
             params.update(limit=str(limit), offset=str(offset + limit))
-            nxt = f"{_base(request)}/v1/jobs?" + "&".join(f"{k}={v}" for k, v in params.items())
+            nxt = f"{_base(request)}/v1/jobs?" + urlencode(params)
         return {"items": [_job_out(request, r) for r in rows], "total": total, "limit": limit, "offset": offset,
                 "next": nxt}
 

@@ -119,7 +119,8 @@ class Links(BaseModel):
 class JobOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "status": "running", "stage": "affinity", "progress": 0.42,
-        "eta_s": 12.5, "stages_done": ["loading", "calibration"], "affinity_cached": False, "attempts": 1,
+        "eta_s": 12.5, "stages_done": ["loading", "calibration"], "affinity_cached": False, "cancel_requested": False,
+        "attempts": 1,
         "owner": None, "spec": EXAMPLE_SPEC, "fingerprint": "9c1e…", "error": None, "error_stage": None,
         "created_at": "2026-11-30T10:00:00Z", "started_at": "2026-11-30T10:00:01Z", "finished_at": None,
         "updated_at": "2026-11-30T10:00:09Z", "timings": {"loading": 3.1, "calibration": 0.4}, "summary": None,
@@ -133,6 +134,8 @@ class JobOut(BaseModel):
     eta_s: float | None = Field(default=None, description="seconds left in the current stage (estimate)")
     stages_done: list[str]
     affinity_cached: bool = Field(description="the affinity came from an earlier job with the same fingerprint")
+    cancel_requested: bool = Field(default=False, description="a cancel was requested (a running job stops between "
+                                                              "micro-batches)")
     attempts: int
     owner: str | None
     spec: dict[str, Any]

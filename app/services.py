@@ -140,7 +140,8 @@ def job_view(job: Job, *, base: str = "") -> dict[str, Any]:
     return {
         "id": job.id, "status": job.status, "stage": job.stage, "progress": round(job.progress or 0.0, 4),
         "eta_s": None if job.eta_s is None else round(job.eta_s, 1), "stages_done": list(job.stages_done or []),
-        "affinity_cached": bool(job.affinity_cached), "attempts": job.attempts, "owner": job.owner,
+        "affinity_cached": bool(job.affinity_cached), "cancel_requested": bool(job.cancel_requested),
+        "attempts": job.attempts, "owner": job.owner,
         "spec": job.spec, "fingerprint": job.fingerprint, "error": job.error, "error_stage": job.error_stage,
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),

@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -167,8 +167,6 @@ class Monitor(threading.Thread):
 class Loaded:
     model: Any = None
     tokenizer: Any = None
-    layouts_dir: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class JobRun:
@@ -306,13 +304,15 @@ class JobRun:
         # affinity
         if "affinity" not in self.done:
             self.enter("affinity")
-            cached = cache_path.is_file()
-            if not cached:
+            computed_here = self.work / "affinity.computed"  # survives a crash between caching and recording
+            cached = cache_path.is_file() and not computed_here.exists()
+            if not cache_path.is_file():
                 pipeline.stage_affinity(state, model=loaded.model, spec=ospec, model_name=spec.model.id,
                                         calibration=calibration_shown, progress=self.progress,
                                         should_stop=self.should_stop)
                 produced = self.work / pipeline.AFFINITY_FILE
                 cache_path.parent.mkdir(parents=True, exist_ok=True)
+                computed_here.touch()
                 if cache_path.is_file():  # another job with the same fingerprint finished first
                     produced.unlink()
                 else:
