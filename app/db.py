@@ -19,7 +19,6 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
-    Index,
     Integer,
     String,
     Text,
@@ -36,7 +35,7 @@ BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements 
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
-STAGES = ("loading", "calibration", "affinity", "optimising", "exporting")
+STAGES = ("loading", "calibration", "affinity", "optimising", "exporting", "distilling")
 
 
 def utcnow() -> datetime:
@@ -128,14 +127,19 @@ class Artifact(Base):
 
 
 class Metric(Base):
-    """Per job, layout and step: a named value (the distillation issue writes training curves here)."""
+    """Per job, layout, seed and step: a named value (the distilling stage writes kl, ppl, loss, lr).
+
+    One row per (job, layout, seed, step, name): a resumed run that evaluates a step again replaces
+    the row (migration 0002 added `seed` and the unique constraint)."""
 
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_job_layout_name_step", "job_id", "layout", "name", "step"),)
+    __table_args__ = (UniqueConstraint("job_id", "layout", "seed", "step", "name",
+                                       name="uq_metrics_job_layout_seed_step_name"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     layout: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     step: Mapped[int] = mapped_column(Integer, default=0)
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float] = mapped_column(Float)

@@ -9,7 +9,8 @@ import sys
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from app.db import Base
 from app.migrate import REPO_ROOT, downgrade, upgrade
@@ -32,6 +33,58 @@ def _diff(url: str) -> list:
             return compare_metadata(MigrationContext.configure(conn), Base.metadata)
     finally:
         engine.dispose()
+
+
+def _metrics_0002_up_and_down(url: str) -> None:
+    """0001 → 0002 on a table with rows (a duplicate key among them), then back down to 0001 and up."""
+    upgrade(url, "0001")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO jobs (id, created_at, updated_at, spec, fingerprint, model_id, devices, delta, score, "
+                "status, progress, stages_done, timings, history, cancel_requested, affinity_cached, attempts) "
+                "VALUES ('j1', '2026-01-01', '2026-01-01', '{}', 'f', 'm', 2, 1, 'fo', 'running', 0, '[]', '{}', "
+                "'[]', false, false, 1)"))
+            for step, value in ((0, 1.5), (0, 1.6), (2, 0.9)):
+                conn.execute(text("INSERT INTO metrics (job_id, layout, step, name, value, created_at) "
+                                  "VALUES ('j1', 'optimised', :step, 'kl', :value, '2026-01-01')"),
+                             {"step": step, "value": value})
+        upgrade(url, "0002")
+        columns = {c["name"] for c in inspect(engine).get_columns("metrics")}
+        assert "seed" in columns
+        uniques = {u["name"]: u["column_names"] for u in inspect(engine).get_unique_constraints("metrics")}
+        assert uniques["uq_metrics_job_layout_seed_step_name"] == ["job_id", "layout", "seed", "step", "name"]
+        with engine.begin() as conn:
+            rows = conn.execute(text("SELECT seed, step, value FROM metrics ORDER BY step")).all()
+        assert [tuple(r) for r in rows] == [(0, 0, 1.5), (0, 2, 0.9)]  # the first of the duplicates kept
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            conn.execute(text("INSERT INTO metrics (job_id, layout, seed, step, name, value, created_at) "
+                              "VALUES ('j1', 'optimised', 0, 2, 'kl', 0.8, '2026-01-01')"))
+        with engine.begin() as conn:  # another seed is another key
+            conn.execute(text("INSERT INTO metrics (job_id, layout, seed, step, name, value, created_at) "
+                              "VALUES ('j1', 'optimised', 1, 2, 'kl', 0.8, '2026-01-01')"))
+        downgrade(url, "0001")
+        assert "seed" not in {c["name"] for c in inspect(engine).get_columns("metrics")}
+        assert not inspect(engine).get_unique_constraints("metrics")
+        assert "ix_metrics_job_layout_name_step" in {i["name"] for i in inspect(engine).get_indexes("metrics")}
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT COUNT(*) FROM metrics")).scalar() == 3
+        upgrade(url)
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT COUNT(*) FROM metrics")).scalar() == 2  # a duplicate again: dropped
+        assert _diff(url) == []
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_metrics_seed_migration_up_and_down(postgres_server):
+    _metrics_0002_up_and_down(postgres_server.create_database("dtp_migrate"))
+
+
+def test_sqlite_metrics_seed_migration_up_and_down(tmp_path):
+    _metrics_0002_up_and_down(f"sqlite:///{tmp_path / 'db.sqlite'}")
 
 
 @pytest.mark.postgres
