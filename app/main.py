@@ -25,6 +25,7 @@ from app.auth import owner as auth_owner
 from app.db import Database, database
 from app.metrics import Metrics
 from app.schemas import (
+    EXAMPLE_DISTILL_SPEC,
     EXAMPLE_HUB_SPEC,
     EXAMPLE_SPEC,
     ArtifactList,
@@ -35,6 +36,8 @@ from app.schemas import (
     JobSpec,
     LayoutList,
     LayoutSummary,
+    MetricName,
+    MetricsOut,
     ScoresOut,
     Status,
 )
@@ -50,8 +53,9 @@ spec, a worker runs the affinity pass and the layout optimiser, and the optimise
 and the permuted / per-rank sharded checkpoints come back as downloadable artifacts.
 
 A job moves `queued → running → succeeded | failed | cancelled`; while running it reports its stage
-(`loading`, `calibration`, `affinity`, `optimising`, `exporting`), the fraction of the stage done and
-an ETA.
+(`loading`, `calibration`, `affinity`, `optimising`, `exporting`, and `distilling` when the spec asks
+for distillation), the fraction of the stage done and an ETA. The distillation curves come from
+`GET /v1/jobs/{id}/metrics` as they are produced.
 """
 
 
@@ -121,6 +125,9 @@ def build_router() -> APIRouter:
         "packaged SmolLM2 on the corpus": {"summary": "the model `dtp-layout serve` provides", "value": EXAMPLE_SPEC},
         "hub model, data-root tokens": {"summary": "a hub model and a .npy under the data root",
                                         "value": EXAMPLE_HUB_SPEC},
+        "optimise, then distil three layouts": {"summary": "the layouts, then a distillation comparison of "
+                                                           "optimised, contiguous and random-1000",
+                                                "value": EXAMPLE_DISTILL_SPEC},
     })]) -> JSONResponse:
         app_state = request.app.state
         try:
@@ -232,6 +239,18 @@ def build_router() -> APIRouter:
             return Response(status_code=status, headers=headers, media_type=media)
         return StreamingResponse(_iter_file(path, start, length, state.metrics), status_code=status,
                                  headers=headers, media_type=media)
+
+    @v1.get("/jobs/{job_id}/metrics", response_model=MetricsOut, tags=["jobs"],
+            summary="Distillation curves per layout and seed (as produced), and the headline once done",
+            responses={404: {"description": "no such job"}})
+    def metrics(request: Request, job_id: str, _owner: Owner,
+                layout: Annotated[str | None, Query(max_length=64, description="only this layout")] = None,
+                seed: Annotated[int | None, Query(ge=0, description="only this training seed")] = None,
+                name: Annotated[MetricName | None, Query(description="only this metric (the others are null)")] = None,
+                ) -> dict[str, Any]:
+        state = request.app.state
+        return services.job_metrics(db=state.db, storage=state.storage, job_id=job_id, layout=layout, seed=seed,
+                                    name=name)
 
     @v1.get("/scores", response_model=ScoresOut, tags=["scores"],
             summary="J per layout of the latest succeeded job matching the filters (for CI)",

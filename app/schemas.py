@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from models.ids import GGUF_FILE, REVISION
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting"]
+Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
+MetricName = Literal["kl", "ppl", "loss", "lr"]
+METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
+
+# As models.pipeline (which imports torch): random-<seed> layouts use seeds 1000 … 1000+K-1.
+RANDOM_SEED_BASE = 1000
+ABLATION_LAYOUTS = ("anti-optimised", "heads-only", "neurons-only")
 
 EXAMPLE_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
@@ -22,6 +28,23 @@ EXAMPLE_SPEC: dict[str, Any] = {
     "ablations": False,
     "export": {"checkpoint": True, "shards": True},
     "distill": None,
+}
+EXAMPLE_DISTILL_SPEC: dict[str, Any] = {
+    "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
+    "devices": 3,
+    "delta": 1,
+    "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+    "random_layouts": 1,
+    "export": False,
+    "distill": {
+        "layouts": ["optimised", "contiguous", "random-1000"],
+        "seeds": [0],
+        "steps": 200,
+        "train": {"source": "corpus:kjv", "seq_len": 64},
+        "eval": {"source": "corpus:shakespeare", "sequences": 16},
+        "recipe": {"batch_size": 4, "micro_batch_size": 4, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20,
+                   "eval_every": 25},
+    },
 }
 EXAMPLE_HUB_SPEC: dict[str, Any] = {
     "model": {"id": "HuggingFaceTB/SmolLM2-135M", "revision": "main", "dtype": "bfloat16"},
@@ -67,6 +90,160 @@ class CalibrationIn(_Strict):
         return self.sequences * self.seq_len
 
 
+# ---- distillation ---------------------------------------------------------------------------------
+#
+# The API never imports torch, and models.distill does: the recipe is mirrored here field by field
+# (with DistillRecipe's constraints; tests/app/test_service_units.py checks that the two agree).
+
+RECIPE_DEFAULTS: dict[str, Any] = {
+    "steps": 1000, "batch_size": 16, "micro_batch_size": 4, "lr": 5e-5, "min_lr": 5e-6, "warmup_steps": 100,
+    "betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "ce_weight": 0.1,
+    "freeze_embeddings": True, "freeze_lm_head": False, "autocast": "auto", "gradient_checkpointing": False,
+    "logit_chunk": 256, "eval_every": 100, "eval_batch_size": 4, "checkpoint_every": 5, "last_scale": "sqrt",
+}
+EVAL_SEQUENCES = 16  # evaluation blocks when `eval.sequences` is not given (as `distill --eval-blocks`)
+
+
+def _finite(ge: float | None = None, gt: float | None = None, description: str = "") -> Any:
+    return Field(default=None, ge=ge, gt=gt, allow_inf_nan=False, description=description)
+
+
+def _positive(description: str, le: int = 10_000_000) -> Any:
+    return Field(default=None, ge=1, le=le, description=description)
+
+
+class DistillRecipeIn(_Strict):
+    """`models.distill.DistillRecipe`, every field optional (null or absent: the recipe's default)."""
+
+    steps: StrictInt | None = _positive("optimiser steps per run (1000)")
+    batch_size: StrictInt | None = _positive("sequences per optimiser step (16)", le=65_536)
+    micro_batch_size: StrictInt | None = _positive("sequences per forward/backward (4); divides batch_size",
+                                                   le=65_536)
+    lr: float | None = _finite(gt=0, description="peak learning rate (5e-5)")
+    min_lr: float | None = _finite(gt=0, description="end of the cosine decay (5e-6); 0 < min_lr ≤ lr")
+    warmup_steps: StrictInt | None = Field(default=None, ge=0, le=10_000_000, description="linear warm-up steps (100)")
+    betas: tuple[float, float] | None = Field(default=None, description="AdamW betas, each in [0, 1) ([0.9, 0.95])")
+    adam_eps: float | None = _finite(gt=0, description="AdamW epsilon (1e-8)")
+    weight_decay: float | None = _finite(ge=0, description="AdamW weight decay (0)")
+    grad_clip: float | None = _finite(ge=0, description="max global gradient norm (1); 0 turns clipping off")
+    ce_weight: float | None = _finite(ge=0, description="loss = KL + ce_weight · CE (0.1)")
+    freeze_embeddings: StrictBool | None = Field(default=None, description="freeze the input embeddings (true)")
+    freeze_lm_head: StrictBool | None = Field(default=None, description="also freeze an untied LM head (false)")
+    autocast: Literal["auto", "bf16", "none"] | None = Field(default=None,
+                                                            description="auto: bf16 on CUDA, fp32 on CPU")
+    gradient_checkpointing: StrictBool | None = Field(default=None, description="recompute modules in backward")
+    logit_chunk: StrictInt | None = _positive("tokens per chunk of the loss over the vocabulary (256)", le=1_048_576)
+    eval_every: StrictInt | None = _positive("steps between evaluations (100); also at step 0 and the last")
+    eval_batch_size: StrictInt | None = _positive("evaluation sequences per forward (4)", le=65_536)
+    checkpoint_every: StrictInt | None = _positive("evaluations between checkpoints (5)")
+    last_scale: Literal["sqrt", "one"] | None = Field(default=None, description="DTP last-module scale (sqrt)")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not all(0 <= b < 1 for b in value):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(value)}")
+        return value
+
+    def effective(self) -> dict[str, Any]:
+        """Every recipe field: the given ones over the defaults."""
+        return {**RECIPE_DEFAULTS, **self.given()}
+
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+    @model_validator(mode="after")
+    def _together(self) -> DistillRecipeIn:
+        r = self.effective()
+        if r["batch_size"] % r["micro_batch_size"]:
+            raise ValueError(f"batch_size={r['batch_size']} must be a multiple of "
+                             f"micro_batch_size={r['micro_batch_size']}")
+        if not r["min_lr"] <= r["lr"]:
+            raise ValueError(f"needs 0 < min_lr ≤ lr, got lr={r['lr']}, min_lr={r['min_lr']}")
+        return self
+
+
+class DistillDataIn(_Strict):
+    """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
+
+    source: str = Field(min_length=1, max_length=300,
+                        description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                                    "server's data root", examples=["corpus:kjv"])
+    sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
+                                        description="blocks to load; training: steps × batch_size (one pass), "
+                                                    "evaluation: 16")
+    seq_len: StrictInt | None = Field(default=None, ge=2, le=1_048_576,
+                                      description="tokens per block; training: the calibration's seq_len, "
+                                                  "evaluation: the training's")
+    text_field: str = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
+    skip_blocks: StrictInt = Field(default=0, ge=0, description="blocks to skip at the start of the source")
+
+
+class DistillJobSpec(_Strict):
+    """What `dtp-layout distill` does, on the job's own layouts (`models.distill.run_distill`)."""
+
+    layouts: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=lambda: ["optimised", "contiguous"], min_length=1, max_length=16,
+        description="layouts of this job to distil: optimised, contiguous, random-<seed> (random-1000 … with "
+                    "random_layouts), and the ablations with ablations=true")
+    seeds: list[StrictInt] = Field(default_factory=lambda: [0], min_length=1, max_length=16,
+                                   description="training seeds; each (layout, seed) pair is one run")
+    steps: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
+                                    description="optimiser steps per run (shorthand for recipe.steps; 1000)")
+    train: DistillDataIn | None = Field(default=None,
+                                        description="training text; default: the calibration source")
+    eval: DistillDataIn | None = Field(default=None,
+                                       description="held-out evaluation text; default: the training source, "
+                                                   "after the training text")
+    recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(),
+                                    description="the training recipe; every field optional (the paper's defaults)")
+
+    @field_validator("layouts")
+    @classmethod
+    def _distinct_layouts(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate layouts in {value}")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value) or any(s < 0 for s in value):
+            raise ValueError(f"seeds must be distinct integers ≥ 0, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_once(self) -> DistillJobSpec:
+        if self.steps is not None and self.recipe.steps is not None and self.steps != self.recipe.steps:
+            raise ValueError(f"steps={self.steps} and recipe.steps={self.recipe.steps} disagree; give one")
+        return self
+
+    def recipe_fields(self) -> dict[str, Any]:
+        """The given recipe fields (for DistillRecipe.from_dict), with `steps` folded in."""
+        fields = self.recipe.given()
+        if self.steps is not None:
+            fields["steps"] = self.steps
+        if "betas" in fields:
+            fields["betas"] = list(fields["betas"])
+        return fields
+
+    def effective_recipe(self) -> dict[str, Any]:
+        return {**RECIPE_DEFAULTS, **self.recipe_fields()}
+
+    def data_specs(self, calibration: CalibrationIn) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The training and evaluation CalibrationSpec fields, defaults filled in (sources as given)."""
+        recipe = self.effective_recipe()
+        train = self.train or DistillDataIn(source=calibration.source, text_field=calibration.text_field)
+        train_spec = {"source": train.source, "sequences": train.sequences or recipe["steps"] * recipe["batch_size"],
+                      "seq_len": train.seq_len or calibration.seq_len, "text_field": train.text_field,
+                      "skip_blocks": train.skip_blocks}
+        ev = self.eval or DistillDataIn(source=train.source, text_field=train.text_field)
+        eval_spec = {"source": ev.source, "sequences": ev.sequences or EVAL_SEQUENCES,
+                     "seq_len": ev.seq_len or train_spec["seq_len"], "text_field": ev.text_field,
+                     "skip_blocks": ev.skip_blocks}
+        return train_spec, eval_spec
+
+
 class ExportSpec(_Strict):
     checkpoint: StrictBool = Field(default=True, description="the permuted Hugging Face checkpoint (checkpoint/*)")
     shards: StrictBool = Field(default=True, description="per-rank DTP shards and manifest (shards/*)")
@@ -89,7 +266,9 @@ class JobSpec(_Strict):
     ablations: StrictBool = Field(default=False, description="also anti-optimised, heads-only and neurons-only")
     export: ExportSpec = Field(default_factory=lambda: ExportSpec(),
                                description="what to export for the optimised layout; `false` for nothing")
-    distill: Any = Field(default=None, description="reserved for distillation; must be null for now")
+    distill: DistillJobSpec | None = Field(
+        default=None, description="after the layouts (and the export): distil the DTP model of each named layout "
+                                  "from the dense one and record the curves (stage `distilling`)")
     batch_size: StrictInt = Field(default=4, ge=1, le=1024, description="calibration sequences per micro-batch")
     restarts: StrictInt = Field(default=4, ge=0, le=64,
                                 description="extra optimiser starts from random head assignments")
@@ -101,18 +280,21 @@ class JobSpec(_Strict):
             return {"checkpoint": value, "shards": value}
         return value
 
-    @field_validator("distill")
-    @classmethod
-    def _no_distill(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("distillation is not available yet: distill must be null")
-        return value
+    def layout_names(self) -> list[str]:
+        """The layouts this job produces (and may distil), in the order they are produced."""
+        names = ["optimised"]
+        if self.ablations:
+            names += ABLATION_LAYOUTS
+        names.append("contiguous")
+        names += [f"random-{RANDOM_SEED_BASE + k}" for k in range(self.random_layouts)]
+        return names
 
 
 class Links(BaseModel):
     self: str
     layouts: str
     artifacts: str
+    metrics: str
     cancel: str
 
 
@@ -125,7 +307,8 @@ class JobOut(BaseModel):
         "created_at": "2026-11-30T10:00:00Z", "started_at": "2026-11-30T10:00:01Z", "finished_at": None,
         "updated_at": "2026-11-30T10:00:09Z", "timings": {"loading": 3.1, "calibration": 0.4}, "summary": None,
         "links": {"self": "/v1/jobs/3f6c…", "layouts": "/v1/jobs/3f6c…/layouts",
-                  "artifacts": "/v1/jobs/3f6c…/artifacts", "cancel": "/v1/jobs/3f6c…/cancel"}}]})
+                  "artifacts": "/v1/jobs/3f6c…/artifacts", "metrics": "/v1/jobs/3f6c…/metrics",
+                  "cancel": "/v1/jobs/3f6c…/cancel"}}]})
 
     id: str
     status: Status
@@ -205,6 +388,43 @@ class ScoresOut(BaseModel):
     random_expectation: float | None
     upper_bound: float | None
     layouts: dict[str, float] = Field(description="J per layout name")
+
+
+class Curve(BaseModel):
+    layout: str
+    seed: int
+    steps: list[int] = Field(description="evaluation steps (optimiser steps taken before each evaluation)")
+    kl: list[float | None] | None = Field(
+        default=None, description="mean per-token KL(dense ‖ DTP) in nats on the evaluation blocks, per step")
+    ppl: list[float | None] | None = Field(default=None, description="the DTP model's perplexity, per step")
+    loss: list[float | None] | None = Field(
+        default=None, description="mean training loss since the previous evaluation (null at step 0)")
+    lr: list[float | None] | None = Field(default=None, description="lr of the last step taken")
+
+
+class MetricsOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "job_id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "status": "succeeded", "stage": None,
+        "curves": [
+            {"layout": "optimised", "seed": 0, "steps": [0, 100, 200], "kl": [0.91, 0.21, 0.12],
+             "ppl": [40.1, 22.3, 20.9], "loss": [None, 0.52, 0.25], "lr": [1e-5, 9.2e-5, 1e-5]},
+            {"layout": "contiguous", "seed": 0, "steps": [0, 100, 200], "kl": [1.72, 0.35, 0.2],
+             "ppl": [75.0, 25.6, 22.2], "loss": [None, 0.81, 0.38], "lr": [1e-5, 9.2e-5, 1e-5]}],
+        "summary": {"dense_ppl": 19.8, "headline": {
+            "reference": "contiguous", "candidate": "optimised", "reference_final_step": 200,
+            "reference_final_kl": 0.2, "candidate_final_kl": 0.12, "candidate_step_to_reference_final_kl": 131.0,
+            "multipliers": [{"step": 100, "reference_kl": 0.35, "candidate_step": 62.5, "multiplier": 1.6},
+                            {"step": 200, "reference_kl": 0.2, "candidate_step": 131.0, "multiplier": 1.53}]}},
+    }]})
+
+    job_id: str
+    status: Status
+    stage: str | None
+    curves: list[Curve] = Field(description="one curve per (layout, seed), in the job's layout order; empty until "
+                                            "the first evaluation")
+    summary: dict[str, Any] | None = Field(
+        default=None, description="once summary.json exists: dense_ppl and the headline (the step at which the "
+                                  "candidate reaches the reference's final KL, and the compute multipliers)")
 
 
 class Health(BaseModel):

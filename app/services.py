@@ -5,7 +5,9 @@ Torch-free: the API process imports this module.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,13 +15,15 @@ from typing import Any
 
 from sqlalchemy import func, select, text
 
-from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, utcnow
-from app.schemas import JobSpec
+from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, check_config, fingerprint, read_config, resolve_data, resolve_model
+from app.storage import Storage
 
 log = logging.getLogger(__name__)
 LAYOUT_FORMAT = "dtp-layout/1"
+DISTILL_SUMMARY = "distill/summary.json"  # the artifact GET /v1/jobs/{id}/metrics reads the headline from
 
 
 class NotFound(LookupError):
@@ -81,12 +85,41 @@ def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any
     config = read_config(location) if location is not None else None
     if config is not None:
         problems += check_config(config, devices=spec.devices, delta=spec.delta)
+    problems += distill_problems(settings=settings, spec=spec)
     if problems:
         raise SpecError(problems)
     fp = fingerprint(model_id=spec.model.id, revision=spec.model.revision, gguf_file=spec.model.gguf_file,
                      dtype=spec.model.dtype, calibration=spec.calibration.model_dump(), model_path=model_path,
                      data_path=data_path)
     return fp, {"config_checked": config is not None}
+
+
+def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, str]]:
+    """(field, message) for a `distill` spec the worker would refuse: layouts the job does not produce,
+    data sources outside the rules, fewer training blocks than one batch."""
+    distill = spec.distill
+    if distill is None:
+        return []
+    problems: list[tuple[str, str]] = []
+    produced = spec.layout_names()
+    for i, name in enumerate(distill.layouts):
+        if name not in produced:
+            hint = "" if spec.ablations else "; anti-optimised, heads-only and neurons-only need ablations=true"
+            problems.append((f"distill.layouts.{i}", f"layout {name!r} is not one this job produces (it produces: "
+                                                     f"{', '.join(produced)}{hint})"))
+    for part in ("train", "eval"):
+        data = getattr(distill, part)
+        if data is not None:
+            try:
+                resolve_data(settings.data_dir, data.source, field=f"distill.{part}.source")
+            except SourceError as exc:
+                problems.append((exc.field, str(exc)))
+    train, _ = distill.data_specs(spec.calibration)
+    batch = distill.effective_recipe()["batch_size"]
+    if train["sequences"] < batch:
+        problems.append(("distill.train.sequences", f"{train['sequences']} training blocks are fewer than one "
+                                                    f"batch (recipe.batch_size={batch})"))
+    return problems
 
 
 def submit_job(*, db: Database, settings: Settings, spec: JobSpec, owner: str | None,
@@ -147,7 +180,7 @@ def job_view(job: Job, *, base: str = "") -> dict[str, Any]:
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
         "timings": dict(job.timings or {}), "summary": job.summary,
         "links": {"self": url, "layouts": f"{url}/layouts", "artifacts": f"{url}/artifacts",
-                  "cancel": f"{url}/cancel"},
+                  "metrics": f"{url}/metrics", "cancel": f"{url}/cancel"},
     }
 
 
@@ -206,6 +239,48 @@ def get_artifact(*, db: Database, job_id: str, name: str) -> Artifact:
     if row is None:
         raise NotFound(f"job {job_id!r} has no artifact {name!r}")
     return row
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def job_metrics(*, db: Database, storage: Storage, job_id: str, layout: str | None = None, seed: int | None = None,
+                name: str | None = None) -> dict[str, Any]:
+    """The distillation curves of a job from the `metrics` table, one per (layout, seed), and the
+    headline of summary.json once the distilling stage published it."""
+    job = get_job(db=db, job_id=job_id)
+    names = [name] if name is not None else list(METRIC_NAMES)
+    query = select(Metric).where(Metric.job_id == job_id, Metric.name.in_(names))
+    if layout is not None:
+        query = query.where(Metric.layout == layout)
+    if seed is not None:
+        query = query.where(Metric.seed == seed)
+    with db.session() as session:
+        rows = session.scalars(query.order_by(Metric.layout, Metric.seed, Metric.step)).all()
+        summary_row = session.scalars(select(Artifact).where(Artifact.job_id == job_id,
+                                                             Artifact.name == DISTILL_SUMMARY)).first()
+    series: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
+    for row in rows:
+        series.setdefault((row.layout or "", row.seed), {}).setdefault(row.name, {})[row.step] = row.value
+    order = {n: i for i, n in enumerate((job.spec.get("distill") or {}).get("layouts") or [])}
+    curves = []
+    for (lay, sd), values in sorted(series.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0])):
+        steps = sorted({step for by_step in values.values() for step in by_step})
+        curve: dict[str, Any] = {"layout": lay, "seed": sd, "steps": steps}
+        for metric in names:
+            by_step = values.get(metric, {})
+            curve[metric] = [_finite(by_step.get(step)) for step in steps]
+        curves.append(curve)
+    summary = None
+    if summary_row is not None:
+        try:
+            doc = json.loads(storage.path(summary_row.storage_key).read_text())
+            summary = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
+                       "seconds": doc.get("seconds")}
+        except (OSError, ValueError):
+            log.warning("job %s: cannot read %s", job_id, DISTILL_SUMMARY, exc_info=True)
+    return {"job_id": job.id, "status": job.status, "stage": job.stage, "curves": curves, "summary": summary}
 
 
 def latest_scores(*, db: Database, model: str | None = None, revision: str | None = None,

@@ -112,21 +112,21 @@ def resolve_model(model_root: Path, model_id: str, *, revision: str | None = Non
                                   f"of the form 'owner/name'{hint}")
 
 
-def resolve_data(data_root: Path, source: str) -> str:
-    """The source string `models.calibration` reads: corpus:/hf: as they are, a name as its absolute path."""
+def resolve_data(data_root: Path, source: str, field: str = "calibration.source") -> str:
+    """The source string `models.calibration` reads: corpus:/hf: as they are, a name as its absolute path.
+    `field` is the spec field named in errors (calibration.source, distill.train.source, …)."""
     if source.startswith("corpus:"):
         if source[7:] not in CORPORA:
-            raise SourceError("calibration.source", f"unknown corpus {source!r}; known: "
-                              + ", ".join(f"corpus:{c}" for c in CORPORA))
+            raise SourceError(field, f"unknown corpus {source!r}; known: " + ", ".join(f"corpus:{c}" for c in CORPORA))
         return source
     if source.startswith("hf:"):
         if not HF_SOURCE.match(source):
-            raise SourceError("calibration.source", f"{source!r}: expected hf:NAME[:CONFIG[:SPLIT]] "
-                                                    "(letters, digits, '._-')")
+            raise SourceError(field, f"{source!r}: expected hf:NAME[:CONFIG[:SPLIT]] (letters, digits, '._-')")
         return source
-    path = resolve_under(data_root, source, "calibration.source", "calibration source")
+    what = "calibration source" if field == "calibration.source" else "data source"
+    path = resolve_under(data_root, source, field, what)
     if path is None:
-        raise SourceError("calibration.source", f"no file or directory {source!r} under the server's data root; "
+        raise SourceError(field, f"no file or directory {source!r} under the server's data root; "
                           "expected corpus:kjv, corpus:shakespeare, hf:NAME[:CONFIG[:SPLIT]] or a name under "
                           "the data root (.txt, .jsonl, .npy or a directory of .txt)")
     return str(path)

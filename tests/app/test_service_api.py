@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 
 import pytest
 from fastapi.testclient import TestClient
 
-from app.db import Artifact, Job, LayoutRow, database, utcnow
+from app.db import Artifact, Job, LayoutRow, Metric, database, utcnow
 from app.main import create_app
 from app.storage import Storage
 from tests.service_kit import CALIB, TINY_MODEL, make_settings, provision, spec
@@ -46,7 +47,7 @@ def test_submit_answers_202_with_id_status_and_links(client):
     job = r.json()
     assert job["status"] == "queued" and job["stage"] is None and job["progress"] == 0
     assert r.headers["location"] == job["links"]["self"] == f"/v1/jobs/{job['id']}"
-    assert set(job["links"]) == {"self", "layouts", "artifacts", "cancel"}
+    assert set(job["links"]) == {"self", "layouts", "artifacts", "metrics", "cancel"}
     assert job["spec"]["calibration"]["source"] == CALIB and job["spec"]["export"] == {"checkpoint": True,
                                                                                          "shards": True}
     got = client.get(f"/v1/jobs/{job['id']}").json()
@@ -73,7 +74,7 @@ def test_invalid_spec_names_each_bad_field(client):
 
 @pytest.mark.parametrize(("overrides", "field", "text"), [
     ({"devices": "2"}, "devices", "valid integer"),
-    ({"distill": {"steps": 10}}, "distill", "not available yet"),
+    ({"distill": {"steps": 0}}, "distill.steps", "greater than or equal to 1"),
     ({"export": "yes"}, "export", "valid dictionary"),
     ({"calibration": {"source": "corpus:bible"}}, "calibration.source", "corpus:kjv"),
     ({"calibration": {"source": "hf:bad name"}}, "calibration.source", "hf:NAME"),
@@ -82,6 +83,48 @@ def test_invalid_spec_names_each_bad_field(client):
 ])
 def test_invalid_values(client, overrides, field, text):
     r = submit(client, **overrides)
+    assert r.status_code == 422, r.text
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert field in errors and text in errors[field], errors
+
+
+def test_distill_spec_is_accepted_and_stored(client):
+    body = {"layouts": ["optimised", "random-1001", "heads-only"], "seeds": [0, 3], "steps": 4,
+            "train": {"source": CALIB, "seq_len": 16}, "eval": {"source": "corpus:kjv", "sequences": 2},
+            "recipe": {"batch_size": 2, "micro_batch_size": 1, "eval_every": 2, "betas": [0.8, 0.9],
+                       "autocast": "none"}}
+    r = submit(client, distill=body)
+    assert r.status_code == 202, r.text
+    stored = r.json()["spec"]["distill"]
+    assert stored["layouts"] == body["layouts"] and stored["seeds"] == [0, 3] and stored["steps"] == 4
+    assert stored["recipe"]["betas"] == [0.8, 0.9] and stored["recipe"]["lr"] is None  # null: the default
+    assert stored["train"]["source"] == CALIB  # the name, never the server's path
+    defaults = submit(client, distill={})
+    assert defaults.status_code == 202, defaults.text
+    assert defaults.json()["spec"]["distill"]["layouts"] == ["optimised", "contiguous"]
+
+
+@pytest.mark.parametrize(("distill", "field", "text"), [
+    ({"layouts": ["optimised", "random-1002"]}, "distill.layouts.1", "random-1000, random-1001"),
+    ({"layouts": ["anti-optimised"]}, "distill.layouts.0", "ablations=true"),
+    ({"layouts": ["optimised", "optimised"]}, "distill.layouts", "duplicate"),
+    ({"layouts": []}, "distill.layouts", "at least 1"),
+    ({"seeds": [1, 1]}, "distill.seeds", "distinct"),
+    ({"recipe": {"lr": -1}}, "distill.recipe.lr", "greater than 0"),
+    ({"recipe": {"warmup": 10}}, "distill.recipe.warmup", "Extra inputs"),
+    ({"recipe": {"autocast": "fp8"}}, "distill.recipe.autocast", "'auto', 'bf16' or 'none'"),
+    ({"recipe": {"betas": [0.9, 1.0]}}, "distill.recipe.betas", "[0, 1)"),
+    ({"recipe": {"batch_size": 6, "micro_batch_size": 4}}, "distill.recipe", "multiple of micro_batch_size"),
+    ({"recipe": {"min_lr": 1e-3}}, "distill.recipe", "min_lr ≤ lr"),
+    ({"recipe": {"steps": 3}, "steps": 4}, "distill", "disagree"),
+    ({"train": {"source": "../etc/passwd"}}, "distill.train.source", "without '..'"),
+    ({"train": {"source": "/etc/passwd"}}, "distill.train.source", "relative name"),
+    ({"eval": {"source": "corpus:bible"}}, "distill.eval.source", "unknown corpus"),
+    ({"train": {"source": CALIB, "sequences": 4}}, "distill.train.sequences", "fewer than one batch"),
+    ({"device": "cuda"}, "distill.device", "Extra inputs"),
+])
+def test_invalid_distill_names_the_field(client, distill, field, text):
+    r = submit(client, ablations=False, distill=distill)
     assert r.status_code == 422, r.text
     errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
     assert field in errors and text in errors[field], errors
@@ -238,6 +281,54 @@ def test_artifact_download_range_etag_digest(client, finished_job):
         assert client.get(f"/v1/jobs/{job_id}/artifacts/{name}").status_code == 404
 
 
+def test_metrics_curves_by_layout_and_seed_with_headline(client, settings, finished_job):
+    job_id, _ = finished_job
+    db = database(settings.database_url)
+    storage = Storage(settings.storage)
+    with db.transaction() as session:
+        job = session.get(Job, job_id)
+        job.spec = {**job.spec, "distill": {"layouts": ["optimised", "contiguous"], "seeds": [0, 1]}}
+        for layout, seed in (("contiguous", 0), ("optimised", 0), ("optimised", 1)):
+            for step in (0, 2):
+                values = {"kl": 1.0 / (step + 1) + seed, "ppl": 50.0 - step, "lr": 1e-3}
+                if step:
+                    values["loss"] = 0.5
+                session.add_all(Metric(job_id=job_id, layout=layout, seed=seed, step=step, name=name, value=value)
+                                for name, value in values.items())
+        summary = {"format": "dtp-layout-distill/1", "dense_ppl": 12.5, "seconds": 3.0,
+                   "headline": {"reference": "contiguous", "candidate": "optimised", "reference_final_step": 2,
+                                "candidate_step_to_reference_final_kl": 1.5, "multipliers": []}}
+        key = Storage.artifact_key(job_id, "distill/summary.json")
+        storage.path(key).parent.mkdir(parents=True, exist_ok=True)
+        storage.path(key).write_text(json.dumps(summary))
+        session.add(Artifact(job_id=job_id, name="distill/summary.json", kind="distill", size=1, sha256="0" * 64,
+                             storage_key=key))
+    r = client.get(f"/v1/jobs/{job_id}/metrics")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["job_id"] == job_id and body["status"] == "succeeded"
+    assert [(c["layout"], c["seed"]) for c in body["curves"]] == [("optimised", 0), ("optimised", 1),
+                                                                   ("contiguous", 0)]  # the spec's order
+    first = body["curves"][0]
+    assert first["steps"] == [0, 2] and first["kl"] == pytest.approx([1.0, 1 / 3]) and first["ppl"] == [50.0, 48.0]
+    assert first["loss"] == [None, 0.5] and first["lr"] == [1e-3, 1e-3]
+    assert body["summary"]["dense_ppl"] == 12.5
+    assert body["summary"]["headline"]["candidate_step_to_reference_final_kl"] == 1.5
+    only = client.get(f"/v1/jobs/{job_id}/metrics", params={"layout": "optimised", "seed": 1, "name": "kl"}).json()
+    assert [(c["layout"], c["seed"]) for c in only["curves"]] == [("optimised", 1)]
+    assert only["curves"][0]["kl"] == pytest.approx([2.0, 4 / 3]) and only["curves"][0]["ppl"] is None
+    assert client.get(f"/v1/jobs/{job_id}/metrics", params={"name": "acc"}).status_code == 422
+    assert client.get(f"/v1/jobs/{job_id}/metrics", params={"layout": "random-5"}).json()["curves"] == []
+
+
+def test_metrics_of_a_job_without_curves_yet(client):
+    job = submit(client, distill={"steps": 4}).json()
+    r = client.get(job["links"]["metrics"])
+    assert r.status_code == 200
+    assert r.json() == {"job_id": job["id"], "status": "queued", "stage": None, "curves": [], "summary": None}
+    assert client.get("/v1/jobs/nope/metrics").status_code == 404
+
+
 def test_scores_latest_finished(client, finished_job):
     job_id, _ = finished_job
     r = client.get("/v1/scores", params={"model": "finished-model", "devices": 2, "delta": 1, "score": "fo"})
@@ -261,6 +352,8 @@ def test_health_ready_metrics_docs(client, settings):
     openapi = client.get("/openapi.json").json()
     body = openapi["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]
     assert "examples" in body and any(e["value"]["model"] for e in body["examples"].values())
+    assert any(e["value"].get("distill") for e in body["examples"].values())
+    assert "/v1/jobs/{job_id}/metrics" in openapi["paths"]
     broken = make_settings(settings.var_dir, database_url=settings.database_url, broker_url="redis://127.0.0.1:1/0")
     with TestClient(create_app(broken)) as other:
         r = other.get("/readyz")

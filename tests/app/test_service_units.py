@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
-from app.schemas import CalibrationIn, JobSpec
+from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, RECIPE_DEFAULTS, CalibrationIn, DistillRecipeIn, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, check_config, resolve_data, resolve_model, resolve_under
 
@@ -108,6 +109,62 @@ def test_job_spec_defaults_and_export_shorthand():
     assert spec.delta == 1 and spec.score == "fo" and not spec.export.any and spec.distill is None
 
 
+def test_distill_recipe_fields_match_models_distill():
+    """The API mirrors DistillRecipe without importing it (torch): same fields, same defaults."""
+    from models.distill import DistillRecipe
+
+    assert set(DistillRecipeIn.model_fields) == set(DistillRecipe.__dataclass_fields__)
+    assert {**DistillRecipe().as_dict(), "betas": DistillRecipe().betas} == RECIPE_DEFAULTS
+
+
+def test_layout_names_match_models_pipeline():
+    from models.pipeline import ABLATIONS
+    from models.pipeline import RANDOM_SEED_BASE as PIPELINE_RANDOM_SEED_BASE
+
+    assert RANDOM_SEED_BASE == PIPELINE_RANDOM_SEED_BASE and tuple(ABLATIONS) == ABLATION_LAYOUTS
+    spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},
+                                   "random_layouts": 2, "ablations": True})
+    assert spec.layout_names() == ["optimised", "anti-optimised", "heads-only", "neurons-only", "contiguous",
+                                   "random-1000", "random-1001"]
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"steps": 4, "batch_size": 2, "micro_batch_size": 1, "eval_every": 2}, {"lr": 1e-3, "min_lr": 1e-3},
+    {"betas": [0.0, 0.999]}, {"grad_clip": 0.0, "warmup_steps": 0}, {"autocast": "bf16", "last_scale": "one"},
+    {"steps": 0}, {"batch_size": 6}, {"micro_batch_size": 0}, {"lr": 1e-6}, {"min_lr": 0.0}, {"lr": -1.0},
+    {"warmup_steps": -1}, {"betas": [0.9, 1.0]}, {"betas": [0.9]}, {"weight_decay": -0.1}, {"ce_weight": -1.0},
+    {"grad_clip": -1.0}, {"autocast": "fp16"}, {"last_scale": "half"}, {"logit_chunk": 0}, {"eval_every": 0},
+    {"eval_batch_size": 0}, {"checkpoint_every": 0}, {"unknown": 1},
+])
+def test_distill_recipe_validation_agrees_with_models_distill(fields):
+    """A recipe the API accepts is one DistillRecipe accepts, and the other way round."""
+    from models.distill import DistillRecipe
+
+    try:
+        DistillRecipe.from_dict(fields)
+        engine_ok = True
+    except (ValueError, TypeError):
+        engine_ok = False
+    try:
+        DistillRecipeIn.model_validate(fields)
+        api_ok = True
+    except ValidationError:
+        api_ok = False
+    assert api_ok == engine_ok
+
+
+def test_distill_data_defaults():
+    spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2,
+                                   "calibration": {"source": "corpus:kjv", "seq_len": 128, "text_field": "body"},
+                                   "distill": {"steps": 10, "recipe": {"batch_size": 4, "micro_batch_size": 2}}})
+    assert spec.distill is not None
+    train, evaluation = spec.distill.data_specs(spec.calibration)
+    assert train == {"source": "corpus:kjv", "sequences": 40, "seq_len": 128, "text_field": "body", "skip_blocks": 0}
+    assert evaluation == {**train, "sequences": 16}
+    assert spec.distill.recipe_fields() == {"batch_size": 4, "micro_batch_size": 2, "steps": 10}
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # what the worker reads back
+
+
 def test_settings_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DTP_LAYOUT_VAR_DIR", str(tmp_path))
     monkeypatch.setenv("DTP_LAYOUT_BROKER_URL", "redis://example:6379/1")
@@ -137,6 +194,10 @@ with TestClient(create_app(s)) as c:
     assert c.get('/healthz').status_code == 200
     assert c.get('/v1/jobs').status_code == 200
     assert c.post('/v1/jobs', json={{}}).status_code == 422
+    bad = c.post('/v1/jobs', json={{'model': {{'id': 'x'}}, 'devices': 2, 'calibration': {{'source': 'corpus:kjv'}},
+                                   'distill': {{'layouts': ['random-7'], 'recipe': {{'lr': 1e-3}}}}}})
+    assert bad.status_code == 422 and 'distill.layouts.0' in bad.text, bad.text
+    assert c.get('/v1/jobs/nope/metrics').status_code == 404
     assert c.get('/openapi.json').status_code == 200
 print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))
 """
