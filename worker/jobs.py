@@ -12,6 +12,11 @@ stage recorded in `stages_done`:
 - optimising   layouts → work/layouts/*.json and the `layouts` rows, in one transaction with the stage;
 - exporting    the optimised layout's checkpoint and/or rank shards, published as artifacts (files
                renamed into place; rows and the stage recorded in one transaction);
+- distilling   when the spec has `distill`: `models.distill.run_distill` over work/layouts into
+               work/distill/, each evaluation written to the `metrics` table as it is produced (one
+               row per job, layout, seed, step and name); a rerun resumes every run from its last
+               checkpoint. Recorded as done, with the metrics.csv / summary.json / curves.png
+               artifacts, once summary.json exists;
 - then report.json and `succeeded`, in one transaction.
 
 Torch is imported inside the functions that need it (the API imports nothing from here).
@@ -19,8 +24,10 @@ Torch is imported inside the functions that need it (the API imports nothing fro
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
+import math
 import shutil
 import threading
 import time
@@ -34,14 +41,16 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from app.db import Artifact, Database, Job, LayoutRow, utcnow
-from app.schemas import JobSpec
-from app.services import event
+from app.db import Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app.schemas import METRIC_NAMES, JobSpec
+from app.services import DISTILL_SUMMARY, event
 from app.settings import Settings
 from app.sources import resolve_data, resolve_model
 from app.storage import Storage, sha256_file
 
 log = logging.getLogger("dtp_layout.worker")
+DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
+_AUTO: Any = object()  # Monitor.report: estimate the ETA from the stage's elapsed time
 
 
 class LeaseLost(RuntimeError):
@@ -117,24 +126,28 @@ class Monitor(threading.Thread):
         self._halt = threading.Event()
         self._lock = threading.Lock()
         self._fraction: float | None = None
+        self._eta: float | None = _AUTO
         self._stage_t0 = time.monotonic()
 
     def start_stage(self) -> None:
         with self._lock:
-            self._fraction, self._stage_t0 = None, time.monotonic()
+            self._fraction, self._eta, self._stage_t0 = None, _AUTO, time.monotonic()
 
-    def report(self, fraction: float) -> None:
+    def report(self, fraction: float, eta_s: float | None = _AUTO) -> None:
+        """The stage's fraction done; eta_s when the caller knows better than elapsed·(1 − f)/f (a
+        resumed stage starts part-way), None for not known yet."""
         with self._lock:
-            self._fraction = min(1.0, max(0.0, float(fraction)))
+            self._fraction, self._eta = min(1.0, max(0.0, float(fraction))), eta_s
 
     def _progress(self) -> dict[str, Any]:
         with self._lock:
-            fraction, t0 = self._fraction, self._stage_t0
+            fraction, eta, t0 = self._fraction, self._eta, self._stage_t0
             self._fraction = None
         if fraction is None:
             return {}
-        elapsed = time.monotonic() - t0
-        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
+        if eta is _AUTO:
+            elapsed = time.monotonic() - t0
+            eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
         return {"progress": fraction, "eta_s": eta}
 
     def flush(self) -> None:
@@ -244,6 +257,13 @@ class JobRun:
             session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=dest.stat().st_size,
                                  sha256=sha256_file(dest), storage_key=key))
 
+    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+        """Evaluation rows (layout, seed, step, kl, ppl, loss, lr) into the metrics table, if this
+        worker still holds the job (the job row's lock also serialises writers)."""
+        with self.db.transaction() as session:
+            self._owned(session)
+            upsert_metrics(session, self.job_id, rows)
+
     # -- the stages --
 
     def run(self) -> None:
@@ -260,6 +280,7 @@ class JobRun:
         cache_path = self.storage.path(cache_key)
         have_affinity = "affinity" in self.done or cache_path.is_file()
         need_export = spec.export.any and "exporting" not in self.done
+        need_distill = spec.distill is not None and "distilling" not in self.done
         calibration_shown = CalibrationSpec(**spec.calibration.model_dump())
         calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
                                          "source": resolve_data(self.settings.data_dir, spec.calibration.source)})
@@ -278,7 +299,7 @@ class JobRun:
         check_delta(shape, spec.delta)
         self.monitor.report(0.05)
         loaded = Loaded()
-        if not have_affinity or need_export:
+        if not have_affinity or need_export or need_distill:
             loaded.model = load_model(source, dtype=spec.model.dtype, device=self.settings.device)
             self.monitor.report(0.9)
             loaded.tokenizer = load_tokenizer(source)
@@ -367,11 +388,78 @@ class JobRun:
             self.complete("exporting", lambda session, _job: self._artifact_rows(session, files),
                           files=len(files))
 
+        # distilling
+        if need_distill:
+            self.distil(loaded, layouts_dir)
+
         # the report, and done
         self.check()
         self.stage = None
         report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown)
         self._finish(report)
+
+    def distil(self, loaded: Loaded, layouts_dir: Path) -> None:
+        """The distilling stage: every (layout, seed) run of the spec's `distill`, resumable."""
+        from models import distill as D
+        from models.calibration import CalibrationSpec
+
+        spec = self.spec.distill
+        assert spec is not None
+        out_dir = self.work / "distill"
+        shown = dict(zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True))
+        data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
+                                                                          field=f"distill.{part}.source")})
+                for part, fields in shown.items()}
+        dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
+                              devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
+                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()))
+        total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
+        self.enter("distilling")
+        t0, trained = time.monotonic(), 0
+
+        def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:
+            nonlocal trained
+            trained += 1
+
+        def progress(_stage: str, fraction: float) -> None:
+            # Steps trained in this attempt set the pace: a resumed stage starts part-way.
+            eta = (time.monotonic() - t0) / trained * total_steps * (1 - fraction) if trained else None
+            self.monitor.report(fraction, eta_s=eta)
+
+        def on_eval(record: Any) -> None:
+            self.write_metrics([record.as_dict()])
+
+        def on_run_start(_layout: str, _seed: int) -> None:
+            # Evaluations read back from earlier attempts (finished runs, checkpoints) are in metrics.csv.
+            self.write_metrics(read_metrics_csv(out_dir / "metrics.csv"))
+
+        D.run_distill(dspec, teacher=loaded.model, tokenizer=loaded.tokenizer, out_dir=out_dir,
+                      layouts_dir=layouts_dir, model_id=self.spec.model.id, progress=progress,
+                      should_stop=self.should_stop, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start,
+                      plot=True, keep_checkpoints=False)
+        self.check()
+        # The data specs as submitted (names, not the server's paths), in the published summary.
+        summary_file = out_dir / "summary.json"
+        summary = json.loads(summary_file.read_text())
+        for part, fields in shown.items():
+            summary[part] = {**summary.get(part, {}), **fields}
+        _write_json(summary_file, summary)
+        staging = self.work / "distill-publish"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        files = []
+        for name in DISTILL_FILES:
+            shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
+            files.append((f"distill/{name}", "distill", staging / name))
+
+        def record(session: Session, _job: Job) -> None:
+            upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
+            self._artifact_rows(session, files)
+
+        # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
+        self.complete("distilling", record, runs=len(dspec.layouts) * len(dspec.seeds), steps_trained=trained,
+                      total_steps=total_steps)
+        shutil.rmtree(staging, ignore_errors=True)
 
     def _finish(self, report: dict[str, Any]) -> None:
         report_file = self.work / "report.json"
@@ -387,11 +475,58 @@ class JobRun:
             job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
                                                              "upper_bound_exact", "notes")}
             job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
+            distilled = self.work / "distill" / "summary.json"
+            if self.spec.distill is not None and distilled.is_file():
+                doc = json.loads(distilled.read_text())
+                job.summary["distill"] = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
+                                          "summary": DISTILL_SUMMARY}
             now = utcnow()
             job.status, job.stage, job.progress, job.eta_s = "succeeded", None, 1.0, None
             job.finished_at, job.updated_at, job.lease_until = now, now, None
             job.history = [*(job.history or []), event("succeeded", attempt=job.attempts)]
         log.info("job %s: succeeded", self.job_id)
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def read_metrics_csv(path: Path) -> list[dict[str, Any]]:
+    """The rows of a distillation metrics.csv (layout, seed, step, kl, ppl, loss, lr); [] when absent."""
+    try:
+        with open(path, newline="") as f:
+            return list(csv.DictReader(f))
+    except FileNotFoundError:
+        return []
+
+
+def upsert_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) -> None:
+    """One `metrics` row per (job, layout, seed, step, name): an existing row is updated, a missing one
+    inserted; empty and non-finite values (the loss at step 0) are not written."""
+    if not rows:
+        return
+    keyed = [(str(r["layout"]), int(r["seed"]), int(r["step"]), r) for r in rows]
+    query = select(Metric).where(Metric.job_id == job_id, Metric.layout.in_({k[0] for k in keyed}),
+                                 Metric.seed.in_({k[1] for k in keyed}), Metric.step.in_({k[2] for k in keyed}),
+                                 Metric.name.in_(METRIC_NAMES))
+    existing = {(m.layout, m.seed, m.step, m.name): m for m in session.scalars(query)}
+    for layout, seed, step, row in keyed:
+        for name in METRIC_NAMES:
+            raw = row.get(name)
+            if raw is None or raw == "":
+                continue
+            value = float(raw)
+            if not math.isfinite(value):
+                continue
+            have = existing.get((layout, seed, step, name))
+            if have is None:
+                existing[(layout, seed, step, name)] = have = Metric(job_id=job_id, layout=layout, seed=seed,
+                                                                     step=step, name=name, value=value)
+                session.add(have)
+            elif have.value != value:
+                have.value = value
 
 
 def _save_npy(path: Path, blocks: Any) -> None:

@@ -1,0 +1,192 @@
+"""Distillation as a job stage, on the real stack (API on Postgres, Celery workers on Redis): a tiny
+random model, two layouts × one seed × 4 steps. The curves come from GET /v1/jobs/{id}/metrics as they
+are produced, once per (layout, seed, step, name) in the metrics table; a worker killed mid-stage
+leaves the runs' checkpoints, and the redelivered job resumes them onto the uninterrupted curve."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+from collections import Counter
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from app.db import Artifact, Job, Metric, database
+from app.main import create_app
+from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
+
+LAYOUTS = ["optimised", "contiguous"]
+DISTILL = {
+    "layouts": LAYOUTS,
+    "seeds": [0],
+    "steps": 4,
+    "train": {"source": CALIB, "seq_len": 16},
+    "eval": {"source": CALIB, "sequences": 4, "seq_len": 16},
+    "recipe": {"batch_size": 2, "micro_batch_size": 1, "eval_every": 2, "checkpoint_every": 1, "warmup_steps": 1,
+               "lr": 1e-3, "min_lr": 1e-4, "logit_chunk": 64, "eval_batch_size": 4},
+}
+BODY = spec(random_layouts=0, ablations=False, export={"checkpoint": False, "shards": True}, distill=DISTILL)
+STAGES = ["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
+# Per layout: kl, ppl and lr at steps 0, 2 and 4; the loss at steps 2 and 4 (none before the first step).
+ROWS_PER_LAYOUT = 3 * 3 + 2
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory, postgres_server, redis_broker):
+    from app.migrate import upgrade
+
+    url = postgres_server.create_database("dtp_distill")
+    upgrade(url)
+    broker, prefix = redis_broker
+    # A short lease: a killed worker's job is re-enqueued within seconds. The (test-only) stage delay
+    # sleeps before every training step, so that the distilling stage is reliably caught mid-way.
+    s = make_settings(tmp_path_factory.mktemp("distill"), database_url=url, broker_url=broker,
+                      broker_key_prefix=prefix + "distill:", lease_s=2.0, stage_delay_s=0.4, device="cpu")
+    provision(s)
+    return s
+
+
+@pytest.fixture(scope="module")
+def first_worker(settings):
+    w = WorkerProcess(settings, settings.var_dir / "workers.log", name="first").start()
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="module")
+def client(settings, first_worker):
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def metric_counts(settings, job_id):
+    with database(settings.database_url).session() as session:
+        return session.execute(select(Metric.layout, Metric.seed, Metric.step, Metric.name, func.count())
+                               .where(Metric.job_id == job_id)
+                               .group_by(Metric.layout, Metric.seed, Metric.step, Metric.name)).all()
+
+
+def history(settings, job_id):
+    with database(settings.database_url).session() as session:
+        return session.get(Job, job_id).history
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(client, first_worker):
+    job = client.post("/v1/jobs", json=BODY).json()
+    return wait_for(client, job["id"], timeout=90, worker=first_worker)
+
+
+def test_distill_stage_writes_curves_metrics_and_artifacts(client, settings, uninterrupted):
+    job = uninterrupted
+    assert job["status"] == "succeeded", job
+    assert job["stages_done"] == STAGES and job["timings"]["distilling"] > 0
+    done = next(e for e in history(settings, job["id"]) if e["event"] == "stage-done" and e["stage"] == "distilling")
+    assert done["steps_trained"] == done["total_steps"] == 8
+
+    body = client.get(job["links"]["metrics"]).json()
+    assert [(c["layout"], c["seed"]) for c in body["curves"]] == [(name, 0) for name in LAYOUTS]
+    for curve in body["curves"]:
+        assert curve["steps"] == [0, 2, 4]
+        assert all(k > 0 for k in curve["kl"]) and all(p > 1 for p in curve["ppl"])
+        assert curve["loss"][0] is None and all(x > 0 for x in curve["loss"][1:])
+        assert curve["lr"][0] == pytest.approx(1e-3)  # warm-up of one step: step 0 runs at the peak lr
+    headline = body["summary"]["headline"]
+    assert headline["reference"] == "contiguous" and headline["candidate"] == "optimised"
+    assert headline["reference_final_step"] == 4 and body["summary"]["dense_ppl"] > 1
+    assert job["summary"]["distill"]["headline"] == headline
+
+    counts = metric_counts(settings, job["id"])
+    assert {row[-1] for row in counts} == {1} and len(counts) == len(LAYOUTS) * ROWS_PER_LAYOUT
+
+    arts = {a["name"]: a for a in client.get(job["links"]["artifacts"]).json()["items"]}
+    assert {n for n, a in arts.items() if a["kind"] == "distill"} == {"distill/metrics.csv", "distill/summary.json",
+                                                                      "distill/curves.png"}
+    files = {}
+    for name in ("distill/metrics.csv", "distill/summary.json", "distill/curves.png"):
+        r = client.get(arts[name]["link"])
+        assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == arts[name]["sha256"]
+        files[name] = r.content
+    assert files["distill/curves.png"].startswith(b"\x89PNG")
+    rows = list(csv.DictReader(io.StringIO(files["distill/metrics.csv"].decode())))
+    assert [(r["layout"], int(r["step"])) for r in rows] == [(n, s) for n in LAYOUTS for s in (0, 2, 4)]
+    by_key = {(c["layout"], s): k for c in body["curves"] for s, k in zip(c["steps"], c["kl"], strict=True)}
+    assert all(float(r["kl"]) == by_key[(r["layout"], int(r["step"]))] for r in rows)  # the API = the file
+    summary = json.loads(files["distill/summary.json"])
+    assert summary["format"] == "dtp-layout-distill/1" and set(summary["layouts"]) == set(LAYOUTS)
+    assert summary["train"]["source"] == CALIB == summary["eval"]["source"]  # names, not the server's paths
+
+
+def test_cancel_while_distilling(client, settings, uninterrupted, first_worker):
+    body = {**BODY, "export": False, "distill": {**DISTILL, "steps": 40}}
+    job_id = client.post("/v1/jobs", json=body).json()["id"]
+    running = wait_for(client, job_id, timeout=60, worker=first_worker,
+                       until=lambda j: (j["stage"] == "distilling" and j["progress"] > 0)
+                       or j["status"] not in ("queued", "running"))
+    assert running["status"] == "running", running
+    assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    cancelled = wait_for(client, job_id, timeout=30, worker=first_worker)
+    assert cancelled["status"] == "cancelled" and cancelled["stage"] == "distilling"
+    assert "distilling" not in cancelled["stages_done"]
+    names = {a["name"] for a in client.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]}
+    assert not any(n.startswith("distill/") for n in names)
+    assert client.get(f"/v1/jobs/{job_id}/metrics").json()["curves"][0]["steps"][0] == 0  # kept what it made
+
+
+def test_redelivered_job_resumes_distilling_onto_the_same_curve(client, settings, uninterrupted, first_worker):
+    """Killed (SIGKILL) while the second layout trains; another worker picks the job up after the lease
+    expires and resumes from the runs' checkpoints: the same curves as the uninterrupted job, each
+    metric written once."""
+    job_id = client.post("/v1/jobs", json=BODY).json()["id"]
+    mid = wait_for(client, job_id, timeout=60, worker=first_worker,
+                   until=lambda j: (j["stage"] == "distilling" and j["progress"] >= 0.55)
+                   or j["status"] not in ("queued", "running"))
+    assert mid["status"] == "running" and "distilling" not in mid["stages_done"], mid
+    assert mid["eta_s"] is not None and mid["eta_s"] > 0
+    partial = client.get(f"/v1/jobs/{job_id}/metrics", params={"name": "kl"}).json()["curves"]
+    assert partial and partial[0]["layout"] == "optimised" and partial[0]["steps"] == [0, 2, 4]
+    first_worker.kill9()
+    # Where the dead worker left the second layout's run: finished, or its last checkpoint's step.
+    run_dir = settings.storage / "jobs" / job_id / "work" / "distill" / "runs" / "contiguous" / "seed-0"
+    if json.loads((run_dir / "metrics.json").read_text())["complete"]:
+        left_at = 4
+    else:
+        left_at = int(torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"])
+
+    second = WorkerProcess(settings, settings.var_dir / "workers.log", name="second").start()
+    try:
+        done = wait_for(client, job_id, timeout=60, worker=second)
+    finally:
+        second.stop()
+    assert done["status"] == "succeeded" and done["attempts"] == 2, done
+    assert done["stages_done"] == STAGES
+    events = history(settings, job_id)
+    counts = Counter(f"{e['event']}:{e.get('stage', '')}" for e in events)
+    assert counts["stage-start:distilling"] == 2 and counts["stage-done:distilling"] == 1
+    assert counts["stage-done:exporting"] == 1  # not redone
+    # The second attempt read the finished optimised run back and resumed contiguous from its checkpoint.
+    resumed = next(e for e in events if e["event"] == "stage-done" and e["stage"] == "distilling")
+    assert resumed["total_steps"] == 8 and resumed["steps_trained"] == 4 - left_at, (resumed, left_at)
+
+    expected = client.get(uninterrupted["links"]["metrics"]).json()
+    got = client.get(done["links"]["metrics"]).json()
+    assert [(c["layout"], c["seed"], c["steps"]) for c in got["curves"]] == [
+        (c["layout"], c["seed"], c["steps"]) for c in expected["curves"]]
+    for want, have in zip(expected["curves"], got["curves"], strict=True):
+        assert have["loss"][0] is None is want["loss"][0]
+        for name, start in (("kl", 0), ("ppl", 0), ("loss", 1), ("lr", 0)):
+            assert have[name][start:] == pytest.approx(want[name][start:], rel=1e-6, abs=1e-9), (want["layout"], name)
+
+    counts = metric_counts(settings, job_id)
+    assert {row[-1] for row in counts} == {1} and len(counts) == len(LAYOUTS) * ROWS_PER_LAYOUT
+    with database(settings.database_url).session() as session:
+        names = session.scalars(select(Artifact.name).where(Artifact.job_id == job_id)).all()
+    assert len(names) == len(set(names)) and {"distill/metrics.csv", "distill/summary.json",
+                                              "distill/curves.png"} <= set(names)
