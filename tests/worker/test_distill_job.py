@@ -149,7 +149,7 @@ def test_redelivered_job_resumes_distilling_onto_the_same_curve(client, settings
                    until=lambda j: (j["stage"] == "distilling" and j["progress"] >= 0.55)
                    or j["status"] not in ("queued", "running"))
     assert mid["status"] == "running" and "distilling" not in mid["stages_done"], mid
-    assert mid["eta_s"] is not None and mid["eta_s"] > 0
+    assert mid["eta_s"] is not None and (mid["eta_s"] > 0 or mid["progress"] == 1)  # 1: summary and plot left
     partial = client.get(f"/v1/jobs/{job_id}/metrics", params={"name": "kl"}).json()["curves"]
     assert partial and partial[0]["layout"] == "optimised" and partial[0]["steps"] == [0, 2, 4]
     first_worker.kill9()
