@@ -45,7 +45,7 @@ def dense_trainer(model: Any, *, freeze_embeddings: bool) -> tuple[Any, Any]:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return student, step
 
@@ -92,6 +92,7 @@ def main() -> None:
     print(f"ratio DTP / dense step                       {ratio:9.3f}   (target ≤ 1.3)")
     print(f"ratio DTP / dense step (embeddings frozen)   {t['dtp'] / t['dense_frozen']:9.3f}")
     print(f"ratio DTP / (dense step + teacher forward)   {t['dtp'] / (t['dense'] + t['teacher']):9.3f}")
+    print(f"ratio DTP / (frozen step + teacher forward)  {t['dtp'] / (t['dense_frozen'] + t['teacher']):9.3f}")
 
 
 if __name__ == "__main__":

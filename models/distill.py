@@ -275,7 +275,7 @@ def _chunk_loss_grad(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     ce = -logq[rows, tgt].sum()
     grad = logq.exp_()  # q, in place: logq is not needed any more
     row_scale = kl_scale + ce_scale * has_target.to(grad.dtype)  # [t]
-    grad.mul_(row_scale[:, None]).sub_(p.mul_(kl_scale))
+    grad.mul_(row_scale[:, None]).sub_(p, alpha=kl_scale)
     grad[rows, tgt] -= ce_scale
     return float(kl), float(ce), grad
 
@@ -619,12 +619,14 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                 progress: Progress | None = None, should_stop: ShouldStop | None = None,
                 on_eval: Callable[[EvalRecord], None] | None = None,
                 on_step: Callable[[StepStats, EvalRecord | None], None] | None = None,
+                on_restore: Callable[[list[EvalRecord]], None] | None = None,
                 keep_checkpoint: bool = True) -> RunResult:
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
 
     train_blocks: [n, S] token ids; each step reads batch_size of them (see `batch_indices`).
     Raises `Cancelled` between steps when should_stop() is true (the last checkpoint stays).
-    After a resume, evaluations past the checkpoint are recomputed and passed to on_eval again.
+    on_restore gets the evaluations read back from a finished run or a checkpoint; evaluations past
+    the checkpoint are recomputed and passed to on_eval again (same layout, seed and step).
     """
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -633,6 +635,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                                   eval_blocks=reference.blocks, model_id=model_id)
     done = _read_complete(run_dir, fingerprint)
     if done is not None:
+        if on_restore:
+            on_restore(done)
         if progress:
             progress(STAGE, 1.0)
         return RunResult(layout.name, seed, done, [], run_dir, recipe.steps, 0.0)
@@ -651,6 +655,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                                "data); use another output directory or remove it (--overwrite)")
         state = _restore(data, student, optimizer)
         resumed_from = state.step
+        if on_restore:
+            on_restore(list(state.records))
     evals = eval_steps(recipe)
     evals_done = len(state.records)
     session_start = time.perf_counter() - state.elapsed
@@ -665,12 +671,12 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                           tokens=state.step * recipe.batch_size * train_blocks.shape[1], elapsed_s=state.elapsed)
 
     def checkpoint(complete: bool) -> None:
-        if complete and not keep_checkpoint:
-            ckpt_path.unlink(missing_ok=True)
-        else:
+        if not complete or keep_checkpoint:
             _save_checkpoint(ckpt_path, _checkpoint_payload(student, optimizer, state, fingerprint, seed, recipe))
         _write_logs(run_dir, layout=layout, seed=seed, fingerprint=fingerprint, recipe=recipe, state=state,
                     complete=complete, dense_ppl=reference.dense_ppl)
+        if complete and not keep_checkpoint:
+            ckpt_path.unlink(missing_ok=True)  # only once the logs say the run is complete
 
     while True:
         if state.step in evals and (not state.records or state.records[-1].step < state.step):
@@ -954,6 +960,12 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
         if on_eval:
             on_eval(rec)
 
+    def restored(earlier: list[EvalRecord]) -> None:
+        for rec in earlier:
+            records[:] = [r for r in records if (r.layout, r.seed, r.step) != (rec.layout, rec.seed, rec.step)]
+        records.extend(earlier)
+        _write_metrics(out_dir, records)
+
     for index, (name, seed) in enumerate(pairs):
         def run_progress(stage: str, fraction: float, index: int = index) -> None:
             if progress:
@@ -968,7 +980,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
         result = distill_run(teacher=teacher, layout=layouts[name], seed=seed, recipe=spec.recipe,
                              train_blocks=train_blocks, reference=reference,
                              run_dir=run_dir_for(out_dir, name, seed), model_id=model_id, progress=run_progress,
-                             should_stop=should_stop, on_eval=record, on_step=step_hook,
+                             should_stop=should_stop, on_eval=record, on_step=step_hook, on_restore=restored,
                              keep_checkpoint=keep_checkpoints)
         records[:] = [r for r in records if (r.layout, r.seed) != (name, seed)] + result.records
         _write_metrics(out_dir, records)

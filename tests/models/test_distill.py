@@ -192,9 +192,10 @@ def test_run_writes_logs_and_resume_after_kill_gives_the_same_curve(setup, tmp_p
     ckpt_dir = tmp_path / "resumed"
     assert [json.loads((ckpt_dir / "metrics.json").read_text())["records"][-1]["step"]] == [4]
     assert not list(ckpt_dir.glob(".*tmp*"))  # atomic writes leave nothing behind
-    seen = []
-    resumed = run(teacher, train, ckpt_dir, on_eval=seen.append)
+    seen, restored = [], []
+    resumed = run(teacher, train, ckpt_dir, on_eval=seen.append, on_restore=restored.extend)
     assert resumed.resumed_from == 4
+    assert [r.step for r in restored] == [0, 2, 4]
     assert [r.step for r in seen] == [6]  # only the evaluations past the checkpoint are redone
     assert [r.step for r in resumed.records] == [0, 2, 4, 6]
     for a, b in zip(whole.records, resumed.records, strict=True):
