@@ -75,11 +75,14 @@ class _Bars:
     def step(self, layout: str, seed: int, stats: Any, last: Any) -> None:
         if self.bar is None:
             return
-        self.bar.n = stats.step + 1
+        done = stats.step + 1
+        if self.bar.n == 0 and done > 1:  # a resumed run: the rate and ETA count only the steps run now
+            self.bar.initial = self.bar.n = self.bar.last_print_n = done - 1
         postfix = {"loss": f"{stats.loss:.4f}", "lr": f"{stats.lr:.2e}"}
         if last is not None:
             postfix["eval KL"] = f"{last.kl:.4f}@{last.step}"
-        self.bar.set_postfix(postfix, refresh=True)
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:

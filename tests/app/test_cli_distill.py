@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -80,3 +82,24 @@ def test_distill_user_errors_exit_2(workdir, tmp_path, capsys):
     assert "does not divide" in capsys.readouterr().err
     assert main(distill_args(workdir, out, "--seeds", "a")) == 2
     assert not (out / "runs").exists()
+
+
+def test_progress_bar_shows_step_loss_eval_kl_and_eta(monkeypatch):
+    from app.cli_distill import _Bars
+    from models.distill import EvalRecord, StepStats
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    bars = _Bars(10)
+    bars.start("optimised", 0)
+    last = EvalRecord("optimised", 0, 4, 1.25, 100.0, 2.0, 1e-4, 0, 0.0)
+    for step in range(4, 7):  # resumed at step 4
+        bars.step("optimised", 0, StepStats(step=step, loss=1.5, kl=1.2, ce=3.0, grad_norm=1.0, lr=1e-4), last)
+    bars.close()
+    line = err.getvalue().split("\r")[-1]
+    assert "optimised seed 0" in line and "7/10" in line and "loss=1.5000" in line and "eval KL=1.2500@4" in line
+    assert "<" in line  # tqdm's elapsed<remaining
