@@ -324,3 +324,48 @@ def test_evaluation_skips_past_the_training_text_of_the_same_source(tmp_path):
     # The spec's seed does not reorder the blocks: each run's training seed does (batch_indices).
     reseeded = D.DistillSpec(layouts=("contiguous",), devices=2, train=replace(spec.train, seed=0), eval=spec.eval)
     assert torch.equal(D.load_data(reseeded, tokenizer=None, vocab_size=1000)[0], train)
+
+
+KILLED_CHILD = """
+import os, signal, sys, torch
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from models import distill as D
+from tests.models.test_distill import layout_of, recipe
+from tests.tiny import tiny_model
+
+torch.set_num_threads(1)
+teacher = tiny_model("qwen3")
+train = torch.randint(0, 97, (12, 16), generator=torch.Generator().manual_seed(5))
+reference = D.DenseReference.compute(teacher, train[:4], recipe=recipe())
+
+def die(stats, last):
+    if stats.step == 4:  # SIGKILL: no exception handling, no cleanup
+        os.kill(os.getpid(), signal.SIGKILL)
+
+D.distill_run(teacher=teacher, layout=layout_of(teacher), seed=1, recipe=recipe(), train_blocks=train,
+              reference=reference, run_dir=Path({run_dir!r}), on_step=die)
+"""
+
+
+def test_resume_after_sigkill_of_the_process(setup, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    teacher, train = setup
+    repo = str(Path(__file__).resolve().parents[2])
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD.format(repo=repo, run_dir=str(tmp_path / "run"))],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the child's thread count: the same float reductions
+    try:
+        resumed = run(teacher, train, tmp_path / "run")
+        whole = run(teacher, train, tmp_path / "whole")
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.resumed_from == 4
+    for a, b in zip(whole.records, resumed.records, strict=True):
+        assert a.step == b.step and a.kl == pytest.approx(b.kl, rel=1e-6, abs=1e-9)
