@@ -1043,8 +1043,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
 
 def remove_runs(out_dir: Path) -> None:
     """Forget every run under out_dir (for --overwrite)."""
-    for name in ("runs",):
-        shutil.rmtree(Path(out_dir) / name, ignore_errors=True)
+    shutil.rmtree(Path(out_dir) / "runs", ignore_errors=True)
     for name in ("metrics.csv", "summary.json", "curves.png"):
         (Path(out_dir) / name).unlink(missing_ok=True)
 
