@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -36,3 +37,13 @@ def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 5,
             fn()
             samples[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def add_shape_args(ap: argparse.ArgumentParser, *, repeats: int) -> None:
+    """The flags every model-shaped bench shares: layers, batch × seq tokens, L, δ, repeats."""
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--delta", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=repeats)

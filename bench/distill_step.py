@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import interleaved_times, qwen3_06b_shaped
+from bench.common import add_shape_args, interleaved_times, qwen3_06b_shaped
 from models import distill
 from models import layout as lay
 from models.families import model_shape
@@ -52,15 +52,9 @@ def dense_trainer(model: Any, *, freeze_embeddings: bool) -> tuple[Any, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--devices", type=int, default=4)
-    ap.add_argument("--delta", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_shape_args(ap, repeats=3)
     args = ap.parse_args()
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     teacher = qwen3_06b_shaped(args.layers)
     recipe = distill.DistillRecipe(batch_size=args.batch, micro_batch_size=args.batch, warmup_steps=0)
     layout = lay.random(model_shape(teacher.config), args.devices, args.delta, seed=1000)

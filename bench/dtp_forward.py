@@ -16,21 +16,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import interleaved_times, qwen3_06b_shaped
+from bench.common import add_shape_args, interleaved_times, qwen3_06b_shaped
 from models.dtp import DTPModel
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--devices", type=int, default=4)
-    ap.add_argument("--delta", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    add_shape_args(ap, repeats=5)
     args = ap.parse_args()
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = qwen3_06b_shaped(args.layers)
     dtp = DTPModel(model, devices=args.devices, delta=args.delta).eval()
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
