@@ -22,6 +22,21 @@ def make_settings(root: Path, **overrides: Any) -> Settings:
     return Settings(var_dir=root, **overrides)
 
 
+def worker_settings(root: Path, postgres_server: Any, redis_broker: tuple[str, str], name: str,
+                    **overrides: Any) -> Settings:
+    """Settings for a real-worker test: its own migrated Postgres database, its own Redis key prefix,
+    the tiny model and token ids provisioned under `root`, CPU."""
+    from app.migrate import upgrade
+
+    url = postgres_server.create_database(f"dtp_{name}")
+    upgrade(url)
+    broker, prefix = redis_broker
+    settings = make_settings(root, database_url=url, broker_url=broker, broker_key_prefix=f"{prefix}{name}:",
+                             device="cpu", **overrides)
+    provision(settings)
+    return settings
+
+
 def provision(settings: Settings) -> None:
     """The tiny model under MODEL_ROOT and 4096 random token ids under DATA_ROOT."""
     from tests.tiny import tiny_model

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 
 from app.db import Artifact, Job, Metric, database
 from app.main import create_app
-from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for
+from tests.service_kit import CALIB, WorkerProcess, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
@@ -40,17 +40,10 @@ ROWS_PER_LAYOUT = 3 * 3 + 2
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory, postgres_server, redis_broker):
-    from app.migrate import upgrade
-
-    url = postgres_server.create_database("dtp_distill")
-    upgrade(url)
-    broker, prefix = redis_broker
     # A short lease: a killed worker's job is re-enqueued within seconds. The (test-only) stage delay
     # sleeps before every training step, so that the distilling stage is reliably caught mid-way.
-    s = make_settings(tmp_path_factory.mktemp("distill"), database_url=url, broker_url=broker,
-                      broker_key_prefix=prefix + "distill:", lease_s=2.0, stage_delay_s=0.4, device="cpu")
-    provision(s)
-    return s
+    return worker_settings(tmp_path_factory.mktemp("distill"), postgres_server, redis_broker, "distill",
+                           lease_s=2.0, stage_delay_s=0.4)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from app.main import create_app
 from models.export import load_rank_shards
 from models.layout import from_json_dict
-from tests.service_kit import TINY_MODEL, WorkerProcess, make_settings, provision, spec, wait_for
+from tests.service_kit import TINY_MODEL, WorkerProcess, spec, wait_for, worker_settings
 from tests.tiny import tokens
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
@@ -22,15 +22,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory, postgres_server, redis_broker):
-    from app.migrate import upgrade
-
-    url = postgres_server.create_database("dtp_e2e")
-    upgrade(url)
-    broker, prefix = redis_broker
-    s = make_settings(tmp_path_factory.mktemp("e2e"), database_url=url, broker_url=broker,
-                      broker_key_prefix=prefix + "e2e:", stage_delay_s=0.2, device="cpu")
-    provision(s)
-    return s
+    return worker_settings(tmp_path_factory.mktemp("e2e"), postgres_server, redis_broker, "e2e", stage_delay_s=0.2)
 
 
 @pytest.fixture(scope="module")

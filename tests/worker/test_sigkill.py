@@ -13,24 +13,16 @@ from sqlalchemy import select
 from app.db import Artifact, LayoutRow, database
 from app.main import create_app
 from app.storage import Storage, sha256_file
-from tests.service_kit import WorkerProcess, make_settings, provision, spec, wait_for
+from tests.service_kit import WorkerProcess, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 
 @pytest.fixture
 def settings(tmp_path, postgres_server, redis_broker):
-    from app.migrate import upgrade
-
-    url = postgres_server.create_database("dtp_kill")
-    upgrade(url)
-    broker, prefix = redis_broker
     # A short lease so that the dead worker's job is re-enqueued within seconds; a stage delay (test-only)
     # so that the affinity stage is reliably in progress when the worker is killed.
-    s = make_settings(tmp_path, database_url=url, broker_url=broker, broker_key_prefix=prefix + "kill:",
-                      lease_s=2.0, stage_delay_s=0.3, device="cpu")
-    provision(s)
-    return s
+    return worker_settings(tmp_path, postgres_server, redis_broker, "kill", lease_s=2.0, stage_delay_s=0.3)
 
 
 def test_sigkill_mid_affinity_then_resume_once(settings):
