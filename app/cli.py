@@ -48,7 +48,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="contiguous",
-                   help="contiguous | random:SEED | path to a dtp-layout/1 JSON file (default: contiguous)")
+                   help="contiguous | random:SEED (or random-SEED) | a layout name of --from DIR (optimised, "
+                        "heads-only, …) | path to a dtp-layout/1 JSON file (default: contiguous)")
+    p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
     p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
     p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
 
@@ -74,11 +76,23 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _layout(args: argparse.Namespace, model: Any) -> Any:
-    from models.families import model_shape
-    from models.layout import resolve
+def _layouts_dir(args: argparse.Namespace) -> Path | None:
+    """DIR/layouts of `--from DIR`, or None without --from."""
+    if not getattr(args, "from_dir", None):
+        return None
+    layouts_dir = Path(args.from_dir) / "layouts"
+    if not layouts_dir.is_dir():
+        raise CliError(f"--from {args.from_dir}: no layouts/ directory (expected a `dtp-layout optimise` output)")
+    return layouts_dir
 
-    return resolve(args.layout, model_shape(model.config), args.devices, args.delta)
+
+def _layout(args: argparse.Namespace, config: Any) -> Any:
+    """The layout named by --layout (see models.layout_names) for a model of this config."""
+    from models.families import model_shape
+    from models.layout_names import resolve_layout
+
+    return resolve_layout(args.layout, shape=model_shape(config), devices=args.devices, delta=args.delta,
+                          layouts_dir=_layouts_dir(args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -90,8 +104,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
     check_devices(model_shape(config), args.devices)  # fail before loading weights
     check_delta(model_shape(config), args.delta)
+    layout = _layout(args, config)
     model, tokenizer = _load(args)
-    layout = _layout(args, model)
     permuted = permuted_copy(model, layout)
     out = Path(args.out)
     ckpt = export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer,
@@ -108,7 +122,7 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     from models.calibration import CalibrationSpec, load_blocks
     from models.evaluate import evaluate
 
-    layout = _layout(args, model)
+    layout = _layout(args, model.config)
     spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
                            text_field=args.text_field)
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)

@@ -1,7 +1,7 @@
 """`dtp-layout distill`: distil DTP models of several layouts from the dense one and compare the curves.
 
-Registered by `app.cli` (see `_EXTENSIONS`). Imports nothing heavy at import time: torch and
-models.* are imported inside the command.
+Registered by `app.cli` (see `_EXTENSIONS`). Imports nothing heavy at import time: only the torch-free
+recipe (whose defaults are the flags' defaults); torch and the rest of models.* load inside the command.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli import CliError, _add_model_args, _load
+from app.cli import CliError, _add_model_args, _layouts_dir, _load
+from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe  # torch-free
 
-WIKITEXT2_TEST = "hf:Salesforce/wikitext:wikitext-2-raw-v1:test"  # as models.distill.WIKITEXT2_TEST
+PAPER = DistillRecipe()  # the defaults of every recipe flag
 
 
 def _csv_list(text: str, what: str) -> list[str]:
@@ -31,9 +32,7 @@ def _seeds(text: str) -> list[int]:
         raise CliError(f"--seeds must be comma-separated integers, got {text!r}") from exc
 
 
-def _recipe(args: argparse.Namespace) -> Any:
-    from models.distill import DistillRecipe
-
+def _recipe(args: argparse.Namespace) -> DistillRecipe:
     return DistillRecipe(
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
@@ -101,9 +100,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     shape = model_shape(config)
     check_devices(shape, spec.devices)  # fail before loading weights
     check_delta(shape, spec.delta)
-    layouts_dir = Path(args.from_dir) / "layouts" if args.from_dir else None
-    if args.from_dir and not layouts_dir.is_dir():  # type: ignore[union-attr]
-        raise CliError(f"--from {args.from_dir}: no layouts/ directory (expected a `dtp-layout optimise` output)")
+    layouts_dir = _layouts_dir(args)
     distill.resolve_layouts(spec.layouts, shape=shape, devices=spec.devices, delta=spec.delta,
                             layouts_dir=layouts_dir)  # name errors before the weights load
     out = Path(args.out)
@@ -144,7 +141,7 @@ def register(sub: Any) -> None:
     p.add_argument("--seeds", default="0", help="comma-separated training seeds; each (layout, seed) is a run")
     p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
     p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
-    p.add_argument("--last-scale", default="sqrt", choices=["sqrt", "one"])
+    p.add_argument("--last-scale", default=PAPER.last_scale, choices=DistillRecipe.rules()["last_scale"].choices)
     data = p.add_argument_group("data")
     data.add_argument("--data", required=True,
                       help="training data spec: text file, directory of .txt, .jsonl, .npy of ids, corpus:NAME, "
@@ -153,34 +150,38 @@ def register(sub: Any) -> None:
                       help="training blocks to load (default: steps × batch size, one pass); fewer repeat in "
                            "seeded epochs")
     data.add_argument("--train-skip-blocks", type=int, default=0, help="skip this many blocks at the source's start")
-    data.add_argument("--seq-len", type=int, default=1024, help="tokens per training block (default: 1024)")
+    data.add_argument("--seq-len", type=int, default=SEQ_LEN, help=f"tokens per training block (default: {SEQ_LEN})")
     data.add_argument("--eval-data", default=WIKITEXT2_TEST,
                       help=f"held-out evaluation data spec (default: {WIKITEXT2_TEST}, needs `datasets` and the "
                            "internet); skips past the training text when it is the same source")
-    data.add_argument("--eval-blocks", type=int, default=16, help="evaluation blocks (default: 16)")
+    data.add_argument("--eval-blocks", type=int, default=EVAL_SEQUENCES,
+                      help=f"evaluation blocks (default: {EVAL_SEQUENCES})")
     data.add_argument("--eval-seq-len", type=int, default=None, help="tokens per evaluation block (default: --seq-len)")
     data.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
     recipe = p.add_argument_group("recipe (defaults: the paper's)")
-    recipe.add_argument("--steps", type=int, default=1000)
-    recipe.add_argument("--batch-size", type=int, default=16, help="sequences per optimiser step")
-    recipe.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward")
-    recipe.add_argument("--lr", type=float, default=5e-5)
-    recipe.add_argument("--min-lr", type=float, default=5e-6, help="end of the cosine decay")
-    recipe.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
-    recipe.add_argument("--beta1", type=float, default=0.9)
-    recipe.add_argument("--beta2", type=float, default=0.95)
-    recipe.add_argument("--weight-decay", type=float, default=0.0)
-    recipe.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    recipe.add_argument("--ce-weight", type=float, default=0.1, help="loss = KL + w·CE")
+    recipe.add_argument("--steps", type=int, default=PAPER.steps)
+    recipe.add_argument("--batch-size", type=int, default=PAPER.batch_size, help="sequences per optimiser step")
+    recipe.add_argument("--micro-batch-size", type=int, default=PAPER.micro_batch_size,
+                        help="sequences per forward/backward")
+    recipe.add_argument("--lr", type=float, default=PAPER.lr)
+    recipe.add_argument("--min-lr", type=float, default=PAPER.min_lr, help="end of the cosine decay")
+    recipe.add_argument("--warmup", type=int, default=PAPER.warmup_steps, help="linear warm-up steps")
+    recipe.add_argument("--beta1", type=float, default=PAPER.betas[0])
+    recipe.add_argument("--beta2", type=float, default=PAPER.betas[1])
+    recipe.add_argument("--weight-decay", type=float, default=PAPER.weight_decay)
+    recipe.add_argument("--grad-clip", type=float, default=PAPER.grad_clip, help="max gradient norm (0: off)")
+    recipe.add_argument("--ce-weight", type=float, default=PAPER.ce_weight, help="loss = KL + w·CE")
     recipe.add_argument("--train-embeddings", action="store_true", help="do not freeze the input embeddings")
     recipe.add_argument("--freeze-lm-head", action="store_true", help="also freeze an untied LM head")
-    recipe.add_argument("--autocast", default="auto", choices=["auto", "bf16", "none"],
+    recipe.add_argument("--autocast", default=PAPER.autocast, choices=DistillRecipe.rules()["autocast"].choices,
                         help="auto: bf16 autocast on CUDA, fp32 on CPU")
     recipe.add_argument("--gradient-checkpointing", action="store_true")
-    recipe.add_argument("--logit-chunk", type=int, default=256, help="tokens per chunk of the loss over the vocabulary")
-    recipe.add_argument("--eval-every", type=int, default=100)
-    recipe.add_argument("--eval-batch-size", type=int, default=4)
-    recipe.add_argument("--checkpoint-every", type=int, default=5, help="evaluations between checkpoints")
+    recipe.add_argument("--logit-chunk", type=int, default=PAPER.logit_chunk,
+                        help="tokens per chunk of the loss over the vocabulary")
+    recipe.add_argument("--eval-every", type=int, default=PAPER.eval_every)
+    recipe.add_argument("--eval-batch-size", type=int, default=PAPER.eval_batch_size)
+    recipe.add_argument("--checkpoint-every", type=int, default=PAPER.checkpoint_every,
+                        help="evaluations between checkpoints")
     p.add_argument("--reference", default="contiguous", help="headline baseline layout (default: contiguous)")
     p.add_argument("--candidate", default="optimised", help="headline layout (default: optimised)")
     p.add_argument("--no-checkpoints-kept", action="store_true",

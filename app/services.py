@@ -20,6 +20,8 @@ from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, check_config, fingerprint, read_config, resolve_data, resolve_model
 from app.storage import Storage
+from models.layout import LayoutError
+from models.layout_names import canonical_layout_name
 
 log = logging.getLogger(__name__)
 LAYOUT_FORMAT = "dtp-layout/1"
@@ -102,11 +104,20 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
         return []
     problems: list[tuple[str, str]] = []
     produced = spec.layout_names()
+    seen: dict[str, str] = {}
     for i, name in enumerate(distill.layouts):
-        if name not in produced:
+        try:
+            canonical = canonical_layout_name(name)  # random:SEED is random-SEED
+        except LayoutError as exc:
+            problems.append((f"distill.layouts.{i}", str(exc)))
+            continue
+        if canonical not in produced:
             hint = "" if spec.ablations else "; anti-optimised, heads-only and neurons-only need ablations=true"
             problems.append((f"distill.layouts.{i}", f"layout {name!r} is not one this job produces (it produces: "
                                                      f"{', '.join(produced)}{hint})"))
+        elif canonical in seen:
+            problems.append((f"distill.layouts.{i}", f"layout {name!r} is {seen[canonical]!r} again"))
+        seen.setdefault(canonical, name)
     for part in ("train", "eval"):
         data = getattr(distill, part)
         if data is not None:

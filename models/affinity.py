@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,17 +29,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.atomic import atomic_write
 from models.dtp import DTPModel, rms_norm
 from models.families import model_shape
 from models.layout import ModelShape
 from models.permute import decoder_layers
+from models.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
+from models.progress import Progress, ShouldStop
 
-Progress = Callable[[str, float], None]
 SCORES = ("fo", "add")
-
-
-class Cancelled(RuntimeError):
-    """The caller asked the pass to stop (checked between micro-batches)."""
 
 
 @dataclass
@@ -71,9 +68,7 @@ class AffinityResult:
             tensors[f"down.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
         meta = {**self.metadata, "tokens": str(self.tokens), "format": "dtp-layout-affinity/1",
                 "shape": json.dumps(self.shape.__dict__)}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     @classmethod
     def load(cls, path: str | Path) -> AffinityResult:
@@ -175,7 +170,7 @@ def _rms_inverse(x: torch.Tensor, eps: float) -> torch.Tensor:
 def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, token_chunk: int = 128,
                   cache_folds: bool | None = None, neuron_block: int = NEURON_BLOCK,
                   progress: Progress | None = None,
-                  should_stop: Callable[[], bool] | None = None,
+                  should_stop: ShouldStop | None = None,
                   metadata: dict[str, str] | None = None) -> AffinityResult:
     """Run the dense model over `blocks` [n, S] and return the raw affinity means.
 

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from models.families import family_for_config, model_shape
 from models.layout import Layout, check_fits, from_json_dict
 from models.permute import permute_
+from models.progress import Progress
 
 SHARDS_FORMAT = "dtp-layout-shards/1"
 MANIFEST = "manifest.json"
 LAYOUT_FILE = "dtp_layout.json"
-
-Progress = Callable[[str, float], None]
 
 
 class ExportError(RuntimeError):

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from models.atomic import atomic_write_json
+
 LAYOUT_FORMAT = "dtp-layout/1"
 
 
@@ -114,11 +116,7 @@ class Layout:
         return out
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json_dict()))
-        tmp.replace(path)
+        atomic_write_json(path, self.to_json_dict(), indent=None)
 
 
 def _check_assignment(arr: np.ndarray, field_name: str, width: int, devices: int, layers: int) -> None:
@@ -241,27 +239,7 @@ def check_fits(layout: Layout, shape: ModelShape) -> None:
 
 
 def resolve(spec: str, shape: ModelShape, devices: int, delta: int) -> Layout:
-    """`contiguous`, `random:SEED` or a path to a dtp-layout/1 JSON file."""
-    check_devices(shape, devices)
-    check_delta(shape, delta)
-    if spec == "contiguous":
-        return contiguous(shape, devices, delta)
-    if spec.startswith("random:"):
-        try:
-            seed = int(spec.split(":", 1)[1])
-        except ValueError as exc:
-            raise LayoutError(f"layout {spec!r}: expected random:SEED with an integer seed") from exc
-        return random(shape, devices, delta, seed)
-    path = Path(spec)
-    if not path.is_file():
-        raise LayoutError(
-            f"layout {spec!r}: expected 'contiguous', 'random:SEED' or an existing dtp-layout/1 JSON file"
-        )
-    layout = load(path)
-    check_fits(layout, shape)
-    if layout.devices != devices:
-        raise LayoutError(f"layout {spec!r} has devices={layout.devices}, but --devices is {devices}")
-    if layout.delta != delta:
-        layout = Layout(layout.name, layout.devices, delta, layout.shape, layout.kv_group_device,
-                        layout.neuron_device, layout.score)
-    return layout
+    """A layout by name (`models.layout_names.resolve_layout`, without a layouts directory)."""
+    from models.layout_names import resolve_layout  # layout_names builds on this module
+
+    return resolve_layout(spec, shape=shape, devices=devices, delta=delta)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,13 @@ import transformers
 
 from models import layout as layout_mod
 from models.affinity import SCORES, AffinityResult, affinity_pass
+from models.atomic import atomic_write_json
 from models.calibration import CalibrationSpec, load_blocks
 from models.export import export_checkpoint, export_rank_shards, permuted_copy
 from models.layout import Layout, ModelShape
 from models.optimise import Affinity, OptimiseResult, optimise, score, upper_bound
+from models.progress import Progress, ShouldStop
 
-Progress = Callable[[str, float], None]
 RANDOM_SEED_BASE = 1000  # random-<seed> layouts use seeds 1000 … 1000+K-1, as in the paper
 AFFINITY_FILE = "affinity.safetensors"
 REPORT_FILE = "report.json"
@@ -80,7 +80,7 @@ def stage_calibration(state: RunState, *, model: Any, tokenizer: Any, calibratio
 
 def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_name: str,
                    calibration: CalibrationSpec, progress: Progress | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> None:
+                   should_stop: ShouldStop | None = None) -> None:
     t0 = time.perf_counter()
     assert state.blocks is not None, "stage_calibration first"
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
@@ -187,11 +187,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
 
 
 def write_report(state: RunState, report: dict) -> Path:
-    path = state.out_dir / REPORT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(path)
-    return path
+    return atomic_write_json(state.out_dir / REPORT_FILE, report)
 
 
 def summary_table(report: dict) -> str:

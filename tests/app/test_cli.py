@@ -64,6 +64,8 @@ def test_eval_on_npy_tokens_prints_json(checkpoint, tmp_path, capsys):
         (["--devices", "2", "--delta", "9"], "delta must be an integer in"),
         (["--devices", "2", "--layout", "random:x"], "random:SEED"),
         (["--devices", "2", "--layout", "nope.json"], "expected 'contiguous'"),
+        (["--devices", "2", "--layout", "optimised"], "--from DIR"),
+        (["--devices", "2", "--from", "/nonexistent/run"], "no layouts/ directory"),
     ],
 )
 def test_eval_user_errors(checkpoint, tmp_path, capsys, argv, message):
@@ -72,6 +74,23 @@ def test_eval_user_errors(checkpoint, tmp_path, capsys, argv, message):
                  "--seq-len", "16", "--device", "cpu", *argv])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_eval_reads_a_layout_by_name_from_an_optimise_output(checkpoint, tmp_path, capsys):
+    from models.families import model_shape
+    from models.layout import random
+
+    shape = model_shape(AutoModelForCausalLM.from_pretrained(checkpoint).config)
+    random(shape, 2, 1, seed=4).with_name("optimised", {"J": 1.0}).save(tmp_path / "opt" / "layouts" / "optimised.json")
+    np.save(tmp_path / "ids.npy", np.arange(64) % 97)
+    args = ["eval", str(checkpoint), "--devices", "2", "--data", str(tmp_path / "ids.npy"), "--blocks", "2",
+            "--seq-len", "16", "--json", "--device", "cpu"]
+    assert main([*args, "--layout", "optimised", "--from", str(tmp_path / "opt")]) == 0
+    stored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--layout", "random-4"]) == 0  # what the stored layout holds, built from its seed
+    built = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert stored["layout"] == "optimised" and built["layout"] == "random-4"
+    assert stored["kl"] == pytest.approx(built["kl"], rel=1e-6)
 
 
 def test_unsupported_and_missing_models(tmp_path, capsys):

@@ -104,10 +104,18 @@ def test_distill_spec_is_accepted_and_stored(client):
     assert defaults.json()["spec"]["distill"]["layouts"] == ["optimised", "contiguous"]
 
 
+def test_distill_layouts_use_the_layout_name_grammar(client):
+    r = submit(client, distill={"layouts": ["optimised", "random:1001"]})  # random:SEED is random-SEED
+    assert r.status_code == 202, r.text
+
+
 @pytest.mark.parametrize(("distill", "field", "text"), [
     ({"layouts": ["optimised", "random-1002"]}, "distill.layouts.1", "random-1000, random-1001"),
     ({"layouts": ["anti-optimised"]}, "distill.layouts.0", "ablations=true"),
     ({"layouts": ["optimised", "optimised"]}, "distill.layouts", "duplicate"),
+    ({"layouts": ["random-1000", "random:1000"]}, "distill.layouts.1", "is 'random-1000' again"),
+    ({"layouts": ["random:x"]}, "distill.layouts.0", "random:SEED"),
+    ({"layouts": ["/etc/layout.json"]}, "distill.layouts.0", "not one this job produces"),
     ({"layouts": []}, "distill.layouts", "at least 1"),
     ({"seeds": [1, 1]}, "distill.seeds", "distinct"),
     ({"recipe": {"lr": -1}}, "distill.recipe.lr", "greater than 0"),

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from models.families import model_shape
 from models.layout import (
     LAYOUT_FORMAT,
     Layout,
@@ -21,9 +20,7 @@ from models.layout import (
     from_json_dict,
     load,
     random,
-    resolve,
 )
-from tests.tiny import tiny_config
 
 SHAPE = ModelShape("llama", num_layers=3, num_kv_groups=4, num_query_heads=8, intermediate_size=96,
                    hidden_size=48, head_dim=6)
@@ -281,51 +278,3 @@ def test_layout_constructor_validates() -> None:
 def test_from_json_dict_names_source() -> None:
     with pytest.raises(LayoutError, match=r"^mysource: expected a JSON object"):
         from_json_dict([1], source="mysource")
-
-
-# ---- resolve -----------------------------------------------------------------------------------
-
-def test_resolve_contiguous_and_random() -> None:
-    shape = model_shape(tiny_config("llama"))
-    c = resolve("contiguous", shape, 2, 1)
-    np.testing.assert_array_equal(c.neuron_device, contiguous(shape, 2).neuron_device)
-    r = resolve("random:7", shape, 4, 2)
-    assert r.devices == 4 and r.delta == 2
-    np.testing.assert_array_equal(r.neuron_device, random(shape, 4, 2, 7).neuron_device)
-    np.testing.assert_array_equal(r.kv_group_device, random(shape, 4, 2, 7).kv_group_device)
-
-
-def test_resolve_path(tmp_path: Path) -> None:
-    shape = model_shape(tiny_config("llama"))
-    layout = random(shape, 2, 1, seed=9).with_name("saved")
-    path = tmp_path / "l.json"
-    layout.save(path)
-    same = resolve(str(path), shape, 2, 1)
-    assert same.name == "saved" and same.delta == 1
-    np.testing.assert_array_equal(same.neuron_device, layout.neuron_device)
-    # A different delta is taken from the request, the assignment from the file.
-    other = resolve(str(path), shape, 2, 3)
-    assert other.delta == 3
-    np.testing.assert_array_equal(other.kv_group_device, layout.kv_group_device)
-
-
-def test_resolve_errors(tmp_path: Path) -> None:
-    shape = model_shape(tiny_config("llama"))
-    with pytest.raises(LayoutError, match="random:SEED"):
-        resolve("random:abc", shape, 2, 1)
-    with pytest.raises(LayoutError, match="expected 'contiguous', 'random:SEED' or an existing"):
-        resolve(str(tmp_path / "missing.json"), shape, 2, 1)
-    with pytest.raises(LayoutError, match="num_kv_groups=4"):
-        resolve("contiguous", shape, 3, 1)
-    with pytest.raises(LayoutError, match="delta"):
-        resolve("contiguous", shape, 2, 4)
-    path = tmp_path / "l.json"
-    random(shape, 2, 1, seed=9).save(path)
-    with pytest.raises(LayoutError, match="devices=2, but --devices is 4"):
-        resolve(str(path), shape, 4, 1)
-    other_shape = model_shape(tiny_config("llama", intermediate_size=64))
-    with pytest.raises(LayoutError, match=r"model\.intermediate_size=96, the model has 64"):
-        resolve(str(path), other_shape, 2, 1)
-    qwen_shape = model_shape(tiny_config("qwen2"))
-    with pytest.raises(LayoutError, match=r"model\.model_type=llama, the model has qwen2"):
-        resolve(str(path), qwen_shape, 2, 1)

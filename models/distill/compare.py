@@ -1,0 +1,119 @@
+"""The whole comparison: every (layout, seed) run of a spec, then the summary, table and figure.
+
+Each run keeps its own directory under out_dir/runs/LAYOUT/seed-SEED (see `models.distill.run`);
+out_dir gets `metrics.csv` (every evaluation of every run, rewritten as they come), `summary.json`
+and `curves.png`. Rerunning with the same spec and out_dir skips finished runs and resumes the
+interrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from models.atomic import atomic_write_text
+from models.distill.data import load_data
+from models.distill.evaluation import DenseReference
+from models.distill.plot import plot_curves
+from models.distill.recipe import DistillError
+from models.distill.records import EvalRecord, write_metrics
+from models.distill.report import summarise
+from models.distill.run import distill_run
+from models.distill.spec import DistillSpec
+from models.distill.train import StepStats
+from models.families import model_shape
+from models.layout import Layout, ModelShape
+from models.layout_names import resolve_layout
+from models.progress import Progress, ShouldStop
+
+
+def resolve_layouts(names: Sequence[str], *, shape: ModelShape, devices: int, delta: int,
+                    layouts_dir: Path | None = None) -> dict[str, Layout]:
+    """Each name resolved by `models.layout_names.resolve_layout`, keyed by the layout's name."""
+    layouts: dict[str, Layout] = {}
+    for name in names:
+        lay = resolve_layout(name, shape=shape, devices=devices, delta=delta, layouts_dir=layouts_dir)
+        if lay.name in layouts:
+            raise DistillError(f"layouts: two entries are named {lay.name!r}")
+        layouts[lay.name] = lay
+    return layouts
+
+
+def run_dir_for(out_dir: Path, layout: str, seed: int) -> Path:
+    return Path(out_dir) / "runs" / layout.replace("/", "_") / f"seed-{seed}"
+
+
+def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_dir: Path,
+                layouts_dir: Path | None = None, model_id: str = "", progress: Progress | None = None,
+                should_stop: ShouldStop | None = None, on_eval: Callable[[EvalRecord], None] | None = None,
+                on_step: Callable[[str, int, StepStats, EvalRecord | None], None] | None = None,
+                on_run_start: Callable[[str, int], None] | None = None, plot: bool = True,
+                keep_checkpoints: bool = True) -> dict[str, Any]:
+    """Every (layout, seed) run of `spec`, in order; writes out_dir/{metrics.csv, summary.json, curves.png}.
+
+    Rerunning with the same spec and out_dir skips finished runs and resumes the interrupted one.
+    progress(stage, fraction) counts optimiser steps over all runs. Returns the summary.
+    """
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    teacher.eval()
+    config: Any = teacher.config
+    layouts = resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
+                              layouts_dir=layouts_dir)
+    vocab = int(config.vocab_size)
+    train_blocks, eval_blocks = load_data(spec, tokenizer=tokenizer, vocab_size=vocab)
+    reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe)
+    pairs = [(name, seed) for name in layouts for seed in spec.seeds]
+    records: list[EvalRecord] = []
+
+    def record(rec: EvalRecord) -> None:
+        records[:] = [r for r in records if (r.layout, r.seed, r.step) != (rec.layout, rec.seed, rec.step)]
+        records.append(rec)
+        write_metrics(out_dir, records)
+        if on_eval:
+            on_eval(rec)
+
+    def restored(earlier: list[EvalRecord]) -> None:
+        for rec in earlier:
+            records[:] = [r for r in records if (r.layout, r.seed, r.step) != (rec.layout, rec.seed, rec.step)]
+        records.extend(earlier)
+        write_metrics(out_dir, records)
+
+    for index, (name, seed) in enumerate(pairs):
+        def run_progress(stage: str, fraction: float, index: int = index) -> None:
+            if progress:
+                progress(stage, (index + fraction) / len(pairs))
+
+        def step_hook(stats: StepStats, last: EvalRecord | None, name: str = name, seed: int = seed) -> None:
+            if on_step:
+                on_step(name, seed, stats, last)
+
+        if on_run_start:
+            on_run_start(name, seed)
+        result = distill_run(teacher=teacher, layout=layouts[name], seed=seed, recipe=spec.recipe,
+                             train_blocks=train_blocks, reference=reference,
+                             run_dir=run_dir_for(out_dir, name, seed), model_id=model_id, progress=run_progress,
+                             should_stop=should_stop, on_eval=record, on_step=step_hook, on_restore=restored,
+                             keep_checkpoint=keep_checkpoints)
+        records[:] = [r for r in records if (r.layout, r.seed) != (name, seed)] + result.records
+        write_metrics(out_dir, records)
+    summary = summarise(records, spec=spec, dense_ppl=reference.dense_ppl, model_id=model_id, layouts=layouts,
+                        seconds=time.perf_counter() - t0)
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1))
+    if plot:
+        plot_curves(summary, out_dir / "curves.png")
+    return summary
+
+
+def remove_runs(out_dir: Path) -> None:
+    """Forget every run under out_dir (for --overwrite)."""
+    shutil.rmtree(Path(out_dir) / "runs", ignore_errors=True)
+    for name in ("metrics.csv", "summary.json", "curves.png"):
+        (Path(out_dir) / name).unlink(missing_ok=True)

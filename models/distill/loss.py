@@ -1,0 +1,154 @@
+"""The distillation loss KL(teacher ‖ student) + w·CE over the vocabulary, chunked over tokens.
+
+The loss is computed `logit_chunk` tokens at a time from the final hidden states, and its gradient
+with respect to the student's logits is formed by hand per chunk (softmax differences), so neither
+model's fp32 logits for the whole batch ever exist and autograd never stores a [T, V] tensor; the
+decoder stack is then back-propagated once from the resulting hidden-state gradient.
+
+`kl_ce_chunk` is the one implementation of the per-chunk statistics: training (with the gradient),
+the evaluation of a run, and `models.evaluate` (dense vs DTP) all use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.distill.recipe import DistillRecipe
+from models.distill.student import autocast, lm_head
+from models.dtp import DTPModel
+
+IGNORE = -100  # target of a position with no next token: counted in KL, not in CE
+
+
+def next_token_targets(ids: torch.Tensor) -> torch.Tensor:
+    """ids: [B, S] -> targets [B*S]: the next token, -100 on each sequence's last position."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1).reshape(-1)
+
+
+def target_nll(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ −log prob(target) over the tokens that have a target. log_probs: [t, V]; targets: [t]."""
+    rows = (targets != IGNORE).nonzero().squeeze(1)
+    return -log_probs[rows, targets[rows]].sum()
+
+
+@dataclass
+class LossSums:
+    """Sums over tokens (not means): KL(teacher ‖ student), student CE, and their token counts."""
+
+    kl: float = 0.0
+    ce: float = 0.0
+    kl_tokens: int = 0
+    ce_tokens: int = 0
+
+    def add(self, other: LossSums) -> None:
+        self.kl += other.kl
+        self.ce += other.ce
+        self.kl_tokens += other.kl_tokens
+        self.ce_tokens += other.ce_tokens
+
+
+@dataclass(frozen=True)
+class ChunkStats:
+    kl: float  # Σ KL(teacher ‖ student) over the chunk's tokens
+    ce: float  # Σ student −log q(target) over tokens with a target
+    teacher_ce: float  # Σ teacher −log p(target) over the same tokens
+    grad: torch.Tensor | None  # [t, V] d(kl_scale·KL + ce_scale·CE)/d(student logits), when asked
+
+
+@torch.no_grad()
+def kl_ce_chunk(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, *,
+                grad_scales: tuple[float, float] | None = None) -> ChunkStats:
+    """KL, both CEs and optionally the gradient of kl_scale·KL + ce_scale·CE for one chunk of tokens.
+
+    *_logits: [t, V]; targets: [t] with -100 where there is no next token. With q = softmax(student)
+    and p = softmax(teacher), per token: KL = Σ_v p·(log p − log q), dKL/ds = q − p and
+    dCE/ds = q − onehot(target). Three [t, V] fp32 buffers at most.
+    """
+    logq = F.log_softmax(student_logits.float(), dim=-1)  # [t, V]
+    logp = F.log_softmax(teacher_logits.float(), dim=-1)  # [t, V]
+    ce, teacher_ce = target_nll(logq, targets), target_nll(logp, targets)
+    p = logp.exp()  # [t, V]
+    log_ratio = logp.sub_(logq)  # log p − log q, in place: log p is not needed any more
+    kl = torch.dot(p.view(-1), log_ratio.view(-1))
+    grad = None
+    if grad_scales is not None:
+        kl_scale, ce_scale = grad_scales
+        has_target = targets != IGNORE  # [t]
+        rows = has_target.nonzero().squeeze(1)
+        grad = logq.exp_()  # q, in place: log q is not needed any more
+        row_scale = kl_scale + ce_scale * has_target.to(grad.dtype)  # [t]
+        grad.mul_(row_scale[:, None]).sub_(p, alpha=kl_scale)
+        grad[rows, targets[rows]] -= ce_scale
+    return ChunkStats(float(kl), float(ce), float(teacher_ce), grad)
+
+
+@torch.no_grad()
+def chunked_kl_nll(hidden_teacher: torch.Tensor, hidden_student: torch.Tensor, head_teacher: nn.Module,
+                   head_student: nn.Module, targets: torch.Tensor, chunk: int) -> tuple[float, float, float]:
+    """Sums over tokens of (teacher NLL, student NLL, KL(teacher ‖ student)), heads applied `chunk` tokens
+    at a time. hidden_*: [T, D]; targets: [T] (-100 = no next token: counted in KL, not in NLL)."""
+    nll_teacher = nll_student = kl = 0.0
+    for start in range(0, hidden_teacher.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        stats = kl_ce_chunk(head_student(hidden_student[sl]), head_teacher(hidden_teacher[sl]), targets[sl])
+        nll_teacher += stats.teacher_ce
+        nll_student += stats.ce
+        kl += stats.kl
+    return nll_teacher, nll_student, kl
+
+
+@torch.no_grad()
+def chunked_nll(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int) -> float:
+    """Σ NLL over the tokens with a target, `head` applied `chunk` tokens at a time. hidden: [T, D]."""
+    total = 0.0
+    for start in range(0, hidden.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        total += float(target_nll(F.log_softmax(head(hidden[sl]).float(), dim=-1), targets[sl]))
+    return total
+
+
+def loss_and_backward(student: DTPModel, teacher: nn.Module, ids: torch.Tensor, *, recipe: DistillRecipe,
+                      kl_norm: int, ce_norm: int) -> LossSums:
+    """Forward both models on ids [b, S], accumulate d(loss)/d(params) into the student's .grad.
+
+    loss = Σ KL / kl_norm + ce_weight · Σ CE / ce_norm, so that micro-batches with the step's total
+    token counts as norms add up to the step's per-token mean.
+    """
+    device = ids.device
+    b, s = ids.shape
+    teacher_any: Any = teacher
+    with torch.no_grad(), autocast(recipe, device):
+        hidden_t = teacher_any.model(ids).last_hidden_state.reshape(b * s, -1)  # [T, D]
+    with autocast(recipe, device):
+        hidden_s = student.hidden_states(ids)  # [b, S, D]
+    flat_s = hidden_s.detach().reshape(b * s, -1)  # [T, D]
+    targets = next_token_targets(ids)  # [T]
+    head_s, head_t = lm_head(student.model), lm_head(teacher)
+    train_head = head_s.weight.requires_grad
+    grad_hidden = torch.empty_like(flat_s, dtype=torch.float32)  # [T, D]
+    grad_head = torch.zeros_like(head_s.weight, dtype=torch.float32) if train_head else None  # [V, D]
+    sums = LossSums(kl_tokens=b * s, ce_tokens=int((targets != IGNORE).sum()))
+    scales = (1.0 / kl_norm, recipe.ce_weight / ce_norm)
+    for start in range(0, b * s, recipe.logit_chunk):
+        sl = slice(start, start + recipe.logit_chunk)
+        with torch.no_grad(), autocast(recipe, device):
+            logits_s, logits_t = head_s(flat_s[sl]), head_t(hidden_t[sl])  # [t, V]
+        stats = kl_ce_chunk(logits_s, logits_t, targets[sl], grad_scales=scales)
+        del logits_s, logits_t
+        grad_logits = stats.grad
+        assert grad_logits is not None
+        sums.kl += stats.kl
+        sums.ce += stats.ce
+        with torch.no_grad(), autocast(recipe, device):
+            grad_hidden[sl] = grad_logits.to(head_s.weight.dtype) @ head_s.weight  # [t, D]
+            if grad_head is not None:
+                grad_head += grad_logits.t().to(flat_s.dtype) @ flat_s[sl]  # [V, D]
+    hidden_s.backward(grad_hidden.view(b, s, -1).to(hidden_s.dtype))
+    if grad_head is not None:
+        head_s.weight.grad = grad_head if head_s.weight.grad is None else head_s.weight.grad + grad_head
+    return sums

@@ -1,0 +1,175 @@
+"""The distillation recipe: every number of the training, the paper's by default (§4 and appendix).
+
+Loss per token KL(teacher ‖ student) + 0.1·CE; AdamW β = (0.9, 0.95) without weight decay; lr 5e-5
+with 100 linear warm-up steps and cosine decay to 5e-6; gradient clipping at 1; embeddings frozen;
+fp32 master weights with bf16 autocast on CUDA (plain fp32 on CPU); 16 sequences of 1024 tokens per
+step through micro-batches of 4; 1000 steps, evaluated every 100 on 16 blocks of WikiText-2 test.
+
+Each field carries its own rule (type, bounds, one-line doc) as dataclass metadata: `DistillRecipe`
+enforces them, and a request schema can build its fields from `DistillRecipe.rules()` instead of
+mirroring them. Torch-free: the API process imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+Autocast = Literal["auto", "bf16", "none"]
+LastScale = Literal["sqrt", "one"]  # models.dtp.LastScale, restated here to stay torch-free
+AUTOCASTS: tuple[str, ...] = ("auto", "bf16", "none")
+LAST_SCALES: tuple[str, ...] = ("sqrt", "one")
+
+MAX_STEPS = 10_000_000
+MAX_SEQUENCES = 65_536  # sequences per step, micro-batch or evaluation batch
+MAX_LOGIT_CHUNK = 1 << 20
+
+# The paper's data protocol for a comparison (§4): training blocks of 1024 tokens, evaluation on 16
+# blocks of the WikiText-2 test set (an `hf:` source, streamed with the `datasets` package).
+SEQ_LEN = 1024
+EVAL_SEQUENCES = 16
+WIKITEXT2_TEST = "hf:Salesforce/wikitext:wikitext-2-raw-v1:test"
+
+
+class DistillError(ValueError):
+    """A distillation request that cannot run as given (bad recipe, layouts, or run directory)."""
+
+
+Kind = Literal["int", "float", "bool", "choice", "betas"]
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What one recipe field accepts: integers and floats within bounds, booleans, or one of `choices`.
+
+    Floats must be finite; `gt`/`ge`/`le` bound the value (and, for betas, each of the two).
+    """
+
+    kind: Kind
+    doc: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[str, ...] = ()
+
+    def bounds_text(self) -> str:
+        lower = f"> {_num(self.gt)}" if self.gt is not None else f"≥ {_num(self.ge)}" if self.ge is not None else ""
+        upper = f"< {_num(self.lt)}" if self.lt is not None else f"≤ {_num(self.le)}" if self.le is not None else ""
+        return " and ".join(part for part in (lower, upper) if part)
+
+    def within(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _int(default: int, doc: str, *, ge: int, le: int) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("int", doc, ge=ge, le=le)})
+
+
+def _float(default: float, doc: str, *, ge: float | None = None, gt: float | None = None) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("float", doc, ge=ge, gt=gt)})
+
+
+def _bool(default: bool, doc: str) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("bool", doc)})
+
+
+def _choice(default: str, doc: str, choices: tuple[str, ...]) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("choice", doc, choices=choices)})
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class DistillRecipe:
+    """Every number of the training recipe; the defaults are the paper's."""
+
+    steps: int = _int(1000, "optimiser steps per run", ge=1, le=MAX_STEPS)
+    batch_size: int = _int(16, "sequences per optimiser step", ge=1, le=MAX_SEQUENCES)
+    micro_batch_size: int = _int(4, "sequences per forward/backward (gradient accumulation); divides batch_size",
+                                 ge=1, le=MAX_SEQUENCES)
+    lr: float = _float(5e-5, "peak learning rate", gt=0)
+    min_lr: float = _float(5e-6, "end of the cosine decay; 0 < min_lr ≤ lr", gt=0)
+    warmup_steps: int = _int(100, "linear warm-up steps", ge=0, le=MAX_STEPS)
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={
+        "rule": FieldRule("betas", "AdamW betas, each in [0, 1)", ge=0, lt=1)})
+    adam_eps: float = _float(1e-8, "AdamW epsilon", gt=0)
+    weight_decay: float = _float(0.0, "AdamW weight decay", ge=0)
+    grad_clip: float = _float(1.0, "max global gradient norm; 0 turns clipping off", ge=0)
+    ce_weight: float = _float(0.1, "loss = KL + ce_weight · CE", ge=0)
+    freeze_embeddings: bool = _bool(True, "freeze the input embeddings (a tied LM head is the embedding matrix "
+                                          "and is frozen with it)")
+    freeze_lm_head: bool = _bool(False, "also freeze an untied LM head (it trains otherwise)")
+    autocast: Autocast = _choice("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", AUTOCASTS)  # noqa: RUF009
+    gradient_checkpointing: bool = _bool(False, "recompute modules in backward (less memory, same gradients)")
+    logit_chunk: int = _int(256, "tokens per chunk of the loss over the vocabulary", ge=1, le=MAX_LOGIT_CHUNK)
+    eval_every: int = _int(100, "steps between evaluations; also at step 0 and the last", ge=1, le=MAX_STEPS)
+    eval_batch_size: int = _int(4, "evaluation sequences per forward", ge=1, le=MAX_SEQUENCES)
+    checkpoint_every: int = _int(5, "evaluations between checkpoints (the last step is always checkpointed)",
+                                 ge=1, le=MAX_STEPS)
+    last_scale: LastScale = _choice("sqrt", "DTP last-module scale", LAST_SCALES)  # noqa: RUF009
+
+    def __post_init__(self) -> None:
+        for name, rule in self.rules().items():
+            object.__setattr__(self, name, _checked(name, rule, getattr(self, name)))
+        if self.batch_size % self.micro_batch_size:
+            raise DistillError(f"recipe.batch_size={self.batch_size} must be a multiple of "
+                               f"micro_batch_size={self.micro_batch_size}")
+        if not self.min_lr <= self.lr:
+            raise DistillError(f"recipe needs 0 < min_lr ≤ lr, got lr={self.lr}, min_lr={self.min_lr}")
+
+    @classmethod
+    def rules(cls) -> dict[str, FieldRule]:
+        """Each field's rule, in field order."""
+        return {f.name: f.metadata["rule"] for f in fields(cls)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DistillRecipe:
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise DistillError(f"recipe: unknown field(s) {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    def use_bf16(self, device_type: str) -> bool:
+        """Whether the forward passes autocast to bf16 on this device type (`cuda`, `cpu`, …)."""
+        return self.autocast == "bf16" or (self.autocast == "auto" and device_type == "cuda")
+
+
+def _checked(name: str, rule: FieldRule, value: Any) -> Any:
+    """The value as the recipe stores it (floats as float, betas as a tuple), or DistillError."""
+    if rule.kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool) or not rule.within(value):
+            raise DistillError(f"recipe.{name} must be an integer {rule.bounds_text()}, got {value!r}")
+        return value
+    if rule.kind == "float":
+        if not _is_real(value) or not math.isfinite(value) or not rule.within(value):
+            raise DistillError(f"recipe.{name} must be a finite number {rule.bounds_text()}, got {value!r}")
+        return float(value)
+    if rule.kind == "bool":
+        if not isinstance(value, bool):
+            raise DistillError(f"recipe.{name} must be true or false, got {value!r}")
+        return value
+    if rule.kind == "choice":
+        if value not in rule.choices:
+            raise DistillError(f"recipe.{name} must be {', '.join(rule.choices[:-1])} or {rule.choices[-1]}, "
+                               f"got {value!r}")
+        return value
+    ok = (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
+          and all(_is_real(b) and math.isfinite(b) and rule.within(b) for b in value))
+    if not ok:
+        raise DistillError(f"recipe.{name} must be two numbers in [0, 1), got {value!r}")
+    return tuple(float(b) for b in value)

@@ -1,0 +1,203 @@
+"""One (layout, seed) run over its directory: the training loop, its evaluations, checkpoints and resume.
+
+The run evaluates at step 0, every `eval_every` steps and at the last; it checkpoints every
+`checkpoint_every` evaluations and at the end. Started over an existing directory with the same
+fingerprint, it resumes from the checkpoint (or returns a finished run's records); the block order
+is a pure function of (seed, step), so a resumed run follows the uninterrupted curve.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from models.distill.checkpoint import checkpoint_payload, load_checkpoint, restore, run_fingerprint, save_checkpoint
+from models.distill.data import batch_indices
+from models.distill.evaluation import DenseReference, evaluate_student
+from models.distill.recipe import DistillError, DistillRecipe
+from models.distill.records import EvalRecord, RunState, read_complete, write_logs
+from models.distill.schedule import learning_rate
+from models.distill.student import make_student
+from models.distill.train import StepStats, make_optimizer, train_step
+from models.layout import Layout
+from models.progress import Cancelled, Progress, ShouldStop
+
+STAGE = "distilling"
+
+
+@dataclass
+class RunResult:
+    layout: str
+    seed: int
+    records: list[EvalRecord]
+    steps: list[StepStats]
+    run_dir: Path
+    resumed_from: int | None  # the checkpoint step this call started from, if any
+    seconds: float
+
+    @property
+    def final(self) -> EvalRecord:
+        return self.records[-1]
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """A run's callbacks (all optional); see `distill_run`."""
+
+    progress: Progress | None = None
+    should_stop: ShouldStop | None = None
+    on_eval: Callable[[EvalRecord], None] | None = None
+    on_step: Callable[[StepStats, EvalRecord | None], None] | None = None
+    on_restore: Callable[[list[EvalRecord]], None] | None = None
+
+
+def eval_steps(recipe: DistillRecipe) -> list[int]:
+    """The steps after which a run evaluates: 0, every eval_every, and the last."""
+    steps = list(range(0, recipe.steps + 1, recipe.eval_every))
+    return steps if steps[-1] == recipe.steps else [*steps, recipe.steps]
+
+
+def _mean_loss_since(state: RunState, previous_eval: int) -> float | None:
+    losses = [s.loss for s in state.steps if s.step >= previous_eval]
+    return sum(losses) / len(losses) if losses else None
+
+
+class _Run:
+    """One (layout, seed) run over its directory: the training loop, its evaluations and checkpoints."""
+
+    def __init__(self, *, teacher: nn.Module, layout: Layout, seed: int, recipe: DistillRecipe,
+                 train_blocks: torch.Tensor, reference: DenseReference, run_dir: Path, fingerprint: str,
+                 hooks: RunHooks, keep_checkpoint: bool) -> None:
+        self.teacher, self.layout, self.seed, self.recipe = teacher, layout, seed, recipe
+        self.train_blocks, self.reference, self.run_dir = train_blocks, reference, run_dir
+        self.fingerprint, self.hooks, self.keep_checkpoint = fingerprint, hooks, keep_checkpoint
+        self.device = next(teacher.parameters()).device
+        self.student = make_student(teacher, layout, recipe).to(self.device)
+        self.optimizer = make_optimizer(self.student, recipe)
+        self.ckpt_path = run_dir / "checkpoint.pt"
+        self.state = RunState()
+        self.evals = eval_steps(recipe)
+        self.clock_start = time.perf_counter()
+
+    def restore(self) -> int | None:
+        """Load the checkpoint if there is one; the step it was taken at."""
+        if not self.ckpt_path.exists():
+            return None
+        data = load_checkpoint(self.ckpt_path)
+        if data["fingerprint"] != self.fingerprint:
+            raise DistillError(f"{self.ckpt_path} was made by a different configuration (layout, seed, recipe or "
+                               "data); use another output directory or remove it (--overwrite)")
+        self.state = restore(data, self.student, self.optimizer)
+        self.clock_start = time.perf_counter() - self.state.elapsed  # elapsed_s counts across resumes
+        if self.hooks.on_restore:
+            self.hooks.on_restore(list(self.state.records))
+        return self.state.step
+
+    def due_for_eval(self) -> bool:
+        state = self.state
+        return state.step in self.evals and (not state.records or state.records[-1].step < state.step)
+
+    def evaluate(self) -> EvalRecord:
+        state, recipe = self.state, self.recipe
+        kl, ppl = evaluate_student(self.student, self.teacher, self.reference, recipe=recipe)
+        previous = max((e for e in self.evals if e < state.step), default=0)
+        state.elapsed = time.perf_counter() - self.clock_start
+        return EvalRecord(layout=self.layout.name, seed=self.seed, step=state.step, kl=kl, ppl=ppl,
+                          loss=_mean_loss_since(state, previous),
+                          lr=state.steps[-1].lr if state.steps else learning_rate(0, recipe),
+                          tokens=state.step * recipe.batch_size * self.train_blocks.shape[1],
+                          elapsed_s=state.elapsed)
+
+    def write_logs(self, complete: bool) -> None:
+        write_logs(self.run_dir, layout=self.layout, seed=self.seed, fingerprint=self.fingerprint,
+                    recipe=self.recipe, state=self.state, complete=complete, dense_ppl=self.reference.dense_ppl)
+
+    def save(self, complete: bool) -> None:
+        if not complete or self.keep_checkpoint:
+            save_checkpoint(self.ckpt_path, checkpoint_payload(self.student, self.optimizer, self.state,
+                                                                 self.fingerprint, self.seed, self.recipe))
+        self.write_logs(complete)
+        if complete and not self.keep_checkpoint:
+            self.ckpt_path.unlink(missing_ok=True)  # only once the logs say the run is complete
+
+    def eval_and_log(self) -> None:
+        record = self.evaluate()
+        self.state.records.append(record)
+        finished = self.state.step == self.recipe.steps
+        if finished or len(self.state.records) % self.recipe.checkpoint_every == 0:
+            self.save(complete=finished)
+        else:
+            self.write_logs(complete=False)
+        if self.hooks.on_eval:
+            self.hooks.on_eval(record)
+
+    def train_one_step(self) -> None:
+        state, recipe = self.state, self.recipe
+        if self.hooks.should_stop is not None and self.hooks.should_stop():
+            raise Cancelled(f"distillation of {self.layout.name} (seed {self.seed}) cancelled at step {state.step}")
+        index = batch_indices(state.step, batch_size=recipe.batch_size, num_blocks=len(self.train_blocks),
+                              seed=self.seed)
+        batch = self.train_blocks[torch.from_numpy(index)].to(self.device)  # [batch_size, S]
+        stats = train_step(self.student, self.teacher, batch, self.optimizer, step=state.step, recipe=recipe)
+        if not math.isfinite(stats.loss):
+            raise DistillError(f"{self.layout.name} (seed {self.seed}): loss is {stats.loss} at step {state.step}; "
+                               "lower the learning rate or check the data")
+        state.steps.append(stats)
+        state.step += 1
+        if self.hooks.on_step:
+            self.hooks.on_step(stats, state.records[-1] if state.records else None)
+        if self.hooks.progress:
+            self.hooks.progress(STAGE, state.step / recipe.steps)
+
+    def run(self) -> None:
+        while True:
+            if self.due_for_eval():
+                self.eval_and_log()
+            if self.state.step >= self.recipe.steps:
+                return
+            self.train_one_step()
+
+
+def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: DistillRecipe,
+                train_blocks: torch.Tensor, reference: DenseReference, run_dir: Path, model_id: str = "",
+                progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                on_eval: Callable[[EvalRecord], None] | None = None,
+                on_step: Callable[[StepStats, EvalRecord | None], None] | None = None,
+                on_restore: Callable[[list[EvalRecord]], None] | None = None,
+                keep_checkpoint: bool = True) -> RunResult:
+    """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
+
+    train_blocks: [n, S] token ids; each step reads batch_size of them (see `batch_indices`).
+    Raises `Cancelled` between steps when should_stop() is true (the last checkpoint stays).
+    on_restore gets the evaluations read back from a finished run or a checkpoint; evaluations past
+    the checkpoint are recomputed and passed to on_eval again (same layout, seed and step).
+    """
+    t_start = time.perf_counter()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint = run_fingerprint(layout=layout, seed=seed, recipe=recipe, train_blocks=train_blocks,
+                                  eval_blocks=reference.blocks, model_id=model_id)
+    done = read_complete(run_dir, fingerprint)
+    if done is not None:
+        if on_restore:
+            on_restore(done)
+        if progress:
+            progress(STAGE, 1.0)
+        return RunResult(layout.name, seed, done, [], run_dir, recipe.steps, 0.0)
+    if len(train_blocks) < recipe.batch_size:
+        raise DistillError(f"{len(train_blocks)} training blocks, fewer than batch_size={recipe.batch_size}")
+    hooks = RunHooks(progress=progress, should_stop=should_stop, on_eval=on_eval, on_step=on_step,
+                     on_restore=on_restore)
+    run = _Run(teacher=teacher, layout=layout, seed=seed, recipe=recipe, train_blocks=train_blocks,
+               reference=reference, run_dir=run_dir, fingerprint=fingerprint, hooks=hooks,
+               keep_checkpoint=keep_checkpoint)
+    resumed_from = run.restore()
+    run.run()
+    return RunResult(layout.name, seed, run.state.records, run.state.steps, run_dir, resumed_from,
+                     time.perf_counter() - t_start)

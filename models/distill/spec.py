@@ -1,0 +1,37 @@
+"""A layout comparison: which layouts, on what data, at which L and δ, with which seeds and recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.calibration import CalibrationSpec
+from models.distill.recipe import DistillError, DistillRecipe
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """A layout comparison: every (layout, seed) pair is one run of the same recipe.
+
+    layouts: names in the grammar of `models.layout_names` (optimised and ablations from a layouts
+    directory, `contiguous`, `random-<seed>` / `random:<seed>`, or a dtp-layout/1 JSON path).
+    """
+
+    layouts: tuple[str, ...]
+    train: CalibrationSpec
+    eval: CalibrationSpec
+    devices: int
+    delta: int = 1
+    seeds: tuple[int, ...] = (0,)
+    recipe: DistillRecipe = field(default_factory=DistillRecipe)
+    reference: str = "contiguous"  # the headline compares `candidate` against `reference`
+    candidate: str = "optimised"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layouts", tuple(self.layouts))
+        object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+        if not self.layouts:
+            raise DistillError("layouts: give at least one layout")
+        if len(set(self.layouts)) != len(self.layouts):
+            raise DistillError(f"layouts: duplicates in {', '.join(self.layouts)}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise DistillError(f"seeds: give distinct integers, got {list(self.seeds)}")

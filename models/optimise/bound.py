@@ -1,0 +1,151 @@
+"""The upper bound of J: Σ over edges of the best co-located fraction of that edge optimised alone.
+
+No layout can beat it, since J is the sum of the edges' fractions. Per edge, exact by branch and
+bound over the balanced partitions of the KV groups (each solved by an exact balanced assignment of
+the neurons) where they are few enough, otherwise a looser valid bound. Pure numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from models.optimise.assignment import REL_TOL, balanced_assignment
+from models.optimise.problem import Affinity, check_devices
+
+_GAIN_CHUNK = 1 << 22  # floats per temporary when scoring group partitions in bulk
+
+
+@dataclass(frozen=True)
+class UpperBound:
+    """Σ over edges of the best co-located fraction of that edge alone; `exact` when every term is exact."""
+
+    devices: int
+    value: float
+    exact: bool
+    up: list[float]
+    down: list[float]
+
+
+
+def partition_count(groups: int, devices: int) -> int:
+    """Balanced partitions of `groups` items into `devices` unlabelled blocks: G! / ((G/L)!^L L!)."""
+    size = groups // devices
+    return math.factorial(groups) // (math.factorial(size) ** devices * math.factorial(devices))
+
+
+@lru_cache(maxsize=16)
+def _unlabelled_partitions(groups: int, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every balanced partition of the groups once, up to relabelling of its blocks.
+
+    Returns blocks [B, G/L] (every G/L-subset of the groups, as sorted member lists) and partitions
+    [P, L] (the block ids of each partition). The lowest free group always opens the next block,
+    which fixes the order of the blocks and so counts each partition once.
+    """
+    size = groups // devices
+    subsets = list(itertools.combinations(range(groups), size))
+    block_id = {members: j for j, members in enumerate(subsets)}
+    found: list[list[int]] = []
+
+    def fill(free: tuple[int, ...], chosen: list[int]) -> None:
+        if not free:
+            found.append(list(chosen))
+            return
+        first, rest = free[0], free[1:]
+        for others in itertools.combinations(rest, size - 1):
+            chosen.append(block_id[(first, *others)])
+            fill(tuple(g for g in rest if g not in others), chosen)
+            chosen.pop()
+
+    fill(tuple(range(groups)), [])
+    blocks = np.array(subsets, dtype=np.int64).reshape(len(subsets), size)
+    partitions = np.array(found, dtype=np.int64)
+    blocks.setflags(write=False)
+    partitions.setflags(write=False)
+    return blocks, partitions
+
+
+def _edge_bound_relaxed(matrix: np.ndarray, devices: int) -> float:
+    """A valid bound without enumeration: a neuron shares a device with exactly G/L groups, and a group
+    with exactly I/L neurons, so neither can collect more than its top G/L (resp. I/L) entries."""
+    groups, neurons = matrix.shape
+    per_neuron = np.sort(matrix, axis=0)[groups - groups // devices:].sum()
+    per_group = np.sort(matrix, axis=1)[:, neurons - neurons // devices:].sum()
+    return float(min(per_neuron, per_group))
+
+
+def _relaxed_partition_values(matrix: np.ndarray, blocks: np.ndarray, partitions: np.ndarray) -> np.ndarray:
+    """Σ_k max over the partition's blocks of the mass neuron k shares with the block: [P].
+
+    The value of the partition if neurons ignored balance, so an upper bound of its exact value.
+    Separable over neurons, so computed in neuron chunks to bound the [B, w] and [P, w] temporaries.
+    """
+    neurons = matrix.shape[1]
+    width = max(1, _GAIN_CHUNK // max(len(blocks), len(partitions)))
+    relaxed = np.zeros(len(partitions))
+    for start in range(0, neurons, width):
+        block_mass = matrix[:, start:start + width][blocks].sum(axis=1)  # [B, w]
+        best = block_mass[partitions[:, 0]]  # [P, w]
+        for j in range(1, partitions.shape[1]):
+            np.maximum(best, block_mass[partitions[:, j]], out=best)
+        relaxed += best.sum(axis=1)
+    return relaxed
+
+
+def _edge_bound_exact(matrix: np.ndarray, devices: int) -> float:
+    """max over balanced (group partition, neuron assignment) of the co-located mass of one [G, I] edge.
+
+    Branch and bound over the group partitions: solve partitions exactly in decreasing order of their
+    relaxed value (neurons ignoring balance) until the best exact value reaches the next relaxed one.
+    """
+    groups, neurons = matrix.shape
+    blocks, partitions = _unlabelled_partitions(groups, devices)  # [B, G/L], [P, L]
+    relaxed = _relaxed_partition_values(matrix, blocks, partitions)  # [P]
+    slack = REL_TOL * float(relaxed.max())
+    best = -np.inf
+    for p in np.argsort(-relaxed, kind="stable"):
+        if best >= relaxed[p] - slack:
+            break
+        gain = matrix[blocks[partitions[p]]].sum(axis=1).T  # [I, L]
+        assign = balanced_assignment(gain)
+        best = max(best, float(gain[np.arange(neurons), assign].sum()))
+    return best
+
+
+def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[float, bool]:
+    """Bound for one normalised edge as [G, I] (a down edge transposed); (value, exact)."""
+    if not matrix.any():
+        return 0.0, True
+    if devices == 1:
+        return float(matrix.sum()), True
+    if partition_count(matrix.shape[0], devices) > max_partitions:
+        return _edge_bound_relaxed(matrix, devices), False
+    return _edge_bound_exact(matrix, devices), True
+
+
+def upper_bound(affinity: Affinity, devices: int, *, max_partitions: int = 20000) -> UpperBound:
+    """Σ over edges of the best co-located fraction of that edge optimised alone (cached per affinity).
+
+    No layout can beat it, since J is the sum of the edges' fractions. Exact where the group partitions
+    number at most `max_partitions`, otherwise a looser valid bound with exact=False.
+    """
+    check_devices(affinity, devices)
+    key = ("upper_bound", devices, max_partitions)
+    if key not in affinity._cache:
+        unit = affinity.normalised()
+        up = [_edge_bound(m, devices, max_partitions) for m in unit.up]
+        down = [_edge_bound(m.T, devices, max_partitions) for m in unit.down]
+        affinity._cache[key] = UpperBound(
+            devices=int(devices),
+            value=float(sum(v for v, _ in up) + sum(v for v, _ in down)),
+            exact=all(e for _, e in up) and all(e for _, e in down),
+            up=[v for v, _ in up],
+            down=[v for v, _ in down],
+        )
+    result: UpperBound = affinity._cache[key]
+    return result
+

@@ -1,0 +1,21 @@
+"""One progress-callback type and one cancellation error for the whole package."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from models import progress
+
+
+@pytest.mark.parametrize("module", ["models.affinity", "models.distill", "models.distill.run", "models.evaluate",
+                                    "models.export", "models.pipeline"])
+def test_every_stage_reports_through_the_same_progress_type(module):
+    assert importlib.import_module(module).Progress is progress.Progress
+
+
+def test_cancelled_is_one_error_wherever_it_is_imported_from():
+    from models.affinity import Cancelled
+
+    assert Cancelled is progress.Cancelled and issubclass(Cancelled, RuntimeError)
