@@ -306,6 +306,8 @@ class JobOut(BaseModel):
         "owner": None, "spec": EXAMPLE_SPEC, "fingerprint": "9c1e…", "error": None, "error_stage": None,
         "created_at": "2026-11-30T10:00:00Z", "started_at": "2026-11-30T10:00:01Z", "finished_at": None,
         "updated_at": "2026-11-30T10:00:09Z", "timings": {"loading": 3.1, "calibration": 0.4}, "summary": None,
+        "device": {"device": "cuda:0", "name": "NVIDIA H200", "memory_total_gib": 139.81, "capability": "9.0",
+                   "cuda": "13.0", "torch": "2.11.0+cu130", "visible_devices": 1},
         "links": {"self": "/v1/jobs/3f6c…", "layouts": "/v1/jobs/3f6c…/layouts",
                   "artifacts": "/v1/jobs/3f6c…/artifacts", "metrics": "/v1/jobs/3f6c…/metrics",
                   "cancel": "/v1/jobs/3f6c…/cancel"}}]})
@@ -332,6 +334,10 @@ class JobOut(BaseModel):
     timings: dict[str, float]
     summary: dict[str, Any] | None = Field(
         default=None, description="tokens, random expectation, upper bound and J per layout once the job succeeded")
+    device: dict[str, Any] | None = Field(
+        default=None, description="where the worker runs the job (latest attempt): `device` (cpu, cuda:N), `name` "
+                                  "(e.g. NVIDIA H200), `memory_total_gib`, `capability`, `cuda`, `torch`; null "
+                                  "until a worker picked the job up")
     links: Links
 
 

@@ -179,6 +179,14 @@ def list_jobs(*, db: Database, model: str | None = None, status: str | None = No
     return list(rows), int(total)
 
 
+def job_device(history: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The device the job's latest attempt runs (or ran) on, as its worker recorded it."""
+    for entry in reversed(history or []):
+        if isinstance(entry.get("device"), dict):
+            return dict(entry["device"])
+    return None
+
+
 def job_view(job: Job, *, base: str = "") -> dict[str, Any]:
     url = f"{base}/v1/jobs/{job.id}"
     return {
@@ -189,7 +197,7 @@ def job_view(job: Job, *, base: str = "") -> dict[str, Any]:
         "spec": job.spec, "fingerprint": job.fingerprint, "error": job.error, "error_stage": job.error_stage,
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
-        "timings": dict(job.timings or {}), "summary": job.summary,
+        "timings": dict(job.timings or {}), "summary": job.summary, "device": job_device(job.history),
         "links": {"self": url, "layouts": f"{url}/layouts", "artifacts": f"{url}/artifacts",
                   "metrics": f"{url}/metrics", "cancel": f"{url}/cancel"},
     }

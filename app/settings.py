@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     queue: str = Field(default="gpu", description="Celery queue the jobs go to")
     api_keys: str = Field(default="", description="name:key pairs, comma-separated; empty: the API is open")
     device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
+    cuda_memory_fraction: float | None = Field(
+        default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
+                                              "workers on one GPU); a job that needs more fails with the sizes")
     visibility_timeout_s: int = Field(default=86400, ge=60,
                                       description="Redis visibility timeout, above the longest job")
     lease_s: float = Field(default=60.0, gt=0, description="a running job's lease; a worker silent for longer has died")
@@ -88,6 +91,8 @@ class Settings(BaseSettings):
             "STAGE_DELAY_S": str(self.stage_delay_s),
             "VAR_DIR": str(self.var_dir),
         }
+        if self.cuda_memory_fraction is not None:
+            env["CUDA_MEMORY_FRACTION"] = str(self.cuda_memory_fraction)
         return {f"DTP_LAYOUT_{k}": v for k, v in env.items()}
 
 

@@ -6,6 +6,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -18,23 +19,36 @@ QWEN3_06B = dict(
 )
 
 
-def qwen3_06b_shaped(num_layers: int = 4, seed: int = 0) -> PreTrainedModel:
+def qwen3_06b_shaped(num_layers: int = 4, seed: int = 0, *, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu", **overrides: Any) -> PreTrainedModel:
+    """A random model of Qwen3-0.6B's shape (`overrides` change its dimensions), built on `device`."""
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3", num_hidden_layers=num_layers, **QWEN3_06B)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    config = AutoConfig.for_model("qwen3", num_hidden_layers=num_layers, **{**QWEN3_06B, **overrides})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
 
 
-def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 5,
-                      warmup: int = 1) -> dict[str, float]:
-    """Median wall time of each function, run in turn so that machine noise hits all alike."""
+def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                      sync: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median wall time of each function, run in turn so that machine noise hits all alike.
+
+    sync (e.g. torch.cuda.synchronize) runs before each clock read: device work is asynchronous.
+    """
+    def wait() -> None:
+        if sync is not None:
+            sync()
+
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            wait()
             t0 = time.perf_counter()
             fn()
+            wait()
             samples[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in samples.items()}
 

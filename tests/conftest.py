@@ -122,14 +122,19 @@ def redis_broker():
     client.close()
 
 
+# Sections of the terminal summary: skipped tests carrying one of these markers, with the reason.
+SKIP_SECTIONS = {"server-backed tests skipped": SERVER_MARKERS, "GPU tests skipped": ("gpu",)}
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    skipped = []
-    for report in terminalreporter.stats.get("skipped", []):
-        if not any(marker in getattr(report, "keywords", {}) for marker in SERVER_MARKERS):
-            continue
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        skipped.append((report.nodeid, reason.removeprefix("Skipped: ")))
-    if skipped:
-        terminalreporter.section("server-backed tests skipped")
-        for nodeid, reason in skipped:
-            terminalreporter.write_line(f"{nodeid}: {reason}")
+    for title, markers in SKIP_SECTIONS.items():
+        skipped = []
+        for report in terminalreporter.stats.get("skipped", []):
+            if not any(marker in getattr(report, "keywords", {}) for marker in markers):
+                continue
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            skipped.append((report.nodeid, reason.removeprefix("Skipped: ")))
+        if skipped:
+            terminalreporter.section(title)
+            for nodeid, reason in skipped:
+                terminalreporter.write_line(f"{nodeid}: {reason}")

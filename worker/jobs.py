@@ -47,6 +47,7 @@ from app.services import DISTILL_SUMMARY, event
 from app.settings import Settings
 from app.sources import resolve_data, resolve_model
 from app.storage import Storage, sha256_file
+from worker.device import out_of_memory_message, prepare_device
 
 log = logging.getLogger("dtp_layout.worker")
 DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
@@ -221,14 +222,14 @@ class JobRun:
             raise LeaseLost(f"job {self.job_id}: no longer leased by {self.worker}")
         return job
 
-    def enter(self, stage: str) -> None:
+    def enter(self, stage: str, **note: Any) -> None:
         self.check()
         self.stage, self._stage_t0 = stage, time.perf_counter()
         self.monitor.start_stage()
         with self.db.transaction() as session:
             job = self._owned(session)
             job.stage, job.progress, job.eta_s, job.stage_started_at = stage, 0.0, None, utcnow()
-            job.history = [*(job.history or []), event("stage-start", stage=stage, attempt=job.attempts)]
+            job.history = [*(job.history or []), event("stage-start", stage=stage, attempt=job.attempts, **note)]
         log.info("job %s: %s", self.job_id, stage)
 
     def complete(self, stage: str, also: Callable[[Session, Job], None] | None = None, **note: Any) -> None:
@@ -289,8 +290,9 @@ class JobRun:
                                       export=spec.export.any, batch_size=spec.batch_size, restarts=spec.restarts)
         state = pipeline.RunState(out_dir=self.work)
 
-        # loading: the config is always checked; weights only when a later stage needs them.
-        self.enter("loading")
+        # loading: the config is always checked; weights only when a later stage needs them. The device
+        # this attempt runs on is recorded with the stage (the job view's `device`).
+        self.enter("loading", device=prepare_device(self.settings.device, self.settings.cuda_memory_fraction))
         location = resolve_model(self.settings.models_dir, spec.model.id, revision=spec.model.revision,
                                  gguf_file=spec.model.gguf_file)
         source = ModelSource(**location.loader_args())
@@ -599,7 +601,11 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str) -> st
         if isinstance(exc, JobCancelled | Cancelled):
             _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=runner.stage)
             return "cancelled"
-        if isinstance(exc, user_errors()):
+        oom = out_of_memory_message(exc, stage=runner.stage)
+        if oom is not None:
+            message = oom
+            log.error("job %s: %s", job_id, oom)
+        elif isinstance(exc, user_errors()):
             message = str(exc)
         else:
             message = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,90 @@
+"""bench/gpu_check.py at its tiny size on the CPU: the same code path as the GPU run (every stage, the
+files, the gpu tests with the CPU standing in), and its promises about time: a stage that cannot fit
+is skipped and says so, and a run that hangs is stopped by the watchdog with its files written."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import gpu_check
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "gpu_check.py"
+STAGES = ["model", "affinity", "optimise", "export", "forward", "distill"]
+
+
+def run(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    return done, time.monotonic() - t0
+
+
+def results(out: Path) -> dict:
+    return json.loads((out / gpu_check.JSON_FILE).read_text())
+
+
+def test_tiny_run_goes_through_every_stage_and_the_gpu_tests(tmp_path, capsys):
+    code = gpu_check.main(["--tiny", "--out", str(tmp_path), "--device", "cpu"])
+    assert code == gpu_check.EXIT_OK, capsys.readouterr().out[-3000:]
+    res = results(tmp_path)
+    assert res["format"] == gpu_check.FORMAT and res["mode"] == "tiny" and res["status"] == "ok"
+    stages = res["stages"]
+    assert [name for name in stages] == [*STAGES, "tests"]
+    assert all(stages[name]["status"] == "ok" for name in stages), stages
+    sizes = gpu_check.TINY
+    assert stages["model"]["layers"] == sizes.layers and stages["model"]["dtype"] == "bfloat16"
+    aff = stages["affinity"]
+    assert aff["tokens"] == sizes.calib_sequences * sizes.calib_seq_len and aff["finite"] is True
+    assert aff["seconds"] > 0 and aff["ratio_to_forward"] > 0
+    opt = stages["optimise"]
+    assert opt["layouts"] == 2 + sizes.random_layouts  # optimised, contiguous and the random ones
+    assert opt["J_optimised"] >= max(opt["J_contiguous"], opt["J_random_mean"]) and opt["J_over_bound"] <= 1 + 1e-9
+    assert stages["export"]["tensors_verified"] > 0 and stages["export"]["shards"] == sizes.devices
+    assert stages["forward"]["ratio"] > 0 and stages["forward"]["tokens"] == sizes.forward_batch * sizes.forward_seq
+    dist = stages["distill"]
+    assert dist["steps_done"] == sizes.distill_steps and len(dist["steps"]) == sizes.distill_steps
+    assert all(math.isfinite(v) for step in dist["steps"] for v in step.values())
+    assert dist["recipe"]["ce_weight"] == 0.1 and dist["recipe"]["betas"] == [0.9, 0.95]  # the paper's recipe
+    assert dist["projected_1000_steps_s"] > 1000 * dist["step_s"]
+    tests = stages["tests"]
+    assert tests["failed"] == 0 and tests["errors"] == 0 and tests["passed"] >= 20, tests
+    assert "CPU standing in" in tests["note"]
+    assert (tmp_path / gpu_check.TESTS_XML).is_file() and "passed" in (tmp_path / gpu_check.TESTS_LOG).read_text()
+    md = (tmp_path / gpu_check.MD_FILE).read_text()
+    assert md.startswith("# GPU check (tiny): ok") and "| affinity pass, 8×32 tokens |" in md
+    assert "| `gpu` tests | " in md and "51.0 s" in md and "22.0 min–32.0 min" in md
+
+
+def test_a_budget_too_small_skips_every_stage_and_says_why(tmp_path):
+    assert gpu_check.main(["--tiny", "--out", str(tmp_path), "--device", "cpu", "--budget-s", "0"]) == (
+        gpu_check.EXIT_BUDGET)
+    res = results(tmp_path)
+    assert res["status"] == "partial"
+    assert {name: rec["status"] for name, rec in res["stages"].items()} == {
+        **{name: "skipped" for name in STAGES}, "tests": "skipped"}
+    assert res["stages"]["model"]["reason"].startswith("time budget")
+    assert res["stages"]["affinity"]["reason"] == "needs stage model, which did not run"
+    assert "**skipped**: time budget" in (tmp_path / gpu_check.MD_FILE).read_text()
+
+
+def test_the_watchdog_stops_a_hung_run_and_leaves_its_files(tmp_path):
+    done, wall = run("--tiny", "--out", str(tmp_path), "--device", "cpu", "--skip-tests", "--budget-s", "6",
+                     "--grace-s", "1", "--hang-in", "model", timeout=120)
+    assert done.returncode == gpu_check.EXIT_WATCHDOG, done.stdout + done.stderr
+    assert wall < 60  # startup (imports) + the 7 s of budget and grace, not the hang
+    res = results(tmp_path)
+    assert res["status"] == "timed out" and res["timed_out_in"] == "model" and res["elapsed_s"] >= 7
+    assert "Stopped in stage model." in (tmp_path / gpu_check.MD_FILE).read_text()
+
+
+def test_the_full_size_refuses_to_run_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path)]) == gpu_check.EXIT_NO_CUDA
+    res = results(tmp_path)
+    assert res["status"] == "no CUDA" and "--tiny" in res["error"] and res["stages"] == {}
