@@ -71,6 +71,7 @@ PAPER = {
     "optimise_s": (38.0, 47.0),
     "run_1000_steps_s": (22 * 60.0, 32 * 60.0),
 }
+PAPER_TEXT = {"affinity_s": "51 s", "optimise_s": "38–47 s", "run_1000_steps_s": "22–32 min"}
 PAPER_GPU = "1× RTX 5090"
 EXIT_OK, EXIT_FAILED, EXIT_NO_CUDA, EXIT_WATCHDOG, EXIT_BUDGET = 0, 1, 2, 3, 4
 
@@ -272,7 +273,7 @@ def environment(check: Check) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda, "transformers": transformers.__version__, "numpy": numpy.__version__,
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
     }
-    if check.device.type == "cuda":
+    if check.device.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(check.device)
         env.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
                    gpu_memory_gib=round(props.total_memory / GIB, 2), multiprocessors=props.multi_processor_count,
@@ -534,7 +535,7 @@ def markdown(results: dict[str, Any]) -> str:
     def measured(stage: str, value: Any, fmt: Callable[[Any], str]) -> str:
         return fmt(value) if value is not None else state(stage) or "—"
 
-    paper = {k: _range(*v, _secs) for k, v in PAPER.items()}
+    paper = PAPER_TEXT
     step_lo, step_hi = (v / 1000 for v in PAPER["run_1000_steps_s"])
     tokens = f"{sizes['calib_sequences']}×{sizes['calib_seq_len']}"
     rows = [
@@ -595,6 +596,8 @@ def markdown(results: dict[str, Any]) -> str:
         "32 min for its two models); 'here / paper' below 1 means faster here. The projected run is 1000 "
         "measured steps plus 11 evaluations, without checkpoint writes.",
     ]
+    if results.get("error"):
+        lines += ["", f"**{results['error']}**"]
     if results.get("timed_out_in") or results.get("interrupted_in"):
         lines += ["", f"Stopped in stage {results.get('timed_out_in') or results.get('interrupted_in')}."]
     return "\n".join(lines) + "\n"
@@ -627,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["bench/gpu_check.py", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     check = Check(out=out, sizes=sizes, device=device, budget_s=args.budget_s, grace_s=args.grace_s, command=command,
                   tests=not args.skip_tests)
+    check.results["environment"] = environment(check)
     if device.type == "cuda" and not torch.cuda.is_available():
         check.results["error"] = f"device {device} asked for, but CUDA is not available (torch {torch.__version__})"
         check.write(status="no CUDA")
@@ -649,7 +653,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_check(check: Check, args: argparse.Namespace) -> int:
     sizes, device, out = check.sizes, check.device, check.out
-    check.results["environment"] = environment(check)
     check.write()
     log(f"{sizes.name} check on {check.results['environment'].get('gpu', device)}; results in {out}")
 
@@ -675,7 +678,7 @@ def run_check(check: Check, args: argparse.Namespace) -> int:
             return body(rec)
         return run
 
-    model = check.run_stage("model", build, needs=5)
+    model = check.run_stage("model", build, needs=2)
     affinity = check.run_stage("affinity", step("affinity", lambda rec: stage_affinity(check, model, rec)),
                                needs=20, after=("model",))
     layouts = check.run_stage("optimise", step("optimise", lambda rec: stage_optimise(check, affinity, rec)),
