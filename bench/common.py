@@ -53,6 +53,22 @@ def interleaved_times(fns: dict[str, Callable[[], object]], repeats: int = 5, wa
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def dtp_vs_dense_times(model: PreTrainedModel, ids: torch.Tensor, *, devices: int, delta: int, repeats: int,
+                       sync: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds of the dense HF forward and the DTP simulator's on `ids` [B, S], with and without
+    the LM head (`dense`, `dtp`, `dense_layers`, `dtp_layers`), interleaved, under inference mode."""
+    from models.dtp import DTPModel
+
+    dtp = DTPModel(model, devices=devices, delta=delta).eval()
+    with torch.inference_mode():
+        return interleaved_times({
+            "dense": lambda: model(ids).logits,
+            "dtp": lambda: dtp(ids),
+            "dense_layers": lambda: model.model(ids).last_hidden_state,
+            "dtp_layers": lambda: dtp.hidden_states(ids),
+        }, repeats=repeats, sync=sync)
+
+
 def add_shape_args(ap: argparse.ArgumentParser, *, repeats: int) -> None:
     """The flags every model-shaped bench shares: layers, batch × seq tokens, L, δ, repeats."""
     ap.add_argument("--layers", type=int, default=4)

@@ -16,8 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_shape_args, interleaved_times, qwen3_06b_shaped
-from models.dtp import DTPModel
+from bench.common import add_shape_args, dtp_vs_dense_times, qwen3_06b_shaped
 
 
 def main() -> None:
@@ -26,16 +25,8 @@ def main() -> None:
     args = ap.parse_args()
 
     model = qwen3_06b_shaped(args.layers)
-    dtp = DTPModel(model, devices=args.devices, delta=args.delta).eval()
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
-
-    with torch.inference_mode():
-        t = interleaved_times({
-            "dense": lambda: model(ids).logits,
-            "dtp": lambda: dtp(ids),
-            "dense_layers": lambda: model.model(ids).last_hidden_state,
-            "dtp_layers": lambda: dtp.hidden_states(ids),
-        }, repeats=args.repeats)
+    t = dtp_vs_dense_times(model, ids, devices=args.devices, delta=args.delta, repeats=args.repeats)
     print(f"Qwen3-0.6B-shaped, {args.layers} layers, fp32 CPU ({torch.get_num_threads()} threads), "
           f"L={args.devices}, δ={args.delta}, {args.batch}×{args.seq} tokens")
     print(f"dense forward        {t['dense'] * 1e3:9.1f} ms")

@@ -58,7 +58,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import interleaved_times, qwen3_06b_shaped  # noqa: E402
+from bench.common import dtp_vs_dense_times, qwen3_06b_shaped  # noqa: E402
 
 FORMAT = "dtp-layout-gpu-check/1"
 JSON_FILE, MD_FILE = "gpu_check.json", "gpu_check.md"
@@ -123,7 +123,7 @@ class Check:
         self.t0 = time.monotonic()
         self.current: str | None = None
         self.child: subprocess.Popen[bytes] | None = None  # the tests' pytest, while it runs
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: the SIGTERM handler may interrupt a write
         self.results: dict[str, Any] = {
             "format": FORMAT, "mode": sizes.name, "command": command, "status": "running",
             "started": datetime.now(UTC).isoformat(timespec="seconds"), "budget_s": budget_s, "elapsed_s": 0.0,
@@ -380,18 +380,9 @@ def stage_export(check: Check, model: Any, layouts: dict[str, Any], rec: dict[st
 
 
 def stage_forward(check: Check, model: Any, rec: dict[str, Any]) -> None:
-    from models.dtp import DTPModel
-
     s = check.sizes
-    dtp = DTPModel(model, devices=s.devices, delta=s.delta).eval()
     ids = random_blocks(s.forward_batch, s.forward_seq, model.config.vocab_size, seed=2).to(check.device)
-    with torch.inference_mode():
-        t = interleaved_times({
-            "dense": lambda: model(ids).logits,
-            "dtp": lambda: dtp(ids),
-            "dense_layers": lambda: model.model(ids).last_hidden_state,
-            "dtp_layers": lambda: dtp.hidden_states(ids),
-        }, repeats=s.forward_repeats, sync=check.sync)
+    t = dtp_vs_dense_times(model, ids, devices=s.devices, delta=s.delta, repeats=s.forward_repeats, sync=check.sync)
     rec.update({f"{k}_ms": round(v * 1e3, 3) for k, v in t.items()})
     rec["tokens"] = int(ids.numel())
     rec["ratio"] = round(t["dtp"] / t["dense"], 3)

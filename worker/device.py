@@ -31,8 +31,18 @@ _CUDA_FIELDS = {
     "allowed": rf"(?:with {_SIZE} allowed|{_SIZE} allowed)",
 }
 _CPU_TRIED = re.compile(r"(?:you )?tried to allocate (\d+) bytes")
-ADVICE = ("lower the job's batch_size (calibration sequences per micro-batch) or distill.recipe.micro_batch_size, "
-          "use model.dtype bfloat16, or run it on a worker with more memory")
+# What to change, by the stage that ran out (anything else: all of it).
+MORE_MEMORY = "or run it on a worker with more memory"
+ADVICE = {
+    "loading": f"the weights alone do not fit: use model.dtype bfloat16 {MORE_MEMORY}",
+    "affinity": f"lower the job's batch_size (calibration sequences per micro-batch), use model.dtype bfloat16 "
+                f"{MORE_MEMORY}",
+    "exporting": f"the export holds a permuted copy of the weights: use model.dtype bfloat16 {MORE_MEMORY}",
+    "distilling": f"lower distill.recipe.micro_batch_size or set distill.recipe.gradient_checkpointing "
+                  f"{MORE_MEMORY}",
+}
+ADVICE_ANY = (f"lower the job's batch_size or distill.recipe.micro_batch_size, use model.dtype bfloat16 "
+              f"{MORE_MEMORY}")
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -128,7 +138,6 @@ def out_of_memory_message(exc: BaseException, *, stage: str | None) -> str | Non
             held, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         held = held if held else sizes.get("allocated")
         tried = sizes.get("tried")
-        limit = sizes.get("allowed") or sizes.get("total")
         gpu = _gpu_name()
         parts = [f"out of GPU memory {where}{gpu}:"]
         if tried is not None:
@@ -137,16 +146,19 @@ def out_of_memory_message(exc: BaseException, *, stage: str | None) -> str | Non
                          f"it tried to allocate)")
         else:
             parts.append("an allocation failed")
-        if limit is not None:
+        if "allowed" in sizes:
+            parts.append(f"but this worker may use only {human(sizes['allowed'])} (its memory cap, "
+                         "DTP_LAYOUT_CUDA_MEMORY_FRACTION)")
+        elif "total" in sizes:
             free = sizes.get("free")
-            parts.append(f"but only {human(limit)} is available to this worker"
-                         + (f" ({human(free)} of it free)" if free is not None else ""))
+            parts.append(f"but the GPU has {human(sizes['total'])}"
+                         + (f", {human(free)} of it free" if free is not None else ""))
         if peak:
             parts.append(f"(peak {human(peak)} allocated by this job)")
-        return " ".join(parts) + f"; {ADVICE}"
+        return " ".join(parts) + f"; {ADVICE.get(stage or '', ADVICE_ANY)}"
     match = _CPU_TRIED.search(text)
     what = f"{human(int(match.group(1)))} in one allocation" if match else "more than the machine had"
-    return f"out of host memory {where}: the job needed {what}; {ADVICE}"
+    return f"out of host memory {where}: the job needed {what}; {ADVICE.get(stage or '', ADVICE_ANY)}"
 
 
 def _gpu_name() -> str:

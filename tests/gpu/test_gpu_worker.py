@@ -106,7 +106,7 @@ def test_out_of_gpu_memory_fails_the_job_with_the_sizes_and_the_worker_goes_on(c
     error = failed["error"]
     assert error.startswith("out of GPU memory in stage loading on cuda:0"), error
     assert mib(r"needed at least", error) > CAP_MIB and "it tried to allocate" in error
-    assert mib(r"but only", error) == pytest.approx(CAP_MIB, abs=1), error  # the cap, not the whole GPU
+    assert mib(r"may use only", error) == pytest.approx(CAP_MIB, abs=1), error  # the cap, not the whole GPU
     assert failed["device"]["memory_fraction"] == pytest.approx(CAP_MIB * 2**20 / (
         torch.cuda.get_device_properties(0).total_memory))
 

@@ -49,12 +49,13 @@ def test_cuda_oom_message_says_what_was_needed_and_what_there_was():
     assert message is not None
     # Without a GPU here the held bytes come from the allocator's own message: 136.20 + 2.50 GiB.
     assert message.startswith("out of GPU memory in stage affinity: needed at least 138.70 GiB "
-                              "(136.20 GiB held by the job + 2.50 GiB it tried to allocate) but only 139.81 GiB is "
-                              "available to this worker (1.06 GiB of it free);")
-    assert "batch_size" in message and "micro_batch_size" in message
+                              "(136.20 GiB held by the job + 2.50 GiB it tried to allocate) but the GPU has "
+                              "139.81 GiB, 1.06 GiB of it free;")
+    assert message.endswith("; lower the job's batch_size (calibration sequences per micro-batch), use model.dtype "
+                            "bfloat16 or run it on a worker with more memory")
     capped = D.out_of_memory_message(torch.OutOfMemoryError(CUDA_OOM_CAPPED), stage="loading")
-    assert capped is not None and "needed at least 387.50 MiB" in capped
-    assert "but only 256.00 MiB is available to this worker" in capped
+    assert capped is not None and "needed at least 387.50 MiB" in capped and "the weights alone do not fit" in capped
+    assert "but this worker may use only 256.00 MiB (its memory cap, DTP_LAYOUT_CUDA_MEMORY_FRACTION)" in capped
 
 
 def test_host_oom_and_other_errors():
