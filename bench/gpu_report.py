@@ -83,7 +83,8 @@ def markdown(results: dict[str, Any]) -> str:
          f"{step_lo:.2f}–{step_hi:.2f} s (run ÷ 1000)",
          _range(get("distill", "step_s") / step_hi, get("distill", "step_s") / step_lo, lambda x: f"{x:.3g}")
          if get("distill", "step_s") is not None else "—",
-         f"median of steps 2–{get('distill', 'steps_done')} (the first: {get('distill', 'first_step_s')} s)"
+         ("step 2" if get("distill", "steps_done") == 2 else f"median of steps 2–{get('distill', 'steps_done')}")
+         + f" (the first: {get('distill', 'first_step_s')} s)"
          + (f"; peak {get('distill', 'peak_gib_training')} GiB" if get("distill", "peak_gib_training") else "")
          if get("distill", "step_s") is not None else ""),
         ("1000-step run, projected", measured("distill", get("distill", "projected_1000_steps_s"), _secs),
