@@ -102,6 +102,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for d in (settings.var_dir, settings.storage, settings.models_dir, settings.data_dir):
         d.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
+    from app.auth import bind_refusal
+    from app.cli_keys import keys_exist
+
+    keyed = keys_exist(settings)
+    if refusal := bind_refusal(args.host, keyed=keyed, insecure_open=args.insecure_open):
+        print(f"dtp-layout serve: {refusal}", file=sys.stderr)
+        return 2
     model = provision_packaged_model(settings)
     worker = None
     log_path = settings.var_dir / "worker.log"
@@ -125,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "",
             "submit a job on the corpus" + (" with the packaged SmolLM2-135M:" if model else ":"),
             "",
-            example_curl(url, model, bool(settings.api_keys)),
+            example_curl(url, model, keyed),
             "",
             f"then: curl -s {url}/v1/jobs/JOB_ID   (status, stage, progress, ETA)",
             f"      curl -s {url}/v1/jobs/JOB_ID/layouts ;  curl -s {url}/v1/jobs/JOB_ID/artifacts",
@@ -196,7 +203,11 @@ def register(sub: Any) -> None:
                        description="Runs `alembic upgrade head`, starts one local Celery worker and the API. "
                                    "Settings come from DTP_LAYOUT_* variables (see the README); by default "
                                    "everything lives under ./var and no other server is needed.")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1); any other address needs "
+                                                        "API keys (`dtp-layout keys create`) or --insecure-open")
+    p.add_argument("--insecure-open", action="store_true",
+                   help="listen off loopback without any API key: anyone who reaches the port can submit jobs and "
+                        "read every result")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR; default ./var)")
     p.add_argument("--no-worker", action="store_true", help="run the API only")

@@ -146,6 +146,24 @@ class Metric(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
+class ApiKey(Base):
+    """An API key by its sha256 digest (the key itself is shown once by `dtp-layout keys create` and
+    never stored). Revoked keys keep their row, so a name is never reused and revoking the last key
+    never reopens the API (migration 0003)."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (UniqueConstraint("name", name="uq_api_keys_name"),
+                      UniqueConstraint("digest", name="uq_api_keys_digest"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(100))
+    tenant: Mapped[str] = mapped_column(String(100), index=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
 def make_engine(url: str) -> Engine:
     """An engine; SQLite gets WAL, a busy timeout, foreign keys and BEGIN IMMEDIATE transactions
     (two processes write the embedded database: a deferred transaction that later writes can fail)."""

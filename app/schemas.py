@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from models.ids import GGUF_FILE, REVISION
 
@@ -58,17 +68,33 @@ EXAMPLE_HUB_SPEC: dict[str, Any] = {
 }
 
 
+INT32_MAX = 2**31 - 1  # seeds are stored in Integer columns (metrics.seed)
+MAX_SKIP_BLOCKS = 1_000_000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _printable(value: str) -> str:
+    if _CONTROL.search(value):
+        raise ValueError("must not contain NUL, newlines or other control characters")
+    return value
+
+
+# Every string of a spec: no NUL (Postgres refuses it), no newline or other control character.
+Text = Annotated[str, AfterValidator(_printable)]
+Seed = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class ModelRef(_Strict):
-    id: str = Field(min_length=1, max_length=300,
+    id: Text = Field(min_length=1, max_length=300,
                     description="a hub id `owner/name`, or a name under the server's model root (a checkpoint "
                                 "directory or a .gguf file)", examples=["smollm2-135m", "Qwen/Qwen2.5-0.5B"])
-    revision: str | None = Field(default=None, max_length=128, pattern=REVISION.pattern,
+    revision: Text | None = Field(default=None, max_length=128, pattern=REVISION.pattern,
                                  description="hub branch, tag or commit (hub models only)")
-    gguf_file: str | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
+    gguf_file: Text | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
                                   description="a .gguf file inside the model directory or hub repo")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights dtype for the run")
 
@@ -76,15 +102,20 @@ class ModelRef(_Strict):
 class CalibrationIn(_Strict):
     """The calibration spec of `models/calibration.py`; a file source is a name under the data root."""
 
-    source: str = Field(min_length=1, max_length=300,
-                        description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
-                                    "server's data root (.txt, .jsonl, .npy of token ids, or a directory of .txt)",
+    source: Text = Field(min_length=1, max_length=300,
+                         description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                                     "server's data root (.txt, .jsonl, .npy of token ids, or a directory of .txt)",
                         examples=["corpus:kjv", "calibration/tokens.npy"])
-    sequences: StrictInt = Field(default=64, ge=1, le=1_000_000, description="calibration blocks")
-    seq_len: StrictInt = Field(default=1024, ge=2, le=1_048_576, description="tokens per block")
-    seed: StrictInt = Field(default=0, ge=0, description="block-order seed")
-    text_field: str = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
-    skip_blocks: StrictInt = Field(default=0, ge=0, description="blocks to skip at the start of the stream")
+    sequences: StrictInt = Field(default=64, ge=1, le=1_000_000,
+                                 description="calibration blocks; sequences × seq_len is bounded by the server's "
+                                             "DTP_LAYOUT_MAX_CALIBRATION_TOKENS")
+    seq_len: StrictInt = Field(default=1024, ge=2, le=1_048_576,
+                               description="tokens per block; at most the model's max_position_embeddings")
+    seed: Seed = Field(default=0, description="block-order seed")
+    text_field: Text = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
+    skip_blocks: StrictInt = Field(default=0, ge=0, le=MAX_SKIP_BLOCKS,
+                                   description="blocks to skip at the start of the stream (skip_blocks × seq_len is "
+                                               "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)")
 
     def tokens(self) -> int:
         return self.sequences * self.seq_len
@@ -166,27 +197,28 @@ class DistillRecipeIn(_Strict):
 class DistillDataIn(_Strict):
     """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
 
-    source: str = Field(min_length=1, max_length=300,
-                        description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
-                                    "server's data root", examples=["corpus:kjv"])
+    source: Text = Field(min_length=1, max_length=300,
+                         description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                                     "server's data root", examples=["corpus:kjv"])
     sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                         description="blocks to load; training: steps × batch_size (one pass), "
                                                     "evaluation: 16")
     seq_len: StrictInt | None = Field(default=None, ge=2, le=1_048_576,
                                       description="tokens per block; training: the calibration's seq_len, "
                                                   "evaluation: the training's")
-    text_field: str = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
-    skip_blocks: StrictInt = Field(default=0, ge=0, description="blocks to skip at the start of the source")
+    text_field: Text = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
+    skip_blocks: StrictInt = Field(default=0, ge=0, le=MAX_SKIP_BLOCKS,
+                                   description="blocks to skip at the start of the source")
 
 
 class DistillJobSpec(_Strict):
     """What `dtp-layout distill` does, on the job's own layouts (`models.distill.run_distill`)."""
 
-    layouts: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+    layouts: list[Annotated[Text, Field(min_length=1, max_length=64)]] = Field(
         default_factory=lambda: ["optimised", "contiguous"], min_length=1, max_length=16,
         description="layouts of this job to distil: optimised, contiguous, random-<seed> (random-1000 … with "
                     "random_layouts), and the ablations with ablations=true")
-    seeds: list[StrictInt] = Field(default_factory=lambda: [0], min_length=1, max_length=16,
+    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=16,
                                    description="training seeds; each (layout, seed) pair is one run")
     steps: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                     description="optimiser steps per run (shorthand for recipe.steps; 1000)")

@@ -1,6 +1,8 @@
 """What the routes do, as functions with keyword-only arguments (the routes stay thin).
 
-Torch-free: the API process imports this module.
+Every read and write is scoped to the caller (`app.auth.Caller`): a tenant sees only its own jobs,
+and another tenant's job is "no such job" (404, existence is not disclosed); an admin, or anyone
+when the API is open, sees all. Torch-free: the API process imports this module.
 """
 
 from __future__ import annotations
@@ -8,17 +10,23 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, func, select, text
+from sqlalchemy.orm import Session
 
+from app import budgets, hub
+from app.auth import Caller
 from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
+from app.model_limits import check_model_config
 from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
-from app.sources import SourceError, check_config, fingerprint, read_config, resolve_data, resolve_model
+from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model
 from app.storage import Storage
 from models.layout import LayoutError
 from models.layout_names import canonical_layout_name
@@ -26,30 +34,9 @@ from models.layout_names import canonical_layout_name
 log = logging.getLogger(__name__)
 LAYOUT_FORMAT = "dtp-layout/1"
 DISTILL_SUMMARY = "distill/summary.json"  # the artifact GET /v1/jobs/{id}/metrics reads the headline from
+JOB_ID = re.compile(r"[0-9a-f]{32}")
 
-
-class NotFound(LookupError):
-    pass
-
-
-class Conflict(RuntimeError):
-    pass
-
-
-class Forbidden(PermissionError):
-    pass
-
-
-class SpecError(ValueError):
-    """Submit-time problems with a valid-looking spec: (field, message) pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        super().__init__("; ".join(f"{f}: {m}" for f, m in problems))
-        self.problems = problems
-
-
-class BrokerUnavailable(RuntimeError):
-    pass
+__all__ = ["BrokerUnavailable", "Conflict", "NotFound", "SpecError"]  # re-exported: the old import path
 
 
 def _aware(dt: datetime | None) -> datetime | None:
@@ -63,9 +50,10 @@ def event(kind: str, **fields: Any) -> dict[str, Any]:
 # ---- submit ---------------------------------------------------------------------------------------
 
 def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any]]:
-    """Resolve the model and the calibration source and check the model's config when it can be read
-    without downloading weights. Returns the fingerprint and what was found; raises SpecError."""
-    problems: list[tuple[str, str]] = []
+    """The budgets, the model and the calibration source (resolved under their roots, or allowed hub
+    ids), and the model's config when it can be read without downloading weights. Returns the
+    fingerprint and what was found; raises SpecError naming every bad field."""
+    problems = budgets.job_problems(spec, settings)
     location = None
     model_path: Path | None = None
     data_path: Path | None = None
@@ -75,18 +63,18 @@ def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any
         if location.is_local and spec.model.revision is not None:
             problems.append(("model.revision", "revision applies to hub models only; this model is a name under "
                                                "the server's model root"))
-        model_path = location.path
+        if location.hub_id is not None and (refusal := hub.model_problem(settings, location.hub_id)):
+            problems.append(("model.id", refusal))
+            location = None
+        model_path = location.path if location is not None else None
     except SourceError as exc:
         problems.append((exc.field, str(exc)))
-    try:
-        resolved = resolve_data(settings.data_dir, spec.calibration.source)
-        if not spec.calibration.source.startswith(("corpus:", "hf:")):
-            data_path = Path(resolved)
-    except SourceError as exc:
-        problems.append((exc.field, str(exc)))
+    problems += _data_problems(settings, spec.calibration.source, "calibration.source")
+    if not problems and not spec.calibration.source.startswith(("corpus:", "hf:")):
+        data_path = Path(resolve_data(settings.data_dir, spec.calibration.source))
     config = read_config(location) if location is not None else None
     if config is not None:
-        problems += check_config(config, devices=spec.devices, delta=spec.delta)
+        problems += check_model_config(config, spec=spec, settings=settings)
     problems += distill_problems(settings=settings, spec=spec)
     if problems:
         raise SpecError(problems)
@@ -94,6 +82,15 @@ def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any
                      dtype=spec.model.dtype, calibration=spec.calibration.model_dump(), model_path=model_path,
                      data_path=data_path)
     return fp, {"config_checked": config is not None}
+
+
+def _data_problems(settings: Settings, source: str, field: str) -> list[tuple[str, str]]:
+    try:
+        resolve_data(settings.data_dir, source, field=field)
+    except SourceError as exc:
+        return [(exc.field, str(exc))]
+    refusal = hub.dataset_problem(settings, source)
+    return [(field, refusal)] if refusal else []
 
 
 def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, str]]:
@@ -121,10 +118,7 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
     for part in ("train", "eval"):
         data = getattr(distill, part)
         if data is not None:
-            try:
-                resolve_data(settings.data_dir, data.source, field=f"distill.{part}.source")
-            except SourceError as exc:
-                problems.append((exc.field, str(exc)))
+            problems += _data_problems(settings, data.source, f"distill.{part}.source")
     train, _ = distill.data_specs(spec.calibration)
     batch = distill.effective_recipe()["batch_size"]
     if train["sequences"] < batch:
@@ -133,49 +127,60 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
     return problems
 
 
-def submit_job(*, db: Database, settings: Settings, spec: JobSpec, owner: str | None,
+def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: Caller,
                enqueue: Callable[[str], None]) -> Job:
+    """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
+    broker is down: the job is then recorded as failed)."""
     fp, found = check_spec(settings=settings, spec=spec)
-    job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
-              revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
-              status="queued", owner=owner, progress=0.0, stages_done=[], timings={},
-              history=[event("submitted", config_checked=found["config_checked"])], cancel_requested=False,
-              affinity_cached=False, attempts=0)
-    with db.transaction() as session:
+    with session.begin():
+        budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
+        job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
+                  revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
+                  status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
+                  history=[event("submitted", config_checked=found["config_checked"], key=caller.key_name)],
+                  cancel_requested=False, affinity_cached=False, attempts=0)
         session.add(job)
     try:
         enqueue(job.id)
     except Exception as exc:
         log.exception("could not enqueue job %s", job.id)
-        with db.transaction() as session:
-            row = session.get(Job, job.id)
+        with session.begin():
+            row = session.get(Job, job.id, populate_existing=True)
             if row is not None:
-                row.status, row.error, row.finished_at = "failed", f"could not enqueue the job: {exc}", utcnow()
-        raise BrokerUnavailable(f"the job broker is unreachable: {exc}") from exc
+                row.status, row.error, row.finished_at = "failed", "could not enqueue the job", utcnow()
+        raise BrokerUnavailable("the job broker is unreachable; the job was recorded as failed, submit it again "
+                                "shortly", headers={"Retry-After": "10"}) from exc
     return job
 
 
 # ---- reading ---------------------------------------------------------------------------------------
 
-def get_job(*, db: Database, job_id: str) -> Job:
-    with db.session() as session:
-        job = session.get(Job, job_id)
+def visible(query: Select[Any], caller: Caller) -> Select[Any]:
+    """Only the caller's tenant's jobs, unless the caller sees all."""
+    return query if caller.admin else query.where(Job.owner == caller.tenant)
+
+
+def get_job(*, session: Session, job_id: str, caller: Caller, lock: bool = False) -> Job:
+    """The job, if the caller may see it; otherwise NotFound, whether or not it exists."""
+    job = None
+    if JOB_ID.fullmatch(job_id):
+        query = visible(select(Job).where(Job.id == job_id), caller)
+        job = session.scalars(query.with_for_update() if lock else query).first()
     if job is None:
-        raise NotFound(f"no job {job_id!r}")
+        raise NotFound(f"no job {job_id[:64]!r}", field="job_id")
     return job
 
 
-def list_jobs(*, db: Database, model: str | None = None, status: str | None = None, devices: int | None = None,
-              delta: int | None = None, owner: str | None = None, limit: int = 50,
+def list_jobs(*, session: Session, caller: Caller, model: str | None = None, status: str | None = None,
+              devices: int | None = None, delta: int | None = None, owner: str | None = None, limit: int = 50,
               offset: int = 0) -> tuple[list[Job], int]:
-    query = select(Job)
+    query = visible(select(Job), caller)
     for column, value in ((Job.model_id, model), (Job.status, status), (Job.devices, devices),
                           (Job.delta, delta), (Job.owner, owner)):
         if value is not None:
             query = query.where(column == value)
-    with db.session() as session:
-        total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-        rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)).all()
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)).all()
     return list(rows), int(total)
 
 
@@ -187,14 +192,26 @@ def job_device(history: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     return None
 
 
-def job_view(job: Job, *, base: str = "") -> dict[str, Any]:
+def public_roots(settings: Settings) -> dict[str, str]:
+    """The server directories job errors must not show, by the name users see instead."""
+    import os
+
+    roots = {"MODEL_ROOT": str(settings.models_dir), "DATA_ROOT": str(settings.data_dir),
+             "STORAGE_ROOT": str(settings.storage), "VAR_DIR": str(settings.var_dir)}
+    hf_home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
+    roots["HF_CACHE"] = hf_home
+    return roots
+
+
+def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -> dict[str, Any]:
     url = f"{base}/v1/jobs/{job.id}"
     return {
         "id": job.id, "status": job.status, "stage": job.stage, "progress": round(job.progress or 0.0, 4),
         "eta_s": None if job.eta_s is None else round(job.eta_s, 1), "stages_done": list(job.stages_done or []),
         "affinity_cached": bool(job.affinity_cached), "cancel_requested": bool(job.cancel_requested),
         "attempts": job.attempts, "owner": job.owner,
-        "spec": job.spec, "fingerprint": job.fingerprint, "error": job.error, "error_stage": job.error_stage,
+        "spec": job.spec, "fingerprint": job.fingerprint, "error": redact_paths(job.error, roots or {}),
+        "error_stage": job.error_stage,
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
         "timings": dict(job.timings or {}), "summary": job.summary, "device": job_device(job.history),
@@ -203,14 +220,10 @@ def job_view(job: Job, *, base: str = "") -> dict[str, Any]:
     }
 
 
-def cancel_job(*, db: Database, job_id: str, owner: str | None, auth_enabled: bool) -> Job:
+def cancel_job(*, session: Session, job_id: str, caller: Caller) -> Job:
     """Queued jobs are cancelled at once; running ones stop between micro-batches (the worker sees the flag)."""
-    with db.transaction() as session:
-        job = session.get(Job, job_id, with_for_update=True)
-        if job is None:
-            raise NotFound(f"no job {job_id!r}")
-        if auth_enabled and job.owner is not None and job.owner != owner:
-            raise Forbidden(f"job {job_id!r} belongs to another owner")
+    with session.begin():
+        job = get_job(session=session, job_id=job_id, caller=caller, lock=True)
         if job.status in FINISHED:
             raise Conflict(f"job {job_id!r} is already {job.status}; only queued or running jobs can be cancelled")
         now = utcnow()
@@ -218,24 +231,24 @@ def cancel_job(*, db: Database, job_id: str, owner: str | None, auth_enabled: bo
             job.status, job.finished_at, job.error = "cancelled", now, "cancelled before it started"
         job.cancel_requested = True
         job.updated_at = now
-        job.history = [*(job.history or []), event("cancel-requested", by=owner)]
+        job.history = [*(job.history or []), event("cancel-requested", by=caller.key_name)]
     return job
 
 
-def list_layouts(*, db: Database, job_id: str) -> list[LayoutRow]:
-    get_job(db=db, job_id=job_id)
-    with db.session() as session:
-        rows = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job_id)).all()
+def list_layouts(*, session: Session, job_id: str, caller: Caller) -> list[LayoutRow]:
+    get_job(session=session, job_id=job_id, caller=caller)
+    rows = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job_id)).all()
     return sorted(rows, key=lambda r: (-r.J, r.name))
 
 
-def layout_document(*, db: Database, job_id: str, name: str) -> dict[str, Any]:
+def layout_document(*, session: Session, job_id: str, name: str, caller: Caller) -> dict[str, Any]:
     """The `dtp-layout/1` JSON of one of the job's layouts."""
-    job = get_job(db=db, job_id=job_id)
-    with db.session() as session:
+    job = get_job(session=session, job_id=job_id, caller=caller)
+    row = None
+    if len(name) <= 64:
         row = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job_id, LayoutRow.name == name)).first()
     if row is None:
-        raise NotFound(f"job {job_id!r} has no layout {name!r}")
+        raise NotFound(f"job {job_id!r} has no layout {name[:64]!r}", field="name")
     doc: dict[str, Any] = {"format": LAYOUT_FORMAT, "name": row.name, "devices": job.devices, "delta": job.delta,
                            "model": row.shape, "kv_group_device": row.kv_group_device,
                            "neuron_device": row.neuron_device}
@@ -244,19 +257,19 @@ def layout_document(*, db: Database, job_id: str, name: str) -> dict[str, Any]:
     return doc
 
 
-def list_artifacts(*, db: Database, job_id: str) -> list[Artifact]:
-    get_job(db=db, job_id=job_id)
-    with db.session() as session:
-        return list(session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name)).all())
+def list_artifacts(*, session: Session, job_id: str, caller: Caller) -> list[Artifact]:
+    get_job(session=session, job_id=job_id, caller=caller)
+    return list(session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name)).all())
 
 
-def get_artifact(*, db: Database, job_id: str, name: str) -> Artifact:
+def get_artifact(*, session: Session, job_id: str, name: str, caller: Caller) -> Artifact:
     """Looked up by (job, name) in the database: the name never becomes a path."""
-    get_job(db=db, job_id=job_id)
-    with db.session() as session:
+    get_job(session=session, job_id=job_id, caller=caller)
+    row = None
+    if len(name) <= 255 and "\x00" not in name:
         row = session.scalars(select(Artifact).where(Artifact.job_id == job_id, Artifact.name == name)).first()
     if row is None:
-        raise NotFound(f"job {job_id!r} has no artifact {name!r}")
+        raise NotFound(f"job {job_id!r} has no artifact {name[:255]!r}", field="name")
     return row
 
 
@@ -264,21 +277,20 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def job_metrics(*, db: Database, storage: Storage, job_id: str, layout: str | None = None, seed: int | None = None,
-                name: str | None = None) -> dict[str, Any]:
+def job_metrics(*, session: Session, storage: Storage, job_id: str, caller: Caller, layout: str | None = None,
+                seed: int | None = None, name: str | None = None) -> dict[str, Any]:
     """The distillation curves of a job from the `metrics` table, one per (layout, seed), and the
     headline of summary.json once the distilling stage published it."""
-    job = get_job(db=db, job_id=job_id)
+    job = get_job(session=session, job_id=job_id, caller=caller)
     names = [name] if name is not None else list(METRIC_NAMES)
     query = select(Metric).where(Metric.job_id == job_id, Metric.name.in_(names))
     if layout is not None:
         query = query.where(Metric.layout == layout)
     if seed is not None:
         query = query.where(Metric.seed == seed)
-    with db.session() as session:
-        rows = session.scalars(query.order_by(Metric.layout, Metric.seed, Metric.step)).all()
-        summary_row = session.scalars(select(Artifact).where(Artifact.job_id == job_id,
-                                                             Artifact.name == DISTILL_SUMMARY)).first()
+    rows = session.scalars(query.order_by(Metric.layout, Metric.seed, Metric.step)).all()
+    summary_row = session.scalars(select(Artifact).where(Artifact.job_id == job_id,
+                                                         Artifact.name == DISTILL_SUMMARY)).first()
     series: dict[tuple[str, int], dict[str, dict[int, float]]] = {}
     for row in rows:
         series.setdefault((row.layout or "", row.seed), {}).setdefault(row.name, {})[row.step] = row.value
@@ -302,20 +314,21 @@ def job_metrics(*, db: Database, storage: Storage, job_id: str, layout: str | No
     return {"job_id": job.id, "status": job.status, "stage": job.stage, "curves": curves, "summary": summary}
 
 
-def latest_scores(*, db: Database, model: str | None = None, revision: str | None = None,
-                  devices: int | None = None, delta: int | None = None, score: str | None = None) -> dict[str, Any]:
-    """J per layout of the latest succeeded job matching the filters."""
-    query = select(Job).where(Job.status == "succeeded")
+def latest_scores(*, session: Session, caller: Caller, model: str | None = None, revision: str | None = None,
+                  devices: int | None = None, delta: int | None = None, score: str | None = None,
+                  owner: str | None = None) -> dict[str, Any]:
+    """J per layout of the caller's latest succeeded job matching the filters (an admin's: anyone's,
+    or `owner`'s)."""
+    query = visible(select(Job).where(Job.status == "succeeded"), caller)
     for column, value in ((Job.model_id, model), (Job.revision, revision), (Job.devices, devices),
-                          (Job.delta, delta), (Job.score, score)):
+                          (Job.delta, delta), (Job.score, score), (Job.owner, owner)):
         if value is not None:
             query = query.where(column == value)
-    with db.session() as session:
-        job = session.scalars(query.order_by(Job.finished_at.desc(), Job.created_at.desc()).limit(1)).first()
-        if job is None:
-            raise NotFound(f"no finished job matches model={model} revision={revision} devices={devices} "
-                           f"delta={delta} score={score}")
-        rows = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job.id)).all()
+    job = session.scalars(query.order_by(Job.finished_at.desc(), Job.created_at.desc()).limit(1)).first()
+    if job is None:
+        raise NotFound(f"no finished job matches model={model} revision={revision} devices={devices} "
+                       f"delta={delta} score={score}" + (f" owner={owner}" if owner else ""), field="model")
+    rows = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job.id)).all()
     summary = job.summary or {}
     return {"job_id": job.id, "model": job.model_id, "revision": job.revision, "devices": job.devices,
             "delta": job.delta, "score": job.score, "finished_at": _aware(job.finished_at),

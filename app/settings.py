@@ -6,11 +6,15 @@ a SQLite-backed Celery transport, artifacts, model and data roots), no other ser
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class Settings(BaseSettings):
@@ -24,7 +28,34 @@ class Settings(BaseSettings):
     model_root: Path | None = Field(default=None, description="models a job may name; default VAR_DIR/models")
     data_root: Path | None = Field(default=None, description="calibration files a job may name; default VAR_DIR/data")
     queue: str = Field(default="gpu", description="Celery queue the jobs go to")
-    api_keys: str = Field(default="", description="name:key pairs, comma-separated; empty: the API is open")
+    api_keys: str = Field(default="", description="keys by digest, comma-separated NAME:sha256:HEX[:admin] entries "
+                                               "(`dtp-layout keys create NAME --settings` prints one); the api_keys "
+                                               "table holds the others")
+    require_keys: bool = Field(default=False, description="never run open: with no key at all every /v1 call is 401")
+    key_cache_s: float = Field(default=2.0, ge=0, le=300, description="seconds the API caches the api_keys table "
+                                                                       "(a revoked key stops working within this)")
+    max_body_bytes: int = Field(default=65536, ge=1024, le=1 << 30, description="larger request bodies get 413")
+    rate_limit_per_min: int = Field(default=600, ge=0, description="requests per minute per key (per client address "
+                                                                   "without a valid key); 0 turns the limit off")
+    rate_limit_burst: int = Field(default=120, ge=1, description="requests a key may make at once before the rate "
+                                                                 "limit applies")
+    max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429")
+    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (calibration + distillation "
+                                                                      "training) of a tenant's active jobs; more "
+                                                                      "is 429")
+    max_calibration_tokens: int = Field(default=1 << 20, ge=2, description="calibration sequences × seq_len per job "
+                                                                           "(also the evaluation set of a distill)")
+    max_skip_tokens: int = Field(default=1 << 26, ge=0, description="skip_blocks × seq_len of any data spec")
+    max_distill_tokens: int = Field(default=1 << 28, ge=1, description="steps × batch_size × seq_len × layouts × "
+                                                                       "seeds of a job's distillation")
+    max_evaluations: int = Field(default=10_000, ge=1, description="distillation evaluations of a job over all its "
+                                                                   "runs (4 metric rows each)")
+    max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model (from its "
+                                                                            "config) a job may load")
+    hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none) or "
+                                                     "comma-separated owners and owner/name ids")
+    hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
+                                                       "(none) or comma-separated owners and names")
     device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
     cuda_memory_fraction: float | None = Field(
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
@@ -38,6 +69,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
+        self.key_entries()  # a malformed DTP_LAYOUT_API_KEYS stops the process at start
         var = self.var_dir.expanduser().absolute()
         self.var_dir = var
         if not self.database_url:
@@ -64,15 +96,27 @@ class Settings(BaseSettings):
         assert self.data_root is not None
         return self.data_root
 
-    def api_key_table(self) -> dict[str, str]:
-        """key → owner name. Raises ValueError for a malformed DTP_LAYOUT_API_KEYS."""
-        table: dict[str, str] = {}
+    def key_entries(self) -> list[tuple[str, str, bool, str]]:
+        """(name, sha256 hex digest, admin, tenant) of every DTP_LAYOUT_API_KEYS entry. Raises ValueError
+        for a malformed entry, or a plain key (only digests are accepted: a leaked settings file leaks no key)."""
+        entries = []
         for item in filter(None, (part.strip() for part in self.api_keys.split(","))):
-            name, sep, key = item.partition(":")
-            if not sep or not name.strip() or not key.strip():
-                raise ValueError("DTP_LAYOUT_API_KEYS must be comma-separated name:key pairs")
-            table[key.strip()] = name.strip()
-        return table
+            name, *rest = item.split(":")
+            if len(rest) < 2 or rest[0] != "sha256" or not KEY_NAME.fullmatch(name) \
+                    or not re.fullmatch(r"[0-9a-f]{64}", rest[1]):
+                raise ValueError(f"DTP_LAYOUT_API_KEYS entry {name + ':…'!r} is not NAME:sha256:HEX[:admin]"
+                                 "[:tenant=TENANT] (plain keys are refused: only their sha256 digest goes in the "
+                                 "settings; `dtp-layout keys create NAME --settings` prints an entry)")
+            admin, tenant = False, name
+            for flag in rest[2:]:
+                if flag == "admin":
+                    admin = True
+                elif flag.startswith("tenant=") and KEY_NAME.fullmatch(flag[7:]):
+                    tenant = flag[7:]
+                else:
+                    raise ValueError(f"DTP_LAYOUT_API_KEYS entry {name!r}: unknown flag {flag!r} (admin, tenant=NAME)")
+            entries.append((name, rest[1], admin, tenant))
+        return entries
 
     def worker_env(self) -> dict[str, str]:
         """The settings as environment variables, for a worker subprocess."""
@@ -89,6 +133,9 @@ class Settings(BaseSettings):
             "LEASE_S": str(self.lease_s),
             "MAX_ATTEMPTS": str(self.max_attempts),
             "STAGE_DELAY_S": str(self.stage_delay_s),
+            "MAX_MODEL_PARAMS": str(self.max_model_params),
+            "HUB_MODELS": self.hub_models,
+            "HUB_DATASETS": self.hub_datasets,
             "VAR_DIR": str(self.var_dir),
         }
         if self.cuda_memory_fraction is not None:

@@ -36,7 +36,7 @@ def check_name(name: str, field: str, what: str) -> PurePosixPath:
     if not name or len(name) > 300 or "\\" in name or "\x00" in name or name.startswith(("/", "~")):
         raise SourceError(field, f"{what} {name!r} must be a relative name under the server's root "
                                  "(no absolute path, no '~', no backslash)")
-    if any(not _NAME_PART.match(part) for part in name.split("/")):  # also '', '.' and '..'
+    if any(not _NAME_PART.fullmatch(part) for part in name.split("/")):  # also '', '.' and '..'
         raise SourceError(field, f"{what} {name!r}: each path part must be a plain name (letters, digits, "
                                  "'._+=@-', not starting with '.'), without '..'")
     return PurePosixPath(name)
@@ -79,16 +79,16 @@ class ModelLocation:
 def resolve_model(model_root: Path, model_id: str, *, revision: str | None = None,
                   gguf_file: str | None = None) -> ModelLocation:
     """A name under the model root wins over a hub id of the same spelling."""
-    if revision is not None and (not REVISION.match(revision) or ".." in revision):
+    if revision is not None and (not REVISION.fullmatch(revision) or ".." in revision):
         raise SourceError("model.revision", f"revision {revision!r} is not a valid branch, tag or commit "
                                             "(letters, digits, '._/-', no '..')")
-    if gguf_file is not None and not GGUF_FILE.match(gguf_file):
+    if gguf_file is not None and not GGUF_FILE.fullmatch(gguf_file):
         raise SourceError("model.gguf_file", f"gguf_file must be a plain file name ending in .gguf, got {gguf_file!r}")
     looks_like_name = True
     try:
         local = resolve_under(model_root, model_id, "model.id", "model")
     except SourceError:
-        if not HUB_ID.match(model_id):
+        if not HUB_ID.fullmatch(model_id):
             raise
         local, looks_like_name = None, False
     if local is not None:
@@ -105,7 +105,7 @@ def resolve_model(model_root: Path, model_id: str, *, revision: str | None = Non
             raise SourceError("model.id", f"model {model_id!r} has no config.json (a Hugging Face checkpoint "
                                           "directory, or name a .gguf file with gguf_file)")
         return ModelLocation(path=local, gguf_file=gguf_file, revision=None)
-    if HUB_ID.match(model_id) and ".." not in model_id:
+    if HUB_ID.fullmatch(model_id) and ".." not in model_id:
         return ModelLocation(hub_id=model_id, gguf_file=gguf_file, revision=revision)
     hint = " (names under the model root are relative, e.g. 'tiny' or 'team/model.gguf')" if looks_like_name else ""
     raise SourceError("model.id", f"no model named {model_id!r} under the server's model root, and not a hub id "
@@ -120,7 +120,7 @@ def resolve_data(data_root: Path, source: str, field: str = "calibration.source"
             raise SourceError(field, f"unknown corpus {source!r}; known: " + ", ".join(f"corpus:{c}" for c in CORPORA))
         return source
     if source.startswith("hf:"):
-        if not HF_SOURCE.match(source):
+        if not HF_SOURCE.fullmatch(source):
             raise SourceError(field, f"{source!r}: expected hf:NAME[:CONFIG[:SPLIT]] (letters, digits, '._-')")
         return source
     what = "calibration source" if field == "calibration.source" else "data source"
@@ -140,13 +140,15 @@ _GGUF_KEYS = {
     "num_key_value_heads": "attention.head_count_kv",
     "intermediate_size": "feed_forward_length",
     "hidden_size": "embedding_length",
+    "head_dim": "attention.key_length",
+    "max_position_embeddings": "context_length",
 }
 
 
 _gguf_cache: dict[tuple[str, int, int], dict[str, Any] | None] = {}
 
 
-def _gguf_config(path: Path) -> dict[str, Any] | None:
+def gguf_config(path: Path) -> dict[str, Any] | None:
     """The architecture fields of a GGUF file's metadata (parsing takes a second or two: cached)."""
     try:
         st = path.stat()
@@ -171,6 +173,9 @@ def _read_gguf_config(path: Path) -> dict[str, Any] | None:
             field = reader.fields.get(f"{arch}.{suffix}")
             if field is not None:
                 config[key] = int(field.contents())
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            config["vocab_size"] = len(tokens.data)
         return config
     except Exception:  # an unreadable file fails the job's loading stage with the loader's message
         return None
@@ -192,8 +197,13 @@ def _hub_config(location: ModelLocation) -> dict[str, Any] | None:
     return _json_config(Path(cached))
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _json_config(path: Path) -> dict[str, Any] | None:
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            return None  # not a config: the loader refuses it in the worker
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
@@ -205,9 +215,9 @@ def read_config(location: ModelLocation) -> dict[str, Any] | None:
     if location.path is None:
         return _hub_config(location)
     if location.path.suffix == ".gguf":
-        return _gguf_config(location.path)
+        return gguf_config(location.path)
     if location.gguf_file:
-        return _gguf_config(location.path / location.gguf_file)
+        return gguf_config(location.path / location.gguf_file)
     return _json_config(location.path / "config.json")
 
 
@@ -221,34 +231,6 @@ def config_namespace(config: dict[str, Any]) -> SimpleNamespace:
     if getattr(ns, "hidden_size", None) is None:
         ns.hidden_size = 0
     return ns
-
-
-def check_config(config: dict[str, Any], *, devices: int, delta: int) -> list[tuple[str, str]]:
-    """(field, message) for every reason the job would fail its loading stage; the messages are the
-    ones `models.families` and `models.layout` raise there."""
-    from models.families import family_for_config, model_shape
-    from models.layout import LayoutError, check_delta, check_devices
-
-    ns = config_namespace(config)
-    required = ("model_type", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-    if any(not isinstance(getattr(ns, key, None), int | str) for key in required):
-        return []  # an unusual config: let the loader decide
-    problems: list[tuple[str, str]] = []
-    try:
-        family_for_config(ns)
-    except ValueError as exc:
-        problems.append(("model.id", str(exc)))
-        return problems
-    try:
-        shape = model_shape(ns)
-    except (AttributeError, TypeError, ZeroDivisionError):
-        return problems
-    for field, check, value in (("devices", check_devices, devices), ("delta", check_delta, delta)):
-        try:
-            check(shape, value)
-        except LayoutError as exc:
-            problems.append((field, str(exc)))
-    return problems
 
 
 # ---- fingerprints -----------------------------------------------------------------------------------

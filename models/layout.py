@@ -7,6 +7,7 @@ A layout is balanced (G/L groups and I/L neurons on every device) and serialises
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,10 @@ class ModelShape:
 
 
 def valid_device_counts(shape: ModelShape) -> list[int]:
-    g, i = shape.num_kv_groups, shape.intermediate_size
-    return [d for d in range(1, g + 1) if g % d == 0 and i % d == 0]
+    """The L dividing both G and I: the divisors of gcd(G, I), found in O(√gcd) (a config is input)."""
+    n = math.gcd(shape.num_kv_groups, shape.intermediate_size)
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _is_int(x: object) -> bool:

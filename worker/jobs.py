@@ -45,7 +45,8 @@ from app.db import Artifact, Database, Job, LayoutRow, Metric, utcnow
 from app.schemas import METRIC_NAMES, JobSpec
 from app.services import DISTILL_SUMMARY, event
 from app.settings import Settings
-from app.sources import resolve_data, resolve_model
+from app.hub import prepare_model
+from app.sources import resolve_data
 from app.storage import Storage, sha256_file
 from worker.device import out_of_memory_message, prepare_device
 
@@ -293,8 +294,7 @@ class JobRun:
         # loading: the config is always checked; weights only when a later stage needs them. The device
         # this attempt runs on is recorded with the stage (the job view's `device`).
         self.enter("loading", device=prepare_device(self.settings.device, self.settings.cuda_memory_fraction))
-        location = resolve_model(self.settings.models_dir, spec.model.id, revision=spec.model.revision,
-                                 gguf_file=spec.model.gguf_file)
+        location = prepare_model(settings=self.settings, spec=spec)  # limits checked; a hub id → its snapshot
         source = ModelSource(**location.loader_args())
         shape = model_shape(load_config(source))
         check_devices(shape, spec.devices)

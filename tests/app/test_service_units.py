@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, RECIPE_DEFAULTS, CalibrationIn, DistillRecipeIn, JobSpec
 from app.settings import Settings
-from app.sources import SourceError, check_config, resolve_data, resolve_model, resolve_under
+from app.model_limits import check_config
+from app.sources import SourceError, resolve_data, resolve_model, resolve_under
 
 
 def test_resolve_under_refuses_escapes(tmp_path):

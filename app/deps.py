@@ -1,0 +1,49 @@
+"""The routes' dependencies: settings, database session, storage, job queue and the calling tenant
+(the full-stack-fastapi-template style: routes take these as annotated parameters)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from app.auth import Caller, caller
+from app.queue import JobQueue
+from app.settings import Settings
+from app.storage import Storage
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.db.session() as session:
+        yield session
+
+
+def get_storage(request: Request) -> Storage:
+    storage: Storage = request.app.state.storage
+    return storage
+
+
+def get_queue(request: Request) -> JobQueue:
+    queue: JobQueue = request.app.state.queue
+    return queue
+
+
+def base_url(request: Request) -> str:
+    """The prefix of the links in responses: DTP_LAYOUT_PUBLIC_URL, or relative links."""
+    public = request.app.state.settings.public_url
+    return public.rstrip("/") if public else ""
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+StorageDep = Annotated[Storage, Depends(get_storage)]
+QueueDep = Annotated[JobQueue, Depends(get_queue)]
+CallerDep = Annotated[Caller, Depends(caller)]
+BaseUrl = Annotated[str, Depends(base_url)]

@@ -1,0 +1,19 @@
+"""The API's routers, one module per resource: `jobs` (submit, list, read, cancel, distillation
+curves), `layouts`, `artifacts`, `scores` (/v1) and `health` (/healthz, /readyz, /metrics)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.routers import artifacts, health, jobs, layouts, scores
+
+
+def v1_router() -> APIRouter:
+    """Every /v1 operation."""
+    v1 = APIRouter(prefix="/v1")
+    for module in (jobs, layouts, artifacts, scores):
+        v1.include_router(module.router)
+    return v1
+
+
+__all__ = ["health", "v1_router"]

@@ -1,0 +1,29 @@
+"""/v1/scores: J per layout of the caller's latest succeeded job matching the filters (for CI)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from app import services
+from app.deps import CallerDep, SessionDep
+from app.errors import responses
+from app.schemas import ScoresOut
+
+router = APIRouter(tags=["scores"])
+
+
+@router.get("/scores", response_model=ScoresOut, operation_id="latest_scores",
+            summary="J per layout of the caller's latest succeeded job matching the filters (for CI)",
+            responses=responses(404, _404="none of the caller's finished jobs matches"))
+def scores(session: SessionDep, caller: CallerDep,
+           model: Annotated[str | None, Query(max_length=300, description="model id as submitted")] = None,
+           revision: Annotated[str | None, Query(max_length=128)] = None,
+           devices: Annotated[int | None, Query(ge=1, le=1024)] = None,
+           delta: Annotated[int | None, Query(ge=0, le=1024)] = None,
+           score: Annotated[str | None, Query(pattern="^(fo|add)$")] = None,
+           owner: Annotated[str | None, Query(max_length=100, description="an admin's filter: this tenant's jobs")]
+           = None) -> dict[str, Any]:
+    return services.latest_scores(session=session, caller=caller, model=model, revision=revision, devices=devices,
+                                  delta=delta, score=score, owner=owner)
