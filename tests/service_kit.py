@@ -51,6 +51,43 @@ def provision(settings: Settings) -> None:
     settings.storage.mkdir(parents=True, exist_ok=True)
 
 
+def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None) -> tuple[str, bytes]:
+    """A succeeded job written straight to the database (no worker), owned by `owner`, with the layouts
+    optimised (J 3.5) and contiguous (2.4) and the artifacts report.json and shards/blob.bin (5000
+    random bytes, returned with the job id)."""
+    import hashlib
+
+    from app.db import Artifact, Job, LayoutRow, database, utcnow
+    from app.storage import Storage
+
+    db = database(settings.database_url)
+    storage = Storage(settings.storage)
+    job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
+              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, history=[], owner=owner,
+              cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
+              summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0})
+    payload = os.urandom(5000)
+    with db.transaction() as session:
+        session.add(job)
+        session.flush()
+        for name, data in (("report.json", b'{"format": "dtp-layout-report/1"}'), ("shards/blob.bin", payload)):
+            key = Storage.artifact_key(job.id, name)
+            path = storage.path(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            session.add(Artifact(job_id=job.id, name=name, kind="test", size=len(data),
+                                 sha256=hashlib.sha256(data).hexdigest(), storage_key=key))
+        for name, value in (("optimised", 3.5), ("contiguous", 2.4)):
+            session.add(LayoutRow(job_id=job.id, name=name, J=value, random_expectation=2.5, upper_bound=4.0,
+                                  upper_bound_exact=True, up_fraction=[0.5, 0.5, 0.5], down_fraction=[0.5, 0.5],
+                                  kv_group_device=[[0, 0, 1, 1]] * 3, neuron_device=[[0] * 48 + [1] * 48] * 3,
+                                  shape={"model_type": "llama", "num_layers": 3, "num_kv_groups": 4,
+                                         "num_query_heads": 8, "intermediate_size": 96, "hidden_size": 48,
+                                         "head_dim": 6},
+                                  score={"J": value}))
+    return job.id, payload
+
+
 def spec(**overrides: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "model": {"id": TINY_MODEL},

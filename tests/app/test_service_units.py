@@ -9,9 +9,9 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from app.model_limits import check_config
 from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, RECIPE_DEFAULTS, CalibrationIn, DistillRecipeIn, JobSpec
 from app.settings import Settings
-from app.model_limits import check_config
 from app.sources import SourceError, resolve_data, resolve_model, resolve_under
 
 
@@ -169,16 +169,17 @@ def test_distill_data_defaults():
 def test_settings_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DTP_LAYOUT_VAR_DIR", str(tmp_path))
     monkeypatch.setenv("DTP_LAYOUT_BROKER_URL", "redis://example:6379/1")
-    monkeypatch.setenv("DTP_LAYOUT_API_KEYS", "ci:secret, alice:other")
+    monkeypatch.setenv("DTP_LAYOUT_API_KEYS", f"ci:sha256:{'a' * 64}, ops:sha256:{'b' * 64}:admin:tenant=team")
     s = Settings()
     assert s.database_url == f"sqlite:///{tmp_path / 'dtp-layout.db'}"
     assert s.broker_url == "redis://example:6379/1" and s.storage == tmp_path / "storage"
-    assert s.api_key_table() == {"secret": "ci", "other": "alice"}
+    assert s.key_entries() == [("ci", "a" * 64, False, "ci"), ("ops", "b" * 64, True, "team")]
     assert Settings(**{k.removeprefix("DTP_LAYOUT_").lower(): v
                        for k, v in s.worker_env().items()}).worker_env() == s.worker_env()
-    monkeypatch.setenv("DTP_LAYOUT_API_KEYS", "nocolon")
-    with pytest.raises(ValueError, match="name:key"):
-        Settings().api_key_table()
+    for bad in ("nocolon", "ci:secret", f"ci:md5:{'a' * 64}", f"ci:sha256:{'a' * 64}:root", "c i:sha256:" + "a" * 64):
+        monkeypatch.setenv("DTP_LAYOUT_API_KEYS", bad)
+        with pytest.raises(ValueError, match=r"NAME:sha256:HEX|unknown flag"):
+            Settings()
 
 
 def test_api_process_never_imports_torch(tmp_path):
