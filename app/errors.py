@@ -10,6 +10,7 @@ that cannot be parsed a 422, and no answer carries exception text or a server pa
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -128,7 +129,12 @@ def _field(loc: Iterable[Any]) -> str:
 
 
 def _short(value: Any) -> bool:
-    return value is None or isinstance(value, bool | int | float) or (isinstance(value, str) and len(value) <= 200)
+    """A value worth echoing: short and JSON-safe (not inf or NaN, not a 10^400-digit integer)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int):
+        return value.bit_length() <= 64
+    return value is None or (isinstance(value, str) and len(value) <= 200)
 
 
 def _field_error(err: dict[str, Any]) -> dict[str, Any]:

@@ -71,6 +71,7 @@ EXAMPLE_HUB_SPEC: dict[str, Any] = {
 INT32_MAX = 2**31 - 1  # seeds are stored in Integer columns (metrics.seed)
 MAX_SKIP_BLOCKS = 1_000_000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"  # the same rule as a pattern, for query parameters
 
 
 def _printable(value: str) -> str:
@@ -468,3 +469,17 @@ class MetricsOut(BaseModel):
 class Health(BaseModel):
     status: str
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+# ---- query parameters shared by the routes ------------------------------------------------------------
+
+def _text_query(max_length: int, description: str) -> Any:
+    from fastapi import Query
+
+    return Query(max_length=max_length, pattern=PRINTABLE, description=description)
+
+
+ModelFilter = Annotated[str | None, _text_query(300, "model id as submitted")]
+OwnerFilter = Annotated[str | None, _text_query(100, "owner (tenant); only an admin sees other tenants' jobs")]
+RevisionFilter = Annotated[str | None, _text_query(128, "hub revision as submitted")]
+LayoutFilter = Annotated[str | None, _text_query(64, "only this layout")]

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 LAYOUT_FORMAT = "dtp-layout/1"
 DISTILL_SUMMARY = "distill/summary.json"  # the artifact GET /v1/jobs/{id}/metrics reads the headline from
 JOB_ID = re.compile(r"[0-9a-f]{32}")
+_STORED_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,255}")  # what a layout or artifact name can be
 
 __all__ = ["BrokerUnavailable", "Conflict", "NotFound", "SpecError"]  # re-exported: the old import path
 
@@ -245,7 +246,7 @@ def layout_document(*, session: Session, job_id: str, name: str, caller: Caller)
     """The `dtp-layout/1` JSON of one of the job's layouts."""
     job = get_job(session=session, job_id=job_id, caller=caller)
     row = None
-    if len(name) <= 64:
+    if len(name) <= 64 and _STORED_NAME.fullmatch(name):
         row = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job_id, LayoutRow.name == name)).first()
     if row is None:
         raise NotFound(f"job {job_id!r} has no layout {name[:64]!r}", field="name")
@@ -266,7 +267,7 @@ def get_artifact(*, session: Session, job_id: str, name: str, caller: Caller) ->
     """Looked up by (job, name) in the database: the name never becomes a path."""
     get_job(session=session, job_id=job_id, caller=caller)
     row = None
-    if len(name) <= 255 and "\x00" not in name:
+    if _STORED_NAME.fullmatch(name):
         row = session.scalars(select(Artifact).where(Artifact.job_id == job_id, Artifact.name == name)).first()
     if row is None:
         raise NotFound(f"job {job_id!r} has no artifact {name[:255]!r}", field="name")

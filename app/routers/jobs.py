@@ -19,8 +19,11 @@ from app.schemas import (
     JobList,
     JobOut,
     JobSpec,
+    LayoutFilter,
     MetricName,
     MetricsOut,
+    ModelFilter,
+    OwnerFilter,
     Status,
 )
 
@@ -63,11 +66,11 @@ def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: 
 @router.get("", response_model=JobList, operation_id="list_jobs", summary="List the caller's jobs (newest first)",
             responses=responses())
 def list_jobs(request: Request, session: SessionDep, caller: CallerDep, base: BaseUrl,
-              model: Annotated[str | None, Query(max_length=300, description="model id as submitted")] = None,
+              model: ModelFilter = None,
               status: Annotated[Status | None, Query()] = None,
               devices: Annotated[int | None, Query(ge=1, le=1024, description="L")] = None,
               delta: Annotated[int | None, Query(ge=0, le=1024, description="δ")] = None,
-              owner: Annotated[str | None, Query(max_length=100, description="owner (tenant)")] = None,
+              owner: OwnerFilter = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> dict[str, Any]:
     rows, total = services.list_jobs(session=session, caller=caller, model=model, status=status, devices=devices,
@@ -97,7 +100,7 @@ def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerD
             summary="Distillation curves per layout and seed (as produced), and the headline once done",
             responses=responses(404))
 def metrics(job_id: JobId, session: SessionDep, storage: StorageDep, caller: CallerDep,
-            layout: Annotated[str | None, Query(max_length=64, description="only this layout")] = None,
+            layout: LayoutFilter = None,
             seed: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="only this training seed")] = None,
             name: Annotated[MetricName | None, Query(description="only this metric (the others are null)")] = None,
             ) -> dict[str, Any]:

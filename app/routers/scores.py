@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from app import services
 from app.deps import CallerDep, SessionDep
 from app.errors import responses
-from app.schemas import ScoresOut
+from app.schemas import ModelFilter, OwnerFilter, RevisionFilter, ScoresOut
 
 router = APIRouter(tags=["scores"])
 
@@ -18,12 +18,10 @@ router = APIRouter(tags=["scores"])
             summary="J per layout of the caller's latest succeeded job matching the filters (for CI)",
             responses=responses(404, _404="none of the caller's finished jobs matches"))
 def scores(session: SessionDep, caller: CallerDep,
-           model: Annotated[str | None, Query(max_length=300, description="model id as submitted")] = None,
-           revision: Annotated[str | None, Query(max_length=128)] = None,
+           model: ModelFilter = None, revision: RevisionFilter = None,
            devices: Annotated[int | None, Query(ge=1, le=1024)] = None,
            delta: Annotated[int | None, Query(ge=0, le=1024)] = None,
            score: Annotated[str | None, Query(pattern="^(fo|add)$")] = None,
-           owner: Annotated[str | None, Query(max_length=100, description="an admin's filter: this tenant's jobs")]
-           = None) -> dict[str, Any]:
+           owner: OwnerFilter = None) -> dict[str, Any]:
     return services.latest_scores(session=session, caller=caller, model=model, revision=revision, devices=devices,
                                   delta=delta, score=score, owner=owner)

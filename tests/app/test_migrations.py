@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from app.db import Base
 from app.migrate import REPO_ROOT, downgrade, upgrade
 
-TABLES = {"jobs", "layouts", "artifacts", "metrics"}
+TABLES = {"jobs", "layouts", "artifacts", "metrics", "api_keys"}
 
 
 def _tables(url: str) -> set[str]:
@@ -85,6 +85,38 @@ def test_postgres_metrics_seed_migration_up_and_down(postgres_server):
 
 def test_sqlite_metrics_seed_migration_up_and_down(tmp_path):
     _metrics_0002_up_and_down(f"sqlite:///{tmp_path / 'db.sqlite'}")
+
+
+def _api_keys_0003_up_and_down(url: str) -> None:
+    """0002 → 0003 adds api_keys (unique names and digests); down to 0002 drops it, jobs untouched."""
+    upgrade(url, "0002")
+    engine = create_engine(url)
+    try:
+        assert "api_keys" not in inspect(engine).get_table_names()
+        upgrade(url, "0003")
+        insert = text("INSERT INTO api_keys (name, tenant, digest, admin, created_at) "
+                      "VALUES (:name, 't', :digest, false, '2026-01-01')")
+        with engine.begin() as conn:
+            conn.execute(insert, {"name": "a", "digest": "0" * 64})
+        for dup in ({"name": "a", "digest": "1" * 64}, {"name": "b", "digest": "0" * 64}):
+            with pytest.raises(IntegrityError), engine.begin() as conn:
+                conn.execute(insert, dup)
+        assert "ix_api_keys_tenant" in {i["name"] for i in inspect(engine).get_indexes("api_keys")}
+        downgrade(url, "0002")
+        assert "api_keys" not in inspect(engine).get_table_names() and "jobs" in inspect(engine).get_table_names()
+        upgrade(url)
+        assert _diff(url) == []
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_api_keys_migration_up_and_down(postgres_server):
+    _api_keys_0003_up_and_down(postgres_server.create_database("dtp_migrate"))
+
+
+def test_sqlite_api_keys_migration_up_and_down(tmp_path):
+    _api_keys_0003_up_and_down(f"sqlite:///{tmp_path / 'db.sqlite'}")
 
 
 @pytest.mark.postgres

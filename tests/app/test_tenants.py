@@ -128,7 +128,7 @@ def test_scores_answer_from_the_callers_own_jobs(world):
 
 
 def test_missing_unknown_and_revoked_keys_are_401(world):
-    settings, client, keys = world
+    settings, client, _keys = world
     for headers in ({}, {"X-API-Key": "dtpk_" + "x" * 43}, {"X-API-Key": "k" * 5000}):
         r = client.get("/v1/jobs", headers=headers)
         assert r.status_code == 401 and r.json()["field"] == "X-API-Key", r.text
