@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 from sqlalchemy.orm import Session
 
 from app.auth import Caller, caller
@@ -39,6 +40,29 @@ def base_url(request: Request) -> str:
     """The prefix of the links in responses: DTP_LAYOUT_PUBLIC_URL, or relative links."""
     public = request.app.state.settings.public_url
     return public.rstrip("/") if public else ""
+
+
+def _query_names(dependant: Any) -> set[str]:
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+def known_query_only(request: Request) -> None:
+    """422 for a query parameter the operation does not take: a misspelt filter (`?devies=3`) must not
+    silently answer everything."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known = _query_names(dependant)
+    unknown = [name for name in request.query_params if name not in known]
+    if unknown:
+        accepted = ", ".join(sorted(known)) or "none"
+        raise RequestValidationError([{"type": "extra_forbidden", "loc": ("query", name or "(empty)"),
+                                       "msg": f"unknown query parameter; this operation accepts: {accepted}",
+                                       "input": request.query_params.get(name)} for name in unknown])
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

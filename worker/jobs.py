@@ -42,10 +42,10 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db import Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app.hub import prepare_model
 from app.schemas import METRIC_NAMES, JobSpec
 from app.services import DISTILL_SUMMARY, event
 from app.settings import Settings
-from app.hub import prepare_model
 from app.sources import resolve_data
 from app.storage import Storage, sha256_file
 from worker.device import out_of_memory_message, prepare_device

@@ -3,14 +3,15 @@ curves), `layouts`, `artifacts`, `scores` (/v1) and `health` (/healthz, /readyz,
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
+from app.deps import known_query_only
 from app.routers import artifacts, health, jobs, layouts, scores
 
 
 def v1_router() -> APIRouter:
     """Every /v1 operation."""
-    v1 = APIRouter(prefix="/v1")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(known_query_only)])
     for module in (jobs, layouts, artifacts, scores):
         v1.include_router(module.router)
     return v1

@@ -338,6 +338,19 @@ def test_health_ready_metrics_docs(client, settings):
     assert "examples" in body and any(e["value"]["model"] for e in body["examples"].values())
     assert any(e["value"].get("distill") for e in body["examples"].values())
     assert "/v1/jobs/{job_id}/metrics" in openapi["paths"]
+    # Every /v1 operation documents its failures with their JSON bodies.
+    for path, methods in openapi["paths"].items():
+        for method, op in methods.items():
+            if not path.startswith("/v1"):
+                continue
+            codes = set(op["responses"])
+            assert {"401", "413", "422", "429", "503"} <= codes, (method, path, codes)
+            assert ("{job_id}" not in path and path != "/v1/scores") or "404" in codes, (method, path)
+            for code in codes - {"200", "202", "206", "304"}:
+                schema = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+                assert schema.endswith("/ValidationErrorOut" if code == "422" else "/ErrorOut"), (path, code)
+    assert "Retry-After" in openapi["paths"]["/v1/jobs"]["post"]["responses"]["429"]["headers"]
+    assert openapi["paths"]["/v1/jobs"]["post"]["responses"]["202"]["links"]["get_job"]["operationId"] == "get_job"
     broken = make_settings(settings.var_dir, database_url=settings.database_url, broker_url="redis://127.0.0.1:1/0",
                            max_active_jobs=settings.max_active_jobs, max_active_tokens=settings.max_active_tokens)
     with TestClient(create_app(broken)) as other:
