@@ -182,6 +182,12 @@ def install(app: FastAPI) -> None:
         log.warning("database unreachable: %s", exc)
         return error_response(503, "the database is unreachable; try again shortly", None, {"Retry-After": "5"})
 
+    @app.exception_handler(Exception)
+    async def _bug(_request: Request, exc: Exception) -> JSONResponse:
+        # A bug: the traceback goes to the log, the caller gets JSON without internals.
+        log.error("unhandled error", exc_info=exc)
+        return error_response(500, "internal error (logged on the server)", None)
+
     @app.exception_handler(DBAPIError)
     async def _database_error(_request: Request, exc: DBAPIError) -> JSONResponse:
         if exc.connection_invalidated:
