@@ -19,7 +19,8 @@ class BodyLimit:
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps({"detail": f"the request body is larger than this server's limit of {self.max_bytes} "
-                                     "bytes (DTP_LAYOUT_MAX_BODY_BYTES)", "field": "body"}).encode()
+                                     "bytes (DTP_LAYOUT_MAX_BODY_BYTES)", "field": "body",
+                           "error": "payload_too_large"}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

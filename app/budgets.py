@@ -105,11 +105,12 @@ def check_capacity(session: Session, *, tenant: str | None, spec: JobSpec, setti
     if len(active) >= settings.max_active_jobs:
         raise TooManyRequests(f"{who} has {len(active)} queued or running jobs, the most it may have "
                               f"(DTP_LAYOUT_MAX_ACTIVE_JOBS={settings.max_active_jobs}); retry when one finishes",
-                              field="X-API-Key", retry_after_s=RETRY_ACTIVE_S)
+                              field="X-API-Key", retry_after_s=RETRY_ACTIVE_S, code="too_many_active_jobs")
     in_flight = sum(_stored_tokens(s, settings) for s in active)
     mine = work_tokens(spec)
     if in_flight + mine > settings.max_active_tokens:
         field = "distill.steps" if spec.distill is not None else "calibration.sequences"
         raise TooManyRequests(f"{who} has {in_flight:,} work tokens in queued or running jobs; with this job's "
                               f"{mine:,} that is over DTP_LAYOUT_MAX_ACTIVE_TOKENS={settings.max_active_tokens:,}: "
-                              "retry when a job finishes, or ask for less", field=field, retry_after_s=RETRY_ACTIVE_S)
+                              "retry when a job finishes, or ask for less", field=field, retry_after_s=RETRY_ACTIVE_S,
+                              code="work_budget")

@@ -30,9 +30,13 @@ log = logging.getLogger(__name__)
 
 class ErrorOut(BaseModel):
     detail: str = Field(description="what is wrong, and what would be accepted")
-    field: str | None = Field(description="the part of the request at fault: a spec field (`calibration.seq_len`), a "
-                                          "path or query parameter, a header (`X-API-Key`) or `body`; null for "
-                                          "a server-side outage (503)")
+    field: str | None = Field(default=None, description="the part of the request at fault: a spec field "
+                                                        "(`calibration.seq_len`), a path or query parameter, a header "
+                                                        "(`X-API-Key`) or `body`; null for a server-side outage (503)")
+    error: str | None = Field(default=None, description="a short code for programs: unauthorized, not_found, "
+                                                        "conflict, payload_too_large, range_not_satisfiable, "
+                                                        "rate_limited, too_many_active_jobs, work_budget, "
+                                                        "database_unavailable, broker_unavailable, …")
 
 
 class FieldError(BaseModel):
@@ -56,35 +60,34 @@ class ApiError(Exception):
 
     status = 400
     default_field: str | None = None
+    code = "bad_request"
 
-    def __init__(self, detail: str, *, field: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, detail: str, *, field: str | None = None, headers: dict[str, str] | None = None,
+                 code: str | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
         self.field = field if field is not None else self.default_field
         self.headers = headers or {}
+        self.code = code or self.code
 
 
 class Unauthorized(ApiError):
-    status, default_field = 401, "X-API-Key"
+    status, default_field, code = 401, "X-API-Key", "unauthorized"
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail, headers={"WWW-Authenticate": "X-API-Key"})
 
 
 class NotFound(ApiError, LookupError):
-    status, default_field = 404, "job_id"
+    status, default_field, code = 404, "job_id", "not_found"
 
 
 class Conflict(ApiError):
-    status, default_field = 409, "job_id"
-
-
-class PayloadTooLarge(ApiError):
-    status, default_field = 413, "body"
+    status, default_field, code = 409, "job_id", "conflict"
 
 
 class RangeNotSatisfiable(ApiError):
-    status, default_field = 416, "Range"
+    status, default_field, code = 416, "Range", "range_not_satisfiable"
 
 
 class TooManyRequests(ApiError):
@@ -92,16 +95,17 @@ class TooManyRequests(ApiError):
 
     status = 429
 
-    def __init__(self, detail: str, *, field: str, retry_after_s: float) -> None:
-        super().__init__(detail, field=field, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+    def __init__(self, detail: str, *, field: str, retry_after_s: float, code: str = "rate_limited") -> None:
+        super().__init__(detail, field=field, headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))},
+                         code=code)
 
 
 class ServiceUnavailable(ApiError):
-    status = 503
+    status, code = 503, "service_unavailable"
 
 
 class BrokerUnavailable(ServiceUnavailable):
-    pass
+    code = "broker_unavailable"
 
 
 class SpecError(ValueError):
@@ -114,8 +118,10 @@ class SpecError(ValueError):
 
 # ---- handlers --------------------------------------------------------------------------------------
 
-def error_response(status: int, detail: str, field: str | None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"detail": detail, "field": field}, headers=headers)
+def error_response(status: int, detail: str, field: str | None, headers: dict[str, str] | None = None, *,
+                   code: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"detail": detail, "field": field, "error": code},
+                        headers=headers)
 
 
 def unprocessable(errors: list[dict[str, Any]]) -> JSONResponse:
@@ -149,6 +155,7 @@ def _field_error(err: dict[str, Any]) -> dict[str, Any]:
 
 
 _HTTP_FIELDS = {404: "path", 405: "method", 413: "body", 415: "Content-Type"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
 
 
 def install(app: FastAPI) -> None:
@@ -165,7 +172,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.detail, exc.field, exc.headers)
+        return error_response(exc.status, exc.detail, exc.field, exc.headers, code=exc.code)
 
     @app.exception_handler(HTTPException)
     async def _http(_request: Request, exc: HTTPException) -> JSONResponse:
@@ -174,27 +181,30 @@ def install(app: FastAPI) -> None:
                                    "msg": "the body is not a JSON document this API can read (malformed, or "
                                           "nested too deeply)"}])
         return error_response(exc.status_code, str(exc.detail), _HTTP_FIELDS.get(exc.status_code, "path"),
-                              getattr(exc, "headers", None))
+                              getattr(exc, "headers", None), code=_HTTP_CODES.get(exc.status_code, "http_error"))
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)
     async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
         log.warning("database unreachable: %s", exc)
-        return error_response(503, "the database is unreachable; try again shortly", None, {"Retry-After": "5"})
+        return error_response(503, "the database is unreachable; try again shortly", None, {"Retry-After": "5"},
+                              code="database_unavailable")
 
     @app.exception_handler(Exception)
     async def _bug(_request: Request, exc: Exception) -> JSONResponse:
         # A bug: the traceback goes to the log, the caller gets JSON without internals.
         log.error("unhandled error", exc_info=exc)
-        return error_response(500, "internal error (logged on the server)", None)
+        return error_response(500, "internal error (logged on the server)", None, code="internal_error")
 
     @app.exception_handler(DBAPIError)
     async def _database_error(_request: Request, exc: DBAPIError) -> JSONResponse:
         if exc.connection_invalidated:
             log.warning("database connection lost: %s", exc)
-            return error_response(503, "the database is unreachable; try again shortly", None, {"Retry-After": "5"})
+            return error_response(503, "the database is unreachable; try again shortly", None, {"Retry-After": "5"},
+                                  code="database_unavailable")
         log.error("database error", exc_info=exc)
-        return error_response(503, "the database refused the request (logged); try again or report it", None)
+        return error_response(503, "the database refused the request (logged); try again or report it", None,
+                              code="database_error")
 
 
 # ---- OpenAPI ---------------------------------------------------------------------------------------

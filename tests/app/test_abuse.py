@@ -152,7 +152,7 @@ def test_a_100_mb_body_gets_413_without_being_buffered(base, tmp_path):
                 f"Content-Length: {size}\r\n\r\n").encode()
         answer, sent, seconds = _push(port, head, iter([block] * (size // len(block) + 1)), size)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["field"] == "body"
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"] == "payload_too_large"
         print(f"Content-Length 100 MB: 413 after {seconds * 1e3:.1f} ms, {sent:,} body bytes sent")
         # Chunked, no length: counted as it arrives, refused once past 64 KiB.
         head = b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
@@ -205,6 +205,7 @@ def test_active_jobs_and_work_tokens_per_tenant_are_429_with_retry_after(base):
         full = client.post("/v1/jobs", json=small, headers=a)
         assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
         assert fields(full) == {"X-API-Key": full.json()["detail"]} and "MAX_ACTIVE_JOBS=2" in full.json()["detail"]
+        assert full.json()["error"] == "too_many_active_jobs"
         assert client.post("/v1/jobs", json=small, headers=b).status_code == 202  # another tenant is not held up
         assert client.post(f"/v1/jobs/{first.json()['id']}/cancel", headers=a).status_code == 202
         assert client.post("/v1/jobs", json=small, headers=a).status_code == 202  # a finished job frees a place
@@ -213,6 +214,7 @@ def test_active_jobs_and_work_tokens_per_tenant_are_429_with_retry_after(base):
         over = client.post("/v1/jobs", json=big, headers=b)
         assert over.status_code == 429 and "calibration.sequences" in fields(over)
         assert "MAX_ACTIVE_TOKENS" in over.json()["detail"] and over.headers["retry-after"]
+        assert over.json()["error"] == "work_budget"
 
 
 def test_rate_limit_per_key_is_429_with_retry_after(base):
@@ -223,6 +225,7 @@ def test_rate_limit_per_key_is_429_with_retry_after(base):
         assert [client.get("/v1/jobs", headers=a).status_code for _ in range(3)] == [200, 200, 200]
         limited = client.get("/v1/jobs", headers=a)
         assert limited.status_code == 429 and limited.json()["field"] == "X-API-Key"
+        assert limited.json()["error"] == "rate_limited"
         assert 1 <= int(limited.headers["retry-after"]) <= 2
         assert client.get("/v1/jobs", headers=b).status_code == 200  # per key
         # Requests without a valid key are limited per address: guessing keys is throttled too.
