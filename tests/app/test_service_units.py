@@ -189,7 +189,6 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.migrate import upgrade
 from app.settings import Settings
-import app.cli_service, worker.celery_app
 s = Settings(var_dir={str(tmp_path)!r})
 upgrade(s.database_url)
 with TestClient(create_app(s)) as c:
@@ -201,10 +200,13 @@ with TestClient(create_app(s)) as c:
     assert bad.status_code == 422 and 'distill.layouts.0' in bad.text, bad.text
     assert c.get('/v1/jobs/nope/metrics').status_code == 404
     assert c.get('/openapi.json').status_code == 200
+    assert c.get('/readyz').status_code == 200  # the Celery client of app/queue.py
+print(sorted(m for m in sys.modules if m == 'worker' or m.startswith('worker.')))  # the only arrow: worker → app
+import app.cli_service, app.cli_keys, worker.celery_app
 print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "[]"]
 
 
 def test_service_commands_are_registered():
