@@ -52,10 +52,11 @@ def make_celery(settings: Settings, *, include: tuple[str, ...] = ()) -> Celery:
     return app
 
 
-def enqueue(celery: Celery, settings: Settings, job_id: str) -> None:
-    """Send the job to the queue by task name (the sender never imports the task's code)."""
+def enqueue(celery: Celery, settings: Settings, job_id: str, *, options: dict[str, Any] | None = None) -> None:
+    """Send the job to the queue by task name (the sender never imports the task's code); `options`
+    go to `send_task` (e.g. time limits)."""
     celery.send_task(TASK_NAME, args=[job_id], queue=settings.queue, retry=True,
-                     retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5})
+                     retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5}, **(options or {}))
 
 
 class JobQueue:
@@ -73,8 +74,8 @@ class JobQueue:
                 self._celery = make_celery(self.settings)
             return self._celery
 
-    def enqueue(self, job_id: str) -> None:
-        enqueue(self.celery, self.settings, job_id)
+    def enqueue(self, job_id: str, options: dict[str, Any] | None = None) -> None:
+        enqueue(self.celery, self.settings, job_id, options=options)
 
     def ping(self) -> None:
         """Raises when the broker cannot be reached within a few seconds."""
