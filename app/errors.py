@@ -240,7 +240,7 @@ def responses(*codes: int, **descriptions: str) -> dict[int | str, dict[str, Any
 
 # ---- what users see of a job's error -----------------------------------------------------------------
 
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\":,;()\[\]{}]+/)*[^\s/'\":,;()\[\]{}]*")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\":,;()\[\]{}]+/)*[^\s/'\":,;()\[\]{}]+")
 
 
 def redact_paths(message: str | None, roots: dict[str, str]) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.auth import OPEN
 from app.db import Job, database
 from app.migrate import upgrade
 from app.schemas import JobSpec
@@ -97,7 +98,8 @@ def embedded(tmp_path):
 
 def submit(settings, db, **overrides) -> str:
     body = JobSpec.model_validate(spec(random_layouts=0, ablations=False, export=False, **overrides))
-    return submit_job(db=db, settings=settings, spec=body, owner=None, enqueue=lambda _job_id: None).id
+    with db.session() as session:
+        return submit_job(session=session, settings=settings, spec=body, caller=OPEN, enqueue=lambda _job_id: None).id
 
 
 def test_out_of_memory_fails_the_job_with_the_sizes_then_the_next_job_runs(embedded, monkeypatch):
