@@ -20,6 +20,7 @@ from app.ratelimit import RateLimiter
 from app.routers import health, v1_router
 from app.settings import Settings, get_settings
 from app.storage import Storage
+from app.ui.router import router as ui_router
 
 DESCRIPTION = """\
 Affinity-aware layouts for Delayed Tensor Parallelism as a service: POST a model and a calibration
@@ -60,4 +61,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(v1_router())
     app.include_router(health.router)
+    app.include_router(ui_router)  # the dashboard at /ui (static files of app/ui)
     return app

@@ -331,6 +331,15 @@ class Links(BaseModel):
     cancel: str
 
 
+class TimelineEntry(BaseModel):
+    stage: str = Field(description="`queued` (waiting for a worker), then a stage name")
+    attempt: int = Field(description="the worker run (0 for `queued`)")
+    started_at: datetime | None
+    finished_at: datetime | None = Field(description="null while the span runs")
+    seconds: float | None = Field(description="duration; while running, so far")
+    state: Literal["done", "running", "failed", "cancelled", "interrupted"]
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "status": "running", "stage": "affinity", "progress": 0.42,
@@ -341,6 +350,13 @@ class JobOut(BaseModel):
         "updated_at": "2026-11-30T10:00:09Z", "timings": {"loading": 3.1, "calibration": 0.4}, "summary": None,
         "device": {"device": "cuda:0", "name": "NVIDIA H200", "memory_total_gib": 139.81, "capability": "9.0",
                    "cuda": "13.0", "torch": "2.11.0+cu130", "visible_devices": 1},
+        "timeline": [
+            {"stage": "queued", "attempt": 0, "started_at": "2026-11-30T10:00:00Z",
+             "finished_at": "2026-11-30T10:00:01Z", "seconds": 0.8, "state": "done"},
+            {"stage": "loading", "attempt": 1, "started_at": "2026-11-30T10:00:01Z",
+             "finished_at": "2026-11-30T10:00:04Z", "seconds": 3.1, "state": "done"},
+            {"stage": "affinity", "attempt": 1, "started_at": "2026-11-30T10:00:05Z", "finished_at": None,
+             "seconds": 4.0, "state": "running"}],
         "links": {"self": "/v1/jobs/3f6c…", "layouts": "/v1/jobs/3f6c…/layouts",
                   "artifacts": "/v1/jobs/3f6c…/artifacts", "metrics": "/v1/jobs/3f6c…/metrics",
                   "cancel": "/v1/jobs/3f6c…/cancel"}}]})
@@ -371,6 +387,9 @@ class JobOut(BaseModel):
         default=None, description="where the worker runs the job (latest attempt): `device` (cpu, cuda:N), `name` "
                                   "(e.g. NVIDIA H200), `memory_total_gib`, `capability`, `cuda`, `torch`; null "
                                   "until a worker picked the job up")
+    timeline: list[TimelineEntry] = Field(
+        default_factory=list, description="time spans from the job's history: queued, then each stage attempt "
+                                          "(an interrupted attempt, then its resumption)")
     links: Links
 
 

@@ -28,6 +28,7 @@ from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model
 from app.storage import Storage
+from app.timeline import stage_timeline
 from models.layout import LayoutError
 from models.layout_names import canonical_layout_name
 
@@ -216,6 +217,7 @@ def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
         "timings": dict(job.timings or {}), "summary": job.summary, "device": job_device(job.history),
+        "timeline": stage_timeline(job.history or [], status=job.status, created_at=job.created_at),
         "links": {"self": url, "layouts": f"{url}/layouts", "artifacts": f"{url}/artifacts",
                   "metrics": f"{url}/metrics", "cancel": f"{url}/cancel"},
     }

@@ -1,0 +1,124 @@
+// The /v1 API as the dashboard uses it. With API keys on, the key is sent as the X-API-Key header,
+// never in a URL; it is kept for the tab (sessionStorage) or, when asked, for the browser (localStorage).
+
+const KEY_NAME = "dtp-layout-api-key";
+
+// index.html sets <base href="ROOT/ui/">; the API lives at ROOT/v1.
+export const ROOT = new URL("../", document.baseURI);
+export const UI = new URL("./", document.baseURI);
+
+export function apiUrl(path, params) {
+  const url = new URL(path.replace(/^\//, ""), ROOT);
+  for (const [k, v] of Object.entries(params || {})) {
+    if (v !== null && v !== undefined && v !== "") url.searchParams.set(k, String(v));
+  }
+  return url;
+}
+
+/** The path of an artifact, each part of its name escaped (the name keeps its slashes). */
+export function artifactPath(jobId, name) {
+  return `v1/jobs/${encodeURIComponent(jobId)}/artifacts/${name.split("/").map(encodeURIComponent).join("/")}`;
+}
+
+export function getKey() {
+  return sessionStorage.getItem(KEY_NAME) || localStorage.getItem(KEY_NAME) || "";
+}
+
+export function setKey(key, remember) {
+  sessionStorage.setItem(KEY_NAME, key);
+  if (remember) localStorage.setItem(KEY_NAME, key);
+  else localStorage.removeItem(KEY_NAME);
+  window.dispatchEvent(new CustomEvent("dtp-key-changed"));
+}
+
+export function forgetKey() {
+  sessionStorage.removeItem(KEY_NAME);
+  localStorage.removeItem(KEY_NAME);
+  window.dispatchEvent(new CustomEvent("dtp-key-changed"));
+}
+
+export class ApiError extends Error {
+  constructor(status, body, url) {
+    const detail = body && body.detail;
+    const text = (body && body.message) || (typeof detail === "string" ? detail : null) || `HTTP ${status}`;
+    super(text);
+    this.status = status;
+    this.body = body;
+    this.url = url;
+    // 422: field → messages, as the API names them ("calibration.sequences", "distill.layouts.0", …)
+    this.fields = {};
+    if (Array.isArray(detail)) {
+      for (const item of detail) {
+        const field = item.field || "body";
+        (this.fields[field] = this.fields[field] || []).push(item.msg || String(item));
+      }
+    }
+  }
+}
+
+function headers(extra) {
+  const out = {Accept: "application/json", ...(extra || {})};
+  const key = getKey();
+  if (key) out["X-API-Key"] = key;
+  return out;
+}
+
+async function errorFrom(response, url) {
+  let body = null;
+  try { body = await response.json(); } catch { body = {detail: response.statusText}; }
+  const err = new ApiError(response.status, body, url);
+  if (response.status === 401) window.dispatchEvent(new CustomEvent("dtp-need-key", {detail: err.message}));
+  return err;
+}
+
+/** GET/POST a JSON endpoint; throws ApiError for a non-2xx answer (401 also asks for the key). */
+export async function api(path, {method = "GET", params, body, signal} = {}) {
+  const url = apiUrl(path, params);
+  const init = {method, headers: headers(body !== undefined ? {"Content-Type": "application/json"} : {}), signal,
+                cache: "no-store"};
+  if (body !== undefined) init.body = JSON.stringify(body);
+  let response;
+  try {
+    response = await fetch(url, init);
+  } catch (err) {
+    if (err.name === "AbortError") throw err;
+    throw new ApiError(0, {detail: `the service at ${ROOT.origin} is unreachable (${err.message})`}, url);
+  }
+  if (!response.ok) throw await errorFrom(response, url);
+  return response.status === 204 ? null : response.json();
+}
+
+async function sha256Hex(blob) {
+  if (!(window.crypto && crypto.subtle)) return null; // only in secure contexts (https, localhost)
+  const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
+  return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+/** Download through fetch (so the key goes in a header), check the sha256 when the browser can,
+ *  then hand the file to the browser. Returns {verified: true | false | null}. */
+export async function downloadWithKey(path, filename, expectedSha256) {
+  const url = apiUrl(path);
+  const response = await fetch(url, {headers: headers({Accept: "*/*"}), cache: "no-store"});
+  if (!response.ok) throw await errorFrom(response, url);
+  const blob = await response.blob();
+  const actual = expectedSha256 ? await sha256Hex(blob) : null;
+  if (actual !== null && actual !== expectedSha256) {
+    throw new ApiError(0, {detail: `sha256 mismatch for ${filename}: expected ${expectedSha256}, got ${actual}`}, url);
+  }
+  const href = URL.createObjectURL(blob);
+  const a = document.createElement("a");
+  a.href = href;
+  a.download = filename;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(href), 60_000);
+  return {verified: actual === null ? null : true};
+}
+
+/** The equivalent curl of a GET (the key as a header placeholder, never the key itself). */
+export function curlFor(path, {output} = {}) {
+  const key = getKey() ? " -H \"X-API-Key: $DTP_LAYOUT_API_KEY\"" : "";
+  const out = output ? ` -o '${output.replace(/'/g, "'\\''")}'` : "";
+  return `curl -sfL${key}${out} '${apiUrl(path).href}'`;
+}

@@ -1,0 +1,325 @@
+// Job detail: status and live progress, stage timeline, layouts table, per-layer co-located
+// fractions (the paper's Figure 9 view), distillation curves, artifacts.
+
+import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl} from "../api.js";
+import {layoutColor, lineChart, seedDash} from "../charts.js";
+import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, replace, shortId, sig, statusBadge,
+        when} from "../dom.js";
+
+const STAGE_COLORS = {
+  queued: "#c9ced6", loading: "#8da0cb", calibration: "#66c2a5", affinity: "#fc8d62", optimising: "#e78ac3",
+  exporting: "#a6d854", distilling: "#ffd92f",
+};
+
+const mean = (xs) => (xs && xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
+
+function card(id, title, ...children) {
+  return h("section", {class: "card", id}, h("div", {class: "card-head"}, h("h2", {}, title)), ...children);
+}
+
+// ---- header and progress ---------------------------------------------------------------------------
+
+function header(job, {onCancel}) {
+  const spec = job.spec || {};
+  const model = spec.model || {};
+  const cal = spec.calibration || {};
+  const meta = [
+    ["Model", [model.id, model.gguf_file ? ` (${model.gguf_file})` : "", model.revision ? ` @ ${model.revision}` : ""].join("")],
+    ["Devices L · delay δ", `${spec.devices} · ${spec.delta ?? 1}`],
+    ["Score", spec.score || "fo"],
+    ["Calibration", `${cal.source} · ${cal.sequences ?? 64} × ${cal.seq_len ?? 1024} tokens`],
+    ["Owner", job.owner || "—"],
+    ["Submitted", `${when(job.created_at)} (${ago(job.created_at)})`],
+    ["Finished", job.finished_at ? when(job.finished_at) : "—"],
+    ["Attempts", String(job.attempts)],
+    ["Affinity", job.affinity_cached ? "from the cache (same model and calibration)" : "computed by this job"],
+  ];
+  const actions = h("div", {class: "actions"},
+    ACTIVE.has(job.status) && !job.cancel_requested
+      ? h("button", {type: "button", class: "danger", id: "cancel-job", onclick: onCancel}, "Cancel job") : null,
+    h("a", {class: "button ghost", href: `submit?from=${job.id}`, "data-link": ""}, "Submit again…"));
+  const body = [
+    h("div", {class: "card-head"}, h("h1", {}, "Job ", h("span", {class: "mono", title: job.id}, shortId(job.id))),
+      statusBadge(job.status, job.cancel_requested && ACTIVE.has(job.status) ? "(cancelling)" : null), actions),
+    h("dl", {class: "meta"}, meta.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
+  ];
+  if (job.status === "running") {
+    const pct = Math.round((job.progress || 0) * 100);
+    body.push(h("div", {class: "live", id: "live-progress"},
+      h("div", {class: "stage-line"}, h("strong", {}, job.stage || "starting"),
+        h("span", {class: "muted"}, `${pct}%`,
+          job.eta_s !== null && job.eta_s !== undefined ? ` · about ${duration(job.eta_s)} left in this stage` : "")),
+      progressBar(job.progress, `${job.stage}: ${pct}%`)));
+  }
+  if (job.status === "queued") body.push(h("p", {class: "muted"}, "Waiting for a worker…"));
+  if (job.error) {
+    body.push(h("div", {class: job.status === "failed" ? "error-box" : "note-box", id: "job-error"},
+      h("strong", {}, job.status === "failed" ? `Failed in ${job.error_stage || job.stage || "?"}: ` : "Note: "),
+      h("pre", {class: "error-text"}, job.error)));
+  }
+  return body;
+}
+
+// ---- timeline ------------------------------------------------------------------------------------
+
+function timeline(job) {
+  const entries = (job.timeline || []).filter((e) => e.seconds !== null || e.state === "running");
+  if (!entries.length) return [h("p", {class: "muted"}, "No stage has started yet.")];
+  const total = entries.reduce((a, e) => a + (e.seconds || 0), 0) || 1;
+  const bar = h("div", {class: "gantt", role: "img", "aria-label": "stage durations"});
+  for (const e of entries) {
+    const seg = h("span", {class: ["seg", `state-${e.state}`], "data-stage": e.stage,
+                           title: `${e.stage}: ${duration(e.seconds)} (${e.state})`},
+      (e.seconds || 0) / total > 0.07 ? e.stage : "");
+    seg.style.flexGrow = String(Math.max(e.seconds || 0, total * 0.004));
+    seg.style.background = STAGE_COLORS[e.stage] || "#bbb";
+    bar.append(seg);
+  }
+  const rows = entries.map((e) => h("tr", {"data-stage": e.stage, "data-state": e.state},
+    h("td", {}, h("span", {class: "swatch-dot", "data-stage": e.stage}), e.stage),
+    h("td", {class: "num"}, e.attempt || "—"),
+    h("td", {class: "hide-narrow"}, when(e.started_at)),
+    h("td", {class: "num"}, duration(e.seconds), e.state === "running" ? " …" : ""),
+    h("td", {}, h("span", {class: ["state", `state-${e.state}`]}, e.state))));
+  for (const dot of rows.map((r) => r.querySelector(".swatch-dot"))) dot.style.background = STAGE_COLORS[dot.dataset.stage] || "#bbb";
+  const wall = job.finished_at && job.created_at
+    ? (new Date(job.finished_at) - new Date(job.created_at)) / 1000 : null;
+  return [bar, h("div", {class: "table-wrap"}, h("table", {class: "timeline"},
+    h("thead", {}, h("tr", {}, h("th", {}, "Stage"), h("th", {class: "num"}, "Attempt"), h("th", {class: "hide-narrow"}, "Started"),
+      h("th", {class: "num"}, "Duration"), h("th", {}, "State"))),
+    h("tbody", {}, rows))),
+    wall !== null ? h("p", {class: "muted"}, `Submitted to finished: ${duration(wall)}.`) : null];
+}
+
+// ---- layouts -------------------------------------------------------------------------------------
+
+function layoutsTable(job, items) {
+  const first = items[0];
+  const rows = items.map((l) => h("tr", {"data-layout": l.name},
+    h("td", {}, h("span", {class: "swatch-dot", "data-color": layoutColor(l.name)}), l.name),
+    h("td", {class: "num"}, num(l.J, 3)),
+    h("td", {class: "num"}, num(l.J / l.upper_bound, 3)),
+    h("td", {class: "num"}, num(mean(l.up_fraction), 3)),
+    h("td", {class: "num"}, num(mean(l.down_fraction), 3)),
+    h("td", {class: "hide-narrow"}, h("a", {href: apiUrl(`v1/jobs/${job.id}/layouts/${encodeURIComponent(l.name)}`).href,
+                                             class: "json-link", "data-layout-json": l.name,
+                                             onclick: (ev) => saveJson(ev, job, l.name)}, "dtp-layout/1 JSON"))));
+  for (const dot of rows.map((r) => r.querySelector(".swatch-dot"))) dot.style.background = dot.dataset.color;
+  return [
+    h("div", {class: "table-wrap"}, h("table", {class: "layouts", id: "layouts-table"},
+      h("thead", {}, h("tr", {}, h("th", {}, "Layout"), h("th", {class: "num"}, "J"), h("th", {class: "num"}, "J / bound"),
+        h("th", {class: "num", title: "mean over layers of the co-located up-edge mass"}, "mean up"),
+        h("th", {class: "num", title: "mean over layers of the co-located down-edge mass"}, "mean down"),
+        h("th", {class: "hide-narrow"}, ""))),
+      h("tbody", {}, rows))),
+    h("p", {class: "muted", id: "layouts-footer"},
+      `random expectation (2N−1)/L = ${num(first.random_expectation, 3)}; upper bound = ${num(first.upper_bound, 3)}`,
+      first.upper_bound_exact ? "" : " (relaxed)",
+      job.summary && job.summary.tokens ? `; ${job.summary.tokens} calibration tokens` : ""),
+  ];
+}
+
+async function saveJson(ev, job, name) {
+  if (!getKey()) return; // the plain link works without a key
+  ev.preventDefault();
+  await downloadWithKey(`v1/jobs/${job.id}/layouts/${encodeURIComponent(name)}`, `${name}.json`, null);
+}
+
+function fractionSeries(items, key) {
+  return items.map((l, i) => ({key: l.name, label: l.name, color: layoutColor(l.name, i),
+                               points: (l[key] || []).map((v, layer) => [layer, v])}));
+}
+
+// ---- distillation ----------------------------------------------------------------------------------
+
+function curveSeries(curves, metric) {
+  const seeds = [...new Set(curves.map((c) => c.seed))].sort((a, b) => a - b);
+  const layouts = [...new Set(curves.map((c) => c.layout))];
+  return curves.map((c) => ({
+    key: `${c.layout}/${c.seed}`,
+    label: seeds.length > 1 ? `${c.layout} · seed ${c.seed}` : c.layout,
+    color: layoutColor(c.layout, layouts.indexOf(c.layout)),
+    dash: seedDash(seeds.indexOf(c.seed)),
+    points: c.steps.map((st, i) => [st, c[metric] ? c[metric][i] : null]),
+  }));
+}
+
+function headline(summary, spec) {
+  const head = summary && summary.headline;
+  if (!head) {
+    return h("p", {class: "muted", id: "distill-headline"}, summary ? "No headline: the job did not distil both the "
+      + "reference (contiguous) and the candidate (optimised)." : `Curves update as evaluations come in (every ${
+      (spec.distill.recipe && spec.distill.recipe.eval_every) || 100} steps).`);
+  }
+  const reach = head.candidate_step_to_reference_final_kl;
+  const factor = reach ? head.reference_final_step / reach : null;
+  const lines = [h("p", {class: "headline", id: "distill-headline"},
+    h("strong", {}, head.candidate), " reaches ", h("strong", {}, head.reference), "'s final KL ",
+    `${sig(head.reference_final_kl, 4)} (step ${head.reference_final_step}) `,
+    factor !== null
+      ? [`at step ${Math.round(reach)}: `, h("strong", {class: "multiplier"}, `${factor.toFixed(2)}× fewer steps`), "."]
+      : reach === 0 ? `already at step 0.` : "— not within this run.",
+    ` Final KL: ${head.candidate} ${sig(head.candidate_final_kl, 4)}, ${head.reference} ${sig(head.reference_final_kl, 4)}.`,
+    summary.dense_ppl ? ` Dense perplexity ${sig(summary.dense_ppl, 4)}.` : "")];
+  if (head.multipliers && head.multipliers.length) {
+    lines.push(h("div", {class: "table-wrap"}, h("table", {class: "multipliers"},
+      h("thead", {}, h("tr", {}, h("th", {}, `${head.reference} step`), h("th", {class: "num"}, "KL"),
+        h("th", {class: "num"}, `${head.candidate} step`), h("th", {class: "num"}, "multiplier"))),
+      h("tbody", {}, head.multipliers.map((r) => h("tr", {},
+        h("td", {class: "num"}, r.step), h("td", {class: "num"}, sig(r.reference_kl, 4)),
+        h("td", {class: "num"}, r.candidate_step === null ? "—" : num(r.candidate_step, 1)),
+        h("td", {class: "num"}, r.multiplier === null ? "—" : `${r.multiplier.toFixed(2)}×`)))))));
+  }
+  return lines;
+}
+
+// ---- artifacts -----------------------------------------------------------------------------------
+
+function artifactsTable(job, items) {
+  if (!items.length) return [h("p", {class: "muted"}, ACTIVE.has(job.status) ? "Artifacts appear as stages finish." : "No artifacts.")];
+  const total = items.reduce((a, x) => a + x.size, 0);
+  const status = h("p", {class: "muted", id: "download-status", role: "status"});
+  const rows = items.map((a) => {
+    const path = artifactPath(job.id, a.name);
+    const filename = a.name.split("/").pop();
+    const link = h("a", {href: apiUrl(path).href, download: filename, class: "download", "data-artifact": a.name}, "download");
+    link.addEventListener("click", async (ev) => {
+      if (!getKey()) return; // no key: the browser streams the file itself
+      ev.preventDefault();
+      status.textContent = `downloading ${a.name} (${bytes(a.size)})…`;
+      try {
+        const {verified} = await downloadWithKey(path, filename, a.sha256);
+        status.textContent = `${a.name}: ${verified ? "sha256 verified" : "downloaded"}`;
+      } catch (err) {
+        status.textContent = `${a.name}: ${err.message}`;
+      }
+    });
+    return h("tr", {"data-artifact": a.name},
+      h("td", {class: "mono name-cell", title: a.name}, a.name),
+      h("td", {class: "hide-narrow"}, a.kind),
+      h("td", {class: "num"}, bytes(a.size)),
+      h("td", {class: "mono hide-narrow", title: a.sha256}, a.sha256.slice(0, 12), "…", copyButton(a.sha256, "sha256")),
+      h("td", {class: "nowrap"}, link, " ", copyButton(curlFor(path, {output: filename}), "curl")));
+  });
+  return [
+    h("div", {class: "table-wrap"}, h("table", {class: "artifacts", id: "artifacts-table"},
+      h("thead", {}, h("tr", {}, h("th", {}, "Name"), h("th", {class: "hide-narrow"}, "Kind"), h("th", {class: "num"}, "Size"),
+        h("th", {class: "hide-narrow"}, "sha256"), h("th", {}, ""))),
+      h("tbody", {}, rows))),
+    h("p", {class: "muted"}, `${items.length} files, ${bytes(total)}. Everything at once, resumable and checked: `,
+      h("code", {}, `dtp-layout client download ${job.id} --out ./${shortId(job.id)}`), " ",
+      copyButton(`dtp-layout client download ${job.id} --out ./${shortId(job.id)}`)),
+    status,
+  ];
+}
+
+// ---- the page ------------------------------------------------------------------------------------
+
+export function renderJob(container, {id}) {
+  document.title = `Job ${shortId(id)} · dtp-layout`;
+  const head = h("section", {class: "card", id: "job-header"}, h("p", {class: "muted"}, "Loading…"));
+  const timelineCard = card("timeline", "Stage timeline");
+  const layoutsCard = card("layouts", "Layouts");
+  const fractionsCard = card("fractions", "Co-located fraction per layer");
+  const distillCard = card("distill", "Distillation");
+  const artifactsCard = card("artifacts", "Artifacts");
+  for (const c of [layoutsCard, fractionsCard, distillCard]) c.hidden = true;
+  const layoutsBody = h("div", {});
+  const fractionsBody = h("div", {class: "chart-grid"});
+  const distillHead = h("div", {});
+  const distillCharts = h("div", {class: "chart-grid"});
+  const timelineBody = h("div", {});
+  const artifactsBody = h("div", {});
+  layoutsCard.append(layoutsBody);
+  fractionsCard.append(h("p", {class: "muted"}, "Share of each layer's affinity mass that a layout keeps on one device: up edges "
+    + "(attention heads → FFN neurons of the same layer) and down edges (neurons → next layer's KV groups). "
+    + "A random layout keeps 1/L."), fractionsBody);
+  distillCard.append(distillHead, distillCharts);
+  timelineCard.append(timelineBody);
+  artifactsCard.append(artifactsBody);
+  container.append(head, timelineCard, layoutsCard, fractionsCard, distillCard, artifactsCard);
+
+  let job = null;
+  let seen = "";
+  let finishedAndLoaded = false;
+  const charts = {};
+
+  async function cancel() {
+    try {
+      job = await api(`v1/jobs/${id}/cancel`, {method: "POST"});
+      renderHead();
+    } catch (err) {
+      window.alert(err.message);
+    }
+  }
+
+  function renderHead() {
+    replace(head, header(job, {onCancel: cancel}));
+    replace(timelineBody, timeline(job));
+  }
+
+  async function loadLayouts() {
+    const {items} = await api(`v1/jobs/${id}/layouts`);
+    if (!items.length) return;
+    layoutsCard.hidden = false;
+    fractionsCard.hidden = false;
+    replace(layoutsBody, layoutsTable(job, items));
+    const L = job.spec.devices;
+    const hline = [{y: 1 / L, label: `random 1/L = ${sig(1 / L, 3)}`, color: "#333"}];
+    const common = {xLabel: "layer", yLabel: "co-located fraction", integerX: true, yDomain: [0, 1], hlines: hline,
+                    xFormat: (v) => String(Math.round(v)), height: 280};
+    const up = {...common, id: "fractions-up", title: "Up edges: attention → FFN (same layer)", series: fractionSeries(items, "up_fraction")};
+    const down = {...common, id: "fractions-down", title: "Down edges: FFN → next layer's attention", series: fractionSeries(items, "down_fraction")};
+    if (charts.up) { charts.up.update(up); charts.down.update(down); } else {
+      charts.up = lineChart(fractionsBody, up);
+      charts.down = lineChart(fractionsBody, down);
+    }
+  }
+
+  async function loadMetrics() {
+    const metrics = await api(`v1/jobs/${id}/metrics`);
+    distillCard.hidden = false;
+    replace(distillHead, headline(metrics.summary, job.spec));
+    const kl = {id: "distill-kl", title: "KL(dense ‖ DTP) on the evaluation blocks", xLabel: "step", yLabel: "KL (nats/token)",
+                log: true, integerX: true, xFormat: (v) => String(Math.round(v)), series: curveSeries(metrics.curves, "kl"),
+                emptyText: "waiting for the first evaluation", alwaysLegend: true};
+    const dense = metrics.summary && metrics.summary.dense_ppl;
+    const ppl = {id: "distill-ppl", title: "DTP perplexity", xLabel: "step", yLabel: "perplexity", log: true, integerX: true,
+                 xFormat: (v) => String(Math.round(v)), series: curveSeries(metrics.curves, "ppl"),
+                 hlines: dense ? [{y: dense, label: `dense ${sig(dense, 4)}`, color: "#333"}] : [],
+                 emptyText: "waiting for the first evaluation", alwaysLegend: true};
+    if (charts.kl) { charts.kl.update(kl); charts.ppl.update(ppl); } else {
+      charts.kl = lineChart(distillCharts, kl);
+      charts.ppl = lineChart(distillCharts, ppl);
+    }
+  }
+
+  async function loadArtifacts() {
+    const {items} = await api(`v1/jobs/${id}/artifacts`);
+    replace(artifactsBody, artifactsTable(job, items));
+  }
+
+  async function tick() {
+    if (finishedAndLoaded) return;
+    try {
+      job = await api(`v1/jobs/${id}`);
+    } catch (err) {
+      replace(head, h("h1", {}, `Job ${shortId(id)}`), h("p", {class: "error-box", role: "alert"}, err.message));
+      if (err.status === 404) finishedAndLoaded = true;
+      return;
+    }
+    renderHead();
+    const key = `${job.status}|${(job.stages_done || []).join(",")}`;
+    const changed = key !== seen;
+    seen = key;
+    const tasks = [];
+    if (changed && (job.stages_done || []).includes("optimising")) tasks.push(loadLayouts());
+    if (changed) tasks.push(loadArtifacts());
+    if (job.spec.distill && (changed || job.stage === "distilling")) tasks.push(loadMetrics());
+    await Promise.all(tasks);
+    if (!ACTIVE.has(job.status)) finishedAndLoaded = true;
+  }
+
+  tick();
+  return poller(tick, () => (job && job.stage === "distilling" ? 3000 : 2000));
+}
