@@ -317,7 +317,7 @@ class LayoutClient:
                             on_bytes(-have)
                         mode = "wb"
                     with open(part, mode) as f:
-                        for block in response.iter_bytes(CHUNK):
+                        for block in response.iter_bytes():  # as it arrives: a dropped connection loses nothing
                             f.write(block)
                             transferred += len(block)
                             if on_bytes is not None:

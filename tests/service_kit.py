@@ -88,6 +88,19 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     return job.id, payload
 
 
+# A distillation of the tiny model that takes seconds: 4 steps of 2 sequences of 16 tokens, evaluated
+# every 2 steps on 4 blocks.
+TINY_DISTILL: dict[str, Any] = {
+    "layouts": ["optimised", "contiguous"],
+    "seeds": [0],
+    "steps": 4,
+    "train": {"source": CALIB, "seq_len": 16},
+    "eval": {"source": CALIB, "sequences": 4, "seq_len": 16},
+    "recipe": {"batch_size": 2, "micro_batch_size": 1, "eval_every": 2, "checkpoint_every": 1, "warmup_steps": 1,
+               "lr": 1e-3, "min_lr": 1e-4, "logit_chunk": 64, "eval_batch_size": 4},
+}
+
+
 def spec(**overrides: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "model": {"id": TINY_MODEL},
@@ -165,3 +178,76 @@ def wait_for(client: Any, job_id: str, statuses: tuple[str, ...] = ("succeeded",
         time.sleep(0.1)
     tail = worker.log()[-4000:] if worker is not None else ""
     raise TimeoutError(f"job {job_id} still {job.get('status')}/{job.get('stage')} after {timeout}s: {job}\n{tail}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServeProcess:
+    """`dtp-layout serve` (API + its local worker) in a subprocess on a free port, its var dir under
+    `var`; `env` adds DTP_LAYOUT_* settings (API keys, a Postgres database, a Redis broker, …)."""
+
+    def __init__(self, var: Path, **env: str) -> None:
+        self.var = var
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
+        self.env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                        DTP_LAYOUT_DEVICE="cpu", **env)
+        self.output: list[str] = []
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 60.0) -> ServeProcess:
+        """Starts it and reads its banner up to the example curl (the API is listening by then)."""
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port),
+                                      "--var-dir", str(self.var)], env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.output.append(line)
+            if line.startswith("then: curl"):
+                self._drain()
+                return self
+        self.stop()
+        raise RuntimeError(f"dtp-layout serve did not come up:\n{self.banner()}")
+
+    def _drain(self) -> None:
+        """Keep reading the output (uvicorn's access log) so that the pipe never fills."""
+        import threading
+
+        def read() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.output.append(line)
+                del self.output[:-2000]
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def banner(self) -> str:
+        return "".join(self.output[:40])
+
+    def worker_log(self) -> str:
+        path = self.var / "worker.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGINT (as Ctrl-C), then SIGKILL of its process group if it does not stop."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

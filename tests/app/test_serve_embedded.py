@@ -6,10 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,44 +13,24 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.service_kit import TINY_MODEL, make_settings, provision, spec, wait_for
+from tests.service_kit import TINY_MODEL, ServeProcess, make_settings, provision, spec, wait_for
 from tests.tiny import tokens
 
 pytestmark = [pytest.mark.worker]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_embedded_end_to_end(tmp_path):
     var = tmp_path / "var"
     settings = make_settings(var)
     provision(settings)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", DTP_LAYOUT_DEVICE="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--var-dir", str(var)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    output = []
+    serve = ServeProcess(var)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            output.append(line)
-            if line.startswith("then: curl"):
-                break
-        text = "".join(output)
-        assert f"http://127.0.0.1:{port}" in text and "curl -s -X POST" in text, text
+        text = serve.start().banner()
+        assert f"http://127.0.0.1:{serve.port}" in text and "curl -s -X POST" in text, text
         assert "corpus:kjv" in text  # the ready-to-paste submission uses the shared corpus
         worker_pid = int(re.search(r"worker +pid (\d+)", text).group(1))
 
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        with httpx.Client(base_url=serve.url, timeout=30) as client:
             assert client.get("/healthz").status_code == 200
             ready = client.get("/readyz").json()
             assert ready["checks"] == {"database": "ok", "broker": "ok"}, ready
@@ -81,13 +57,7 @@ def test_serve_embedded_end_to_end(tmp_path):
         assert (var / "dtp-layout.db").is_file() and (var / "broker.db").is_file()
         assert (var / "storage" / "jobs" / job["id"] / "artifacts" / "report.json").is_file()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        serve.stop()
     # Stopping `serve` stops its worker too.
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:

@@ -18,20 +18,12 @@ from sqlalchemy import func, select
 
 from app.db import Artifact, Job, Metric, database
 from app.main import create_app
-from tests.service_kit import CALIB, WorkerProcess, spec, wait_for, worker_settings
+from tests.service_kit import CALIB, TINY_DISTILL, WorkerProcess, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
-LAYOUTS = ["optimised", "contiguous"]
-DISTILL = {
-    "layouts": LAYOUTS,
-    "seeds": [0],
-    "steps": 4,
-    "train": {"source": CALIB, "seq_len": 16},
-    "eval": {"source": CALIB, "sequences": 4, "seq_len": 16},
-    "recipe": {"batch_size": 2, "micro_batch_size": 1, "eval_every": 2, "checkpoint_every": 1, "warmup_steps": 1,
-               "lr": 1e-3, "min_lr": 1e-4, "logit_chunk": 64, "eval_batch_size": 4},
-}
+DISTILL = TINY_DISTILL
+LAYOUTS = DISTILL["layouts"]
 BODY = spec(random_layouts=0, ablations=False, export={"checkpoint": False, "shards": True}, distill=DISTILL)
 STAGES = ["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
 # Per layout: kl, ppl and lr at steps 0, 2 and 4; the loss at steps 2 and 4 (none before the first step).

@@ -1,0 +1,25 @@
+"""A running service for the client and dashboard tests: `dtp-layout serve` on its embedded default
+(SQLite, local worker) with API keys on, the tiny model and token ids provisioned."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.service_kit import ServeProcess, make_settings, provision
+
+# Two tenants (the key's name is the owner of the jobs it submits).
+API_KEYS = {"ci": "ci-key-0123456789abcdef", "alice": "alice-key-0123456789abcdef"}
+# The worker sleeps this long between micro-batches and before each distillation step: a job is
+# slow enough to be cancelled while it runs, and still finishes in seconds.
+STAGE_DELAY_S = "0.1"
+
+
+@pytest.fixture(scope="session")
+def keyed_service(tmp_path_factory):
+    var = tmp_path_factory.mktemp("keyed-service") / "var"
+    provision(make_settings(var))
+    serve = ServeProcess(var, DTP_LAYOUT_API_KEYS=",".join(f"{n}:{k}" for n, k in API_KEYS.items()),
+                         DTP_LAYOUT_STAGE_DELAY_S=STAGE_DELAY_S)
+    serve.start()
+    yield serve
+    serve.stop()
