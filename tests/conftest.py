@@ -33,7 +33,7 @@ def smollm2():
 # DTP_LAYOUT_TEST_POSTGRES_URL / DTP_LAYOUT_TEST_REDIS_URL). Unreachable: skipped, or failed when CI=true.
 # The terminal summary lists the server-backed tests that were skipped and why.
 
-SERVER_MARKERS = ("postgres", "redis", "worker")
+SERVER_MARKERS = ("postgres", "redis", "worker", "browser")
 POSTGRES_ADMIN_URL = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("DTP_LAYOUT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

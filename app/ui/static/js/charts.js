@@ -193,7 +193,7 @@ export function lineChart(container, options) {
       if (markers && sr.points.length <= 400) {
         for (const [x, y] of sr.points) {
           if (y === null || !Number.isFinite(y) || (log && y <= 0)) continue;
-          g.append(s("circle", {class: "point", cx: X(x).toFixed(1), cy: Y(y).toFixed(1), r: 2.6, fill: sr.color},
+          g.append(s("circle", {class: "point", cx: X(x).toFixed(1), cy: Y(y).toFixed(1), r: sr.points.length <= 3 ? 4 : 2.6, fill: sr.color},
             s("title", {}, `${sr.label} · ${opts.xLabel || "x"} ${xFormat(x)} · ${yFormat(y)}`)));
         }
       }

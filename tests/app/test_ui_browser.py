@@ -1,0 +1,198 @@
+"""The dashboard in a real headless browser (Debian's Chromium driven by Playwright) against a real
+`dtp-layout serve` with API keys on: the key prompt, a job submitted through the form (a refused
+one first, its message next to the field), followed to success in the page, the plots drawn with
+data, an artifact downloaded through its link and checked, and the pages at 1280×800 and 390 wide.
+Screenshots go to the test's tmp dir (and to $DTP_LAYOUT_SCREENSHOT_DIR when set)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests import browser_kit
+from tests.app.conftest import API_KEYS
+from tests.service_kit import CALIB, TINY_MODEL
+
+pytestmark = [pytest.mark.worker, pytest.mark.browser]
+
+STAGES = ["queued", "loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
+LAYOUTS = {"optimised", "anti-optimised", "heads-only", "neurons-only", "contiguous", "random-1000"}
+
+
+@pytest.fixture(scope="module")
+def playwright():
+    reason = browser_kit.unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {reason}", pytrace=False)
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        yield p
+
+
+class Watch:
+    """Console errors, page errors, and every request (to check where the key goes)."""
+
+    def __init__(self, page) -> None:
+        self.errors: list[str] = []
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
+        page.on("console", lambda msg: msg.type == "error" and self.errors.append(f"console: {msg.text}"))
+        page.on("request", lambda req: self.requests.append((req.url, req.headers)))
+
+    def api_errors(self) -> list[str]:
+        # 401 before the key is entered and the 422 of the refused submission are expected answers
+        return [e for e in self.errors if not re.search(r"status of (401|422)", e)]
+
+
+def shot(page, tmp_path: Path, name: str) -> None:
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    target = os.environ.get("DTP_LAYOUT_SCREENSHOT_DIR")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(target) / path.name)
+
+
+def enter_key(page, key: str) -> None:
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", key)
+    page.click("#key-ok")
+    page.wait_for_selector("#key-dialog", state="hidden")
+
+
+def no_horizontal_overflow(page) -> bool:
+    return page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
+
+
+def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
+    url = keyed_service.url
+    with browser_kit.browser_context(playwright, width=1280, height=800) as context:
+        page = context.new_page()
+        watch = Watch(page)
+        page.goto(f"{url}/ui/")
+
+        # The API wants a key: the page asks once; a wrong key is refused in the dialog.
+        page.wait_for_selector("#key-dialog[open]")
+        page.fill("#key-input", "not-a-key")
+        page.click("#key-ok")
+        page.wait_for_selector("#key-error:has-text('refused')")
+        enter_key(page, API_KEYS["ci"])
+        page.wait_for_selector("#jobs-table")
+
+        # A refused submission: the API's 422 message sits next to the field it names.
+        page.click("nav a[data-nav=submit]")
+        page.wait_for_selector("#submit-form")
+        page.fill("#f-model-id", TINY_MODEL)
+        page.fill("#f-model-gguf_file", "")
+        page.fill("#f-devices", "3")
+        page.fill("#f-calibration-source", CALIB)
+        page.fill("#f-calibration-sequences", "8")
+        page.fill("#f-calibration-seq_len", "32")
+        page.click("#submit-job")
+        error = page.wait_for_selector("[data-error-for=devices]:has-text('num_kv_groups=4')")
+        assert "does not divide" in error.inner_text()
+        assert page.url.endswith("/ui/submit")
+        shot(page, tmp_path, "submit-refused")
+
+        # The real one: ablations, a random layout, a short distillation of three layouts.
+        page.fill("#f-devices", "2")
+        page.fill("#f-random_layouts", "1")
+        page.check("#f-ablations")
+        page.check("#f-distill")
+        page.check("#f-layout-random-1000")
+        for field, value in {"distill-seeds": "0", "distill-steps": "4", "distill-train-seq_len": "16",
+                             "distill-eval-source": CALIB, "distill-eval-sequences": "4",
+                             "distill-recipe-lr": "1e-3", "distill-recipe-min_lr": "1e-4",
+                             "distill-recipe-warmup_steps": "1", "distill-recipe-batch_size": "2",
+                             "distill-recipe-micro_batch_size": "1", "distill-recipe-eval_every": "2"}.items():
+            page.fill(f"#f-{field}", value)
+        assert '"layouts": [\n      "optimised",\n      "contiguous",\n      "random-1000"' in \
+            page.text_content("#spec-json")
+        page.click("#submit-job")
+        page.wait_for_url(re.compile(r".*/ui/jobs/[0-9a-f]{32}$"))
+        job_id = page.url.rsplit("/", 1)[1]
+        page.wait_for_selector("#job-header .badge[data-status=succeeded]", timeout=150_000)
+        page.wait_for_selector("#artifacts-table tr[data-artifact='distill/summary.json']")
+        page.wait_for_selector("figure[data-chart=distill-kl] path.series-line")
+
+        with httpx.Client(base_url=url, headers={"X-API-Key": API_KEYS["ci"]}) as api:
+            job = api.get(f"/v1/jobs/{job_id}").json()
+            artifacts = {a["name"]: a for a in api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]}
+        assert job["status"] == "succeeded" and job["owner"] == "ci"
+        assert job["spec"]["distill"]["layouts"] == ["optimised", "contiguous", "random-1000"]
+
+        # Stage timeline, every stage done, in order.
+        rows = page.query_selector_all("table.timeline tbody tr")
+        assert [r.get_attribute("data-stage") for r in rows] == STAGES
+        assert {r.get_attribute("data-state") for r in rows} == {"done"}
+        # Layouts table and the per-layer co-located fractions: one line per layout, 3 layers up, 2 down.
+        assert {r.get_attribute("data-layout") for r in page.query_selector_all("#layouts-table tbody tr")} == LAYOUTS
+        for chart, points in (("fractions-up", 3), ("fractions-down", 2)):
+            figure = page.query_selector(f"figure[data-chart={chart}]")
+            paths = figure.query_selector_all("path.series-line")
+            assert len(paths) == len(LAYOUTS)
+            assert all(p.get_attribute("d").count("L") == points - 1 for p in paths)
+            assert figure.query_selector(".x-label").text_content() == "layer"
+            assert figure.query_selector(".y-label").text_content() == "co-located fraction"
+            assert "random 1/L = 0.5" in figure.query_selector(".hline-label").text_content()
+        # Distillation curves: 3 layouts × 1 seed, evaluated at steps 0, 2, 4, on log axes.
+        for chart, label in (("distill-kl", "KL (nats/token) (log)"), ("distill-ppl", "perplexity (log)")):
+            figure = page.query_selector(f"figure[data-chart={chart}]")
+            paths = figure.query_selector_all("path.series-line")
+            assert len(paths) == 3 and all(p.get_attribute("d").count("L") == 2 for p in paths)
+            assert figure.query_selector(".y-label").text_content() == label
+            assert figure.query_selector(".x-label").text_content() == "step"
+            assert len(figure.query_selector_all(".y-tick")) >= 2
+        assert "contiguous" in page.text_content("#distill-headline")
+        shot(page, tmp_path, "job")
+
+        # An artifact through its link: the page fetches it with the key, checks the sha256, saves it.
+        with page.expect_download() as download:
+            page.click("a.download[data-artifact='report.json']")
+        saved = tmp_path / "report.json"
+        download.value.save_as(saved)
+        assert hashlib.sha256(saved.read_bytes()).hexdigest() == artifacts["report.json"]["sha256"]
+        page.wait_for_selector("#download-status:has-text('sha256 verified')")
+
+        # The jobs list shows it with its scores; the scores page plots the model's jobs.
+        page.click("nav a[data-nav=jobs]")
+        row = page.wait_for_selector(f"tr[data-job='{job_id}'][data-status=succeeded]")
+        assert re.fullmatch(r"\d+\.\d\d", row.query_selector("[data-col=j-opt]").inner_text())
+        shot(page, tmp_path, "jobs")
+        page.goto(f"{url}/ui/scores?model={TINY_MODEL}")
+        group = page.wait_for_selector("section[data-group='2|1|fo']")
+        page.wait_for_selector("section[data-group='2|1|fo'] figure circle.point")
+        # a point per layout and job; the newest job (this one, unless another test finished since) first
+        assert len(group.query_selector_all("figure circle.point")) >= len(LAYOUTS)
+        assert job_id[:8] in [r.query_selector("a").inner_text() for r in group.query_selector_all("table.scores tr")]
+        shot(page, tmp_path, "scores")
+
+        # The key went in the X-API-Key header of the API calls, never in a URL.
+        assert not [u for u, _ in watch.requests if API_KEYS["ci"] in u]
+        api_calls = [h for u, h in watch.requests if "/v1/" in u]
+        assert api_calls and sum(h.get("x-api-key") == API_KEYS["ci"] for h in api_calls) >= len(api_calls) - 2
+        assert watch.api_errors() == [], watch.errors
+
+    # A narrow window: no sideways scrolling of the page (wide tables scroll inside their card).
+    with browser_kit.browser_context(playwright, width=390, height=844) as context:
+        page = context.new_page()
+        watch = Watch(page)
+        page.goto(f"{url}/ui/jobs/{job_id}")
+        enter_key(page, API_KEYS["ci"])
+        page.wait_for_selector("figure[data-chart=distill-ppl] path.series-line")
+        assert no_horizontal_overflow(page)
+        shot(page, tmp_path, "job-narrow")
+        for path in ("/ui/", "/ui/submit", f"/ui/scores?model={TINY_MODEL}"):
+            page.goto(f"{url}{path}")
+            page.wait_for_load_state("networkidle")
+            assert no_horizontal_overflow(page), path
+        assert watch.api_errors() == [], watch.errors
