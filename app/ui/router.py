@@ -127,10 +127,11 @@ def model_catalogue(model_root: Path, limit: int = MAX_MODELS) -> list[dict[str,
             return True
         return False
 
+    base = root.resolve()
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
         if len(found) >= limit:
             break
-        if entry.name.startswith(".") or consider(entry, entry.name):
+        if entry.name.startswith(".") or not entry.resolve().is_relative_to(base) or consider(entry, entry.name):
             continue
         try:
             children = sorted(entry.iterdir(), key=lambda p: p.name)
