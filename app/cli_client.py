@@ -341,10 +341,33 @@ def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: floa
     return verdict
 
 
+def job_scores(job: dict[str, Any]) -> dict[str, Any]:
+    """One job's scores in the shape of GET /v1/scores (for `scores --job`)."""
+    from app.client import ClientError
+
+    if job["status"] != "succeeded":
+        raise ClientError(f"job {job['id']} is {job['status']}; only a succeeded job has scores")
+    spec, summary = job.get("spec") or {}, job.get("summary") or {}
+    layouts = summary.get("layouts") or {}
+    return {"job_id": job["id"], "model": (spec.get("model") or {}).get("id"),
+            "revision": (spec.get("model") or {}).get("revision"), "devices": spec.get("devices"),
+            "delta": spec.get("delta", 1), "score": spec.get("score", "fo"), "finished_at": job.get("finished_at"),
+            "tokens": summary.get("tokens"), "random_expectation": summary.get("random_expectation"),
+            "upper_bound": summary.get("upper_bound"),
+            "layouts": dict(sorted(layouts.items(), key=lambda kv: -kv[1]))}
+
+
 def cmd_scores(args: argparse.Namespace) -> int:
+    from app.client import ClientError
+
+    if (args.job is None) == (args.model is None):
+        raise ClientError("give --model (the latest succeeded job of that model) or --job ID (that job)")
     with _client(args) as client:
-        scores = client.scores(model=args.model, devices=args.devices, delta=args.delta, score=args.score,
-                               revision=args.revision)
+        if args.job is not None:
+            scores = job_scores(client.job(args.job))
+        else:
+            scores = client.scores(model=args.model, devices=args.devices, delta=args.delta, score=args.score,
+                                   revision=args.revision)
     verdict = gate(scores, layout=args.layout, reference=args.reference, min_ratio=args.min_ratio,
                    min_gain=args.min_gain)
     if args.json:
@@ -494,10 +517,12 @@ def register(sub: Any) -> None:
 
     p = commands.add_parser("scores", parents=[common], help="the latest scores of a model; a CI gate with "
                                                             "--min-ratio / --min-gain",
-                            description="Prints J per layout of the latest succeeded job matching the filters. With "
-                                        "--min-ratio R, exits 1 unless J(--layout) ≥ R × J(--reference); with "
-                                        "--min-gain X, unless (J − E) / E ≥ X for the random expectation E.")
-    p.add_argument("--model", required=True)
+                            description="Prints J per layout of the latest succeeded job matching the filters (or "
+                                        "of --job ID). With --min-ratio R, exits 1 unless J(--layout) ≥ R × "
+                                        "J(--reference); with --min-gain X, unless (J − E) / E ≥ X for the random "
+                                        "expectation E = (2N−1)/L.")
+    p.add_argument("--model", help="the latest succeeded job of this model (with the filters below)")
+    p.add_argument("--job", help="this job's scores instead (what a pipeline that just submitted it wants)")
     p.add_argument("--devices", "-L", type=int)
     p.add_argument("--delta", "-d", type=int)
     p.add_argument("--score", choices=["fo", "add"])
