@@ -124,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not _wait_for_port(host_shown, args.port, 60):
             return
         lines = [
-            f"dtp-layout service: {url}   (API docs: {url}/docs)",
+            f"dtp-layout service: {url}   (dashboard: {url}/ui   API docs: {url}/docs)",
             f"  database {settings.database_url}",
             f"  broker   {settings.broker_url}",
             f"  storage  {settings.storage}   models {settings.models_dir}   data {settings.data_dir}",
