@@ -13,7 +13,6 @@ The URL and key default to `DTP_LAYOUT_URL` and `DTP_LAYOUT_API_KEY`. The key tr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -23,9 +22,10 @@ from typing import Any
 
 import httpx
 
+from app.storage import sha256_file
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINISHED = ("succeeded", "failed", "cancelled")
-CHUNK = 1 << 20
 
 
 class ClientError(Exception):
@@ -87,14 +87,6 @@ def artifact_destination(out: Path, name: str) -> Path:
             or any(p in ("", ".", "..") for p in parts) or any(":" in p for p in parts)):
         raise ClientError(f"refusing artifact name {name!r}: not a plain relative path")
     return Path(out).joinpath(*parts)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def select_artifacts(items: list[dict[str, Any]], names: Iterable[str]) -> list[dict[str, Any]]:

@@ -119,6 +119,21 @@ def spec(**overrides: Any) -> dict[str, Any]:
     return base
 
 
+def stop_process(proc: subprocess.Popen[Any] | None, sig: int, *, grace: float, group: bool) -> None:
+    """Send `sig`; after `grace` seconds SIGKILL the process (or its whole process group)."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
 class WorkerProcess:
     """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess."""
 
@@ -156,14 +171,7 @@ class WorkerProcess:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc, signal.SIGTERM, grace=15, group=False)
 
 
 def wait_for(client: Any, job_id: str, statuses: tuple[str, ...] = ("succeeded", "failed", "cancelled"),
@@ -243,11 +251,4 @@ class ServeProcess:
 
     def stop(self) -> None:
         """SIGINT (as Ctrl-C), then SIGKILL of its process group if it does not stop."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_process(self.proc, signal.SIGINT, grace=30, group=True)

@@ -31,7 +31,7 @@ function scoreCells(job) {
   const gain = opt !== undefined && ref ? opt / ref : null;
   return [
     h("td", {class: "num", "data-col": "j-opt"}, num(opt, 2)),
-    h("td", {class: "num", "data-col": "j-ref"}, num(ref, 2)),
+    h("td", {class: "num hide-narrow", "data-col": "j-ref"}, num(ref, 2)),
     h("td", {class: "num hide-narrow", "data-col": "gain"}, gain === null ? "—" : `×${gain.toFixed(2)}`),
   ];
 }
@@ -42,9 +42,10 @@ function row(job) {
   return h("tr", {"data-job": job.id, "data-status": job.status},
     h("td", {}, h("a", {href: `jobs/${job.id}`, "data-link": "", class: "mono", title: job.id}, shortId(job.id))),
     h("td", {}, statusBadge(job.status, job.cancel_requested && ACTIVE.has(job.status) ? "(cancelling)" : null)),
-    h("td", {class: "model-cell", title: model}, model),
-    h("td", {class: "num"}, spec.devices ?? "—"),
-    h("td", {class: "num"}, spec.delta ?? "—"),
+    h("td", {class: "model-cell", title: model}, model,
+      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · δ=${spec.delta ?? 1}`)),
+    h("td", {class: "num hide-narrow"}, spec.devices ?? "—"),
+    h("td", {class: "num hide-narrow"}, spec.delta ?? "—"),
     h("td", {class: "stage-col"}, stageCell(job)),
     ...scoreCells(job),
     h("td", {class: "hide-narrow"}, job.owner || h("span", {class: "muted"}, "—")),
@@ -92,10 +93,11 @@ export function renderJobs(container, {params, navigate}) {
       h("div", {class: "table-wrap"},
         h("table", {class: "jobs", id: "jobs-table"},
           h("thead", {}, h("tr", {},
-            h("th", {}, "Job"), h("th", {}, "Status"), h("th", {}, "Model"), h("th", {class: "num", title: "devices"}, "L"),
-            h("th", {class: "num", title: "delay in modules"}, "δ"), h("th", {}, "Stage"),
+            h("th", {}, "Job"), h("th", {}, "Status"), h("th", {}, "Model"),
+            h("th", {class: "num hide-narrow", title: "devices"}, "L"),
+            h("th", {class: "num hide-narrow", title: "delay in modules"}, "δ"), h("th", {}, "Stage"),
             h("th", {class: "num", title: "J of the optimised layout"}, "J opt"),
-            h("th", {class: "num", title: "J of the contiguous layout"}, "J contig"),
+            h("th", {class: "num hide-narrow", title: "J of the contiguous layout"}, "J contig"),
             h("th", {class: "num hide-narrow", title: "optimised / contiguous"}, "gain"),
             h("th", {class: "hide-narrow"}, "Owner"), h("th", {}, "Age"))),
           body)),
