@@ -62,9 +62,11 @@ def shot(page, tmp_path: Path, name: str) -> None:
         shutil.copy(path, Path(target) / path.name)
 
 
-def enter_key(page, key: str) -> None:
+def enter_key(page, key: str, remember: bool = False) -> None:
     page.wait_for_selector("#key-dialog[open]")
     page.fill("#key-input", key)
+    if remember:
+        page.check("#key-remember")
     page.click("#key-ok")
     page.wait_for_selector("#key-dialog", state="hidden")
 
@@ -85,7 +87,7 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
         page.fill("#key-input", "not-a-key")
         page.click("#key-ok")
         page.wait_for_selector("#key-error:has-text('refused')")
-        enter_key(page, API_KEYS["ci"])
+        enter_key(page, API_KEYS["ci"], remember=True)  # kept for the browser: the second tab below has it
         page.wait_for_selector("#jobs-table")
 
         # A refused submission: the API's 422 message sits next to the field it names.
@@ -120,7 +122,15 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
         page.click("#submit-job")
         page.wait_for_url(re.compile(r".*/ui/jobs/[0-9a-f]{32}$"))
         job_id = page.url.rsplit("/", 1)[1]
-        page.wait_for_selector("#job-header .badge[data-status=succeeded]", timeout=150_000)
+        # A second tab on the jobs list, never reloaded: the row turns succeeded by itself.
+        jobs_tab = context.new_page()
+        tab_watch = Watch(jobs_tab)
+        jobs_tab.goto(f"{url}/ui/")
+        jobs_tab.wait_for_selector(f"tr[data-job='{job_id}']")
+        jobs_tab.wait_for_selector(f"tr[data-job='{job_id}'][data-status=succeeded]", timeout=150_000)
+        jobs_tab.close()
+        assert tab_watch.api_errors() == [], tab_watch.errors
+        page.wait_for_selector("#job-header .badge[data-status=succeeded]", timeout=30_000)
         page.wait_for_selector("#artifacts-table tr[data-artifact='distill/summary.json']")
         page.wait_for_selector("figure[data-chart=distill-kl] path.series-line")
 
@@ -171,9 +181,10 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
         page.goto(f"{url}/ui/scores?model={TINY_MODEL}")
         group = page.wait_for_selector("section[data-group='2|1|fo']")
         page.wait_for_selector("section[data-group='2|1|fo'] figure circle.point")
-        # a point per layout and job; the newest job (this one, unless another test finished since) first
+        # a point per layout and job, and this job in the table
         assert len(group.query_selector_all("figure circle.point")) >= len(LAYOUTS)
-        assert job_id[:8] in [r.query_selector("a").inner_text() for r in group.query_selector_all("table.scores tr")]
+        listed = [r.query_selector("a").inner_text() for r in group.query_selector_all("table.scores tbody tr")]
+        assert job_id[:8] in listed
         shot(page, tmp_path, "scores")
 
         # The key went in the X-API-Key header of the API calls, never in a URL.
