@@ -153,7 +153,7 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
             assert all(p.get_attribute("d").count("L") == points - 1 for p in paths)
             assert figure.query_selector(".x-label").text_content() == "layer"
             assert figure.query_selector(".y-label").text_content() == "co-located fraction"
-            assert "random 1/L = 0.5" in figure.query_selector(".hline-label").text_content()
+            assert "random 1/L = 0.5" in figure.query_selector(".legend-hline").text_content()
         # Distillation curves: 3 layouts × 1 seed, evaluated at steps 0, 2, 4, on log axes.
         for chart, label in (("distill-kl", "KL (nats/token) (log)"), ("distill-ppl", "perplexity (log)")):
             figure = page.query_selector(f"figure[data-chart={chart}]")

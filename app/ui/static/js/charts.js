@@ -12,14 +12,25 @@ const NAMED = {
   "neurons-only": "#CC79A7",
 };
 const EXTRA = ["#56B4E9", "#F0E442", "#000000", "#882255", "#44AA99", "#999933"];
-const GREYS = ["#6b6b6b", "#9a9a9a", "#4a4a4a", "#b5b5b5", "#7f7f7f", "#5c5c5c"];
+// random layouts are baselines: greys of alternating lightness, dashed
+const GREYS = ["#7d7d7d", "#3f3f3f", "#ababab", "#5e5e5e", "#959595", "#2b2b2b"];
 const DASHES = [null, "6 3", "2 3", "8 3 2 3", "1 2"];
 
 export function layoutColor(name, index = 0) {
   if (NAMED[name]) return NAMED[name];
   const random = /^random-(\d+)$/.exec(name);
-  if (random) return GREYS[Number(random[1]) % GREYS.length];
+  if (random) return GREYS[Math.abs(Number(random[1]) - 1000) % GREYS.length];
   return EXTRA[index % EXTRA.length];
+}
+
+/** Legend order: optimised, the ablations, contiguous, then the random baselines by seed. */
+export function layoutOrder(names) {
+  const rank = (n) => (n === "optimised" ? 0 : n === "contiguous" ? 2 : /^random-\d+$/.test(n) ? 3 : 1);
+  return [...names].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b, undefined, {numeric: true}));
+}
+
+export function layoutDash(name) {
+  return /^random-\d+$/.test(name) ? "5 3" : null;
 }
 
 export function seedDash(i) {
@@ -32,7 +43,7 @@ function niceStep(span, count) {
   const raw = span / Math.max(1, count);
   const power = 10 ** Math.floor(Math.log10(raw));
   const f = raw / power;
-  return (f >= 5 ? 10 : f >= 2 ? 5 : f >= 1 ? 2 : 1) * power;
+  return (f >= 7.07 ? 10 : f >= 3.16 ? 5 : f >= 1.41 ? 2 : 1) * power;  // the nearest of 1, 2, 5, 10
 }
 
 function linearTicks(min, max, count, integer) {
@@ -100,7 +111,8 @@ export function lineChart(container, options) {
 
   function drawLegend() {
     clear(legend);
-    if (opts.series.length < 2 && !opts.alwaysLegend) return;
+    const lines = (opts.hlines || []).filter((l) => Number.isFinite(l.y));
+    if (opts.series.length < 2 && !opts.alwaysLegend && !lines.length) return;
     for (const sr of opts.series) {
       const swatch = s("svg", {width: 22, height: 10, "aria-hidden": "true"},
         s("line", {x1: 1, y1: 5, x2: 21, y2: 5, stroke: sr.color, "stroke-width": 2.5, "stroke-dasharray": sr.dash || null}));
@@ -113,6 +125,12 @@ export function lineChart(container, options) {
         draw(true);
       });
       legend.append(button);
+    }
+    for (const line of lines) {
+      legend.append(h("span", {class: "legend-item legend-hline"},
+        s("svg", {width: 22, height: 10, "aria-hidden": "true"},
+          s("line", {x1: 1, y1: 5, x2: 21, y2: 5, stroke: line.color || "#555", "stroke-width": 1.5,
+                     "stroke-dasharray": line.dash || "5 4"})), line.label || ""));
     }
   }
 
@@ -177,7 +195,6 @@ export function lineChart(container, options) {
       const y = Y(line.y);
       plot.append(s("line", {class: "hline", x1: m.left, x2: m.left + pw, y1: y, y2: y, stroke: line.color || "#555",
                              "stroke-dasharray": line.dash || "5 4"}));
-      plot.append(s("text", {class: "hline-label", x: m.left + pw - 4, y: y - 4, "text-anchor": "end"}, line.label || ""));
     }
     const markers = opts.markers !== false;
     for (const sr of series) {

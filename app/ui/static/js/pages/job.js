@@ -2,7 +2,7 @@
 // fractions (the paper's Figure 9 view), distillation curves, artifacts.
 
 import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl} from "../api.js";
-import {layoutColor, lineChart, seedDash} from "../charts.js";
+import {layoutColor, layoutDash, layoutOrder, lineChart, seedDash} from "../charts.js";
 import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, replace, shortId, sig, statusBadge,
         when} from "../dom.js";
 
@@ -126,8 +126,11 @@ async function saveJson(ev, job, name) {
 }
 
 function fractionSeries(items, key) {
-  return items.map((l, i) => ({key: l.name, label: l.name, color: layoutColor(l.name, i),
-                               points: (l[key] || []).map((v, layer) => [layer, v])}));
+  const byName = new Map(items.map((l) => [l.name, l]));
+  return layoutOrder(byName.keys()).map((name, i) => ({
+    key: name, label: name, color: layoutColor(name, i), dash: layoutDash(name),
+    points: (byName.get(name)[key] || []).map((v, layer) => [layer, v]),
+  }));
 }
 
 // ---- distillation ----------------------------------------------------------------------------------
@@ -139,7 +142,7 @@ function curveSeries(curves, metric) {
     key: `${c.layout}/${c.seed}`,
     label: seeds.length > 1 ? `${c.layout} · seed ${c.seed}` : c.layout,
     color: layoutColor(c.layout, layouts.indexOf(c.layout)),
-    dash: seedDash(seeds.indexOf(c.seed)),
+    dash: seeds.length > 1 ? seedDash(seeds.indexOf(c.seed)) : layoutDash(c.layout),
     points: c.steps.map((st, i) => [st, c[metric] ? c[metric][i] : null]),
   }));
 }

@@ -2,24 +2,19 @@
 // and the CI gate command that reads the latest of them.
 
 import {api} from "../api.js";
-import {layoutColor, lineChart} from "../charts.js";
+import {layoutColor, layoutDash, layoutOrder, lineChart} from "../charts.js";
 import {copyButton, h, num, replace, shortId, when} from "../dom.js";
 
 const LIMIT = 200;
 
-function order(names) {
-  const rank = (n) => (n === "optimised" ? 0 : n === "contiguous" ? 2 : n.startsWith("random-") ? 3 : 1);
-  return [...names].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b, undefined, {numeric: true}));
-}
-
 function groupCard(model, key, jobs) {
   const [devices, delta, score] = key.split("|");
   const chronological = [...jobs].sort((a, b) => new Date(a.finished_at) - new Date(b.finished_at));
-  const names = order(new Set(chronological.flatMap((j) => Object.keys(j.summary.layouts || {}))));
+  const names = layoutOrder(new Set(chronological.flatMap((j) => Object.keys(j.summary.layouts || {}))));
   const latest = chronological[chronological.length - 1];
   const expectation = latest.summary.random_expectation;
   const bound = latest.summary.upper_bound;
-  const series = names.map((name, i) => ({key: name, label: name, color: layoutColor(name, i),
+  const series = names.map((name, i) => ({key: name, label: name, color: layoutColor(name, i), dash: layoutDash(name),
     points: chronological.map((j, x) => [x + 1, j.summary.layouts[name] ?? null])}));
   const hlines = [];
   if (expectation) hlines.push({y: expectation, label: `random expectation ${num(expectation, 2)}`, color: "#333"});
@@ -46,7 +41,7 @@ function groupCard(model, key, jobs) {
     h("p", {class: "muted"}, "CI gate on the latest: ", h("code", {}, gate), " ", copyButton(gate)));
   // draw once the section is in the document (the chart sizes itself to its container)
   return {section, draw: () => lineChart(chartHost, {id: `scores-${key}`, title: `J per layout, ${model}`, xLabel: "job (oldest → newest)",
-    yLabel: "J", integerX: true, xFormat: (v) => `#${Math.round(v)}`, series, hlines, height: 280})};
+    yLabel: "J (co-located mass)", integerX: true, xFormat: (v) => `#${Math.round(v)}`, series, hlines, height: 280})};
 }
 
 export function renderScores(container, {params, navigate}) {
