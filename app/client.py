@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +26,7 @@ from app.storage import sha256_file
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FINISHED = ("succeeded", "failed", "cancelled")
+RETRIES_WHEN_TOLD = 5  # 429 / 503 answers with a Retry-After
 
 
 class ClientError(Exception):
@@ -82,9 +83,8 @@ def _detail(response: httpx.Response) -> str:
 def artifact_destination(out: Path, name: str) -> Path:
     """`out/name` for an artifact name the service sent, refused unless it is a plain relative path
     (the service is trusted with bytes, not with paths)."""
-    parts = PurePosixPath(name).parts
-    if (not name or name.startswith("/") or "\\" in name or "\x00" in name
-            or any(p in ("", ".", "..") for p in parts) or any(":" in p for p in parts)):
+    parts = name.split("/")  # raw: PurePosixPath would fold "a//b" and "./a" away
+    if not name or "\\" in name or "\x00" in name or any(p in ("", ".", "..") or ":" in p for p in parts):
         raise ClientError(f"refusing artifact name {name!r}: not a plain relative path")
     return Path(out).joinpath(*parts)
 
@@ -153,10 +153,16 @@ class LayoutClient:
         return ClientError(f"cannot reach the service at {self.url}: {reason}")
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
+        """One call; a 429 or 503 that says when to retry (Retry-After, up to a minute) is retried."""
+        for attempt in range(RETRIES_WHEN_TOLD + 1):
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.HTTPError as exc:
+                raise self._unreachable(exc) from exc
+            wait = _retry_after(response)
+            if wait is None or attempt == RETRIES_WHEN_TOLD:
+                break
+            time.sleep(wait)
         self._raise_for(response)
         return response
 
@@ -298,6 +304,11 @@ class LayoutClient:
             headers = {"Range": f"bytes={have}-", "If-Range": etag} if have else {}
             try:
                 with self.http.stream("GET", path, headers={**headers, "Accept": "*/*"}) as response:
+                    wait = _retry_after(response)
+                    if wait is not None and attempt < retries:
+                        attempt += 1
+                        time.sleep(wait)
+                        continue
                     self._raise_for(response)
                     if response.status_code == 206:
                         if not response.headers.get("content-range", "").startswith(f"bytes {have}-"):
@@ -326,6 +337,17 @@ class LayoutClient:
             if attempt > retries:
                 raise ClientError(f"{art['name']}: the transfer stopped at {_size(part)} of {size} bytes "
                                   f"{retries + 1} times")
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """Seconds to wait before retrying a 429 / 503 that says so (Retry-After in seconds, ≤ 60); else None."""
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds <= 60 else None
 
 
 def _segment(text: str) -> str:

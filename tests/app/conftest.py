@@ -14,12 +14,21 @@ API_KEYS = {"ci": "ci-key-0123456789abcdef", "alice": "alice-key-0123456789abcde
 STAGE_DELAY_S = "0.1"
 
 
+def api_keys_setting(keys: dict[str, str]) -> str:
+    """DTP_LAYOUT_API_KEYS for these name → key pairs: sha256 entries where the service keeps only digests
+    (app.keys.settings_entry), plain `name:key` pairs otherwise."""
+    try:
+        from app.keys import settings_entry
+    except ImportError:
+        return ",".join(f"{name}:{key}" for name, key in keys.items())
+    return ",".join(settings_entry(name, key) for name, key in keys.items())
+
+
 @pytest.fixture(scope="session")
 def keyed_service(tmp_path_factory):
     var = tmp_path_factory.mktemp("keyed-service") / "var"
     provision(make_settings(var))
-    serve = ServeProcess(var, DTP_LAYOUT_API_KEYS=",".join(f"{n}:{k}" for n, k in API_KEYS.items()),
-                         DTP_LAYOUT_STAGE_DELAY_S=STAGE_DELAY_S)
+    serve = ServeProcess(var, DTP_LAYOUT_API_KEYS=api_keys_setting(API_KEYS), DTP_LAYOUT_STAGE_DELAY_S=STAGE_DELAY_S)
     serve.start()
     yield serve
     serve.stop()

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from app.cli import main
-from app.client import LayoutClient
-from tests.app.conftest import API_KEYS
+from app.client import ClientError, LayoutClient, artifact_destination
+from tests.app.conftest import API_KEYS, api_keys_setting
 from tests.service_kit import CALIB, TINY_DISTILL, TINY_MODEL, ServeProcess, free_port, make_settings, provision, spec
 
 pytestmark = [pytest.mark.worker]
@@ -289,7 +289,8 @@ def test_ci_flow_on_postgres_and_redis(tmp_path, postgres_server, redis_broker, 
     var = tmp_path / "var"
     provision(make_settings(var))
     serve = ServeProcess(var, DTP_LAYOUT_DATABASE_URL=url, DTP_LAYOUT_BROKER_URL=broker,
-                         DTP_LAYOUT_BROKER_KEY_PREFIX=f"{prefix}client:", DTP_LAYOUT_API_KEYS="ci:pg-key")
+                         DTP_LAYOUT_BROKER_KEY_PREFIX=f"{prefix}client:",
+                         DTP_LAYOUT_API_KEYS=api_keys_setting({"ci": "pg-key"}))
     serve.start()
     try:
         monkeypatch.setenv("DTP_LAYOUT_URL", serve.url)
@@ -309,3 +310,31 @@ def test_ci_flow_on_postgres_and_redis(tmp_path, postgres_server, redis_broker, 
             assert got == f["sha256"]
     finally:
         serve.stop()
+
+
+# ---- without a server ------------------------------------------------------------------------------
+
+def test_told_to_retry_after_429_the_client_waits_and_retries():
+    answers = [httpx.Response(429, headers={"Retry-After": "0"}, json={"detail": "rate limit"}),
+               httpx.Response(503, headers={"Retry-After": "0.01"}, json={"detail": "busy"}),
+               httpx.Response(200, json={"items": [], "total": 0, "limit": 1, "offset": 0, "next": None})]
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return answers[len(calls) - 1]
+
+    with LayoutClient("http://svc.test", "k", transport=httpx.MockTransport(handler)) as client:
+        assert client.jobs(limit=1) == []
+    assert len(calls) == 3 and all(c.headers["x-api-key"] == "k" for c in calls)
+    stubborn = httpx.MockTransport(lambda request: httpx.Response(429, json={"detail": "slow down"}))
+    with LayoutClient("http://svc.test", transport=stubborn) as client, pytest.raises(ClientError, match="slow down"):
+        client.jobs()  # no Retry-After: not retried
+
+
+def test_artifact_names_from_the_service_stay_under_the_output_directory(tmp_path):
+    assert artifact_destination(tmp_path, "shards/model-rank-0-part-0.safetensors") == \
+        tmp_path / "shards" / "model-rank-0-part-0.safetensors"
+    for bad in ("../x", "/etc/passwd", "a/../../x", "a\\b", "", "a//b", "./x", "C:x"):
+        with pytest.raises(ClientError, match="refusing artifact name"):
+            artifact_destination(tmp_path, bad)

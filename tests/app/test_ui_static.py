@@ -18,6 +18,7 @@ from app.main import create_app
 from app.migrate import upgrade
 from app.timeline import stage_timeline
 from app.ui.router import CSP, model_catalogue, static_assets
+from tests.app.conftest import api_keys_setting
 from tests.service_kit import TINY_MODEL, make_settings, provision
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +118,7 @@ def test_model_catalogue_lists_what_a_job_may_name(settings, client, tmp_path):
 
 
 def test_model_catalogue_needs_the_key_when_keys_are_on(settings):
-    keyed = settings.model_copy(update={"api_keys": "ci:k1"})
+    keyed = settings.model_copy(update={"api_keys": api_keys_setting({"ci": "k1"})})
     with TestClient(create_app(keyed)) as c:
         assert c.get("/ui/api/models").status_code == 401
         assert c.get("/ui/api/models", headers={"X-API-Key": "k1"}).status_code == 200
