@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -553,3 +554,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _err(f"dtp-layout client {args.client_command}: interrupted")
         return 130
+    except BrokenPipeError:  # `… | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -188,7 +188,7 @@ export function lineChart(container, options) {
     svg.append(grid, axes);
 
     const clipId = `clip-${Math.random().toString(36).slice(2)}`;
-    svg.append(s("defs", {}, s("clipPath", {id: clipId}, s("rect", {x: m.left, y: m.top - 2, width: pw, height: ph + 4}))));
+    svg.append(s("defs", {}, s("clipPath", {id: clipId}, s("rect", {x: m.left - 5, y: m.top - 5, width: pw + 10, height: ph + 10}))));
     const plot = s("g", {"clip-path": `url(#${clipId})`});
     for (const line of opts.hlines || []) {
       if (!Number.isFinite(line.y) || (log && line.y <= 0)) continue;

@@ -40,16 +40,19 @@ function row(job) {
   const spec = job.spec || {};
   const model = (spec.model && spec.model.id) || "?";
   return h("tr", {"data-job": job.id, "data-status": job.status},
-    h("td", {}, h("a", {href: `jobs/${job.id}`, "data-link": "", class: "mono", title: job.id}, shortId(job.id))),
-    h("td", {}, statusBadge(job.status, job.cancel_requested && ACTIVE.has(job.status) ? "(cancelling)" : null)),
-    h("td", {class: "model-cell", title: model}, model,
-      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · δ=${spec.delta ?? 1}`)),
+    h("td", {"data-col": "job"},
+      h("a", {href: `jobs/${job.id}`, "data-link": "", class: "mono", title: job.id}, shortId(job.id)),
+      h("span", {class: "show-narrow"}, " ", statusBadge(job.status))),
+    h("td", {class: "hide-narrow"},
+      statusBadge(job.status, job.cancel_requested && ACTIVE.has(job.status) ? "(cancelling)" : null)),
+    h("td", {class: "model-cell", "data-col": "model", title: model}, model,
+      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · δ=${spec.delta ?? 1} · ${ago(job.created_at)}`)),
     h("td", {class: "num hide-narrow"}, spec.devices ?? "—"),
     h("td", {class: "num hide-narrow"}, spec.delta ?? "—"),
-    h("td", {class: "stage-col"}, stageCell(job)),
+    h("td", {class: "stage-col", "data-col": "stage"}, stageCell(job)),
     ...scoreCells(job),
     h("td", {class: "hide-narrow"}, job.owner || h("span", {class: "muted"}, "—")),
-    h("td", {class: "age", title: job.created_at}, ago(job.created_at)),
+    h("td", {class: "age hide-narrow", title: job.created_at}, ago(job.created_at)),
   );
 }
 
@@ -93,13 +96,13 @@ export function renderJobs(container, {params, navigate}) {
       h("div", {class: "table-wrap"},
         h("table", {class: "jobs", id: "jobs-table"},
           h("thead", {}, h("tr", {},
-            h("th", {}, "Job"), h("th", {}, "Status"), h("th", {}, "Model"),
+            h("th", {}, "Job"), h("th", {class: "hide-narrow"}, "Status"), h("th", {}, "Model"),
             h("th", {class: "num hide-narrow", title: "devices"}, "L"),
             h("th", {class: "num hide-narrow", title: "delay in modules"}, "δ"), h("th", {}, "Stage"),
             h("th", {class: "num", title: "J of the optimised layout"}, "J opt"),
             h("th", {class: "num hide-narrow", title: "J of the contiguous layout"}, "J contig"),
             h("th", {class: "num hide-narrow", title: "optimised / contiguous"}, "gain"),
-            h("th", {class: "hide-narrow"}, "Owner"), h("th", {}, "Age"))),
+            h("th", {class: "hide-narrow"}, "Owner"), h("th", {class: "hide-narrow"}, "Age"))),
           body)),
       pager));
 

@@ -34,14 +34,14 @@ function groupCard(model, key, jobs) {
         return h("tr", {class: j === latest ? "latest" : null, title: j === latest ? "the latest: what /v1/scores and the CI gate read" : null},
           h("td", {class: "num"}, chronological.indexOf(j) + 1),
           h("td", {}, h("a", {href: `jobs/${j.id}`, "data-link": "", class: "mono"}, shortId(j.id))),
-          h("td", {class: "hide-narrow"}, when(j.finished_at)),
+          h("td", {class: "hide-narrow nowrap"}, when(j.finished_at)),
           h("td", {class: "hide-narrow"}, `${cal.source} · ${cal.sequences ?? 64}×${cal.seq_len ?? 1024}`),
           names.map((n) => h("td", {class: "num"}, num(j.summary.layouts[n], 3))));
       })))),
     h("p", {class: "muted"}, "CI gate on the latest: ", h("code", {}, gate), " ", copyButton(gate)));
   // draw once the section is in the document (the chart sizes itself to its container)
   return {section, draw: () => lineChart(chartHost, {id: `scores-${key}`, title: `J per layout, ${model}`, xLabel: "job (oldest → newest)",
-    yLabel: "J (co-located mass)", integerX: true, xFormat: (v) => `#${Math.round(v)}`, series, hlines, height: 280})};
+    yLabel: "J (co-located mass)", integerX: true, xDomain: [0.6, chronological.length + 0.4], xFormat: (v) => `#${Math.round(v)}`, series, hlines, height: 280})};
 }
 
 export function renderScores(container, {params, navigate}) {
