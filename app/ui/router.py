@@ -21,10 +21,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 
-from app.auth import owner as auth_owner
+from app import auth
 from app.sources import SourceError, resolve_model
 
 router = APIRouter(include_in_schema=False)
+# The X-API-Key dependency of /v1 (401 without a valid key when keys are on): `app.auth.owner`, named
+# `app.auth.caller` once keys have tenants; whichever this checkout has.
+_authorised: Any = getattr(auth, "caller", None) or auth.owner
 
 MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -146,7 +149,7 @@ def model_catalogue(model_root: Path, limit: int = MAX_MODELS) -> list[dict[str,
 
 
 @router.get("/ui/api/models")
-def models(request: Request, _owner: Annotated[str | None, Depends(auth_owner)]) -> dict[str, Any]:
+def models(request: Request, _caller: Annotated[Any, Depends(_authorised)]) -> dict[str, Any]:
     return {"items": model_catalogue(request.app.state.settings.models_dir)}
 
 
