@@ -32,6 +32,8 @@ function header(job, {onCancel}) {
     ["Submitted", `${when(job.created_at)} (${ago(job.created_at)})`],
     ["Finished", job.finished_at ? when(job.finished_at) : "—"],
     ["Attempts", String(job.attempts)],
+    ["Device", job.device && job.device.device
+      ? `${job.device.device}${job.device.name ? ` (${job.device.name})` : ""}` : "—"],
     ["Affinity", job.affinity_cached ? "from the cache (same model and calibration)" : "computed by this job"],
   ];
   const actions = h("div", {class: "actions"},
