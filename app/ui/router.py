@@ -16,18 +16,15 @@ from functools import lru_cache
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 
-from app import auth
+from app.deps import CallerDep
 from app.sources import SourceError, resolve_model
 
 router = APIRouter(include_in_schema=False)
-# The X-API-Key dependency of /v1 (401 without a valid key when keys are on): `app.auth.owner`, named
-# `app.auth.caller` once keys have tenants; whichever this checkout has.
-_authorised: Any = getattr(auth, "caller", None) or auth.owner
 
 MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -149,7 +146,8 @@ def model_catalogue(model_root: Path, limit: int = MAX_MODELS) -> list[dict[str,
 
 
 @router.get("/ui/api/models")
-def models(request: Request, _caller: Annotated[Any, Depends(_authorised)]) -> dict[str, Any]:
+def models(request: Request, _caller: CallerDep) -> dict[str, Any]:
+    """Needs a valid key like /v1 once the service has keys (the model root is shared by every tenant)."""
     return {"items": model_catalogue(request.app.state.settings.models_dir)}
 
 

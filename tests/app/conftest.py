@@ -15,12 +15,9 @@ STAGE_DELAY_S = "0.1"
 
 
 def api_keys_setting(keys: dict[str, str]) -> str:
-    """DTP_LAYOUT_API_KEYS for these name → key pairs: sha256 entries where the service keeps only digests
-    (app.keys.settings_entry), plain `name:key` pairs otherwise."""
-    try:
-        from app.keys import settings_entry
-    except ImportError:
-        return ",".join(f"{name}:{key}" for name, key in keys.items())
+    """DTP_LAYOUT_API_KEYS for these name → key pairs (each key's tenant is its name; digests only)."""
+    from app.keys import settings_entry
+
     return ",".join(settings_entry(name, key) for name, key in keys.items())
 
 

@@ -83,6 +83,16 @@ def test_submit_wait_status_list(env, submitted):
     assert job_id in [j["id"] for j in json.loads(out)]
 
 
+def test_another_tenant_sees_none_of_it(env, submitted):
+    job_id, _ = submitted
+    alice = ["--api-key", API_KEYS["alice"]]
+    code, out, _ = run("list", "--json", *alice)
+    assert code == 0 and job_id not in [j["id"] for j in json.loads(out)]
+    for argv in (["status", job_id], ["download", job_id, "--out", "x"], ["scores", "--job", job_id]):
+        code, out, err = run(*argv, *alice)
+        assert code == 2 and out == "" and f"no job '{job_id}'" in err, (argv, err)
+
+
 def test_scores_gate(env, submitted):
     code, out, _ = run("scores", "--model", TINY_MODEL, "--devices", "2", "--json")
     assert code == 0
