@@ -184,6 +184,9 @@ def test_at_least_1000_cases_ran():
     print("stateful 2xx:", dict(sorted(reached.items())))
     print("by mode:", dict(sorted(Counter(c.split(" ", 1)[0] + " " + c.rsplit(" ", 1)[1] for c in CASES).items())))
     assert len(CASES) >= 1000 * min(1.0, SCALE)
-    assert reached["stateful GET /v1/jobs/{job_id} 200"]  # the links reached real jobs
+    # The links reached real jobs. Which reads of a job the derandomised machine draws shifts with the
+    # schema and with what ran earlier in the process (0 to 19 plain GETs seen): any job read counts.
+    job_reads = ("", "/layouts", "/metrics", "/artifacts")
+    assert sum(reached[f"stateful GET /v1/jobs/{{job_id}}{suffix} 200"] for suffix in job_reads)
     assert reached["stateful POST /v1/jobs/{job_id}/cancel 202"]
     assert reached["stateful GET /v1/jobs/{job_id}/layouts 200"]
