@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Command groups that live in their own modules; each has `register(subparsers)` and must not import
 # torch at import time (the API process and `--help` stay light).
-_EXTENSIONS = ("app.cli_service", "app.cli_keys", "app.cli_distill", "app.cli_client")
+_EXTENSIONS = ("app.cli_service", "app.cli_keys", "app.cli_distill", "app.cli_client", "app.cli_generate")
 
 
 def _register_extensions(sub: Any) -> None:

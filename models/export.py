@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.families import family_for_config, model_shape
+from models.families.plan import SplitRule, rank_slice
 from models.layout import Layout, check_fits, from_json_dict
 from models.permute import permute_
 from models.progress import Progress
@@ -89,21 +90,10 @@ def export_checkpoint(permuted: PreTrainedModel, layout: Layout, out_dir: Path, 
 
 # ---- per-rank shards ---------------------------------------------------------------------------
 
-def split_rules(model: nn.Module) -> dict[str, str]:
-    """For every tensor of the checkpoint: 'rows', 'cols' (split into L contiguous slices) or 'replicated'."""
-    family = family_for_config(model.config)
-    row_suffixes = [f"{n}.weight" for n in family.group_rows + family.neuron_rows]
-    row_suffixes += [f"{n}.bias" for n in family.group_rows]
-    col_suffixes = [f"{n}.weight" for n in family.group_cols + family.neuron_cols]
-    rules = {}
-    for name in checkpoint_state(model):
-        if any(name.endswith("." + s) for s in row_suffixes):
-            rules[name] = "rows"
-        elif any(name.endswith("." + s) for s in col_suffixes):
-            rules[name] = "cols"
-        else:
-            rules[name] = "replicated"
-    return rules
+def split_rules(model: nn.Module) -> dict[str, SplitRule]:
+    """For every tensor of the checkpoint: 'rows', 'cols' (split into L contiguous slices) or 'replicated',
+    as the family's sharding plan says."""
+    return family_for_config(model.config).plan.split_rules(checkpoint_state(model))
 
 
 def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -112,14 +102,6 @@ def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
-
-
-def rank_slice(tensor: torch.Tensor, rule: str, rank: int, devices: int) -> torch.Tensor:
-    if rule == "rows":
-        return tensor.chunk(devices, dim=0)[rank]
-    if rule == "cols":
-        return tensor.chunk(devices, dim=1)[rank]
-    return tensor
 
 
 def shard_file_name(rank: int) -> str:
@@ -154,6 +136,9 @@ def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path,
             "delta": layout.delta,
             "layout": layout.to_json_dict(),
             "split": rules,
+            # Additive to dtp-layout-shards/1 (readers must not require them): the family's plan and dtype.
+            "plan": family_for_config(permuted.config).plan.to_json_dict(),
+            "dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

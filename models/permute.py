@@ -2,6 +2,7 @@
 
 Per layer, KV groups are reordered (each carrying its query heads): rows of q/k/v (and their
 biases) and columns of o_proj; FFN neurons are reordered: rows of gate/up and columns of down.
+Which weights move, and along which dimension, is the family's sharding plan.
 Units are sorted by device, stably, so device l's shard becomes the l-th contiguous slice, which
 is what any standard tensor-parallel loader takes.
 """
@@ -43,24 +44,22 @@ def _take_(param: torch.Tensor, index: torch.Tensor, dim: int) -> None:
 @torch.no_grad()
 def reorder_(model: nn.Module, family: Family, shape: ModelShape,
              group_orders: Sequence[np.ndarray], neuron_orders: Sequence[np.ndarray]) -> None:
-    """Put group `group_orders[i][p]` at position p of layer i (and likewise neurons), in place."""
-    hd, per_group = shape.head_dim, shape.heads_per_group
+    """Put group `group_orders[i][p]` at position p of layer i (and likewise neurons), in place.
+
+    What moves is the family's sharding plan: each planned linear's split dimension holds one
+    contiguous block per unit (a KV group's block of q rows is its query heads), so the block size
+    is the dimension's size over the number of units.
+    """
+    units = {"kv_group": shape.num_kv_groups, "neuron": shape.intermediate_size}
     for i, layer in enumerate(decoder_layers(model)):
-        q_rows = group_row_index(group_orders[i], per_group * hd)  # [H * hd]
-        kv_rows = group_row_index(group_orders[i], hd)  # [G * hd]
-        neurons = torch.as_tensor(np.asarray(neuron_orders[i]), dtype=torch.long)  # [I]
-        for name in family.group_rows:
+        orders = {"kv_group": group_orders[i], "neuron": neuron_orders[i]}
+        for name, style in family.plan.modules.items():
             lin = _get(layer, name)
-            rows = q_rows if lin.out_features == shape.num_query_heads * hd else kv_rows
-            _take_(lin.weight, rows, 0)
-            if lin.bias is not None:
-                _take_(lin.bias, rows, 0)
-        for name in family.group_cols:
-            _take_(_get(layer, name).weight, q_rows, 1)
-        for name in family.neuron_rows:
-            _take_(_get(layer, name).weight, neurons, 0)
-        for name in family.neuron_cols:
-            _take_(_get(layer, name).weight, neurons, 1)
+            size = lin.weight.shape[style.dim]
+            index = group_row_index(orders[style.unit], size // units[style.unit])  # [size]
+            _take_(lin.weight, index, style.dim)
+            if lin.bias is not None and style.dim == 0:
+                _take_(lin.bias, index, 0)
 
 
 def permute_(model: nn.Module, layout: Layout) -> nn.Module:

@@ -1,7 +1,8 @@
 """Model families, looked up by `config.model_type`.
 
-Each family is one small module declaring which weights move with a KV group and which with an
-FFN neuron (rows of q/k/v/gate/up, columns of o/down) and which configurations it refuses.
+Each family is one small module declaring its sharding plan (which linears are column- or
+row-parallel, by KV group or by neuron; `models/families/plan.py`) and which configurations it
+refuses. Permutation, simulation, export and the runtime all derive from the plan.
 """
 
 from models.families.base import (
@@ -11,9 +12,16 @@ from models.families.base import (
     model_shape,
     supported_model_types,
 )
+from models.families.plan import LLAMA_PLAN, Colwise, ParallelStyle, PlanError, Rowwise, ShardingPlan
 
 __all__ = [
+    "LLAMA_PLAN",
+    "Colwise",
     "Family",
+    "ParallelStyle",
+    "PlanError",
+    "Rowwise",
+    "ShardingPlan",
     "UnsupportedModelError",
     "family_for_config",
     "model_shape",

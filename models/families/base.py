@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from models.families.plan import ShardingPlan
 from models.layout import ModelShape
 
 
@@ -19,18 +20,12 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class Family:
-    """How to permute one family. Weight names are relative to a decoder layer."""
+    """One family: the model types it covers, how its linears shard, and what it refuses."""
 
     name: str
     model_types: tuple[str, ...]
-    # Rows move with a KV group (q rows by the group's query heads, k/v rows by the group).
-    group_rows: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    # Columns move with a KV group's query heads.
-    group_cols: tuple[str, ...] = ("self_attn.o_proj",)
-    # Rows move with an FFN neuron.
-    neuron_rows: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
-    # Columns move with an FFN neuron.
-    neuron_cols: tuple[str, ...] = ("mlp.down_proj",)
+    # Which linears are column-/row-parallel by KV group or by neuron; everything else is replicated.
+    plan: ShardingPlan
     # Qwen3 normalises q and k per head with one shared gain: commutes with any head order.
     qk_norm: bool = False
     # Extra refusals on top of the common ones: returns a reason, or None if the config is fine.

@@ -3,6 +3,7 @@
 from typing import Any
 
 from models.families.base import Family
+from models.families.plan import LLAMA_PLAN
 
 
 def _check(config: Any) -> str | None:
@@ -11,4 +12,4 @@ def _check(config: Any) -> str | None:
     return None
 
 
-FAMILY = Family(name="llama", model_types=("llama",), extra_check=_check)
+FAMILY = Family(name="llama", model_types=("llama",), plan=LLAMA_PLAN, extra_check=_check)

@@ -3,6 +3,7 @@
 from typing import Any
 
 from models.families.base import Family
+from models.families.plan import LLAMA_PLAN
 
 
 def _check(config: Any) -> str | None:
@@ -16,4 +17,4 @@ def _check(config: Any) -> str | None:
     return None
 
 
-FAMILY = Family(name="mistral", model_types=("mistral",), extra_check=_check)
+FAMILY = Family(name="mistral", model_types=("mistral",), plan=LLAMA_PLAN, extra_check=_check)

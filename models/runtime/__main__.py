@@ -1,0 +1,8 @@
+"""`python -m models.runtime SHARDS_DIR (--prompt TEXT | --ids FILE.npy) ...` (see models.runtime.cli)."""
+
+import sys
+
+from models.runtime.cli import main
+
+if __name__ == "__main__":  # the rank processes re-import this module under spawn: only the launcher runs
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The exchange of partials between ranks, and the time each rank spends blocked waiting for it.
+
+`start` launches an asynchronous all-reduce (sum) of a module's partial right after it is computed;
+`wait` is called only when module m+δ needs the others' partials of module m, and returns the sum
+over all ranks (this rank's own partial included: the caller subtracts it, as the simulator does).
+With δ = 0 the wait follows the start at once: the blocking all-reduce of standard tensor
+parallelism.
+
+`link_latency_us` emulates a slower interconnect honestly: a collective is not complete before
+that long after it was started, so a rank that waits earlier is blocked for the rest; compute
+that runs in between covers it, as a real link's latency would be covered.
+
+Blocked time is what the waits cost this rank. On CUDA (NCCL) a wait only orders the compute
+stream after the collective; to measure it, the rank synchronises the compute stream first (not
+counted), then times the wait with a stream synchronise (counted). That costs the host its
+run-ahead at each wait, so GPU timings from this runtime are measurements, not a tuned server.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models.runtime.group import RankGroup
+
+
+@dataclass
+class InFlight:
+    """A started exchange: the buffer being reduced, this rank's own partial, and when it started."""
+
+    module: int
+    work: Any
+    total: torch.Tensor
+    own: torch.Tensor
+    started: float
+
+
+@dataclass
+class BlockedTime:
+    exchange_s: float = 0.0  # waits on the partials of modules
+    head_s: float = 0.0  # the final reduction to rank 0 and the token broadcast
+    exchanges: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.exchange_s + self.head_s
+
+
+class Exchange:
+    def __init__(self, group: RankGroup, *, link_latency_us: float = 0.0) -> None:
+        if link_latency_us < 0:
+            raise ValueError(f"link_latency_us must be >= 0, got {link_latency_us}")
+        self.group = group
+        self.latency_s = link_latency_us * 1e-6
+        self.cuda = group.device.type == "cuda"
+        self.blocked = BlockedTime()
+
+    def reset(self) -> BlockedTime:
+        done, self.blocked = self.blocked, BlockedTime()
+        return done
+
+    def start(self, partial: torch.Tensor, module: int) -> InFlight:
+        """Launch the sum of module `module`'s partials over the ranks without waiting for it."""
+        total = partial.detach().clone()
+        try:
+            work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
+        except Exception as exc:
+            raise self.group.lost(f"starting the exchange of module {module}", exc) from exc
+        self.blocked.exchanges += 1
+        return InFlight(module, work, total, partial, time.perf_counter())
+
+    def wait(self, flight: InFlight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum over ranks, own partial) of a started exchange, blocking until it is complete."""
+        self.blocked.exchange_s += self._wait(flight.work, flight.started, f"the exchange of module {flight.module}")
+        return flight.total, flight.own
+
+    def _wait(self, work: Any, started: float, during: str) -> float:
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()  # compute done: what follows is waiting
+        t0 = time.perf_counter()
+        try:
+            work.wait()
+            if self.cuda:
+                torch.cuda.current_stream().synchronize()
+        except Exception as exc:
+            raise self.group.lost(during, exc) from exc
+        remaining = started + self.latency_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return time.perf_counter() - t0
+
+    def reduce_to_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of `tensor` over the ranks, on rank 0 (blocking)."""
+        started = time.perf_counter()
+        try:
+            work = dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM, async_op=True)
+        except Exception as exc:
+            raise self.group.lost("the final reduction", exc) from exc
+        self.blocked.head_s += self._wait(work, started, "the final reduction")
+        return tensor
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank (blocking)."""
+        started = time.perf_counter()
+        try:
+            work = dist.broadcast(tensor, src=0, async_op=True)
+        except Exception as exc:
+            raise self.group.lost("the token broadcast", exc) from exc
+        self.blocked.head_s += self._wait(work, started, "the token broadcast")
+        return tensor
