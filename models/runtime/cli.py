@@ -88,17 +88,30 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_local(args: argparse.Namespace) -> int:
-    from models.runtime.launcher import DTPRuntime
+def _loaded_line(info: Any, world_size: int, backend: str, seconds: float) -> str:
+    return (f"loaded {info.model_type} layout {info.layout!r} on {world_size} ranks ({backend}, {info.dtype}) "
+            f"in {seconds:.1f} s; generating …")
 
+
+def run_local(args: argparse.Namespace) -> int:
+    import time
+
+    from models.runtime.launcher import DTPRuntime, has_tokenizer, manifest_devices
+
+    manifest_devices(args.shards)  # a missing or unreadable manifest is refused before any process starts
+    if args.prompt is not None and not has_tokenizer(args.shards):
+        raise ValueError(f"{args.shards} has no tokenizer (tokenizer.json): pass --ids FILE.npy instead of --prompt")
+    ids = _read_ids(args.ids) if args.ids is not None else None
+    t0 = time.perf_counter()
     rt = DTPRuntime.start(args.shards, backend=args.backend, timeout_s=args.timeout_s, threads=args.threads)
+    print(_loaded_line(rt.info, rt.world_size, rt.backend, time.perf_counter() - t0), file=sys.stderr, flush=True)
     try:
         prompt_text = None
         if args.prompt is not None:
             result = rt.generate_text(args.prompt, **_options(args))
             prompt_text = [args.prompt]
         else:
-            result = rt.generate(_read_ids(args.ids), **_options(args))
+            result = rt.generate(ids, **_options(args))
             if rt.tokenizer is not None:
                 prompt_text = [rt.tokenizer.decode(row, skip_special_tokens=True) for row in result.prompt_ids.tolist()]
     except BaseException:
@@ -111,6 +124,8 @@ def run_local(args: argparse.Namespace) -> int:
 
 def run_torchrun(args: argparse.Namespace) -> int:
     """This process is one rank of a torchrun job: load, generate, rank 0 prints."""
+    import time
+
     import numpy as np
     import torch
 
@@ -126,7 +141,10 @@ def run_torchrun(args: argparse.Namespace) -> int:
     group = RankGroup.from_env(backend=backend, timeout_s=args.timeout_s)
     try:
         worker = RankWorker(group)
+        t0 = time.perf_counter()
         info = worker.load(args.shards)
+        if group.rank == 0:
+            print(_loaded_line(info, group.world_size, backend, time.perf_counter() - t0), file=sys.stderr, flush=True)
         prompt, error = None, None
         if group.rank == 0:  # tokenize once, share the ids (and any input error) with every rank
             try:

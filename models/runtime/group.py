@@ -152,6 +152,9 @@ class RankGroup:
             raise self.lost(during, exc) from exc
         return box[0]
 
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+
     def close(self) -> None:
         self._stop.set()
         if dist.is_initialized():

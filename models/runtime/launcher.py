@@ -25,6 +25,7 @@ import signal
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ def manifest_devices(shards_dir: str | Path) -> int:
     import json
 
     path = Path(shards_dir) / "manifest.json"
+    if not path.is_file():
+        raise ShardError(f"{path}: missing (expected the shards/ directory `export` writes, with manifest.json)")
     try:
         devices = json.loads(path.read_text()).get("devices")
     except (OSError, ValueError, AttributeError) as exc:
@@ -81,6 +84,8 @@ def _kill_all(processes: list[Any]) -> None:
     for p in processes:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped (SIGSTOP) rank takes its SIGTERM only once resumed
     deadline = time.monotonic() + 5.0
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -208,13 +213,14 @@ class DTPRuntime:
 
     def generate(self, input_ids: Any, *, max_new_tokens: int = 32, delta: int | None = None,
                  last_scale: str = "sqrt", temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
-                 stop_at_eos: bool = True, link_latency_us: float = 0.0,
+                 stop_at_eos: bool = True, stop_ids: Sequence[int] | None = None, link_latency_us: float = 0.0,
                  return_logits: bool = False) -> GenerationResult:
         """Generate from token ids ([S] or [B, S]): prefill, then cached decoding on every rank.
 
         delta: None runs the manifest's δ, 0 the same shards as standard tensor parallelism (a
         blocking all-reduce after every module). temperature 0 is greedy; otherwise sampled with
-        `seed` (top_k optional). stop_at_eos stops once every sequence has produced the config's EOS.
+        `seed` (top_k optional). stop_at_eos stops once every sequence has produced the config's EOS
+        (or one of `stop_ids`, when given).
         link_latency_us delays each collective's completion (an emulated slow link).
         return_logits: also the prefill logits [B, S, V] and each decode step's [B, V].
         """
@@ -222,8 +228,9 @@ class DTPRuntime:
         ids = np.asarray(input_ids)
         if ids.ndim == 1:
             ids = ids[None]
-        request = GenerateRequest(ids, max_new_tokens, delta, last_scale, temperature, top_k, seed,
-                                  info.eos_token_ids if stop_at_eos else (), link_latency_us, return_logits)
+        stops = tuple(int(t) for t in (info.eos_token_ids if stop_ids is None else stop_ids)) if stop_at_eos else ()
+        request = GenerateRequest(ids, max_new_tokens, delta, last_scale, temperature, top_k, seed, stops,
+                                  link_latency_us, return_logits)
         request = request.checked(info)  # refuse a bad request here, before any rank sees it
         replies = self._command("generate", request, deadline_s=None)
         result: GenerationResult = replies[0]
@@ -275,7 +282,10 @@ class DTPRuntime:
         exits: dict[int, int | None] = {}
         now = time.monotonic()
         deadline = None if deadline_s is None else now + deadline_s
-        grace_end: float | None = None  # once a rank is gone, how long the others get to report
+        # Once a rank has died or failed, the others get this long to report their side (a collective that
+        # loses a peer fails at once; one that waits on a hung peer fails at the collective timeout).
+        grace_s = min(self.timeout_s, 10.0) + 3.0
+        grace_end: float | None = None
         try:
             while len(replies) + len(exits) < n:
                 waiting = [r for r in range(n) if r not in replies and r not in exits]
@@ -290,6 +300,8 @@ class DTPRuntime:
                     try:
                         if conn.poll():
                             replies[r] = conn.recv()
+                            if replies[r][0] == "rank_failure" and grace_end is None:
+                                grace_end = time.monotonic() + grace_s
                             continue
                     except (EOFError, OSError):
                         pass  # the pipe closed: the process is going away
@@ -297,7 +309,7 @@ class DTPRuntime:
                         proc.join(1.0)
                         exits[r] = proc.exitcode
                         if grace_end is None:
-                            grace_end = time.monotonic() + min(self.timeout_s, 10.0) + 3.0
+                            grace_end = time.monotonic() + grace_s
         except KeyboardInterrupt:
             self._terminate()
             raise
@@ -308,9 +320,8 @@ class DTPRuntime:
             parts += [msg for _, msg in failures]
             silent = [r for r in range(n) if r not in replies and r not in exits]
             if silent:
-                waited = deadline_s if grace_end is None else "the grace period"
-                parts.append(f"rank(s) {', '.join(map(str, silent))} did not answer {during!r} "
-                             f"(waited {waited}{' s' if isinstance(waited, float | int) else ''})")
+                waited = f"{grace_s:g} s after the first failure" if grace_end is not None else f"{deadline_s:g} s"
+                parts.append(f"rank(s) {', '.join(map(str, silent))} did not answer {during!r} (waited {waited})")
             self._terminate()
             raise RankFailure(f"{during} failed: " + "; ".join(parts) + "; every rank was stopped")
         kinds = {kind for kind, _ in replies.values()}
@@ -322,10 +333,20 @@ class DTPRuntime:
         return [replies[r][1] for r in range(n)]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def has_tokenizer(shards_dir: str | Path) -> bool:
+    """Whether `export` saved a tokenizer beside the shards (without it, transformers may build an empty one)."""
+    return any((Path(shards_dir) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(shards_dir: str | Path) -> Any:
     """The tokenizer `export` saved beside the shards, or False when there is none."""
     from transformers import AutoTokenizer
 
+    if not has_tokenizer(shards_dir):
+        return False
     try:
         return AutoTokenizer.from_pretrained(str(shards_dir), trust_remote_code=False)
     except (OSError, ValueError, TypeError):

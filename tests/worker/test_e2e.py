@@ -103,6 +103,26 @@ def test_job_succeeds_and_artifacts_keep_the_dense_logits(client, settings, fini
     assert scores["random_expectation"] == pytest.approx((2 * 3 - 1) / 2)
 
 
+def test_downloaded_shards_run_on_the_dtp_runtime(client, finished, tmp_path):
+    """The job's shards, downloaded through the API as a user would, run on two real ranks and give the
+    simulator's prefill and decode logits (within 1e-5) and greedy tokens."""
+    import numpy as np
+
+    from models.runtime import DTPRuntime
+    from tests.models.runtime.reference import max_logit_error, simulator_generation
+
+    assert finished["status"] == "succeeded", finished
+    download_all(client, finished["id"], tmp_path)
+    shards_dir = tmp_path / "shards"
+    ids = tokens(2, 7, seed=5)
+    with DTPRuntime.start(shards_dir, backend="gloo", timeout_s=60.0, threads=1) as rt:
+        assert rt.info.layout == "optimised" and rt.info.devices == 2 and rt.info.delta == 1
+        result = rt.generate(ids.numpy(), max_new_tokens=9, stop_at_eos=False, return_logits=True)
+    prefill, steps, want = simulator_generation(shards_dir, ids, 8, 1)
+    assert max_logit_error(result, prefill, steps) <= 1e-5
+    np.testing.assert_array_equal(result.tokens, want.numpy())
+
+
 def test_same_inputs_reuse_the_affinity(client, finished, worker):
     job = client.post("/v1/jobs", json=spec(export=False, random_layouts=0, ablations=False)).json()
     done = wait_for(client, job["id"], timeout=60, worker=worker)

@@ -1,0 +1,123 @@
+"""`dtp-layout generate` and `python -m models.runtime` as a user runs them: locally launched ranks,
+ranks started by torchrun, clear errors before any rank starts, and ctrl-C stopping every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from models.runtime.sampling import Sampling
+from tests.models.runtime.reference import simulator_generation
+from tests.tiny import tokens
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def prompt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    ids = tokens(1, 6, seed=11).numpy()[0]
+    path = tmp_path_factory.mktemp("cli") / "prompt.npy"
+    np.save(path, ids)
+    return path, ids
+
+
+def _expected(shards_dir: Path, ids: np.ndarray, new_tokens: int) -> list[int]:
+    import torch
+
+    _, _, want = simulator_generation(shards_dir, torch.as_tensor(ids)[None], new_tokens - 1, 1, Sampling())
+    return want[0].tolist()
+
+
+def test_generate_json_matches_the_simulator(shards: Any, prompt: Any) -> None:
+    shards_dir = shards("qwen3", 2, 1)
+    path, ids = prompt
+    proc = subprocess.run([str(BIN / "dtp-layout"), "generate", str(shards_dir), "--ids", str(path),
+                           "--max-new-tokens", "6", "--ignore-eos", "--json", "--threads", "1"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_ids"] == [ids.tolist()] and out["devices"] == 2 and out["delta"] == 1
+    assert out["mode"] == "dtp" and out["backend"] == "gloo" and out["text"] is None
+    assert out["generated_ids"] == [_expected(shards_dir, ids, 6)]
+    assert [r["rank"] for r in out["ranks"]] == [0, 1]
+    for r in out["ranks"]:
+        assert r["decode_steps"] == 5 and r["ms_per_token"] > 0 and 0 <= r["blocked_ms_per_token"] <= r["ms_per_token"]
+    assert "generating" in proc.stderr  # progress on stderr, stdout is the JSON alone
+
+
+def test_torchrun_starts_the_ranks(shards: Any, prompt: Any) -> None:
+    shards_dir = shards("qwen3", 2, 1)
+    path, ids = prompt
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "models.runtime",
+                           str(shards_dir), "--ids", str(path), "--max-new-tokens", "6", "--ignore-eos", "--json"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])  # rank 0 alone prints
+    assert out["generated_ids"] == [_expected(shards_dir, ids, 6)]
+    assert len(out["ranks"]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ids", "PROMPT"], r"manifest\.json: missing"),
+    (["--prompt", "hello"], r"has no tokenizer \(tokenizer\.json\): pass --ids"),
+    (["--ids", "nonexistent.npy"], r"--ids nonexistent\.npy: no such file"),
+], ids=["no-shards", "no-tokenizer", "no-ids-file"])
+def test_user_errors_exit_2_before_any_rank_starts(shards: Any, prompt: Any, tmp_path: Path, args: list[str],
+                                                    message: str) -> None:
+    import re
+
+    target = tmp_path if "manifest" in message else shards("llama", 2, 1)
+    args = [str(prompt[0]) if a == "PROMPT" else a for a in args]
+    # `python -m models.runtime` is the same command without the dtp-layout CLI's start-up; one case runs both.
+    commands = [[sys.executable, "-m", "models.runtime"]]
+    if "tokenizer" in message:
+        commands.append([str(BIN / "dtp-layout"), "generate"])
+    for command in commands:
+        t0 = time.monotonic()
+        proc = subprocess.run([*command, str(target), *args], capture_output=True, text=True, env=ENV, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert re.search(message, proc.stderr), proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_stops_every_rank(shards: Any, prompt: Any) -> None:
+    """SIGINT to the terminal's process group mid-generation: exit 130, and no rank process is left."""
+    proc = subprocess.Popen([str(BIN / "dtp-layout"), "generate", str(shards("llama", 2, 1)), "--ids",
+                             str(prompt[0]), "--max-new-tokens", "1000000", "--ignore-eos", "--link-latency-us", "2000",
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # "loaded … generating …" once every rank has loaded
+        assert "generating" in line, line + proc.stderr.read()
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=30)
+        rest = proc.stderr.read()
+        assert code == 130, rest
+        assert "interrupted; every rank was stopped" in rest
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # anything left in the session (the rank processes)?
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("rank processes survived ctrl-C")
+        assert time.monotonic() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
