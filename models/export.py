@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.families import family_for_config, model_shape
-from models.families.plan import SplitRule, rank_slice
+from models.families.plan import SplitRule, rank_slice, split_dim
 from models.layout import Layout, check_fits, from_json_dict
 from models.permute import permute_
 from models.progress import Progress
@@ -173,12 +173,8 @@ def load_rank_shards(shards_dir: Path, *, verify: bool = True) -> tuple[PreTrain
     state = {}
     for name, rule in manifest["split"].items():
         slices = [p[name] for p in parts]
-        if rule == "rows":
-            state[name] = torch.cat(slices, dim=0)
-        elif rule == "cols":
-            state[name] = torch.cat(slices, dim=1)
-        else:
-            state[name] = slices[0]
+        dim = split_dim(rule)
+        state[name] = slices[0] if dim is None else torch.cat(slices, dim=dim)
     config = AutoConfig.from_pretrained(shards_dir, trust_remote_code=False)
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
