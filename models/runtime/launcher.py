@@ -6,8 +6,9 @@
         print(out.text[0], out.ms_per_token)
         tp = rt.generate_text("In the beginning", delta=0)         # the same shards as standard TP
 
-The launcher hosts the rendezvous store (so it outlives any rank), spawns the ranks
-(torch.multiprocessing, `spawn`), and talks to each over a pipe. Every command goes to all ranks;
+The launcher hosts the rendezvous store (so it outlives any rank), starts the ranks
+(torch.multiprocessing; `forkserver` with the rank code preloaded, `spawn` where there is no
+forkserver), and talks to each over a pipe. Every command goes to all ranks;
 the launcher waits for every reply while watching the processes: a rank that dies makes the
 others fail their next collective with an error naming it (`models.runtime.group`), the launcher
 collects those errors, stops what is left and raises `RankFailure`. Manifest and shape mismatches
@@ -66,6 +67,17 @@ def manifest_devices(shards_dir: str | Path) -> int:
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ShardError(f"{path}: field 'devices' must be a positive integer, got {devices!r}")
     return devices
+
+
+def _context(mp: Any) -> Any:
+    """forkserver where there is one: a server process imports torch and the rank code once, and every rank
+    (of this and any later runtime of this process) is forked from it, so L ranks do not each pay the
+    imports; spawn elsewhere. Neither forks this process itself, whose torch threads (or CUDA) may be live."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "models.runtime.rank"])
+    return ctx
 
 
 def _describe_exit(code: int | None) -> str:
@@ -137,7 +149,7 @@ class DTPRuntime:
         store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
         namespace = uuid.uuid4().hex[:12]
-        ctx = mp.get_context("spawn")
+        ctx = _context(mp)
         processes, conns = [], []
         from models.runtime.rank import rank_main
 
