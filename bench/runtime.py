@@ -2,11 +2,11 @@
 
 The multi-process runtime (`models.runtime`) on rank shards of a SmolLM2-135M-shaped random model
 (random weights, the real shape: 30 layers, 9 query / 3 KV heads, FFN 1536, vocabulary 49152),
-L=3 ranks, gloo, one torch thread per rank. Every collective is made to complete no earlier than
-X µs after it started (`--link-latency-us`), X ∈ {0, 100, 500}: standard TP waits for every
-module's all-reduce at once and pays X 2N times per token; DTP starts each exchange right after the
-module and waits δ modules later, so compute covers X where it can. Both pay it on the final
-reduction and the token broadcast.
+L=3 ranks, gloo, one torch thread per rank. Each collective's result becomes usable X µs after it
+completed (`link_latency_us`), X ∈ {0, 100, 500}: standard TP waits for every module's all-reduce
+at once and pays X 2N times per token; DTP starts each exchange right after the module and waits δ
+modules later, so compute covers X where it can. Both pay it on the final reduction and the token
+broadcast.
 
 This is an emulation on CPU: the ranks are processes on one machine sharing its cores (three ranks
 on the 2-core dev machine are oversubscribed), gloo goes through the loopback interface, and the

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: nccl with one GPU per rank, else gloo on CPU")
     p.add_argument("--link-latency-us", type=float, default=0.0, metavar="X",
-                   help="emulate a slower link: every collective completes no earlier than X µs after it started")
+                   help="emulate a slower link: each collective's result is usable X µs after it completed")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

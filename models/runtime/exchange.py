@@ -6,9 +6,11 @@ over all ranks (this rank's own partial included: the caller subtracts it, as th
 With δ = 0 the wait follows the start at once: the blocking all-reduce of standard tensor
 parallelism.
 
-`link_latency_us` emulates a slower interconnect honestly: a collective is not complete before
-that long after it was started, so a rank that waits earlier is blocked for the rest; compute
-that runs in between covers it, as a real link's latency would be covered.
+`link_latency_us` emulates a slower interconnect honestly: a collective's result becomes usable
+that long after the collective actually completed (on gloo, the completion time is recorded by a
+callback on the work's future), as if the last message had been in flight that much longer. A rank
+that waits before then is blocked for the rest; compute that runs in between covers it, as it
+would cover a real link's latency. Standard TP waits at once and so pays it on every collective.
 
 Blocked time is what the waits cost this rank. On CUDA (NCCL) a wait only orders the compute
 stream after the collective; to measure it, the rank synchronises the compute stream first (not
@@ -30,13 +32,13 @@ from models.runtime.group import RankGroup
 
 @dataclass
 class InFlight:
-    """A started exchange: the buffer being reduced, this rank's own partial, and when it started."""
+    """A started exchange: the buffer being reduced, this rank's own partial, and when it completed."""
 
     module: int
     work: Any
     total: torch.Tensor
     own: torch.Tensor
-    started: float
+    completed: list[float]  # filled by the work's completion callback (gloo)
 
 
 @dataclass
@@ -71,14 +73,22 @@ class Exchange:
         except Exception as exc:
             raise self.group.lost(f"starting the exchange of module {module}", exc) from exc
         self.blocked.exchanges += 1
-        return InFlight(module, work, total, partial, time.perf_counter())
+        return InFlight(module, work, total, partial, self._completion_time(work))
 
     def wait(self, flight: InFlight) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum over ranks, own partial) of a started exchange, blocking until it is complete."""
-        self.blocked.exchange_s += self._wait(flight.work, flight.started, f"the exchange of module {flight.module}")
+        """(sum over ranks, own partial) of a started exchange, blocking until it is usable."""
+        self.blocked.exchange_s += self._wait(flight.work, flight.completed, f"the exchange of module {flight.module}")
         return flight.total, flight.own
 
-    def _wait(self, work: Any, started: float, during: str) -> float:
+    def _completion_time(self, work: Any) -> list[float]:
+        """A list that gets the time the collective completes (gloo runs future callbacks at completion;
+        NCCL's futures follow the stream, so there the completion is taken when the wait returns)."""
+        completed: list[float] = []
+        if self.latency_s > 0 and not self.cuda:
+            work.get_future().add_done_callback(lambda _: completed.append(time.perf_counter()))
+        return completed
+
+    def _wait(self, work: Any, completed: list[float], during: str) -> float:
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # compute done: what follows is waiting
         t0 = time.perf_counter()
@@ -88,27 +98,27 @@ class Exchange:
                 torch.cuda.current_stream().synchronize()
         except Exception as exc:
             raise self.group.lost(during, exc) from exc
-        remaining = started + self.latency_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+        if self.latency_s > 0:
+            # Usable `latency` after it completed (a callback racing the wait's return counts as now).
+            remaining = (completed[0] if completed else time.perf_counter()) + self.latency_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
         return time.perf_counter() - t0
 
     def reduce_to_first(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of `tensor` over the ranks, on rank 0 (blocking)."""
-        started = time.perf_counter()
         try:
             work = dist.reduce(tensor, dst=0, op=dist.ReduceOp.SUM, async_op=True)
         except Exception as exc:
             raise self.group.lost("the final reduction", exc) from exc
-        self.blocked.head_s += self._wait(work, started, "the final reduction")
+        self.blocked.head_s += self._wait(work, self._completion_time(work), "the final reduction")
         return tensor
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's `tensor` on every rank (blocking)."""
-        started = time.perf_counter()
         try:
             work = dist.broadcast(tensor, src=0, async_op=True)
         except Exception as exc:
             raise self.group.lost("the token broadcast", exc) from exc
-        self.blocked.head_s += self._wait(work, started, "the token broadcast")
+        self.blocked.head_s += self._wait(work, self._completion_time(work), "the token broadcast")
         return tensor

@@ -112,3 +112,17 @@ def test_bad_requests_are_refused_before_any_rank_runs(runtime2: DTPRuntime, sha
         runtime2.generate(np.array([[5, 97]]))
     assert runtime2.alive
     assert runtime2.generate(ids, max_new_tokens=2).tokens.shape == (1, 2)
+
+
+def test_link_latency_is_paid_on_every_blocking_collective(runtime2: DTPRuntime, shards: Any) -> None:
+    """TP (δ=0) waits for each collective at once, so it pays the emulated latency on all of them: 2N module
+    all-reduces, the reduction to rank 0 and the token broadcast per token."""
+    runtime2.load(shards("llama", 2, 1))
+    latency_us = 4000.0
+    out = runtime2.generate(tokens(1, 4).numpy(), max_new_tokens=4, delta=0, stop_at_eos=False,
+                            link_latency_us=latency_us)
+    per_token = (2 * 3 + 2) * latency_us / 1e3  # ms
+    for stats in out.ranks:
+        assert stats.exchanges_per_token == 2 * 3
+        assert stats.blocked_ms_per_token >= per_token, stats
+        assert stats.ms_per_token >= stats.blocked_ms_per_token
