@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import sys
 import threading
@@ -45,7 +46,7 @@ class RankGroup:
         else:
             self.device = torch.device("cpu")
         self._stop = threading.Event()
-        self._beats = 0
+        self._rounds = 0  # agreement rounds: every rank takes the same sequence, so the keys line up
         self._heartbeat = threading.Thread(target=self._beat, args=(store.clone(),), name="dtp-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -116,25 +117,43 @@ class RankGroup:
         except Exception:
             return []
 
-    def lost(self, during: str, exc: BaseException) -> RankFailure:
+    def lost(self, during: str, exc: BaseException, *, waiting_for: list[int] | None = None,
+             waited_s: float | None = None) -> RankFailure:
         """A RankFailure for a collective that failed or timed out, naming the peers to blame."""
         failed = self.reported_failures()
         silent = [r for r in self.unresponsive() if r not in failed]
         culprits = [f"rank {r} failed: {msg}" for r, msg in sorted(failed.items())]
         culprits += [f"rank {r} stopped responding (died or hung)" for r in silent]
+        slow = [r for r in waiting_for or [] if r not in failed and r not in silent]
+        culprits += [f"rank {r} did not get there within {waited_s or self.timeout_s:g} s" for r in slow]
         if not culprits:
             culprits = [f"no peer is known to have failed (collective timeout {self.timeout_s:g} s)"]
         return RankFailure(f"rank {self.rank}: {during} failed: {'; '.join(culprits)} [{_short(exc)}]")
 
-    # ---- collectives outside the forward -----------------------------------------------------------
-    def agree(self, error: str | None, during: str) -> list[tuple[int, str]]:
-        """Every rank's error (or None) of a step all ranks take; returns [(rank, error)] of those that failed."""
-        gathered: list[Any] = [None] * self.world_size
+    # ---- agreement and collectives outside the forward -----------------------------------------------
+    def agree(self, error: str | None, during: str, *, timeout_s: float | None = None) -> list[tuple[int, str]]:
+        """Every rank's error (or None) of a step all ranks take; returns [(rank, error)] of those that failed.
+
+        Through the store rather than a collective, so that its own timeout applies: loading (hashing
+        and reading a large shard) may take some ranks much longer than the collective timeout.
+        """
+        self._rounds += 1
+        keys = [_key(self.namespace, f"agree-{self._rounds}", r) for r in range(self.world_size)]
+        wait_s = timeout_s or self.timeout_s
         try:
-            dist.all_gather_object(gathered, error)
+            self.store.set(keys[self.rank], json.dumps(error))
+            self.store.wait(keys, datetime.timedelta(seconds=wait_s))
+            answers = [json.loads(self.store.get(key)) for key in keys]
         except Exception as exc:
-            raise self.lost(during, exc) from exc
-        return [(r, e) for r, e in enumerate(gathered) if e is not None]
+            missing = [r for r, key in enumerate(keys) if not self._has(key)]
+            raise self.lost(during, exc, waiting_for=missing, waited_s=wait_s) from exc
+        return [(r, e) for r, e in enumerate(answers) if e is not None]
+
+    def _has(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except Exception:
+            return False
 
     def gather_objects(self, obj: Any, during: str) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size

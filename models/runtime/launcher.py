@@ -218,7 +218,9 @@ class DTPRuntime:
     # ---- commands ------------------------------------------------------------------------------------
     def load(self, shards_dir: str | Path) -> LoadInfo:
         """Every rank checks and loads its shard of `shards_dir`; ShardError (ranks kept) on any mismatch."""
-        replies = self._command("load", str(Path(shards_dir).resolve()), deadline_s=self.timeout_s + 120.0)
+        # No deadline here: the ranks bound the load themselves (rank.LOAD_TIMEOUT_S) and the launcher
+        # watches the processes.
+        replies = self._command("load", str(Path(shards_dir).resolve()), deadline_s=None)
         self.info = replies[0]
         self._tokenizer = None
         return self.info

@@ -37,6 +37,10 @@ from models.runtime.shards import (
     rotary_for,
 )
 
+# How long a rank waits for the others to finish checking and loading their shards (hashing and reading a
+# large shard can take minutes; a rank that dies meanwhile is noticed by its heartbeat, not this limit).
+LOAD_TIMEOUT_S = 1800.0
+
 
 class RankModel:
     """This rank's slice of the model, ready to run."""
@@ -110,7 +114,8 @@ class RankWorker:
             error = str(exc)
         except Exception as exc:  # an unreadable file and the like: still a refusal before compute
             error = f"{type(exc).__name__}: {exc}"
-        failures = group.agree(error, "agreeing that every rank loaded its shard")
+        failures = group.agree(error, "agreeing that every rank loaded its shard",
+                               timeout_s=max(LOAD_TIMEOUT_S, group.timeout_s))
         if failures:
             raise shard_error(failures)
         assert loaded is not None
