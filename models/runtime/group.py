@@ -140,14 +140,38 @@ class RankGroup:
         self._rounds += 1
         keys = [_key(self.namespace, f"agree-{self._rounds}", r) for r in range(self.world_size)]
         wait_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + wait_s
+        progress: dict[int, tuple[int, float]] = {}  # a missing rank's heartbeat count, and since when
         try:
             self.store.set(keys[self.rank], json.dumps(error))
-            self.store.wait(keys, datetime.timedelta(seconds=wait_s))
+        except Exception as exc:
+            raise self.lost(during, exc) from exc
+        while True:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=1.0))
+                break
+            except Exception as exc:  # not there yet: give up on a rank whose heartbeat stopped, or at the limit
+                now = time.monotonic()
+                missing = [r for r, key in enumerate(keys) if not self._has(key)]
+                stalled = False
+                for r in missing:
+                    beats = self._beats_or_none(r)
+                    if r not in progress or beats != progress[r][0]:
+                        progress[r] = (beats if beats is not None else -1, now)
+                    stalled |= now - progress[r][1] > 10 * HEARTBEAT_S
+                if stalled or now > deadline:
+                    raise self.lost(during, exc, waiting_for=missing, waited_s=wait_s) from exc
+        try:
             answers = [json.loads(self.store.get(key)) for key in keys]
         except Exception as exc:
-            missing = [r for r, key in enumerate(keys) if not self._has(key)]
-            raise self.lost(during, exc, waiting_for=missing, waited_s=wait_s) from exc
+            raise self.lost(during, exc) from exc
         return [(r, e) for r, e in enumerate(answers) if e is not None]
+
+    def _beats_or_none(self, rank: int) -> int | None:
+        try:
+            return self._beats_of(rank)
+        except Exception:
+            return None
 
     def _has(self, key: str) -> bool:
         try:

@@ -3,7 +3,9 @@ within a bounded time; the launcher raises RankFailure and no rank process is le
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -79,6 +81,45 @@ def test_a_hung_rank_times_out_and_is_named(shards: Any) -> None:
         deadline = time.monotonic() + 15.0
         while not _all_gone(rt) and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert _all_gone(rt)
+    finally:
+        rt.stop(force=True)
+
+
+def test_a_rank_killed_while_loading_is_named_by_the_others(shards: Any, tmp_path: Any) -> None:
+    """Rank 1 is still hashing a large shard when it is killed; rank 0, waiting for it to agree that every
+    rank loaded, notices its heartbeat stop and fails naming it (it does not wait for the load timeout)."""
+    slow = tmp_path / "shards"
+    shutil.copytree(shards("llama", 2, 1), slow)
+    big = slow / "model-rank-1-part-0.safetensors"
+    with open(big, "wb") as f:
+        f.truncate(8 << 30)  # sparse: no disk, but 8 GiB to hash
+    manifest = json.loads((slow / "manifest.json").read_text())
+    manifest["files"][1]["size"] = 8 << 30
+    (slow / "manifest.json").write_text(json.dumps(manifest))
+    rt = DTPRuntime.start(world_size=2, backend="gloo", timeout_s=30.0, threads=1)
+    outcome: dict[str, BaseException] = {}
+
+    def load() -> None:
+        try:
+            rt.load(slow)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    try:
+        thread = threading.Thread(target=load, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive(), outcome
+        os.kill(rt.pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        thread.join(30.0)
+        assert not thread.is_alive()
+        message = str(outcome["error"])
+        assert isinstance(outcome["error"], RankFailure), message
+        assert "rank 1 killed by SIGKILL" in message, message
+        assert "rank 0: agreeing that every rank loaded its shard failed: rank 1 stopped responding" in message
+        assert time.monotonic() - t0 < 20.0
         assert _all_gone(rt)
     finally:
         rt.stop(force=True)
