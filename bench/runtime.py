@@ -98,5 +98,5 @@ def main() -> None:
           "folded in); both + 1 reduction to rank 0 + 1 token broadcast")
 
 
-if __name__ == "__main__":  # the rank processes re-import this module under spawn
+if __name__ == "__main__":  # the ranks' forkserver (or spawn) imports this module too
     main()

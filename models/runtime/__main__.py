@@ -4,5 +4,5 @@ import sys
 
 from models.runtime.cli import main
 
-if __name__ == "__main__":  # the rank processes re-import this module under spawn: only the launcher runs
+if __name__ == "__main__":  # the ranks' forkserver (or spawn) imports this module too: only the launcher runs
     sys.exit(main())
