@@ -151,7 +151,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if worker is not None:
         threading.Thread(target=watch_worker, daemon=True).start()
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        # The app's own access log (app/request_context.py) carries the X-Request-ID: uvicorn's is off;
+        # with DTP_LAYOUT_LOG_FORMAT=json uvicorn's loggers go through the app's JSON handler (app/logs.py).
+        from uvicorn.config import LOGGING_CONFIG
+
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    log_config=None if settings.log_format == "json" else LOGGING_CONFIG)
     finally:
         stopping.set()
         if worker is not None:

@@ -41,10 +41,11 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from app import logs
 from app.db import Artifact, Database, Job, LayoutRow, Metric, utcnow
 from app.hub import prepare_model
 from app.schemas import METRIC_NAMES, JobSpec
-from app.services import DISTILL_SUMMARY, event
+from app.services import DISTILL_SUMMARY, event, job_log_fields
 from app.settings import Settings
 from app.sources import resolve_data
 from app.storage import Storage, sha256_file
@@ -226,6 +227,7 @@ class JobRun:
     def enter(self, stage: str, **note: Any) -> None:
         self.check()
         self.stage, self._stage_t0 = stage, time.perf_counter()
+        logs.update(stage=stage)
         self.monitor.start_stage()
         with self.db.transaction() as session:
             job = self._owned(session)
@@ -579,6 +581,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str) -> st
     if job is None:
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
         return "skipped"
+    logs.update(**job_log_fields(job))
     if job.cancel_requested:
         _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=job.stage)
         return "cancelled"

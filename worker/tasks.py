@@ -15,6 +15,7 @@ from typing import Any
 
 from celery.signals import worker_ready
 
+from app import logs
 from app.db import database
 from app.settings import get_settings
 from worker.celery_app import TASK_NAME, app, enqueue
@@ -32,7 +33,8 @@ def run_job(self: Any, job_id: str) -> str:
         return "invalid"
     settings = get_settings()
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
-    return jobs.run_job(job_id, settings=settings, db=database(settings.database_url), worker=worker)
+    with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/logs.py)
+        return jobs.run_job(job_id, settings=settings, db=database(settings.database_url), worker=worker)
 
 
 def _sweep_forever() -> None:
