@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
+from starlette.concurrency import run_in_threadpool
 
 from app import logs
 from app.errors import TooManyRequests, Unauthorized
@@ -45,11 +46,17 @@ def _charge(limiter: RateLimiter, who: str, what: str) -> None:
                               retry_after_s=wait)
 
 
-def caller(request: Request, key: str | None = Security(api_key_header)) -> Caller:
-    """The calling tenant; 401 for a missing, unknown or revoked key, 429 over the rate limit."""
+async def caller(request: Request, key: str | None = Security(api_key_header)) -> Caller:
+    """The calling tenant; 401 for a missing, unknown or revoked key, 429 over the rate limit.
+
+    Async: it runs on the event loop (no worker-thread round trip per request): hashing the key, a dict
+    lookup and the rate limiter are microseconds; only the key table's periodic re-read touches the
+    database, and that runs in a worker thread."""
     state = request.app.state
     ring: KeyRing = state.keys
     limiter: RateLimiter = state.rate_limiter
+    if ring.stale():
+        await run_in_threadpool(ring.refresh)
     if not ring.keyed():
         _charge(limiter, f"addr:{_client(request)}", "per client address")
         return OPEN

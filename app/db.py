@@ -164,11 +164,15 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     """An engine; SQLite gets WAL, a busy timeout, foreign keys and BEGIN IMMEDIATE transactions
-    (two processes write the embedded database: a deferred transaction that later writes can fail)."""
+    (two processes write the embedded database: a deferred transaction that later writes can fail).
+
+    `pool_size`: the connections a process may hold at once; an API process holds one per worker thread
+    (plus a few for the key table and /metrics), so that no thread ever waits for a connection."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               pool_size=pool_size, max_overflow=4)
 
         @event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -184,13 +188,13 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max(5, pool_size // 4))
 
 
 class Database:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, pool_size: int = 5) -> None:
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, pool_size=pool_size)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
@@ -208,9 +212,9 @@ class Database:
 _databases: dict[str, Database] = {}
 
 
-def database(url: str) -> Database:
-    """One Database (engine and pool) per URL and process."""
+def database(url: str, *, pool_size: int = 5) -> Database:
+    """One Database (engine and pool) per URL and process (`pool_size` applies when it is made)."""
     db = _databases.get(url)
     if db is None:
-        db = _databases[url] = Database(url)
+        db = _databases[url] = Database(url, pool_size=pool_size)
     return db

@@ -63,7 +63,8 @@ def check_name(value: str, what: str) -> str:
 
 class KeyRing:
     """The keys the API accepts: the settings' entries and the table's live rows, re-read from the
-    database at most every `key_cache_s` seconds."""
+    database at most every `key_cache_s` seconds. One request at a time re-reads the table; the others
+    go on with the entries already loaded instead of queueing behind it (and holding a worker thread)."""
 
     def __init__(self, settings: Settings, db: Database) -> None:
         self.settings, self.db = settings, db
@@ -71,32 +72,46 @@ class KeyRing:
                         for name, d, admin, tenant in settings.key_entries()]
         self._lock = threading.Lock()
         self._loaded_at = -1e18
-        self._entries: list[tuple[bytes, KeyInfo]] = []
+        self._entries: list[tuple[bytes, KeyInfo]] = list(self._static)
         self._any_key = False
 
-    def _refresh(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._loaded_at < self.settings.key_cache_s:
+    def stale(self) -> bool:
+        """Whether the table should be read again (`refresh`) before answering."""
+        return time.monotonic() - self._loaded_at >= self.settings.key_cache_s
+
+    def refresh(self) -> None:
+        """Re-read the table if it is stale. Blocks only the first caller; a concurrent one returns at
+        once and uses the entries already loaded (after the very first load, which everyone waits for)."""
+        if not self.stale():
+            return
+        first = self._loaded_at < 0
+        if not self._lock.acquire(blocking=first):
+            return
+        try:
+            if not self.stale():
                 return
+            started = time.monotonic()  # a key revoked before this read is refused from now on
             with self.db.session() as session:
                 rows = session.execute(select(ApiKey.name, ApiKey.tenant, ApiKey.digest, ApiKey.admin,
                                               ApiKey.revoked_at)).all()
+            # replaced whole: readers never see a half-built table
             self._entries = self._static + [(bytes.fromhex(r.digest), KeyInfo(r.name, r.tenant, r.admin, "database"))
                                             for r in rows if r.revoked_at is None]
             self._any_key = bool(rows or self._static)
-            self._loaded_at = now
+            self._loaded_at = started
+        finally:
+            self._lock.release()
 
     def keyed(self) -> bool:
         """Whether requests need a key."""
         if self.settings.require_keys or self._static:
             return True
-        self._refresh()
+        self.refresh()
         return self._any_key
 
     def lookup(self, key: str) -> KeyInfo | None:
         """The key's owner, comparing its digest with every known digest in constant time."""
-        self._refresh()
+        self.refresh()
         digest = hashlib.sha256(key.encode()).digest()
         found = None
         for known, info in self._entries:

@@ -9,6 +9,10 @@ through `app/queue.py`. Run it with `dtp-layout serve` (embedded default) or
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
 from fastapi import FastAPI
 
 from app import body_limit, errors, logs, request_context
@@ -47,10 +51,16 @@ Unknown paths are 404 and unsupported methods 405, with the same body.
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     logs.configure(settings.log_format, settings.log_level)
-    app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION,
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # The worker threads that run sync routes: as many as the database pool has connections.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        yield
+
+    app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION, lifespan=lifespan,
                   openapi_tags=[{"name": "jobs"}, {"name": "layouts"}, {"name": "artifacts"}, {"name": "scores"},
                                 {"name": "health"}])
-    db = database(settings.database_url)
+    db = database(settings.database_url, pool_size=settings.api_threads)
     app.state.settings = settings
     app.state.db = db
     app.state.storage = Storage(settings.storage)

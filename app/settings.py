@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description="runs of one job before it is failed")
     stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
+    api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
+                                                                   "work (database, files); its database pool "
+                                                                   "holds as many connections")
     log_format: Literal["text", "json"] = Field(default="text", description="text (readable lines) or json (one "
                                                                             "object per line)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="level of this "

@@ -311,6 +311,7 @@ class Client:
         self.tenant, self.jobs, self.rng = tenant, jobs, rng
         self.own: str | None = None
         self.busy = False  # a submit or cancel in flight (open loop: the next one waits for it)
+        self.http: httpx.AsyncClient | None = None
 
     def pick(self) -> tuple[str, str, str, dict[str, str]]:
         """(endpoint, method, path, extra headers) of the next request."""
@@ -340,7 +341,9 @@ class Client:
         return endpoint, "GET", f"/v1/jobs/{job}/artifacts/shards/blob.bin", {
             "Range": f"bytes={start}-{start + RANGE_BYTES - 1}"}
 
-    async def request(self, http: httpx.AsyncClient, results: Results | None, scheduled: float) -> None:
+    async def request(self, results: Results | None, scheduled: float) -> None:
+        http = self.http
+        assert http is not None
         endpoint, method, path, extra = self.pick()
         if endpoint in ("submit", "cancel"):
             self.busy = True
@@ -378,11 +381,21 @@ async def loop_lag(stop: asyncio.Event, samples: list[float], tick: float = 0.01
 
 async def run_mode(mode: str, url: str, clients: list[Client], *, duration: float, warmup: float,
                    rate: float) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=len(clients) + 16, max_keepalive_connections=len(clients) + 16)
+    # One httpx client (connection pool) per simulated client: httpcore's pool does work in the number of
+    # queued requests times connections on every request, so one shared pool of hundreds of connections
+    # makes the generator itself the bottleneck (seen: 1740 requests stuck in the generator after 13 s).
+    # As many keep-alive connections as connections: a pool that closes surplus idle connections can close
+    # one it has just handed to a queued request, which then hangs (encode/httpcore#1110; seen here as
+    # thousands of requests stuck with client and server idle). Keep-alive shorter than the server's
+    # (uvicorn: 5 s), so that a connection is never reused just as the server closes it.
+    limits = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=4.0)
     results = Results()
     lag_samples: list[float] = []
     stop = asyncio.Event()
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(30.0)) as http:
+    async with contextlib.AsyncExitStack() as stack:
+        for c in clients:
+            c.http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, verify=False,
+                                                                       timeout=httpx.Timeout(30.0)))
         t_start = time.perf_counter()
         t_measure = t_start + warmup
         t_end = t_measure + duration
@@ -397,23 +410,35 @@ async def run_mode(mode: str, url: str, clients: list[Client], *, duration: floa
                 measuring = at >= t_measure
                 if measuring:
                     results.lag.append(time.perf_counter() - at)
-                task = asyncio.create_task(c.request(http, results if measuring else None, at))
+                task = asyncio.create_task(c.request(results if measuring else None, at))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 at += c.rng.expovariate(rate)
 
         async def closed_client(c: Client) -> None:
             while (now := time.perf_counter()) < t_end:
-                await c.request(http, results if now >= t_measure else None, now)
+                await c.request(results if now >= t_measure else None, now)
+
+        async def progress() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(10)
+                done = sum(len(v) for v in results.latency.values())
+                print(f"  … {time.perf_counter() - t_start:.0f} s: {done} answered, {len(pending)} in flight, "
+                      f"{sum(results.errors.values())} errors", file=sys.stderr, flush=True)
 
         lagger = asyncio.create_task(loop_lag(stop, lag_samples))
+        reporter = asyncio.create_task(progress())
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         runner = open_client if mode == "open" else closed_client
         await asyncio.gather(*(runner(c) for c in clients))
         if pending:
-            await asyncio.wait(pending, timeout=35)
+            _, late = await asyncio.wait(pending, timeout=35)
+            for task in late:  # still unanswered 35 s after the end: counted as what they are, unanswered
+                task.cancel()
+            results.errors["unanswered"] = len(late)
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
         stop.set()
+        reporter.cancel()
         await lagger
         wall = time.perf_counter() - t_start
     return summarise(mode, results, duration=duration, lag_samples=lag_samples,
@@ -509,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     if not modes or any(m not in ("open", "closed") for m in modes):
         p.error("--mode: open, closed or open,closed")
 
+    def terminate(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt  # `timeout` and kill: still drop the database and stop the server
+
+    signal.signal(signal.SIGTERM, terminate)
     server = None
     try:
         if args.url:
@@ -544,8 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(report)
         if args.json:
             args.json.write_text(json.dumps({"command": " ".join(sys.argv), "reports": reports}, indent=2))
-        if server is not None and "Traceback" in server.log():
-            print("the server logged a traceback:\n" + server.log()[-3000:], file=sys.stderr)
+        if server is not None and server.log().strip():
+            print("the server's log (tail):\n" + server.log()[-3000:], file=sys.stderr)
     finally:
         if server is not None:
             server.close()
