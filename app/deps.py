@@ -3,15 +3,21 @@
 
 They are `async def`: FastAPI runs a sync dependency in a worker thread, a round trip per dependency
 per request that costs more than what these do. The session is opened lazily (no connection until the
-route's first query, in the route's worker thread); closing it returns the connection to the pool.
-Closing on the event loop matters: a sync generator dependency's exit needs a worker thread of its
-own, and with every worker thread waiting for a pooled connection the connections would never be
-returned (a deadlock broken only by the pool timeout, seen under load as 30 s answers)."""
+route's first query, in the route's worker thread).
+
+A route that takes a session is decorated with `releases_session`: the connection goes back to the
+pool in the route's own worker thread, the moment it returns. Anything later is too late: FastAPI
+validates a sync route's answer in *another* worker thread (and a generator dependency's exit may need
+one too), so a request would hold a connection while it waits for a thread, and with every thread
+waiting for a connection neither comes free. Seen under load as a deadlock broken only by the pool
+timeout: 30 s answers, then 503s. With connections released in-thread, only running threads hold
+connections, and the pool has one per thread (DTP_LAYOUT_API_THREADS)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+import functools
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +27,9 @@ from app.auth import Caller, caller
 from app.queue import JobQueue
 from app.settings import Settings
 from app.storage import Storage
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 async def get_settings(request: Request) -> Settings:
@@ -33,7 +42,24 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     try:
         yield session
     finally:
-        session.close()
+        session.close()  # normally done already, by `releases_session`
+
+
+def releases_session(route: Callable[P, R]) -> Callable[P, R]:
+    """Close the route's `session` (its connection back to the pool) in the route's worker thread as
+    soon as it returns (see the module's docstring). What the route returns must not need the session
+    any more: plain values, or rows whose attributes were loaded."""
+
+    @functools.wraps(route)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return route(*args, **kwargs)
+        finally:
+            session = kwargs.get("session")
+            if isinstance(session, Session):
+                session.close()
+
+    return wrapper
 
 
 async def get_storage(request: Request) -> Storage:

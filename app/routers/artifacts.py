@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response, StreamingResponse
 
 from app import services
-from app.deps import BaseUrl, CallerDep, SessionDep, StorageDep
+from app.deps import BaseUrl, CallerDep, SessionDep, StorageDep, releases_session
 from app.errors import NotFound, RangeNotSatisfiable, responses
 from app.metrics import Metrics
 from app.schemas import ArtifactList, ArtifactOut
@@ -61,6 +61,7 @@ def iter_file(path: FilePath, start: int, length: int, metrics: Metrics) -> Iter
 
 @router.get("", response_model=ArtifactList, operation_id="list_artifacts",
             summary="The job's artifacts: name, kind, size, sha256", responses=responses(404))
+@releases_session
 def list_artifacts(job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
     rows = services.list_artifacts(session=session, job_id=job_id, caller=caller)
     url = f"{base}/v1/jobs/{job_id}/artifacts"
@@ -90,6 +91,7 @@ def _not_modified(request: Request, etag: str) -> bool:
                              "content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA_TYPES}},
                        304: {"description": "not modified"},
                        **responses(404, 416, _404="no such job or artifact")})
+@releases_session
 def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_length=255, description="artifact name")],
              session: SessionDep, storage: StorageDep, caller: CallerDep) -> Response:
     art = services.get_artifact(session=session, job_id=job_id, name=name, caller=caller)

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
 
 from app import services
-from app.deps import BaseUrl, CallerDep, QueueDep, RequestIdDep, SessionDep, SettingsDep, StorageDep
+from app.deps import BaseUrl, CallerDep, QueueDep, RequestIdDep, SessionDep, SettingsDep, StorageDep, releases_session
 from app.errors import SpecError, responses
 from app.schemas import (
     EXAMPLE_DISTILL_SPEC,
@@ -49,6 +49,7 @@ def job_out(request: Request, job: Any, base: str) -> dict[str, Any]:
              responses={202: {"links": _JOB_LINKS, "headers": {"Location": {"description": "the job's URL",
                                                                             "schema": {"type": "string"}}}},
                         **responses()})
+@releases_session
 def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: QueueDep, caller: CallerDep,
            base: BaseUrl, rid: RequestIdDep, spec: Annotated[JobSpec, Body(openapi_examples=SPEC_EXAMPLES)]
            ) -> JSONResponse:
@@ -66,6 +67,7 @@ def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: 
 
 @router.get("", response_model=JobList, operation_id="list_jobs", summary="List the caller's jobs (newest first)",
             responses=responses())
+@releases_session
 def list_jobs(request: Request, session: SessionDep, caller: CallerDep, base: BaseUrl,
               model: ModelFilter = None,
               status: Annotated[Status | None, Query()] = None,
@@ -87,12 +89,14 @@ def list_jobs(request: Request, session: SessionDep, caller: CallerDep, base: Ba
 
 @router.get("/{job_id}", response_model=JobOut, operation_id="get_job", summary="A job: status, stage, progress, ETA",
             responses=responses(404))
+@releases_session
 def get_job(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
     return job_out(request, services.get_job(session=session, job_id=job_id, caller=caller), base)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, operation_id="cancel_job",
              summary="Cancel a job (a running one stops between micro-batches)", responses=responses(404, 409))
+@releases_session
 def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl,
            rid: RequestIdDep) -> dict[str, Any]:
     return job_out(request, services.cancel_job(session=session, job_id=job_id, caller=caller, request_id=rid),
@@ -102,6 +106,7 @@ def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerD
 @router.get("/{job_id}/metrics", response_model=MetricsOut, operation_id="job_metrics",
             summary="Distillation curves per layout and seed (as produced), and the headline once done",
             responses=responses(404))
+@releases_session
 def metrics(job_id: JobId, session: SessionDep, storage: StorageDep, caller: CallerDep,
             layout: LayoutFilter = None,
             seed: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="only this training seed")] = None,
