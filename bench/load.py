@@ -506,7 +506,7 @@ def start_profile(server: Server, out: Path, seconds: float) -> subprocess.Popen
         return None
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([spy, "record", "--pid", str(server.proc.pid if server.proc else 0), "--subprocesses",
-                             "--duration", str(int(seconds)), "--rate", "200", "--format", "raw",
+                             "--duration", str(int(seconds)), "--rate", "200", "--format", "raw", "--gil",
                              "--output", str(out / "profile.txt"), "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
