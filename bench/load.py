@@ -118,7 +118,10 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
         env.update(DTP_LAYOUT_VAR_DIR=str(self.root / "var"), DTP_LAYOUT_LOG_FORMAT=log_format,
                    # one queued job per client at a time (it cancels before it submits again)
-                   DTP_LAYOUT_MAX_ACTIVE_JOBS=str(keys_per_tenant + 1))
+                   DTP_LAYOUT_MAX_ACTIVE_JOBS=str(keys_per_tenant + 1),
+                   # the limiter runs but never refuses: the closed loop measures saturation, not the limit
+                   # (the open loop's 1 request/s per key is far below the default 600/min anyway)
+                   DTP_LAYOUT_RATE_LIMIT_PER_MIN="1000000", DTP_LAYOUT_RATE_LIMIT_BURST="100000")
         if backend == "postgres":
             env.update(self._postgres())
         self.env = env
@@ -212,6 +215,7 @@ class Server:
         if self.backend == "postgres":
             return [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "127.0.0.1",
                     "--port", str(self.port), "--workers", str(self.workers), "--no-access-log",
+                    "--timeout-keep-alive", "30",
                     "--log-level", "warning"]
         return [sys.executable, "-m", "app.cli", "serve", "--no-worker", "--port", str(self.port), "--var-dir",
                 str(self.settings.var_dir), "--log-level", "warning"]
@@ -285,6 +289,126 @@ class Server:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+# ---- HTTP clients --------------------------------------------------------------------------------------
+
+@dataclass
+class Answer:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class RawHTTP:
+    """A minimal HTTP/1.1 keep-alive client on asyncio streams, for load generation only (the server
+    under test is what is measured): one small pool per simulated client, Content-Length and chunked
+    bodies. Several times cheaper in CPU than httpx, which matters when the generator shares two cores
+    with the server. A request on a reused connection that fails before any byte of the answer (the
+    server closed it as idle: the keep-alive race) is sent again once on a new connection, as HTTP
+    clients do for idempotent requests."""
+
+    IDLE_S = 2.0  # reuse a connection idle for less than this (uvicorn closes them after 5 s)
+
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        parsed = httpx.URL(url)
+        self.host, self.port = parsed.host, parsed.port or 80
+        self.host_header = f"{self.host}:{self.port}".encode()
+        self.timeout = timeout
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        now = time.monotonic()
+        while self.idle:
+            reader, writer, at = self.idle.pop()
+            if now - at < self.IDLE_S and not reader.at_eof():
+                return reader, writer, True
+            writer.close()
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        return reader, writer, False
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> Answer:
+        for attempt in (0, 1):
+            reader, writer, reused = await self._connection()
+            head = [f"{method} {path} HTTP/1.1".encode(), b"Host: " + self.host_header]
+            head += [f"{k}: {v}".encode() for k, v in headers.items()]
+            if body or method == "POST":
+                head += [b"Content-Type: application/json", f"Content-Length: {len(body)}".encode()]
+            try:
+                writer.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+                answer, keep = await asyncio.wait_for(self._read(reader), self.timeout)
+            except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                writer.close()
+                if reused and attempt == 0 and (not isinstance(exc, asyncio.IncompleteReadError) or not exc.partial):
+                    continue  # the server closed the idle connection as we sent: once more, on a new one
+                raise
+            except BaseException:
+                writer.close()
+                raise
+            if keep:
+                self.idle.append((reader, writer, time.monotonic()))
+            else:
+                writer.close()
+            return answer
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader) -> tuple[Answer, bool]:
+        raw = await reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        fields = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name:
+                fields[name.strip().lower()] = value.strip()
+        if "content-length" in fields:
+            body = await reader.readexactly(int(fields["content-length"]))
+        elif fields.get("transfer-encoding", "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                parts.append(await reader.readexactly(size + 2))
+                if size == 0:
+                    break
+            body = b"".join(p[:-2] for p in parts)
+        else:
+            body = b""
+        return Answer(status, body), fields.get("connection", "").lower() != "close"
+
+    async def close(self) -> None:
+        for _, writer, _ in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+class HttpxHTTP:
+    """The same interface over httpx (`--client httpx`)."""
+
+    def __init__(self, url: str) -> None:
+        # As many keep-alive connections as connections: a pool that closes surplus idle connections can
+        # close one it has just handed to a queued request, which then hangs (encode/httpcore#1110; seen
+        # here as thousands of requests stuck with client and server idle). One pool per simulated client:
+        # httpcore's pool does work in queued requests × connections on every request, so one shared pool
+        # of hundreds of connections makes the generator itself the bottleneck. Keep-alive shorter than
+        # the server's (uvicorn: 5 s).
+        limits = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(base_url=url, limits=limits, verify=False, timeout=httpx.Timeout(30.0))
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> Answer:
+        if body:
+            headers = {**headers, "Content-Type": "application/json"}
+        response = await self.client.request(method, path, headers=headers, content=body or None)
+        return Answer(response.status_code, response.content)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+CLIENT_ERRORS = (httpx.HTTPError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                 TimeoutError, ValueError, OSError)
+
+
 # ---- the clients -------------------------------------------------------------------------------------
 
 @dataclass
@@ -311,7 +435,7 @@ class Client:
         self.tenant, self.jobs, self.rng = tenant, jobs, rng
         self.own: str | None = None
         self.busy = False  # a submit or cancel in flight (open loop: the next one waits for it)
-        self.http: httpx.AsyncClient | None = None
+        self.http: RawHTTP | HttpxHTTP | None = None
 
     def pick(self) -> tuple[str, str, str, dict[str, str]]:
         """(endpoint, method, path, extra headers) of the next request."""
@@ -348,25 +472,24 @@ class Client:
         if endpoint in ("submit", "cancel"):
             self.busy = True
         try:
-            if method == "POST":
-                response = await http.post(path, headers=self.headers, json=spec() if endpoint == "submit" else None)
-            else:
-                response = await http.get(path, headers={**self.headers, **extra})
-            outcome, ok = str(response.status_code), response.status_code == EXPECTED[endpoint]
-            if endpoint == "download range" and ok and len(response.content) != RANGE_BYTES:
+            body = json.dumps(spec()).encode() if endpoint == "submit" else b""
+            response = await http.request(method, path, {**self.headers, **extra}, body)
+            outcome, ok = str(response.status), response.status == EXPECTED[endpoint]
+            if endpoint == "download range" and ok and len(response.body) != RANGE_BYTES:
                 outcome, ok = "short body", False
             if endpoint == "submit" and ok:
                 self.own = response.json()["id"]
-            elif endpoint == "cancel" and response.status_code in (202, 409):
+            elif endpoint == "cancel" and response.status in (202, 409):
                 self.own = None
             if not ok and results is not None and len(results.error_samples) < 20:
-                results.error_samples.append(f"{endpoint} {response.status_code}: {response.text[:200]}")
-        except httpx.HTTPError as exc:
+                results.error_samples.append(f"{endpoint} {response.status}: {response.body[:200]!r}")
+        except CLIENT_ERRORS as exc:
             outcome, ok = type(exc).__name__, False
             if results is not None and len(results.error_samples) < 20:
                 results.error_samples.append(f"{endpoint} {type(exc).__name__}: {exc}")
         finally:
-            self.busy = False
+            if endpoint in ("submit", "cancel"):
+                self.busy = False
         if results is not None:
             results.record(endpoint, time.perf_counter() - scheduled, outcome, ok)
 
@@ -380,22 +503,14 @@ async def loop_lag(stop: asyncio.Event, samples: list[float], tick: float = 0.01
 
 
 async def run_mode(mode: str, url: str, clients: list[Client], *, duration: float, warmup: float,
-                   rate: float) -> dict[str, Any]:
-    # One httpx client (connection pool) per simulated client: httpcore's pool does work in the number of
-    # queued requests times connections on every request, so one shared pool of hundreds of connections
-    # makes the generator itself the bottleneck (seen: 1740 requests stuck in the generator after 13 s).
-    # As many keep-alive connections as connections: a pool that closes surplus idle connections can close
-    # one it has just handed to a queued request, which then hangs (encode/httpcore#1110; seen here as
-    # thousands of requests stuck with client and server idle). Keep-alive shorter than the server's
-    # (uvicorn: 5 s), so that a connection is never reused just as the server closes it.
-    limits = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=4.0)
+                   rate: float, client: str = "raw") -> dict[str, Any]:
     results = Results()
     lag_samples: list[float] = []
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as stack:
         for c in clients:
-            c.http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, limits=limits, verify=False,
-                                                                       timeout=httpx.Timeout(30.0)))
+            c.http = RawHTTP(url) if client == "raw" else HttpxHTTP(url)
+            stack.push_async_callback(c.http.close)
         t_start = time.perf_counter()
         t_measure = t_start + warmup
         t_end = t_measure + duration
@@ -529,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--profile", type=Path, help="py-spy the server during the first mode (raw stacks here)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                   help="the generator's HTTP client: raw (asyncio streams, lean) or httpx")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     if not modes or any(m not in ("open", "closed") for m in modes):
@@ -560,8 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.profile and server and i == 0) else None
             before, cpu0 = loadavg(), server.cpu_seconds() if server else 0.0
             report = asyncio.run(run_mode(mode, url, clients, duration=args.duration, warmup=args.warmup,
-                                          rate=args.rate))
-            report.update(clients=len(clients), rate=args.rate, duration_s=args.duration, loadavg_before=before,
+                                          rate=args.rate, client=args.client))
+            report.update(clients=len(clients), rate=args.rate, client=args.client, duration_s=args.duration,
+                          loadavg_before=before,
                           loadavg_after=loadavg(), backend=args.backend if server else url,
                           workers=args.workers if server and args.backend == "postgres" else 1,
                           cpu_count=os.cpu_count(),
