@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from app import body_limit, errors, logs, request_context
 from app.db import database
+from app.deps import Db
 from app.job_stats import CachedStats, job_stats
 from app.keys import KeyRing
 from app.metrics import Metrics
@@ -63,6 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     db = database(settings.database_url, pool_size=settings.api_threads)
     app.state.settings = settings
     app.state.db = db
+    app.state.db_runner = Db(db)
     app.state.storage = Storage(settings.storage)
     app.state.keys = KeyRing(settings, db)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, settings.rate_limit_burst)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response, StreamingResponse
 
 from app import services
-from app.deps import BaseUrl, CallerDep, SessionDep, StorageDep, releases_session
+from app.deps import BaseUrl, CallerDep, DbDep, SessionDep, StorageDep, releases_session
 from app.errors import NotFound, RangeNotSatisfiable, responses
 from app.metrics import Metrics
 from app.schemas import ArtifactList, ArtifactOut
@@ -61,9 +61,8 @@ def iter_file(path: FilePath, start: int, length: int, metrics: Metrics) -> Iter
 
 @router.get("", response_model=ArtifactList, operation_id="list_artifacts",
             summary="The job's artifacts: name, kind, size, sha256", responses=responses(404))
-@releases_session
-def list_artifacts(job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    rows = services.list_artifacts(session=session, job_id=job_id, caller=caller)
+async def list_artifacts(job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
+    rows = await db.run(lambda s: services.list_artifacts(session=s, job_id=job_id, caller=caller))
     url = f"{base}/v1/jobs/{job_id}/artifacts"
     return {"items": [ArtifactOut(name=a.name, kind=a.kind, size=a.size, sha256=a.sha256, link=f"{url}/{a.name}")
                       for a in rows]}

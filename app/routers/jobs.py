@@ -7,9 +7,20 @@ from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session
 
 from app import services
-from app.deps import BaseUrl, CallerDep, QueueDep, RequestIdDep, SessionDep, SettingsDep, StorageDep, releases_session
+from app.deps import (
+    BaseUrl,
+    CallerDep,
+    DbDep,
+    QueueDep,
+    RequestIdDep,
+    SessionDep,
+    SettingsDep,
+    StorageDep,
+    releases_session,
+)
 from app.errors import SpecError, responses
 from app.schemas import (
     EXAMPLE_DISTILL_SPEC,
@@ -67,8 +78,7 @@ def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: 
 
 @router.get("", response_model=JobList, operation_id="list_jobs", summary="List the caller's jobs (newest first)",
             responses=responses())
-@releases_session
-def list_jobs(request: Request, session: SessionDep, caller: CallerDep, base: BaseUrl,
+async def list_jobs(request: Request, db: DbDep, caller: CallerDep, base: BaseUrl,
               model: ModelFilter = None,
               status: Annotated[Status | None, Query()] = None,
               devices: Annotated[int | None, Query(ge=1, le=1024, description="L")] = None,
@@ -76,22 +86,24 @@ def list_jobs(request: Request, session: SessionDep, caller: CallerDep, base: Ba
               owner: OwnerFilter = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> dict[str, Any]:
-    rows, total = services.list_jobs(session=session, caller=caller, model=model, status=status, devices=devices,
-                                     delta=delta, owner=owner, limit=limit, offset=offset)
+    def read(session: Session) -> tuple[list[dict[str, Any]], int]:
+        rows, total = services.list_jobs(session=session, caller=caller, model=model, status=status, devices=devices,
+                                         delta=delta, owner=owner, limit=limit, offset=offset)
+        return [job_out(request, r, base) for r in rows], total
+
+    items, total = await db.run(read)
     nxt = None
-    if offset + len(rows) < total:
+    if offset + len(items) < total:
         params = dict(request.query_params)
         params.update(limit=str(limit), offset=str(offset + limit))
         nxt = f"{base}/v1/jobs?" + urlencode(params)
-    return {"items": [job_out(request, r, base) for r in rows], "total": total, "limit": limit, "offset": offset,
-            "next": nxt}
+    return {"items": items, "total": total, "limit": limit, "offset": offset, "next": nxt}
 
 
 @router.get("/{job_id}", response_model=JobOut, operation_id="get_job", summary="A job: status, stage, progress, ETA",
             responses=responses(404))
-@releases_session
-def get_job(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    return job_out(request, services.get_job(session=session, job_id=job_id, caller=caller), base)
+async def get_job(request: Request, job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
+    return await db.run(lambda s: job_out(request, services.get_job(session=s, job_id=job_id, caller=caller), base))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, operation_id="cancel_job",

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path
 
 from app import services
-from app.deps import BaseUrl, CallerDep, SessionDep, releases_session
+from app.deps import BaseUrl, CallerDep, DbDep
 from app.errors import responses
 from app.schemas import LayoutList, LayoutSummary
 
@@ -22,9 +22,8 @@ LAYOUT_EXAMPLE = {"format": "dtp-layout/1", "name": "optimised", "devices": 3, "
 
 @router.get("", response_model=LayoutList, operation_id="list_layouts", summary="The job's layouts and their scores",
             responses=responses(404))
-@releases_session
-def list_layouts(job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    rows = services.list_layouts(session=session, job_id=job_id, caller=caller)
+async def list_layouts(job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
+    rows = await db.run(lambda s: services.list_layouts(session=s, job_id=job_id, caller=caller))
     url = f"{base}/v1/jobs/{job_id}/layouts"
     return {"items": [LayoutSummary(name=r.name, J=r.J, random_expectation=r.random_expectation,
                                     upper_bound=r.upper_bound, upper_bound_exact=r.upper_bound_exact,
@@ -36,7 +35,6 @@ def list_layouts(job_id: JobId, session: SessionDep, caller: CallerDep, base: Ba
             responses={200: {"content": {"application/json": {"schema": {"type": "object"},
                                                               "example": LAYOUT_EXAMPLE}}},
                        **responses(404, _404="no such job or layout")})
-@releases_session
-def get_layout(job_id: JobId, name: Annotated[str, Path(max_length=64, description="layout name")],
-               session: SessionDep, caller: CallerDep) -> dict[str, Any]:
-    return services.layout_document(session=session, job_id=job_id, name=name, caller=caller)
+async def get_layout(job_id: JobId, name: Annotated[str, Path(max_length=64, description="layout name")],
+                     db: DbDep, caller: CallerDep) -> dict[str, Any]:
+    return await db.run(lambda s: services.layout_document(session=s, job_id=job_id, name=name, caller=caller))
