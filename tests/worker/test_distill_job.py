@@ -139,7 +139,7 @@ def test_redelivered_job_resumes_distilling_onto_the_same_curve(client, settings
     assert partial and partial[0]["layout"] == "optimised" and partial[0]["steps"] == [0, 2, 4]
     first_worker.kill9()
     # Where the dead worker left the second layout's run: finished, or its last checkpoint's step.
-    run_dir = settings.storage / "jobs" / job_id / "work" / "distill" / "runs" / "contiguous" / "seed-0"
+    run_dir = settings.storage / "jobs" / job_id / "work" / "1" / "distill" / "runs" / "contiguous" / "seed-0"
     if json.loads((run_dir / "metrics.json").read_text())["complete"]:
         left_at = 4
     else:
