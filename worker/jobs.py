@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
@@ -271,7 +271,7 @@ class JobRun:
             raise JobStalled(f"stalled in stage {self.stage} for {self.monitor.silent_s():.0f} s "
                              f"(no progress; DTP_LAYOUT_STALL_S={self.settings.stall_s:g})")
         if self.monitor.over_time.is_set():
-            raise TimeLimitExceeded(f"exceeded its time limit of {self.monitor.limits[0]:.0f} s in stage "
+            raise TimeLimitExceeded(f"exceeded its time limit of {self.monitor.limits[0]:g} s in stage "
                                     f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
 
     def should_stop(self) -> bool:
@@ -656,13 +656,19 @@ def upsert_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) ->
 
 
 def _upsert_metric_batch(session: Session, job_id: str, rows: list[dict[str, Any]]) -> None:
+    """Existing rows read back by key, then the new ones inserted and the changed ones updated, each
+    as one executemany (no ORM object per row: a long distillation has hundreds of thousands)."""
     if not rows:
         return
     keyed = [(str(r["layout"]), int(r["seed"]), int(r["step"]), r) for r in rows]
-    query = select(Metric).where(Metric.job_id == job_id, Metric.layout.in_({k[0] for k in keyed}),
-                                 Metric.seed.in_({k[1] for k in keyed}), Metric.step.in_({k[2] for k in keyed}),
-                                 Metric.name.in_(METRIC_NAMES))
-    existing = {(m.layout, m.seed, m.step, m.name): m for m in session.scalars(query)}
+    steps = [k[2] for k in keyed]  # a range, not a list of steps: few parameters, the unique index serves it
+    query = select(Metric.id, Metric.layout, Metric.seed, Metric.step, Metric.name, Metric.value).where(
+        Metric.job_id == job_id, Metric.layout.in_({k[0] for k in keyed}), Metric.seed.in_({k[1] for k in keyed}),
+        Metric.step.between(min(steps), max(steps)))
+    existing: dict[tuple[str | None, int, int, str], tuple[int | None, float]] = {
+        (m.layout, m.seed, m.step, m.name): (m.id, m.value) for m in session.execute(query)}
+    inserts: dict[tuple[str | None, int, int, str], dict[str, Any]] = {}
+    updates: dict[int, float] = {}
     for layout, seed, step, row in keyed:
         for name in METRIC_NAMES:
             raw = row.get(name)
@@ -671,13 +677,17 @@ def _upsert_metric_batch(session: Session, job_id: str, rows: list[dict[str, Any
             value = float(raw)
             if not math.isfinite(value):
                 continue
-            have = existing.get((layout, seed, step, name))
+            key = (layout, seed, step, name)
+            have = existing.get(key)
             if have is None:
-                existing[(layout, seed, step, name)] = have = Metric(job_id=job_id, layout=layout, seed=seed,
-                                                                     step=step, name=name, value=value)
-                session.add(have)
-            elif have.value != value:
-                have.value = value
+                inserts[key] = {"job_id": job_id, "layout": layout, "seed": seed, "step": step, "name": name,
+                                "value": value, "created_at": utcnow()}
+            elif have[0] is not None and have[1] != value:
+                updates[have[0]] = value
+    if inserts:
+        session.execute(insert(Metric), list(inserts.values()))
+    if updates:
+        session.execute(update(Metric), [{"id": i, "value": v} for i, v in updates.items()])
 
 
 def _save_npy(path: Path, blocks: Any) -> None:
