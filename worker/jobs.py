@@ -339,6 +339,8 @@ class JobRun:
 
     def enter(self, stage: str, **note: Any) -> None:
         self.check()
+        if self.settings.stage_delay_s:  # TEST ONLY: every stage lasts a while (kill and cancel tests)
+            time.sleep(self.settings.stage_delay_s)
         self.stage, self._stage_t0 = stage, time.perf_counter()
         self.monitor.start_stage(stage)
         with self.db.transaction() as session:
