@@ -167,9 +167,10 @@ def verify(settings: Settings, job_id: str, reference: dict[str, Any], *, cache:
     return problems
 
 
-def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path,
+def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, targets: tuple[str, ...] = STAGES,
              say: Any = print) -> dict[str, Any]:
-    """Runs the reference job and `trials` killed jobs; returns the report (see the module doc)."""
+    """Runs the reference job and `trials` killed jobs, trial i aimed at targets[i mod len(targets)];
+    returns the report (see the module doc)."""
     rng = random.Random(seed)
     db = database(settings.database_url)
     queue = JobQueue(settings)
@@ -190,7 +191,7 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path,
             f"after loading started): " + ", ".join(f"{s} {a:.2f}-{b:.2f}" for s, (a, b) in windows.items()))
 
         for i in range(trials):
-            target = STAGES[i % len(STAGES)]
+            target = targets[i % len(targets)]
             lo, hi = windows[target]
             delay = rng.uniform(0.0, 0.8 * (hi - lo))
             job_id = _submit(settings, queue)
