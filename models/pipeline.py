@@ -19,9 +19,11 @@ import transformers
 
 from models import layout as layout_mod
 from models.affinity import SCORES, AffinityResult, affinity_pass
+from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
-from models.calibration import CalibrationSpec, load_blocks
+from models.calibration import CalibrationSpec, DataError, load_blocks
 from models.export import export_checkpoint, export_rank_shards, permuted_copy
+from models.heldout import source_identity
 from models.layout import Layout, ModelShape
 from models.optimise import Affinity, OptimiseResult, optimise, score, upper_bound
 from models.progress import Progress, ShouldStop
@@ -158,8 +160,17 @@ def versions() -> dict[str, str]:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec) -> dict:
+def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec,
+                 calibration_identity: str | None = None, data: dict[str, Any] | None = None) -> dict:
+    """report.json. calibration_identity: which text the calibration read (`models.heldout`), so that a
+    later `distill --from` holds its blocks out whatever the source is called there; computed from
+    calibration.source when not given. data: the held-out placement of a distillation that followed."""
     assert state.affinity is not None
+    if calibration_identity is None:
+        try:
+            calibration_identity = source_identity(calibration.source, calibration.text_field)
+        except (DataError, AssetNotFoundError):
+            calibration_identity = None
     reports = {name: lay.score for name, lay in state.layouts.items()}
     any_report = next(iter(reports.values())) or {}
     notes = []
@@ -175,6 +186,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "score": spec.score,
         "calibration": asdict(calibration),
         "calibration_fingerprint": calibration.fingerprint(),
+        "calibration_identity": calibration_identity,
         "tokens": state.affinity.tokens,
         "random_expectation": any_report.get("random_expectation"),
         "upper_bound": any_report.get("upper_bound"),
@@ -183,6 +195,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "seconds": state.seconds,
         "versions": versions(),
         "notes": notes,
+        **({"data": data} if data is not None else {}),
     }
 
 

@@ -397,7 +397,13 @@ class JobRun:
         # the report, and done
         self.check()
         self.stage = None
-        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown)
+        from models.heldout import source_identity
+
+        summary_file = self.work / "distill" / "summary.json"
+        held_out = json.loads(summary_file.read_text()).get("data") if spec.distill and summary_file.is_file() else None
+        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown,
+                                       calibration_identity=source_identity(calibration.source, calibration.text_field),
+                                       data=held_out)
         self._finish(report)
 
     def distil(self, loaded: Loaded, layouts_dir: Path) -> None:
@@ -412,9 +418,12 @@ class JobRun:
         data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
                                                                           field=f"distill.{part}.source")})
                 for part, fields in shown.items()}
+        calibration = CalibrationSpec(**{**self.spec.calibration.model_dump(),
+                                         "source": resolve_data(self.settings.data_dir, self.spec.calibration.source)})
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
-                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()))
+                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
+                              allow_overlap=spec.allow_overlap)
         total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
         self.enter("distilling")
         t0, trained = time.monotonic(), 0
@@ -444,7 +453,8 @@ class JobRun:
         summary_file = out_dir / "summary.json"
         summary = json.loads(summary_file.read_text())
         for part, fields in shown.items():
-            summary[part] = {**summary.get(part, {}), **fields}
+            # the blocks actually read (held-out placement may have moved them), under the submitted name
+            summary[part] = {**fields, **summary.get(part, {}), "source": fields["source"]}
         _write_json(summary_file, summary)
         staging = self.work / "distill-publish"
         shutil.rmtree(staging, ignore_errors=True)
