@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.model_limits import check_config
-from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, RECIPE_DEFAULTS, CalibrationIn, DistillRecipeIn, JobSpec
+from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, CalibrationIn, DistillRecipeIn, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, resolve_data, resolve_model, resolve_under
 
@@ -108,14 +108,6 @@ def test_job_spec_defaults_and_export_shorthand():
     spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},
                                    "export": False})
     assert spec.delta == 1 and spec.score == "fo" and not spec.export.any and spec.distill is None
-
-
-def test_distill_recipe_fields_match_models_distill():
-    """The API mirrors DistillRecipe without importing it (torch): same fields, same defaults."""
-    from models.distill import DistillRecipe
-
-    assert set(DistillRecipeIn.model_fields) == set(DistillRecipe.__dataclass_fields__)
-    assert {**DistillRecipe().as_dict(), "betas": DistillRecipe().betas} == RECIPE_DEFAULTS
 
 
 def test_layout_names_match_models_pipeline():
