@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -150,8 +151,14 @@ def _recipe_field(name: str, rule: FieldRule) -> tuple[Any, Any]:
         return StrictBool | None, Field(default=None, description=doc)
     if rule.kind == "choice":
         return Literal[rule.choices] | None, Field(default=None, description=doc)
-    item = Annotated[float, Field(allow_inf_nan=False, **bounds)]
-    return tuple[item, item] | None, Field(default=None, description=doc)
+    def betas(value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not all(math.isfinite(b) and rule.within(b) for b in value):
+            low = f"[{rule.ge:g}" if rule.ge is not None else f"({rule.gt:g}"
+            high = f"{rule.le:g}]" if rule.le is not None else f"{rule.lt:g})"
+            raise ValueError(f"{name} must be two numbers in {low}, {high}, got {list(value)}")
+        return value
+
+    return Annotated[tuple[float, float] | None, AfterValidator(betas)], Field(default=None, description=doc)
 
 
 class _RecipeIn(_Strict):
