@@ -42,8 +42,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="hub id (owner/name), a local checkpoint directory, or a local .gguf file")
     p.add_argument("--revision", help="hub revision (branch, tag or commit)")
     p.add_argument("--gguf-file", help="GGUF file name inside the model directory or hub repo")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype: what the weights are loaded and the passes run in (default: float32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+
+
+def _add_export_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the exported checkpoint and shards (default: auto, the source checkpoint's "
+                        "dtype, so a bf16 model exports bf16 whatever --dtype computed in; a GGUF source, which "
+                        "has none, exports in --dtype)")
+
+
+def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
+    from models.export import export_dtype
+    from models.loading import DTYPES
+
+    return export_dtype(args.export_dtype, config=config, compute=DTYPES[args.dtype])
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +111,7 @@ def _layout(args: argparse.Namespace, config: Any) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from models.export import export_checkpoint, export_rank_shards, permuted_copy
+    from models.export import export_checkpoint, export_copy, export_rank_shards
     from models.families import model_shape
     from models.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config
@@ -105,14 +120,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_devices(model_shape(config), args.devices)  # fail before loading weights
     check_delta(model_shape(config), args.delta)
     layout = _layout(args, config)
+    dtype = _export_dtype(args, config)
     model, tokenizer = _load(args)
-    permuted = permuted_copy(model, layout)
+    permuted = export_copy(model, layout, dtype)
     out = Path(args.out)
     ckpt = export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer,
                              overwrite=args.overwrite)
     shards = export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer,
-                                overwrite=args.overwrite, progress=_progress_bar())
-    print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}")
+                                overwrite=args.overwrite, progress=_progress_bar(),
+                                compute_dtype=next(model.parameters()).dtype)
+    print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
+          f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
     print(f"rank shards:         {shards} ({layout.devices} files + manifest.json)")
     return 0
@@ -197,7 +215,8 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                             progress=progress)
     pipeline.stage_layouts(state, spec=spec)
     if spec.export:
-        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite)
+        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite,
+                              dtype=_export_dtype(args, config))
     report = pipeline.build_report(state, spec=spec, model_name=args.model, calibration=calibration)
     pipeline.write_report(state, report)
     print(pipeline.summary_table(report))
@@ -250,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the permuted HF checkpoint and per-rank DTP shards")
     _add_model_args(p)
     _add_layout_args(p)
+    _add_export_dtype_arg(p)
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=cmd_export)
@@ -277,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random", type=int, default=0, metavar="K", help="also score K random layouts (seeds 1000…)")
     p.add_argument("--ablations", action="store_true", help="also anti-optimised, heads-only, neurons-only")
     p.add_argument("--no-export", action="store_true", help="skip the permuted checkpoint and rank shards")
+    _add_export_dtype_arg(p)
     p.add_argument("--batch-size", type=int, default=4, help="calibration sequences per micro-batch")
     p.add_argument("--restarts", type=int, default=4,
                    help="extra optimiser starts from random head assignments (default: 4; 0 = contiguous only)")

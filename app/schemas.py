@@ -104,7 +104,9 @@ class ModelRef(_Strict):
                                  description="hub branch, tag or commit (hub models only)")
     gguf_file: Text | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
                                   description="a .gguf file inside the model directory or hub repo")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights dtype for the run")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="compute dtype: what the weights are loaded and the passes run in (the "
+                                       "export's dtype is export.dtype)")
 
 
 class CalibrationIn(_Strict):
@@ -284,6 +286,10 @@ class DistillJobSpec(_Strict):
 class ExportSpec(_Strict):
     checkpoint: StrictBool = Field(default=True, description="the permuted Hugging Face checkpoint (checkpoint/*)")
     shards: StrictBool = Field(default=True, description="per-rank DTP shards and manifest (shards/*)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="dtype the exported weights are stored in; auto: the source checkpoint's "
+                                    "(a bf16 hub model exports bf16 whatever model.dtype computed in; a GGUF, "
+                                    "which has none, exports in model.dtype). The manifest records both")
 
     @property
     def any(self) -> bool:

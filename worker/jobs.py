@@ -272,9 +272,10 @@ class JobRun:
         from models import pipeline
         from models.affinity import AffinityResult
         from models.calibration import CalibrationSpec
+        from models.export import dtype_name, export_dtype
         from models.families import model_shape
         from models.layout import check_delta, check_devices
-        from models.loading import ModelSource, load_config, load_model, load_tokenizer
+        from models.loading import DTYPES, ModelSource, load_config, load_model, load_tokenizer
 
         spec = self.spec
         self.work.mkdir(parents=True, exist_ok=True)
@@ -296,7 +297,8 @@ class JobRun:
         self.enter("loading", device=prepare_device(self.settings.device, self.settings.cuda_memory_fraction))
         location = prepare_model(settings=self.settings, spec=spec)  # limits checked; a hub id → its snapshot
         source = ModelSource(**location.loader_args())
-        shape = model_shape(load_config(source))
+        config = load_config(source)
+        shape = model_shape(config)
         check_devices(shape, spec.devices)
         check_delta(shape, spec.delta)
         self.monitor.report(0.05)
@@ -383,7 +385,9 @@ class JobRun:
             offset = 0.5 if spec.export.checkpoint else 0.0
             pipeline.stage_export(state, model=loaded.model, tokenizer=loaded.tokenizer,
                                   progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
-                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards)
+                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards,
+                                  dtype=export_dtype(spec.export.dtype, config=config,
+                                                     compute=DTYPES[spec.model.dtype]))
             self.check()
             files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")
                      for p in sorted((self.work / sub).glob("*")) if p.is_file()]
@@ -398,6 +402,11 @@ class JobRun:
         self.check()
         self.stage = None
         from models.heldout import source_identity
+
+        if spec.export.any and state.export_dtypes is None:  # exported by an earlier attempt
+            state.export_dtypes = {"dtype": dtype_name(export_dtype(spec.export.dtype, config=config,
+                                                                    compute=DTYPES[spec.model.dtype])),
+                                   "compute_dtype": spec.model.dtype}
 
         summary_file = self.work / "distill" / "summary.json"
         held_out = json.loads(summary_file.read_text()).get("data") if spec.distill and summary_file.is_file() else None
