@@ -101,6 +101,25 @@ def _layouts_dir(args: argparse.Namespace) -> Path | None:
     return layouts_dir
 
 
+def _calibration_of(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The calibration spec (and the identity of its text) of the `--from` run, from its report.json:
+    training and evaluation skip those blocks where they read the same text (models.heldout)."""
+    from models.calibration import CalibrationSpec
+
+    if not getattr(args, "from_dir", None):
+        return None, None
+    report_file = Path(args.from_dir) / "report.json"
+    try:
+        report = json.loads(report_file.read_text())
+        calibration = CalibrationSpec(**report["calibration"])
+    except FileNotFoundError:
+        return None, None  # a layouts directory without a report: nothing known to hold out
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{report_file}: cannot read the calibration spec: {exc}") from exc
+    identity = report.get("calibration_identity")
+    return calibration, identity if isinstance(identity, str) else None
+
+
 def _layout(args: argparse.Namespace, config: Any) -> Any:
     """The layout named by --layout (see models.layout_names) for a model of this config."""
     from models.families import model_shape
@@ -136,24 +155,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
+def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, dict[str, Any] | None]:
+    """The evaluation, and the held-out placement against the `--from` run's calibration (or None)."""
     from models.calibration import CalibrationSpec, load_blocks
     from models.evaluate import evaluate
+    from models.heldout import place
 
     layout = _layout(args, model.config)
     spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
                            text_field=args.text_field)
+    calibration, identity = _calibration_of(args)
+    placement = None
+    if calibration is not None:  # the layout was optimised on these blocks: evaluate after them
+        placement = place(None, spec, calibration=calibration, calibration_identity=identity,
+                          allow_overlap=getattr(args, "allow_overlap", False))
+        spec = placement.eval
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
-    return evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
-                    progress=_progress_bar())
+    result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
+                      progress=_progress_bar())
+    return result, placement.as_dict() if placement is not None else None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
-    result = _eval_result(args, model, tokenizer)
+    result, data = _eval_result(args, model, tokenizer)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps({**result.as_dict(), **({"data": data} if data else {})}))
     else:
+        from models.heldout import describe_dict
+
+        for line in describe_dict(data or {}):
+            print(f"data: {line}")
         print(f"layout {result.layout}  L={result.devices} δ={result.delta}  "
               f"{result.blocks} blocks × {result.seq_len} tokens")
         print(f"  dense perplexity   {result.dense_ppl:10.3f}")
@@ -175,7 +207,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{'layout':<14}{'dense ppl':>12}{'DTP ppl':>12}{'KL nats/tok':>14}")
     for layout in ("contiguous", "random:1000", "random:1001"):
         ns.layout = layout
-        r = _eval_result(ns, model, tokenizer)
+        r, _ = _eval_result(ns, model, tokenizer)
         print(f"{layout:<14}{r.dense_ppl:>12.3f}{r.dtp_ppl:>12.3f}{r.kl:>14.4f}")
     print("next: `dtp-layout export MODEL --layout random:1000 --devices 3 --delta 1 --out DIR`")
     return 0
@@ -285,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--last-scale", default="sqrt", choices=["sqrt", "one"],
                    help="own-scale of the last δ modules (default: sqrt, i.e. √L)")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="with --from: evaluate the blocks as given even where they are the calibration blocks the "
+                        "layout was optimised on (by default, on the same text, evaluation starts after them)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli import CliError, _add_model_args, _layouts_dir, _load
+from app.cli import CliError, _add_model_args, _calibration_of, _layouts_dir, _load
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe  # torch-free
 
 PAPER = DistillRecipe()  # the defaults of every recipe flag
@@ -57,27 +57,6 @@ def _spec(args: argparse.Namespace) -> Any:
                        devices=args.devices, delta=args.delta, seeds=tuple(_seeds(args.seeds)), recipe=recipe,
                        reference=args.reference, candidate=args.candidate, calibration=calibration,
                        calibration_identity=identity, allow_overlap=args.allow_overlap)
-
-
-def _calibration_of(args: argparse.Namespace) -> tuple[Any, str | None]:
-    """The calibration spec (and the identity of its text) of the `--from` run, from its report.json:
-    training skips those blocks where it reads the same text."""
-    import json
-
-    from models.calibration import CalibrationSpec
-
-    if not args.from_dir:
-        return None, None
-    report_file = Path(args.from_dir) / "report.json"
-    try:
-        report = json.loads(report_file.read_text())
-        calibration = CalibrationSpec(**report["calibration"])
-    except FileNotFoundError:
-        return None, None  # a layouts directory without a report: nothing known to hold out
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CliError(f"{report_file}: cannot read the calibration spec: {exc}") from exc
-    identity = report.get("calibration_identity")
-    return calibration, identity if isinstance(identity, str) else None
 
 
 class _Bars:

@@ -117,7 +117,7 @@ def part(name: str, spec: CalibrationSpec, identity: str | None = None) -> Part:
 class Placement:
     """Where training and evaluation read, after held-out placement, and what still overlaps."""
 
-    train: CalibrationSpec
+    train: CalibrationSpec | None
     eval: CalibrationSpec
     parts: tuple[Part, ...]
     moved: tuple[dict[str, Any], ...]
@@ -140,18 +140,20 @@ def _overlaps(parts: list[Part]) -> list[dict[str, Any]]:
     return out
 
 
-def place(train: CalibrationSpec, evaluation: CalibrationSpec, *, calibration: CalibrationSpec | None = None,
+def place(train: CalibrationSpec | None, evaluation: CalibrationSpec, *, calibration: CalibrationSpec | None = None,
           calibration_identity: str | None = None, allow_overlap: bool = False) -> Placement:
     """Training after the calibration blocks, evaluation after both, where they share a text.
 
-    calibration_identity: the identity recorded when the calibration ran (report.json), when its
-    source string may no longer resolve here. With allow_overlap the specs are kept as given.
+    train: None for an evaluation alone (`eval --from`). calibration_identity: the identity recorded
+    when the calibration ran (report.json), when its source string may no longer resolve here. With
+    allow_overlap the specs are kept as given.
     """
     cal = part("calibration", calibration, calibration_identity) if calibration is not None else None
-    tr, ev = part("train", train), part("eval", evaluation)
+    tr = part("train", train) if train is not None else None
+    ev = part("eval", evaluation)
     moved: list[dict[str, Any]] = []
     if not allow_overlap:
-        if cal is not None and tr.overlap(cal):
+        if cal is not None and tr is not None and tr.overlap(cal):
             moved.append({"part": "train", "skip_blocks": [tr.spec.skip_blocks, tr.after(cal.span[1]).spec.skip_blocks],
                           "why": "the calibration blocks of the same text are reserved"})
             tr = tr.after(cal.span[1])
@@ -163,7 +165,7 @@ def place(train: CalibrationSpec, evaluation: CalibrationSpec, *, calibration: C
             moved.append({"part": "eval", "skip_blocks": [given, ev.spec.skip_blocks],
                           "why": "evaluation is held out from the calibration and training text"})
     parts = [p for p in (cal, tr, ev) if p is not None]
-    return Placement(train=tr.spec, eval=ev.spec, parts=tuple(parts), moved=tuple(moved),
+    return Placement(train=tr.spec if tr is not None else None, eval=ev.spec, parts=tuple(parts), moved=tuple(moved),
                      overlaps=tuple(_overlaps(parts)), allow_overlap=allow_overlap)
 
 

@@ -71,7 +71,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     vocab = int(config.vocab_size)
     placement = place_data(spec)
     train_blocks, eval_blocks = load_data(spec, tokenizer=tokenizer, vocab_size=vocab, placement=placement)
-    spec = replace(spec, train=placement.train, eval=placement.eval)  # the summary shows what was read
+    spec = replace(spec, train=placement.train or spec.train, eval=placement.eval)  # what was read
     reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe)
     pairs = [(name, seed) for name in layouts for seed in spec.seeds]
     records: list[EvalRecord] = []

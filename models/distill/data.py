@@ -44,6 +44,7 @@ def load_data(spec: DistillSpec, *, tokenizer: Any, vocab_size: int,
               placement: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Training and evaluation blocks, placed by `place_data` (held out unless the spec allows overlap)."""
     placement = placement or place_data(spec)
+    assert placement.train is not None
     train_spec = replace(placement.train, seed=0)  # the block order belongs to each run's seed
     return (load_blocks(train_spec, tokenizer, vocab_size=vocab_size),
             load_blocks(placement.eval, tokenizer, vocab_size=vocab_size))
