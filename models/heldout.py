@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from models.assets import corpus_file
+from models.assets import AssetNotFoundError, corpus_file
 from models.calibration import CalibrationSpec, DataError
 
 _HASH_CHUNK = 1 << 20
@@ -56,7 +56,10 @@ def source_identity(source: str, text_field: str = "text") -> str:
     if source.startswith("hf:"):
         parts = [*source[3:].split(":"), "", ""][:3]
         return f"hf:{parts[0]}:{parts[1]}:{parts[2] or 'train'}#{text_field}"
-    path = corpus_file(source.split(":", 1)[1]) if source.startswith("corpus:") else Path(source)
+    try:
+        path = corpus_file(source.split(":", 1)[1]) if source.startswith("corpus:") else Path(source)
+    except AssetNotFoundError as exc:
+        raise DataError(str(exc)) from exc
     try:
         if path.is_dir():
             digest = hashlib.sha256()
@@ -148,7 +151,12 @@ def place(train: CalibrationSpec | None, evaluation: CalibrationSpec, *, calibra
     when the calibration ran (report.json), when its source string may no longer resolve here. With
     allow_overlap the specs are kept as given.
     """
-    cal = part("calibration", calibration, calibration_identity) if calibration is not None else None
+    cal = None
+    if calibration is not None:
+        try:
+            cal = part("calibration", calibration, calibration_identity)
+        except DataError:  # an old report's source that no longer resolves here: it matches no other text
+            cal = Part("calibration", calibration, f"unresolved:{calibration.source}", False)
     tr = part("train", train) if train is not None else None
     ev = part("eval", evaluation)
     moved: list[dict[str, Any]] = []
