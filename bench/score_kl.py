@@ -63,8 +63,8 @@ def analyse(report: dict[str, Any], kl: dict[str, dict[int, float]], *, step: in
     if step is None:
         finals = [max(kl[n]) for n in names]
         step = max(finals) if finals else 0
-    points = [{"layout": n, "J": scores[n], "kl": kl[n].get(step), "kl0": kl[n].get(0),
-               "random": n.startswith("random-")} for n in names]
+    points: list[dict[str, Any]] = [{"layout": n, "J": scores[n], "kl": kl[n].get(step), "kl0": kl[n].get(0),
+                                     "random": n.startswith("random-")} for n in names]
     trained = [p for p in points if p["kl"] is not None]
     untrained = [p for p in points if p["kl0"] is not None]
     non_random = [p for p in trained if not p["random"]]
