@@ -228,7 +228,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
 
     spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
                                  random_layouts=args.random, ablations=args.ablations, export=not args.no_export,
-                                 batch_size=args.batch_size, restarts=args.restarts)
+                                 batch_size=args.batch_size, restarts=args.restarts, stability=args.stability)
     calibration = _calibration_spec(args)
     t0 = time.perf_counter()
     config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
@@ -246,12 +246,16 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     pipeline.stage_affinity(state, model=model, spec=spec, model_name=args.model, calibration=calibration,
                             progress=progress)
     pipeline.stage_layouts(state, spec=spec)
+    if spec.stability:
+        pipeline.stage_stability(state, model=model, spec=spec, progress=progress)
     if spec.export:
         pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite,
                               dtype=_export_dtype(args, config))
     report = pipeline.build_report(state, spec=spec, model_name=args.model, calibration=calibration)
     pipeline.write_report(state, report)
     print(pipeline.summary_table(report))
+    if state.stability is not None:
+        print(pipeline.stability_text(state.stability))
     for note in report["notes"]:
         print(f"note: {note}")
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in state.seconds.items())
@@ -293,6 +297,18 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    """J, J/bound and the per-layer co-located fractions of each layout; torch-free."""
+    from models.layout_score import rescore, score_table
+
+    try:
+        doc = rescore(args.affinity, args.layouts, score_name=args.score)
+    except ValueError as exc:  # LayoutError is a ValueError
+        raise CliError(str(exc)) from exc
+    print(json.dumps(doc) if args.json else score_table(doc))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dtp-layout",
                                      description="Affinity-aware layouts for Delayed Tensor Parallelism")
@@ -330,12 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration_args(p)
     p.add_argument("--score", default="fo", choices=["fo", "add"], help="up-edge affinity score (default: fo)")
     p.add_argument("--random", type=int, default=0, metavar="K", help="also score K random layouts (seeds 1000…)")
-    p.add_argument("--ablations", action="store_true", help="also anti-optimised, heads-only, neurons-only")
+    p.add_argument("--ablations", action="store_true",
+                   help="also the paper's seven spread layouts (§5.4): anti-optimised, heads-only, neurons-only, "
+                        "add-score, 4-, 8- and 12-layers (and optimised-restarts-0 when --restarts > 0)")
+    p.add_argument("--stability", action="store_true",
+                   help="also optimise on each half of the calibration blocks and report how the two layouts "
+                        "score on the other half and how much they agree (report.json `stability`)")
     p.add_argument("--no-export", action="store_true", help="skip the permuted checkpoint and rank shards")
     _add_export_dtype_arg(p)
     p.add_argument("--batch-size", type=int, default=4, help="calibration sequences per micro-batch")
     p.add_argument("--restarts", type=int, default=4,
-                   help="extra optimiser starts from random head assignments (default: 4; 0 = contiguous only)")
+                   help="extra optimiser starts from random head assignments (default: 4; 0 is the paper's "
+                        "procedure: one start from the contiguous KV groups)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint/shards")
     p.set_defaults(func=cmd_optimise)
@@ -350,10 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
     variant.add_argument("--heads-only", action="store_true", help="move KV groups only (neurons contiguous)")
     variant.add_argument("--neurons-only", action="store_true", help="move neurons only (KV groups contiguous)")
     p.add_argument("--layers", help="comma-separated layers to optimise (the rest stay contiguous)")
-    p.add_argument("--restarts", type=int, default=4, help="extra starts from random head assignments")
+    p.add_argument("--restarts", type=int, default=4,
+                   help="extra starts from random head assignments (0: the paper's procedure)")
     p.add_argument("--name", default="optimised", help="layout name stored in the JSON")
     p.add_argument("--out", required=True, help="output dtp-layout/1 JSON file")
     p.set_defaults(func=cmd_layout)
+
+    p = sub.add_parser("score", help="rescore layouts on a saved affinity.safetensors (no model needed)")
+    p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
+    p.add_argument("--score", default="fo", choices=["fo", "add"], help="up-edge units of J (default: fo)")
+    p.add_argument("layouts", nargs="+", metavar="LAYOUT.json", help="dtp-layout/1 layout files")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_score)
 
     _register_extensions(sub)
 

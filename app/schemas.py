@@ -23,6 +23,7 @@ from pydantic import (
 from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
 from models.ids import GGUF_FILE, REVISION
+from models.layout_set import ablation_names
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
@@ -31,7 +32,8 @@ METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
 
 # As models.pipeline (which imports torch): random-<seed> layouts use seeds 1000 … 1000+K-1.
 RANDOM_SEED_BASE = 1000
-ABLATION_LAYOUTS = ("anti-optimised", "heads-only", "neurons-only")
+# The paper's seven spread layouts of an FO run (models.layout_set names them for any score and restarts).
+ABLATION_LAYOUTS = tuple(ablation_names("fo"))
 
 EXAMPLE_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
@@ -306,7 +308,9 @@ class JobSpec(_Strict):
     calibration: CalibrationIn
     score: Literal["fo", "add"] = Field(default="fo", description="up-edge affinity score")
     random_layouts: StrictInt = Field(default=0, ge=0, le=64, description="K random layouts scored as baselines")
-    ablations: StrictBool = Field(default=False, description="also anti-optimised, heads-only and neurons-only")
+    ablations: StrictBool = Field(default=False, description="also the paper's seven spread layouts (§5.4): "
+                                  "anti-optimised, heads-only, neurons-only, add-score (fo-score for score=add), "
+                                  "4-, 8- and 12-layers, and optimised-restarts-0 when restarts > 0")
     export: ExportSpec = Field(default_factory=lambda: ExportSpec(),
                                description="what to export for the optimised layout; `false` for nothing")
     distill: DistillJobSpec | None = Field(
@@ -314,7 +318,8 @@ class JobSpec(_Strict):
                                   "from the dense one and record the curves (stage `distilling`)")
     batch_size: StrictInt = Field(default=4, ge=1, le=1024, description="calibration sequences per micro-batch")
     restarts: StrictInt = Field(default=4, ge=0, le=64,
-                                description="extra optimiser starts from random head assignments")
+                                description="extra optimiser starts from random head assignments (0 is the "
+                                            "paper's procedure: one start from the contiguous KV groups)")
 
     @field_validator("export", mode="before")
     @classmethod
@@ -327,7 +332,7 @@ class JobSpec(_Strict):
         """The layouts this job produces (and may distil), in the order they are produced."""
         names = ["optimised"]
         if self.ablations:
-            names += ABLATION_LAYOUTS
+            names += ablation_names(self.score, self.restarts)
         names.append("contiguous")
         names += [f"random-{RANDOM_SEED_BASE + k}" for k in range(self.random_layouts)]
         return names

@@ -111,7 +111,7 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
             problems.append((f"distill.layouts.{i}", str(exc)))
             continue
         if canonical not in produced:
-            hint = "" if spec.ablations else "; anti-optimised, heads-only and neurons-only need ablations=true"
+            hint = "" if spec.ablations else "; the ablation layouts (anti-optimised, …) need ablations=true"
             problems.append((f"distill.layouts.{i}", f"layout {name!r} is not one this job produces (it produces: "
                                                      f"{', '.join(produced)}{hint})"))
         elif canonical in seen:

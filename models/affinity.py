@@ -17,81 +17,21 @@ hidden_size, multiply-adds per neuron; tokens are chunked so the [H, tokens, I] 
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from models.atomic import atomic_write
+# The result and its file are torch-free (models.affinity_file), re-exported where callers import them.
+from models.affinity_file import SCORES as SCORES
+from models.affinity_file import AffinityResult as AffinityResult
 from models.dtp import DTPModel, rms_norm
 from models.families import model_shape
 from models.layout import ModelShape
 from models.permute import decoder_layers
 from models.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
 from models.progress import Progress, ShouldStop
-
-SCORES = ("fo", "add")
-
-
-@dataclass
-class AffinityResult:
-    """Raw per-token means (not normalised): up_fo/up_add [G, I] per layer, down [I, G] per layer < N-1."""
-
-    up_fo: list[np.ndarray]
-    up_add: list[np.ndarray]
-    down: list[np.ndarray]
-    tokens: int
-    shape: ModelShape
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    def up(self, score: str) -> list[np.ndarray]:
-        if score not in SCORES:
-            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
-        return self.up_fo if score == "fo" else self.up_add
-
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {}
-        for i, m in enumerate(self.up_fo):
-            tensors[f"up_fo.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
-        for i, m in enumerate(self.up_add):
-            tensors[f"up_add.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
-        for i, m in enumerate(self.down):
-            tensors[f"down.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
-        meta = {**self.metadata, "tokens": str(self.tokens), "format": "dtp-layout-affinity/1",
-                "shape": json.dumps(self.shape.__dict__)}
-        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-
-    @classmethod
-    def load(cls, path: str | Path) -> AffinityResult:
-        path = Path(path)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = dict(f.metadata() or {})
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        except Exception as exc:  # safetensors raises its own error type for malformed headers
-            raise ValueError(f"{path}: cannot read affinity safetensors: {exc}") from exc
-        if meta.get("format") != "dtp-layout-affinity/1" or "shape" not in meta:
-            raise ValueError(f"{path}: not a dtp-layout affinity file (metadata format/shape missing)")
-        shape = ModelShape(**json.loads(meta["shape"]))
-        n = shape.num_layers
-
-        def stack(prefix: str, count: int) -> list[np.ndarray]:
-            try:
-                return [tensors[f"{prefix}.{i}"].double().numpy() for i in range(count)]
-            except KeyError as exc:
-                raise ValueError(f"{path}: missing tensor {exc.args[0]}") from exc
-
-        return cls(stack("up_fo", n), stack("up_add", n), stack("down", n - 1), int(meta.get("tokens", 0)),
-                   shape, {k: v for k, v in meta.items() if k not in ("tokens", "format", "shape")})
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:

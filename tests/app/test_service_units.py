@@ -116,9 +116,14 @@ def test_layout_names_match_models_pipeline():
 
     assert RANDOM_SEED_BASE == PIPELINE_RANDOM_SEED_BASE and tuple(ABLATIONS) == ABLATION_LAYOUTS
     spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},
-                                   "random_layouts": 2, "ablations": True})
-    assert spec.layout_names() == ["optimised", "anti-optimised", "heads-only", "neurons-only", "contiguous",
-                                   "random-1000", "random-1001"]
+                                   "random_layouts": 2, "ablations": True, "restarts": 0})
+    # The paper's seven spread layouts (Table 3), in the order the optimiser builds them.
+    spread = ["anti-optimised", "heads-only", "neurons-only", "add-score", "4-layers", "8-layers", "12-layers"]
+    assert spec.layout_names() == ["optimised", *spread, "contiguous", "random-1000", "random-1001"]
+    add = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},
+                                  "ablations": True, "score": "add"})
+    assert add.layout_names() == ["optimised", *spread[:3], "fo-score", *spread[4:], "optimised-restarts-0",
+                                  "contiguous"]
 
 
 @pytest.mark.parametrize("fields", [
