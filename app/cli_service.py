@@ -138,7 +138,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             worker = WorkerSupervisor(worker_command(settings, name="local"), env={**os.environ,
                                       **settings.worker_env()}, log_path=log_path).start()
         threading.Thread(target=banner, daemon=True).start()
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        # The app's own access log (app/request_context.py) carries the X-Request-ID: uvicorn's is off;
+        # with DTP_LAYOUT_LOG_FORMAT=json uvicorn's loggers go through the app's JSON handler (app/logs.py).
+        from uvicorn.config import LOGGING_CONFIG
+
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    log_config=None if settings.log_format == "json" else LOGGING_CONFIG)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
         return 0 if code in (128 + signal.SIGTERM, 128 + signal.SIGHUP) else code

@@ -40,10 +40,11 @@ from typing import Any
 from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from app import logs
 from app.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
 from app.hub import prepare_model
 from app.schemas import METRIC_NAMES, JobSpec
-from app.services import DISTILL_SUMMARY, event
+from app.services import DISTILL_SUMMARY, event, job_log_fields
 from app.settings import Settings
 from app.sources import resolve_data
 from app.storage import Storage, sha256_file
@@ -343,6 +344,7 @@ class JobRun:
         if self.settings.stage_delay_s:  # TEST ONLY: every stage lasts a while (kill and cancel tests)
             time.sleep(self.settings.stage_delay_s)
         self.stage, self._stage_t0 = stage, time.perf_counter()
+        logs.update(stage=stage)
         self.monitor.start_stage(stage)
         with self.db.transaction() as session:
             job = self._owned(session)
@@ -800,6 +802,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
         return "skipped"
     attempt = job.attempts
+    logs.update(**job_log_fields(job))
     if job.cancel_requested:
         _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=job.stage, attempt=attempt)
         return "cancelled"
