@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from app import budgets, hub
 from app.auth import Caller
-from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow, write_transaction
 from app.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
 from app.model_limits import check_model_config
 from app.schemas import METRIC_NAMES, JobSpec
@@ -134,7 +134,7 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
     broker is down: the job is then recorded as failed)."""
     fp, found = check_spec(settings=settings, spec=spec)
-    with session.begin():
+    with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
         job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
                   revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
@@ -146,7 +146,7 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
         enqueue(job.id)
     except Exception as exc:
         log.exception("could not enqueue job %s", job.id)
-        with session.begin():
+        with write_transaction(session):
             row = session.get(Job, job.id, populate_existing=True)
             if row is not None:
                 row.status, row.error, row.finished_at = "failed", "could not enqueue the job", utcnow()
@@ -225,7 +225,7 @@ def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -
 
 def cancel_job(*, session: Session, job_id: str, caller: Caller) -> Job:
     """Queued jobs are cancelled at once; running ones stop between micro-batches (the worker sees the flag)."""
-    with session.begin():
+    with write_transaction(session):
         job = get_job(session=session, job_id=job_id, caller=caller, lock=True)
         if job.status in FINISHED:
             raise Conflict(f"job {job_id!r} is already {job.status}; only queued or running jobs can be cancelled")
