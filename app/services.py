@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Select, func, select, text
+from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
 from app import budgets, hub
@@ -132,7 +132,7 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
 def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: Caller,
                enqueue: Callable[[str], None]) -> Job:
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
-    broker is down: the job is then recorded as failed)."""
+    broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted)."""
     fp, found = check_spec(settings=settings, spec=spec)
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
@@ -145,14 +145,23 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
     try:
         enqueue(job.id)
     except Exception as exc:
-        log.exception("could not enqueue job %s", job.id)
-        with write_transaction(session):
-            row = session.get(Job, job.id, populate_existing=True)
-            if row is not None:
-                row.status, row.error, row.finished_at = "failed", "could not enqueue the job", utcnow()
-        raise BrokerUnavailable("the job broker is unreachable; the job was recorded as failed, submit it again "
-                                "shortly", headers={"Retry-After": "10"}) from exc
+        log.error("could not enqueue job %s (%s: %s); the job is withdrawn", job.id, type(exc).__name__, exc)
+        _withdraw(session, job.id)
+        raise BrokerUnavailable("the job broker is unreachable; the job was not accepted (nothing was recorded): "
+                                "submit it again after Retry-After seconds", headers={"Retry-After": "5"}) from exc
     return job
+
+
+def _withdraw(session: Session, job_id: str) -> None:
+    """Delete a job whose message never reached the broker: the caller is told 503 and submits again, so
+    the row must not run later as a second copy. Should the database fail too, the row stays `queued`
+    and the queued-job sweeper sends it once the broker is back (the job then runs once)."""
+    try:
+        session.rollback()
+        with write_transaction(session):
+            session.execute(delete(Job).where(Job.id == job_id, Job.status == "queued"))
+    except Exception:
+        log.exception("job %s: could not withdraw it; it stays queued for the sweeper", job_id)
 
 
 # ---- reading ---------------------------------------------------------------------------------------

@@ -118,12 +118,10 @@ class Storage:
         return self.job_dir(job_id) / "work"
 
     def install(self, source: Path, key: str) -> Path:
-        """Move `source` to `key` (same filesystem: an atomic rename). An existing file with the same
-        content is kept (the source is dropped), so publishing twice writes the file once."""
+        """Move `source` to `key` (same filesystem: an atomic rename). A file already there is one no
+        artifact row describes yet (an attempt that died between installing and recording): replaced.
+        No hashing here: the worker calls this inside the transaction that records the row."""
         dest = self.path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.is_file() and dest.stat().st_size == source.stat().st_size and sha256_file(dest) == sha256_file(source):
-            source.unlink()
-            return dest
         os.replace(source, dest)
         return dest

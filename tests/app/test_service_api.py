@@ -359,7 +359,7 @@ def test_health_ready_metrics_docs(client, settings):
         assert r.json()["checks"]["broker"].startswith("error")
         # No exception text or address to an unauthenticated caller: the reason is in the server's log.
         assert "127.0.0.1" not in r.text and "Connection" not in r.text
-        # Submitting while the broker is down: 503, and the job is recorded as failed.
+        # Submitting while the broker is down: 503, and nothing is recorded (tests/app/test_faults_redis.py).
         down = other.post("/v1/jobs", json=spec())
         assert down.status_code == 503 and down.headers["retry-after"]
         assert down.json()["error"] == "broker_unavailable" and "127.0.0.1" not in down.text
