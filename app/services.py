@@ -27,7 +27,7 @@ from app.model_limits import check_model_config
 from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model
-from app.storage import Storage
+from app.storage import DamagedFile, Storage
 from app.timeline import stage_timeline
 from models.layout import LayoutError
 from models.layout_names import canonical_layout_name
@@ -317,11 +317,13 @@ def job_metrics(*, session: Session, storage: Storage, job_id: str, caller: Call
         curves.append(curve)
     summary = None
     if summary_row is not None:
-        try:
-            doc = json.loads(storage.path(summary_row.storage_key).read_text())
+        try:  # checked like a download: a damaged summary.json is not shown as the job's headline
+            with storage.open_verified(summary_row.storage_key, size=summary_row.size,
+                                       sha256=summary_row.sha256) as f:
+                doc = json.loads(f.read())
             summary = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
                        "seconds": doc.get("seconds")}
-        except (OSError, ValueError):
+        except (OSError, ValueError, DamagedFile):
             log.warning("job %s: cannot read %s", job_id, DISTILL_SUMMARY, exc_info=True)
     return {"job_id": job.id, "status": job.status, "stage": job.stage, "curves": curves, "summary": summary}
 

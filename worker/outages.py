@@ -54,7 +54,9 @@ def disk_full(exc: BaseException, storage_root: Path) -> bool:
             return True
         if any(text in str(e).lower() for text in NO_SPACE_TEXT):
             return True
-    if any(isinstance(e, OSError) for e in _chain(exc)):
+    # A write error without a telling errno (numpy's short write has none) on a volume with nothing left;
+    # a missing or forbidden file (ENOENT, EACCES, …) is never taken for a full disk.
+    if any(isinstance(e, OSError) and e.errno in (None, errno.EIO, errno.EFBIG) for e in _chain(exc)):
         free = free_bytes(storage_root)
         return free is not None and free < LOW_SPACE_BYTES
     return False

@@ -99,10 +99,13 @@ def _refused_submission(client, settings, what: str) -> float:
     assert r.json()["error"] == "broker_unavailable" and "127.0.0.1" not in r.text, r.text
     assert elapsed < SUBMIT_BOUND_S, (what, elapsed)
     assert _rows(settings) == before, "a refused submission left a job row"
+    t0 = time.monotonic()
     ready = client.get("/readyz")
+    ready_s = time.monotonic() - t0
     assert ready.status_code == 503 and ready.json()["checks"]["database"] == "ok", ready.text
     assert ready.json()["checks"]["broker"].startswith("error"), ready.text
-    return elapsed
+    assert ready_s < SUBMIT_BOUND_S, (what, ready_s)
+    return elapsed, ready_s
 
 
 def test_redis_stopped_and_frozen_then_back(stack):
@@ -116,11 +119,11 @@ def test_redis_stopped_and_frozen_then_back(stack):
             wait_for(client, first, until=lambda j: j["status"] != "queued", timeout=90, worker=worker)
 
             redis.stop()  # down: connections refused
-            down_s = _refused_submission(client, settings, "stopped")
+            down_s, down_ready_s = _refused_submission(client, settings, "stopped")
             assert client.get("/v1/jobs").status_code == 200  # reads do not need the broker
             redis.start()
             redis.freeze()  # hung: accepts connections, never answers
-            frozen_s = _refused_submission(client, settings, "frozen")
+            frozen_s, frozen_ready_s = _refused_submission(client, settings, "frozen")
             t_back = time.monotonic()
             redis.thaw()
 
@@ -137,7 +140,8 @@ def test_redis_stopped_and_frozen_then_back(stack):
             assert _rows(settings) == before + 2  # the running job and the one after: nothing lost, no extra
         for job_id in (first, second):
             assert Counter(e["event"] for e in _history(settings, job_id))["succeeded"] == 1
-        print(f"\nFAULT redis: 503 in {down_s:.2f}s (stopped), {frozen_s:.2f}s (frozen); accepted "
+        print(f"\nFAULT redis: 503 in {down_s:.2f}s (stopped), {frozen_s:.2f}s (frozen); /readyz 503 in "
+              f"{down_ready_s:.2f}s / {frozen_ready_s:.2f}s; accepted "
               f"{accepted_s:.2f}s after it was back; both jobs succeeded {recovered_s:.1f}s after")
     finally:
         redis.thaw()

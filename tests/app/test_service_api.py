@@ -284,9 +284,11 @@ def test_metrics_curves_by_layout_and_seed_with_headline(client, settings, finis
                                 "candidate_step_to_reference_final_kl": 1.5, "multipliers": []}}
         key = Storage.artifact_key(job_id, "distill/summary.json")
         storage.path(key).parent.mkdir(parents=True, exist_ok=True)
-        storage.path(key).write_text(json.dumps(summary))
-        session.add(Artifact(job_id=job_id, name="distill/summary.json", kind="distill", size=1, sha256="0" * 64,
-                             storage_key=key))
+        data = json.dumps(summary).encode()
+        storage.path(key).write_bytes(data)
+        # The true size and digest: the summary is checked like a download before it is shown.
+        session.add(Artifact(job_id=job_id, name="distill/summary.json", kind="distill", size=len(data),
+                             sha256=hashlib.sha256(data).hexdigest(), storage_key=key))
     r = client.get(f"/v1/jobs/{job_id}/metrics")
     assert r.status_code == 200, r.text
     body = r.json()
