@@ -56,17 +56,6 @@ DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
 _AUTO: Any = object()  # Monitor.report: estimate the ETA from the stage's elapsed time
 
 
-# A file to publish: (artifact name, kind, path, size, sha256).
-Publish = tuple[str, str, Path, int, str]
-
-
-def hashed(files: list[tuple[str, str, Path]]) -> list[Publish]:
-    """Size and sha256 of files about to be published, computed before the transaction that records
-    them: on SQLite a write transaction holds the database's write lock, and hashing a checkpoint
-    there would stall every other writer."""
-    return [(name, kind, path, path.stat().st_size, sha256_file(path)) for name, kind, path in files]
-
-
 class LeaseLost(RuntimeError):
     """Another worker took the job over (this one was presumed dead): stop without writing."""
 
@@ -260,17 +249,16 @@ class JobRun:
         if stage not in self.done:
             self.done.append(stage)
 
-    def _artifact_rows(self, session: Session, files: list[Publish]) -> None:
-        """Install files as artifacts (skipping names already recorded) and add their rows. The files
-        were hashed before (`hashed`): this runs inside a write transaction."""
+    def _artifact_rows(self, session: Session, files: list[tuple[str, str, Path]]) -> None:
+        """Install files as artifacts (skipping names already recorded) and add their rows."""
         have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
-        for name, kind, path, size, digest in files:
+        for name, kind, path in files:
             if name in have:
                 continue
             key = Storage.artifact_key(self.job_id, name)
-            self.storage.install(path, key)
-            session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=size, sha256=digest,
-                                 storage_key=key))
+            dest = self.storage.install(path, key)
+            session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=dest.stat().st_size,
+                                 sha256=sha256_file(dest), storage_key=key))
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Evaluation rows (layout, seed, step, kl, ppl, loss, lr) into the metrics table, if this
@@ -354,7 +342,6 @@ class JobRun:
                 else:
                     produced.replace(cache_path)
             state.affinity = AffinityResult.load(cache_path)
-            affinity_size, affinity_sha = cache_path.stat().st_size, sha256_file(cache_path)  # outside the transaction
 
             def record_affinity(session: Session, job: Job) -> None:
                 job.affinity_cached = cached
@@ -362,7 +349,7 @@ class JobRun:
                                                                  Artifact.name == pipeline.AFFINITY_FILE)).first()
                 if have is None:
                     session.add(Artifact(job_id=self.job_id, name=pipeline.AFFINITY_FILE, kind="affinity",
-                                         size=affinity_size, sha256=affinity_sha,
+                                         size=cache_path.stat().st_size, sha256=sha256_file(cache_path),
                                          storage_key=cache_key))
 
             self.complete("affinity", record_affinity, cached=cached)
@@ -401,8 +388,7 @@ class JobRun:
             self.check()
             files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")
                      for p in sorted((self.work / sub).glob("*")) if p.is_file()]
-            ready = hashed(files)
-            self.complete("exporting", lambda session, _job: self._artifact_rows(session, ready),
+            self.complete("exporting", lambda session, _job: self._artifact_rows(session, files),
                           files=len(files))
 
         # distilling
@@ -468,11 +454,10 @@ class JobRun:
         for name in DISTILL_FILES:
             shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
             files.append((f"distill/{name}", "distill", staging / name))
-        ready = hashed(files)
 
         def record(session: Session, _job: Job) -> None:
             upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
-            self._artifact_rows(session, ready)
+            self._artifact_rows(session, files)
 
         # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
         self.complete("distilling", record, runs=len(dspec.layouts) * len(dspec.seeds), steps_trained=trained,
@@ -489,7 +474,7 @@ class JobRun:
             tmp = report_file.with_name(report_file.name + ".tmp")
             tmp.write_text(json.dumps(report, indent=1))
             tmp.replace(report_file)
-            self._artifact_rows(session, hashed([("report.json", "report", report_file)]))  # a few kB
+            self._artifact_rows(session, [("report.json", "report", report_file)])
             job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
                                                              "upper_bound_exact", "notes")}
             job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
@@ -590,8 +575,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_job(job_id: str, *, settings: Settings, db: Database, worker: str) -> str:
-    """Claim and run the job; returns what happened: skipped, succeeded, failed, cancelled, lost or retry
-    (the database went away: the job stays leased, and is re-enqueued once its lease expires)."""
+    """Claim and run the job; returns what happened: skipped, succeeded, failed, cancelled or lost."""
     job = claim(db, job_id, worker=worker, lease_s=settings.lease_s)
     if job is None:
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
@@ -621,7 +605,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str) -> st
         if database_unreachable(exc):  # nothing can be recorded: the lease expires, a sweeper retries it
             log.warning("job %s: the database became unreachable during %s; left to be retried when it is back",
                         job_id, runner.stage)
-            return "retry"
+            return "retried"
         if disk_full(exc, settings.storage):
             log.error("job %s: the storage volume is full (%s): %s", job_id, runner.stage, exc)
             if _end(db, job_id, worker, status="failed", error=no_space_message(runner.stage, settings.storage),
