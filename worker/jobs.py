@@ -610,7 +610,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str) -> st
             log.error("job %s: the storage volume is full (%s): %s", job_id, runner.stage, exc)
             if _end(db, job_id, worker, status="failed", error=no_space_message(runner.stage, settings.storage),
                     stage=runner.stage):
-                remove_work(runner.work)  # only once the job is ours and ended: no other attempt uses it
+                remove_work(Storage(settings.storage).work_dir(job_id))  # once ended by us: no attempt resumes
             return "failed"
         oom = out_of_memory_message(exc, stage=runner.stage)
         if oom is not None:
