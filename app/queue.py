@@ -21,7 +21,7 @@ TASK_NAME = "dtp_layout.run_job"
 
 
 # The API's publish to Redis: each socket operation and the whole send are bounded, so that a broker that
-# is down (connection refused) or hung (accepts, never answers) is a 503 within about PUBLISH_TIMEOUT_S.
+# is down (connection refused) or hung (accepts, never answers) is a 503 within about 2 × the socket timeout.
 PUBLISH_SOCKET_TIMEOUT_S = 2.0
 PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 0.5}
 
