@@ -18,7 +18,21 @@ from typing import Any
 
 from tests.service_kit import free_port
 
-PG_BIN = Path(os.environ.get("DTP_LAYOUT_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+def _pg_bin() -> Path:
+    """DTP_LAYOUT_TEST_PG_BIN, else Debian's newest /usr/lib/postgresql/N/bin, else the initdb on PATH."""
+    if os.environ.get("DTP_LAYOUT_TEST_PG_BIN"):
+        return Path(os.environ["DTP_LAYOUT_TEST_PG_BIN"])
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3])
+                   if p.parts[-3].isdigit() else 0)
+    if found:
+        return found[-1].parent
+    on_path = shutil.which("initdb")
+    return Path(on_path).parent if on_path else Path("/usr/lib/postgresql/15/bin")
+
+
+PG_BIN = _pg_bin()
 
 
 def _wait(check: Any, timeout: float, what: str) -> None:
