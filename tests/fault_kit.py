@@ -19,7 +19,6 @@ from typing import Any
 from tests.service_kit import free_port
 
 
-
 def _pg_bin() -> Path:
     """DTP_LAYOUT_TEST_PG_BIN, else Debian's newest /usr/lib/postgresql/N/bin, else the initdb on PATH."""
     if os.environ.get("DTP_LAYOUT_TEST_PG_BIN"):
