@@ -49,6 +49,7 @@ from app.settings import Settings
 from app.sources import resolve_data
 from app.storage import Storage, sha256_file
 from worker.device import out_of_memory_message, prepare_device
+from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
 log = logging.getLogger("dtp_layout.worker")
 DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
@@ -843,6 +844,16 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         if isinstance(exc, JobCancelled | Cancelled):
             _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=stage, attempt=attempt)
             return "cancelled"
+        if database_unreachable(exc):  # nothing can be recorded: the lease expires, a sweeper retries it
+            log.warning("job %s: the database became unreachable during %s; left to be retried when it is back",
+                        job_id, stage)
+            return "retried"
+        if disk_full(exc, settings.storage):
+            log.error("job %s: the storage volume is full (%s): %s", job_id, stage, exc)
+            if _end(db, job_id, worker, status="failed", error=no_space_message(stage, settings.storage),
+                    stage=stage, attempt=attempt):
+                remove_work(Storage(settings.storage).work_dir(job_id))  # once ended by us: no attempt resumes
+            return "failed"
         oom = out_of_memory_message(exc, stage=stage)
         if oom is not None:
             message = oom
