@@ -19,6 +19,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -28,7 +29,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+from sqlalchemy.sql.expression import FunctionElement
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
@@ -42,6 +45,31 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+class db_now(FunctionElement[datetime]):
+    """The database server's clock as naive UTC, `seconds` ahead: leases and queue times are compared
+    on one clock whatever the workers' clocks say. Postgres: clock_timestamp() (not the transaction's
+    start); SQLite: strftime with milliseconds, in the text form SQLAlchemy stores DateTime in."""
+
+    type = DateTime()
+    inherit_cache = False  # `seconds` is rendered into the SQL text: never reuse a compiled statement
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = float(seconds)
+        super().__init__()
+
+
+@compiles(db_now, "postgresql")
+def _db_now_pg(element: db_now, compiler: Any, **kw: Any) -> str:
+    shift = f" + interval '{element.seconds!r} seconds'" if element.seconds else ""
+    return f"((clock_timestamp() AT TIME ZONE 'UTC'){shift})"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
+    shift = f", '{element.seconds:+.3f} seconds'" if element.seconds else ""
+    return f"strftime('%Y-%m-%d %H:%M:%f', 'now'{shift})"
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -52,6 +80,7 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_status_enqueued_at", "status", "enqueued_at"),)  # the queued sweeper
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, index=True)
@@ -80,7 +109,9 @@ class Job(Base):
     affinity_cached: Mapped[bool] = mapped_column(Boolean, default=False)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(200))
-    lease_until: Mapped[datetime | None] = mapped_column(DateTime)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime)  # by the database clock (db_now)
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime, default=utcnow)  # last sent to the broker
+    requeues: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # sent again by a sweeper
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
 
     layouts: Mapped[list[LayoutRow]] = relationship(back_populates="job", cascade="all, delete-orphan",

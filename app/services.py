@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
-from app import budgets, hub
+from app import budgets, hub, logs
 from app.auth import Caller
 from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow, write_transaction
 from app.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
@@ -47,6 +47,14 @@ def _aware(dt: datetime | None) -> datetime | None:
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"at": utcnow().isoformat() + "Z", "event": kind, **fields}
+
+
+def job_log_fields(job: Job) -> dict[str, str | None]:
+    """The log context of a job's run on a worker: its tenant, and the id of the request that
+    submitted it (from the history), so that the worker's lines join the API's."""
+    submitted = next((e for e in job.history or [] if isinstance(e, dict) and e.get("event") == "submitted"), {})
+    rid = submitted.get("request_id")
+    return {"tenant": job.owner, "request_id": rid if isinstance(rid, str) else None}
 
 
 # ---- submit ---------------------------------------------------------------------------------------
@@ -111,7 +119,7 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
             problems.append((f"distill.layouts.{i}", str(exc)))
             continue
         if canonical not in produced:
-            hint = "" if spec.ablations else "; anti-optimised, heads-only and neurons-only need ablations=true"
+            hint = "" if spec.ablations else "; the ablation layouts (anti-optimised, …) need ablations=true"
             problems.append((f"distill.layouts.{i}", f"layout {name!r} is not one this job produces (it produces: "
                                                      f"{', '.join(produced)}{hint})"))
         elif canonical in seen:
@@ -130,18 +138,21 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
 
 
 def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: Caller,
-               enqueue: Callable[[str], None]) -> Job:
+               enqueue: Callable[[str], None], request_id: str | None = None) -> Job:
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
-    broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted)."""
+    broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
+    request's id goes into the job's history."""
     fp, found = check_spec(settings=settings, spec=spec)
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
         job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
                   revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
                   status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
-                  history=[event("submitted", config_checked=found["config_checked"], key=caller.key_name)],
+                  history=[event("submitted", config_checked=found["config_checked"], key=caller.key_name,
+                                 request_id=request_id)],
                   cancel_requested=False, affinity_cached=False, attempts=0)
         session.add(job)
+    logs.update(job_id=job.id)
     try:
         enqueue(job.id)
     except Exception as exc:
@@ -232,7 +243,7 @@ def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -
     }
 
 
-def cancel_job(*, session: Session, job_id: str, caller: Caller) -> Job:
+def cancel_job(*, session: Session, job_id: str, caller: Caller, request_id: str | None = None) -> Job:
     """Queued jobs are cancelled at once; running ones stop between micro-batches (the worker sees the flag)."""
     with write_transaction(session):
         job = get_job(session=session, job_id=job_id, caller=caller, lock=True)
@@ -243,7 +254,8 @@ def cancel_job(*, session: Session, job_id: str, caller: Caller) -> Job:
             job.status, job.finished_at, job.error = "cancelled", now, "cancelled before it started"
         job.cancel_requested = True
         job.updated_at = now
-        job.history = [*(job.history or []), event("cancel-requested", by=caller.key_name)]
+        job.history = [*(job.history or []), event("cancel-requested", by=caller.key_name,
+                                                       request_id=request_id)]
     return job
 
 
