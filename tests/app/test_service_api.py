@@ -50,7 +50,8 @@ def test_submit_answers_202_with_id_status_and_links(client):
     assert r.headers["location"] == job["links"]["self"] == f"/v1/jobs/{job['id']}"
     assert set(job["links"]) == {"self", "layouts", "artifacts", "metrics", "cancel"}
     assert job["spec"]["calibration"]["source"] == CALIB and job["spec"]["export"] == {"checkpoint": True,
-                                                                                         "shards": True}
+                                                                                         "shards": True,
+                                                                                         "dtype": "auto"}
     got = client.get(f"/v1/jobs/{job['id']}").json()
     assert got["id"] == job["id"] and got["status"] == "queued"
     # The affinity fingerprint depends on model, revision, dtype and calibration only.
