@@ -36,7 +36,8 @@ class ErrorOut(BaseModel):
     error: str | None = Field(default=None, description="a short code for programs: unauthorized, not_found, "
                                                         "conflict, payload_too_large, range_not_satisfiable, "
                                                         "rate_limited, too_many_active_jobs, work_budget, "
-                                                        "database_unavailable, broker_unavailable, …")
+                                                        "database_unavailable, broker_unavailable, "
+                                                        "artifact_damaged, …")
 
 
 class FieldError(BaseModel):
@@ -106,6 +107,13 @@ class ServiceUnavailable(ApiError):
 
 class BrokerUnavailable(ServiceUnavailable):
     code = "broker_unavailable"
+
+
+class ArtifactDamaged(ServiceUnavailable):
+    """A stored artifact no longer matches its recorded size or sha256: never served as valid. A 503
+    (a server-side loss the operator must repair), without Retry-After: waiting does not mend it."""
+
+    default_field, code = "name", "artifact_damaged"
 
 
 class SpecError(ValueError):

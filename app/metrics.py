@@ -73,6 +73,10 @@ class Metrics:
                                  ["route"], registry=self.registry)
         self.submitted = Counter("dtp_layout_jobs_submitted", "Jobs accepted by POST /v1/jobs", registry=self.registry)
         self.rejected = Counter("dtp_layout_jobs_rejected", "Job specs rejected with 422", registry=self.registry)
+        # Downloads refused: the stored file is not the recorded one (size, sha256, missing, unreadable).
+        self.artifacts_damaged = Counter("dtp_layout_artifacts_damaged", "Artifact downloads refused: the stored "
+                                         "file is missing or no longer matches its recorded size or sha256",
+                                         ["reason"], registry=self.registry)
         self.bytes_served = Counter("dtp_layout_artifact_bytes_served", "Artifact bytes sent",
                                     registry=self.registry)
         self.registry.register(JobsCollector(stats))

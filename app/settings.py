@@ -65,7 +65,24 @@ class Settings(BaseSettings):
                                       description="Redis visibility timeout, above the longest job")
     lease_s: float = Field(default=60.0, gt=0, description="a running job's lease; a worker silent for longer has died")
     max_attempts: int = Field(default=3, ge=1, description="runs of one job before it is failed")
-    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches")
+    requeue_after_s: float = Field(default=300.0, gt=0, description="a job still queued this long after it was "
+                                                                     "sent (no worker took it: message lost, broker "
+                                                                     "purged, enqueue failed) is sent again")
+    stall_s: float = Field(default=1800.0, gt=0, description="a running job that reports no progress for this long "
+                                                              "(e.g. a hung download) stops renewing its lease and is "
+                                                              "retried (up to MAX_ATTEMPTS runs)")
+    time_limit_s: float = Field(default=3600.0, gt=0, description="soft time limit of one run of a job: this, plus "
+                                                                   "TIME_LIMIT_PER_MTOKEN_S per million work tokens, "
+                                                                   "at most TIME_LIMIT_MAX_S; the hard limit is 10% + "
+                                                                   "60 s more")
+    time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
+                                                                            "million work tokens (calibration + "
+                                                                            "distillation training)")
+    time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit")
+    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches and at "
+                                                                  "each stage's start")
+    test_hang_stage: str = Field(default="", description="TEST ONLY: the loading or calibration stage hangs "
+                                                        "(a stuck download) without reporting progress")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "
@@ -98,6 +115,11 @@ class Settings(BaseSettings):
         self.model_root = (self.model_root or var / "models").expanduser().absolute()
         self.data_root = (self.data_root or var / "data").expanduser().absolute()
         return self
+
+    def time_limits(self, work_tokens: int) -> tuple[float, float]:
+        """(soft, hard) seconds for one run of a job of `work_tokens` (app.budgets.work_tokens)."""
+        soft = min(self.time_limit_max_s, self.time_limit_s + self.time_limit_per_mtoken_s * work_tokens / 1e6)
+        return soft, soft * 1.1 + 60.0
 
     @property
     def storage(self) -> Path:
@@ -151,6 +173,12 @@ class Settings(BaseSettings):
             "LEASE_S": str(self.lease_s),
             "MAX_ATTEMPTS": str(self.max_attempts),
             "STAGE_DELAY_S": str(self.stage_delay_s),
+            "TEST_HANG_STAGE": self.test_hang_stage,
+            "REQUEUE_AFTER_S": str(self.requeue_after_s),
+            "STALL_S": str(self.stall_s),
+            "TIME_LIMIT_S": str(self.time_limit_s),
+            "TIME_LIMIT_PER_MTOKEN_S": str(self.time_limit_per_mtoken_s),
+            "TIME_LIMIT_MAX_S": str(self.time_limit_max_s),
             "MAX_MODEL_PARAMS": str(self.max_model_params),
             "HUB_MODELS": self.hub_models,
             "HUB_DATASETS": self.hub_datasets,
