@@ -16,6 +16,7 @@ connections, and the pool has one per thread (DTP_LAYOUT_API_THREADS)."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, ParamSpec, TypeVar
 
@@ -83,6 +84,9 @@ def releases_session(route: Callable[P, R]) -> Callable[P, R]:
             if isinstance(session, Session):
                 session.close()
 
+    # The route's signature with its annotations evaluated in the route's module: FastAPI reads the
+    # parameters from it whatever version resolves string annotations against which globals.
+    wrapper.__signature__ = inspect.signature(route, eval_str=True)  # type: ignore[attr-defined]
     return wrapper
 
 
