@@ -626,6 +626,33 @@ def start_profile(server: Server, out: Path, seconds: float) -> subprocess.Popen
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def profile_summary(path: Path, top: int = 30) -> str:
+    """The share of py-spy's samples (raw format: `frame;frame;… count` per line) in which each function
+    is on the stack (inclusive) and at the top (self)."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(":")[0] + ")" if " (" in f else f for f in stack.split(";")]
+        for name in set(frames):
+            inclusive[name] = inclusive.get(name, 0) + n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+    lines = [f"py-spy: {total} samples of GIL-holding threads; inclusive:"]
+    scaffolding = ("process ", "spawn_main", "<module>", "multiprocessing/", "asyncio/", "uvicorn/server.py",
+                   "uvicorn/_subprocess.py", "uvicorn/supervisors/", "Thread._bootstrap", "Thread.run")
+    ranked = [(name, n) for name, n in sorted(inclusive.items(), key=lambda kv: -kv[1])
+              if not any(mark in name for mark in scaffolding)]
+    lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in ranked[:top]]
+    lines += ["self:"] + [f"  {100 * n / total:5.1f}%  {name}"
+                          for name, n in sorted(own.items(), key=lambda kv: -kv[1])[:15]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
@@ -688,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
             if spy is not None:
                 spy.wait(timeout=args.warmup + args.duration + 60)
             print_report(report)
+            if spy is not None and (args.profile / "profile.txt").is_file():
+                summary = profile_summary(args.profile / "profile.txt")
+                (args.profile / "summary.txt").write_text(summary + "\n")
+                print(summary)
             reports.append(report)
         if args.json:
             args.json.write_text(json.dumps({"command": " ".join(sys.argv), "reports": reports}, indent=2))
