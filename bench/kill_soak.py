@@ -210,8 +210,8 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
             claims = [_at(e) for e in done.history if e["event"] == "claimed"]
             later = [t for t in claims if t > t_kill]
             trial.reclaimed_s = later[0] - t_kill if later else None
-            trial.finished_s = _at(next(e for e in reversed(done.history) if e["event"] == "succeeded")) - t_kill \
-                if done.status == "succeeded" else None
+            if done.status == "succeeded" and not trial.killed_in.startswith("after"):
+                trial.finished_s = _at(next(e for e in reversed(done.history) if e["event"] == "succeeded")) - t_kill
             trial.attempts = done.attempts
             trial.problems = verify(settings, job_id, reference)
             results.append(trial)
