@@ -452,7 +452,7 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--devices", "-L", type=int, help="L")
     p.add_argument("--delta", "-d", type=int, help="δ in modules")
-    p.add_argument("--calib", help="calibration.source: corpus:kjv, corpus:shakespeare, hf:…, or a data-root name")
+    p.add_argument("--calib", help="calibration.source: corpus:shakespeare, corpus:kjv, hf:…, or a data-root name")
     p.add_argument("--calib-sequences", type=int)
     p.add_argument("--calib-seq-len", type=int)
     p.add_argument("--calib-seed", type=int)

@@ -65,7 +65,7 @@ def provision_packaged_model(settings: Any) -> dict[str, Any] | None:
 
 def example_curl(url: str, model: dict[str, Any] | None, api_keys: bool) -> str:
     spec = {"model": model or {"id": "NAME_UNDER_MODEL_ROOT"}, "devices": 3, "delta": 1,
-            "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+            "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
             "random_layouts": 2, "export": {"checkpoint": True, "shards": True}}
     key = " -H 'X-API-Key: YOUR_KEY'" if api_keys else ""
     return (f"curl -s -X POST {url}/v1/jobs -H 'Content-Type: application/json'{key} \\\n"
@@ -138,7 +138,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             worker = WorkerSupervisor(worker_command(settings, name="local"), env={**os.environ,
                                       **settings.worker_env()}, log_path=log_path).start()
         threading.Thread(target=banner, daemon=True).start()
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        # The app's own access log (app/request_context.py) carries the X-Request-ID: uvicorn's is off;
+        # with DTP_LAYOUT_LOG_FORMAT=json uvicorn's loggers go through the app's JSON handler (app/logs.py).
+        from uvicorn.config import LOGGING_CONFIG
+
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    log_config=None if settings.log_format == "json" else LOGGING_CONFIG)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
         return 0 if code in (128 + signal.SIGTERM, 128 + signal.SIGHUP) else code

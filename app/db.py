@@ -195,9 +195,15 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
 
 
+WRITE = "dtp_layout_write"  # execution option: this connection's transactions will write
+
+
 def make_engine(url: str) -> Engine:
-    """An engine; SQLite gets WAL, a busy timeout, foreign keys and BEGIN IMMEDIATE transactions
-    (two processes write the embedded database: a deferred transaction that later writes can fail)."""
+    """An engine. SQLite gets WAL, a busy timeout and foreign keys; its write transactions (sessions of
+    `Database.transaction()` and `write_transaction`) begin IMMEDIATE, because two processes write the
+    embedded database and a deferred transaction that later writes can fail at once with SQLITE_BUSY.
+    Reads begin deferred: under WAL they never take the write lock, so a GET never waits behind a
+    worker's write transaction."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -212,10 +218,12 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE) else "BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    # connect_timeout: a database host that does not answer is a 503 within seconds, not a hung request.
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, pool_timeout=10,
+                         connect_args={"connect_timeout": 5} if url.startswith("postgresql") else {})
 
 
 class Database:
@@ -223,17 +231,30 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(self.engine.execution_options(**{WRITE: True}), expire_on_commit=False)
 
     def session(self) -> Session:
+        """A session for reading (on SQLite its transactions begin deferred: no write lock)."""
         return self._sessions()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
-        with self._sessions() as session, session.begin():
+        """A write transaction, committed at the end (on SQLite it holds the write lock throughout:
+        keep slow work such as hashing out of it)."""
+        with self._write_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+@contextmanager
+def write_transaction(session: Session) -> Iterator[Session]:
+    """`session.begin()` for a transaction that writes: on SQLite it begins IMMEDIATE (the write lock
+    at once, waiting for it under the busy timeout) instead of failing at its first write."""
+    with session.begin():
+        session.connection(execution_options={WRITE: True})
+        yield session
 
 
 _databases: dict[str, Database] = {}

@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
@@ -83,6 +84,20 @@ class Settings(BaseSettings):
     test_hang_stage: str = Field(default="", description="TEST ONLY: the loading or calibration stage hangs "
                                                         "(a stuck download) without reporting progress")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
+    log_format: Literal["text", "json"] = Field(default="text", description="text (readable lines) or json (one "
+                                                                            "object per line)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="level of this "
+                                                                                                "project's loggers")
+    access_log: bool = Field(default=True, description="one log line per HTTP request (with its X-Request-ID)")
+    metrics_cache_s: float = Field(default=2.0, ge=0, le=300, description="/metrics reads the jobs table at most "
+                                                                          "this often")
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _case(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.strip().lower() if info.field_name == "log_format" else value.strip().upper()
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
@@ -165,6 +180,8 @@ class Settings(BaseSettings):
             "HUB_MODELS": self.hub_models,
             "HUB_DATASETS": self.hub_datasets,
             "VAR_DIR": str(self.var_dir),
+            "LOG_FORMAT": self.log_format,
+            "LOG_LEVEL": self.log_level,
         }
         if self.cuda_memory_fraction is not None:
             env["CUDA_MEMORY_FRACTION"] = str(self.cuda_memory_fraction)

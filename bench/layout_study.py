@@ -25,6 +25,8 @@ study resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import shlex
 import sys
 import time
@@ -35,8 +37,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import score_kl
 from models import distill, pipeline
+from models.atomic import atomic_write_json
 from models.calibration import CalibrationSpec
+from models.layout_set import ablation_names
 from models.loading import ModelSource, load_model, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calib-sequences", type=int, default=16)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--random", type=int, default=2, help="random layouts (seeds 1000, 1001, …)")
+    ap.add_argument("--ablations", action="store_true",
+                    help="also the paper's seven spread layouts (§5.4), and the score-vs-KL correlation (§5.2)")
+    ap.add_argument("--restarts", type=int, default=4, help="optimiser restarts (0 = the paper's procedure)")
     ap.add_argument("--train", default="corpus:kjv", help="training data spec")
     ap.add_argument("--eval", default="corpus:shakespeare", help="evaluation data spec")
     ap.add_argument("--eval-blocks", type=int, default=16)
@@ -68,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work", default=str(REPO / "var" / "study"), help="layouts, run logs, checkpoints")
     ap.add_argument("--docs", default=str(REPO / "docs"), help="where study.md and the plot go")
     ap.add_argument("--name", default="study", help="output stem: docs/<name>.md, <name>_curves.png, …")
+    ap.add_argument("--finished-only", action="store_true",
+                    help="train nothing: write the docs from the runs that have finished (a partial study)")
     return ap.parse_args(argv)
 
 
@@ -79,13 +89,12 @@ def optimise_layouts(args: argparse.Namespace, model: Any, tokenizer: Any, work:
     """The `optimise` command's stages without export; skipped when the layouts already exist."""
     report_path = work / pipeline.REPORT_FILE
     if report_path.exists():
-        import json
-
         log(f"layouts exist in {work}, skipping the optimiser")
         report: dict[str, Any] = json.loads(report_path.read_text())
         return report
     calibration = CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len)
-    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, random_layouts=args.random, export=False)
+    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, random_layouts=args.random, export=False,
+                                 ablations=args.ablations, restarts=args.restarts)
     state = pipeline.RunState(out_dir=work)
     pipeline.stage_calibration(state, model=model, tokenizer=tokenizer, calibration=calibration)
     pipeline.stage_affinity(state, model=model, spec=spec, model_name=args.model_name, calibration=calibration)
@@ -96,22 +105,52 @@ def optimise_layouts(args: argparse.Namespace, model: Any, tokenizer: Any, work:
     return report
 
 
+def study_layouts(args: argparse.Namespace) -> tuple[str, ...]:
+    """Trained in this order: the ends of the score axis first, so a partial study still spans it."""
+    randoms = [f"random-{pipeline.RANDOM_SEED_BASE + k}" for k in range(args.random)]
+    if not args.ablations:
+        return ("optimised", "contiguous", *randoms)
+    spread = ablation_names("fo", args.restarts)
+    order = ["optimised", "anti-optimised", "contiguous", "neurons-only", "heads-only", "4-layers", *randoms[:1],
+             "add-score", "8-layers", "12-layers", *randoms[1:], *spread]
+    return tuple(dict.fromkeys(n for n in order if n in spread or n in randoms or n in ("optimised", "contiguous")))
+
+
+def distinct_layouts(names: tuple[str, ...], work: Path) -> tuple[str, ...]:
+    """Drop a layout whose assignment equals an earlier one's (e.g. neurons-only when the optimiser never
+    moves a KV group): the same run twice would only count one point twice. Noted in duplicates.json."""
+    seen: dict[str, str] = {}
+    duplicates: dict[str, str] = {}
+    keep = []
+    for name in names:
+        path = work / "layouts" / f"{name}.json"
+        if path.exists():
+            doc = json.loads(path.read_text())
+            key = json.dumps([doc["kv_group_device"], doc["neuron_device"]])
+            if key in seen:
+                duplicates[name] = seen[key]
+                log(f"{name} is the same layout as {seen[key]}: trained once")
+                continue
+            seen[key] = name
+        keep.append(name)
+    atomic_write_json(work / "duplicates.json", duplicates)
+    return tuple(keep)
+
+
 def distill_spec(args: argparse.Namespace) -> distill.DistillSpec:
     recipe = distill.DistillRecipe(
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup, eval_every=args.eval_every, checkpoint_every=2,
         eval_batch_size=4)
-    # Training text starts after the calibration text when both come from the same source.
-    skip = 0
-    if args.train == args.calib:
-        skip = -(-args.calib_sequences * args.calib_seq_len // args.seq_len)
-    train = CalibrationSpec(source=args.train, sequences=args.steps * args.batch_size, seq_len=args.seq_len,
-                            skip_blocks=skip)
+    # Held out by content (models.heldout): training starts after the calibration blocks where it reads
+    # the same text, evaluation after both.
+    train = CalibrationSpec(source=args.train, sequences=args.steps * args.batch_size, seq_len=args.seq_len)
     evaluation = CalibrationSpec(source=args.eval, sequences=args.eval_blocks, seq_len=args.seq_len)
-    layouts = ("optimised", "contiguous", *(f"random-{pipeline.RANDOM_SEED_BASE + k}" for k in range(args.random)))
+    calibration = CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len)
+    layouts = study_layouts(args)
     seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
     return distill.DistillSpec(layouts=layouts, train=train, eval=evaluation, devices=args.devices, delta=args.delta,
-                               seeds=seeds, recipe=recipe)
+                               seeds=seeds, recipe=recipe, calibration=calibration)
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -152,10 +191,33 @@ def headline_text(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_finished(work: Path, layout: str, seed: int) -> bool:
+    path = distill.run_dir_for(work / "distill", layout, seed) / "metrics.json"
+    return path.exists() and bool(json.loads(path.read_text()).get("complete"))
+
+
+def score_kl_text(args: argparse.Namespace, summary: dict[str, Any], report: dict[str, Any], docs: Path,
+                  work: Path) -> str:
+    """The §5.2 section: J at initialisation against the KL after training, with the plot."""
+    result = score_kl.analyse(report, score_kl.kl_by_layout(work / "distill" / "metrics.csv"),
+                              step=summary["recipe"]["steps"])
+    atomic_write_json(work / "score_kl.json", result)
+    plot_name = f"{args.name}_score_kl.png"
+    score_kl.plot(result, docs / plot_name, title=f"{summary['model']}: L={summary['devices']}, "
+                                                  f"δ={summary['delta']}, {len(result['points'])} layouts")
+    return f"""
+## Score at initialisation vs trained KL (§5.2)
+
+J is each layout's co-located score in FO units at initialisation (the ADD-score layout rescored in FO
+units), KL the per-token KL to the dense model on the held-out evaluation blocks. Grey points: random
+layouts. Plot: `docs/{plot_name}`; numbers: `score_kl.json` in the study's working directory.
+
+{score_kl.markdown(result, plot_name)}
+"""
+
+
 def run_minutes(work: Path, summary: dict[str, Any]) -> str:
     """Wall minutes of each run, from its own log (so regenerating the docs does not reset them)."""
-    import json
-
     parts = []
     for name in summary["layouts"]:
         for seed in summary["seeds"]:
@@ -211,7 +273,7 @@ Plot: `docs/{stem}_curves.png`; every evaluation: `docs/{stem}_metrics.csv`.
 ## Headline figures (optimised vs contiguous)
 
 {headline_text(summary)}
-"""
+""" + (score_kl_text(args, summary, report, docs, work) if args.ablations else "")
     path = docs / f"{stem}.md"
     # Hand-written reading of the results survives regeneration.
     if path.exists() and NOTES_MARKER in (old := path.read_text()):
@@ -238,11 +300,23 @@ def main(argv: list[str] | None = None) -> None:
     log(f"loaded {args.model_name}; {torch.get_num_threads()} threads")
     report = optimise_layouts(args, model, tokenizer, work)
     spec = distill_spec(args)
+    spec = dataclasses.replace(spec, layouts=distinct_layouts(spec.layouts, work))
+    if args.finished_only:
+        finished = tuple(n for n in spec.layouts if all(run_finished(work, n, seed) for seed in spec.seeds))
+        if not finished:
+            raise SystemExit(f"no finished runs under {work / 'distill'}")
+        spec = dataclasses.replace(spec, layouts=finished)
 
     def on_eval(r: distill.EvalRecord) -> None:
         loss = f"{r.loss:.4f}" if r.loss is not None else "-"
         log(f"{r.layout:<12} seed {r.seed} step {r.step:>5}  KL {r.kl:.4f}  ppl {r.ppl:8.2f}  loss {loss}  "
             f"({r.elapsed_s:.0f}s)")
+        if args.ablations and r.step == spec.recipe.steps:
+            # Each finished run updates the correlation, so an interrupted study still has its numbers.
+            result = score_kl.analyse(report, score_kl.kl_by_layout(work / "distill" / "metrics.csv"),
+                                      step=spec.recipe.steps)
+            atomic_write_json(work / "score_kl.json", result)
+            log(f"score vs KL@{result['step']}: {json.dumps(result['trained'])}")
 
     summary = distill.run_distill(spec, teacher=model, tokenizer=tokenizer, out_dir=work / "distill",
                                   layouts_dir=work / "layouts", model_id=args.model_name, on_eval=on_eval,

@@ -17,19 +17,15 @@ hidden_size, multiply-adds per neuron; tokens are chunked so the [H, tokens, I] 
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from models.atomic import atomic_write
+# The result and its file are torch-free (models.affinity_file), re-exported where callers import them.
+from models.affinity_file import SCORES as SCORES
+from models.affinity_file import AffinityResult as AffinityResult
 from models.dtp import DTPModel, rms_norm
 from models.families import model_shape
 from models.layout import ModelShape
@@ -37,65 +33,15 @@ from models.permute import decoder_layers
 from models.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
 from models.progress import Progress, ShouldStop
 
-SCORES = ("fo", "add")
 
-
-@dataclass
-class AffinityResult:
-    """Raw per-token means (not normalised): up_fo/up_add [G, I] per layer, down [I, G] per layer < N-1."""
-
-    up_fo: list[np.ndarray]
-    up_add: list[np.ndarray]
-    down: list[np.ndarray]
-    tokens: int
-    shape: ModelShape
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    def up(self, score: str) -> list[np.ndarray]:
-        if score not in SCORES:
-            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
-        return self.up_fo if score == "fo" else self.up_add
-
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {}
-        for i, m in enumerate(self.up_fo):
-            tensors[f"up_fo.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
-        for i, m in enumerate(self.up_add):
-            tensors[f"up_add.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
-        for i, m in enumerate(self.down):
-            tensors[f"down.{i}"] = torch.from_numpy(np.ascontiguousarray(m))
-        meta = {**self.metadata, "tokens": str(self.tokens), "format": "dtp-layout-affinity/1",
-                "shape": json.dumps(self.shape.__dict__)}
-        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
-
-    @classmethod
-    def load(cls, path: str | Path) -> AffinityResult:
-        path = Path(path)
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = dict(f.metadata() or {})
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
-        except Exception as exc:  # safetensors raises its own error type for malformed headers
-            raise ValueError(f"{path}: cannot read affinity safetensors: {exc}") from exc
-        if meta.get("format") != "dtp-layout-affinity/1" or "shape" not in meta:
-            raise ValueError(f"{path}: not a dtp-layout affinity file (metadata format/shape missing)")
-        shape = ModelShape(**json.loads(meta["shape"]))
-        n = shape.num_layers
-
-        def stack(prefix: str, count: int) -> list[np.ndarray]:
-            try:
-                return [tensors[f"{prefix}.{i}"].double().numpy() for i in range(count)]
-            except KeyError as exc:
-                raise ValueError(f"{path}: missing tensor {exc.args[0]}") from exc
-
-        return cls(stack("up_fo", n), stack("up_add", n), stack("down", n - 1), int(meta.get("tokens", 0)),
-                   shape, {k: v for k, v in meta.items() if k not in ("tokens", "format", "shape")})
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a micro-batch's sums over tokens are accumulated in: float32 at least (a bf16/fp16 model's
+    products are exact enough per token, but thousands of them summed in bf16 lose whole percents)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 class _LayerAccumulator:
-    """float64 sums over tokens for one layer (each micro-batch is summed in the model's dtype first)."""
+    """float64 sums over tokens for one layer; each micro-batch is summed in `sum_dtype` (fp32 at least)."""
 
     def __init__(self, heads: int, neurons: int, device: torch.device) -> None:
         self.fo = torch.zeros(heads, neurons, dtype=torch.float64, device=device)  # Σ_t Δ²: [H, I]
@@ -130,21 +76,25 @@ def _accumulate_up(acc: _LayerAccumulator, heads_out: torch.Tensor, inv_r: torch
                    up: torch.Tensor, fold: Fold, token_chunk: int) -> None:
     """heads_out: [T, H*hd]; inv_r: [T, 1]; gate/up: [T, I]; fold: neuron blocks of [H, hd, b]."""
     heads, head_dim = fold[0][1].shape[:2]
+    acc_dtype = sum_dtype(gate.dtype)
     a = (heads_out * inv_r).view(-1, heads, head_dim).transpose(0, 1).contiguous()  # [H, T, hd]: a_h / r
-    # ADD needs only the second moment of a_h/r: Σ_t (a·f)² = fᵀ (Σ_t a aᵀ) f, per head and fold column.
-    cov = torch.bmm(a.transpose(1, 2), a)  # [H, hd, hd]
+    # ADD needs only the second moment of a_h/r: Σ_t (a·f)² = fᵀ (Σ_t a aᵀ) f, per head and fold column;
+    # the moment is a sum over tokens, so it is formed in acc_dtype.
+    a_acc = a.to(acc_dtype)
+    cov = torch.bmm(a_acc.transpose(1, 2), a_acc)  # [H, hd, hd]
     sig = torch.sigmoid(gate)
     silu = gate * sig
     coef_g = sig.mul_(1 + gate * (1 - sig)).mul_(up)  # silu'(g)·u: [T, I]
-    fo = torch.zeros(heads, gate.shape[1], dtype=gate.dtype, device=gate.device)  # [H, I]
+    fo = torch.zeros(heads, gate.shape[1], dtype=acc_dtype, device=gate.device)  # [H, I]
     add = torch.zeros_like(fo)
     for cols, fold_g, fold_u in fold:
-        add[:, cols] = (torch.bmm(cov, fold_g) * fold_g).sum(1) + (torch.bmm(cov, fold_u) * fold_u).sum(1)
+        fg, fu = fold_g.to(acc_dtype), fold_u.to(acc_dtype)
+        add[:, cols] = (torch.bmm(cov, fg) * fg).sum(1) + (torch.bmm(cov, fu) * fu).sum(1)
         for start in range(0, a.shape[1], token_chunk):
             rows = slice(start, start + token_chunk)
             delta = torch.bmm(a[:, rows], fold_g).mul_(coef_g[rows, cols])  # silu'(g)u (p_h·w^g): [H, t, b]
             delta.addcmul_(torch.bmm(a[:, rows], fold_u), silu[rows, cols])  # + silu(g) (p_h·w^u) = Δ_hk
-            fo[:, cols] += delta.square_().sum(1)
+            fo[:, cols] += delta.to(acc_dtype).square_().sum(1)  # per token in the model's dtype, summed in fp32
     acc.fo += fo.double()
     acc.add += add.double()
 
@@ -200,7 +150,8 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
         for i in range(n_layers):
             layer = layers[i]
             if pending_act is not None:
-                accs[i - 1].act += (pending_act * _rms_inverse(x, eps).square()).sum(0).double()
+                inv = _rms_inverse(x, eps).to(pending_act.dtype)
+                accs[i - 1].act += (pending_act * inv.square()).sum(0).double()
             heads_out = dense.attention_heads(i, x.view(1, *emb.shape), cos, sin)[0]  # [T, H*hd]
             x = x + heads_out @ layer.self_attn.o_proj.weight.t()
             inv_r = _rms_inverse(x, eps)  # [T, 1]
@@ -213,7 +164,7 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
             _accumulate_up(accs[i], heads_out, inv_r, gate, up, fold, token_chunk)
             act = F.silu(gate) * up  # [T, I]
             x = x + act @ layer.mlp.down_proj.weight.t()
-            pending_act = act.square() if i < n_layers - 1 else None
+            pending_act = act.to(sum_dtype(act.dtype)).square() if i < n_layers - 1 else None
         if progress is not None:
             progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
     tokens = int(blocks.numel())

@@ -17,23 +17,26 @@ import numpy as np
 import torch
 import transformers
 
-from models import layout as layout_mod
 from models.affinity import SCORES, AffinityResult, affinity_pass
+from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
-from models.calibration import CalibrationSpec, load_blocks
-from models.export import export_checkpoint, export_rank_shards, permuted_copy
+from models.calibration import CalibrationSpec, DataError, load_blocks
+from models.export import dtype_name, export_checkpoint, export_copy, export_rank_shards
+from models.heldout import source_identity
 from models.layout import Layout, ModelShape
-from models.optimise import Affinity, OptimiseResult, optimise, score, upper_bound
+from models.layout_set import PAPER_RESTARTS, ablation_names
+
+# Where callers have imported them from: the layout set lives in models.layout_set (torch-free).
+from models.layout_set import RANDOM_SEED_BASE as RANDOM_SEED_BASE
+from models.layout_set import affinity_for as affinity_for
+from models.layout_set import build_layouts as build_layouts
+from models.optimise import OptimiseResult
 from models.progress import Progress, ShouldStop
 
-RANDOM_SEED_BASE = 1000  # random-<seed> layouts use seeds 1000 … 1000+K-1, as in the paper
 AFFINITY_FILE = "affinity.safetensors"
 REPORT_FILE = "report.json"
-ABLATIONS = {
-    "anti-optimised": dict(maximise=False),
-    "heads-only": dict(move_neurons=False),
-    "neurons-only": dict(move_heads=False),
-}
+# The paper's seven spread layouts (§5.4) for an FO run; models.layout_set defines them.
+ABLATIONS = tuple(ablation_names("fo"))
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class OptimiseSpec:
     ablations: bool = False
     export: bool = True
     batch_size: int = 4
-    restarts: int = 4
+    restarts: int = 4  # the paper's procedure is 0 (one start, from the contiguous KV groups)
+    stability: bool = False  # also optimise on each half of the calibration blocks (models.stability)
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -67,6 +71,8 @@ class RunState:
     blocks: torch.Tensor | None = None
     affinity: AffinityResult | None = None
     layouts: dict[str, Layout] = field(default_factory=dict)
+    export_dtypes: dict[str, str] | None = None  # what stage_export stored and what the passes computed in
+    stability: dict[str, Any] | None = None
 
     def timed(self, stage: str, start: float) -> None:
         self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - start, 3)
@@ -96,32 +102,6 @@ def to_layout(name: str, result: OptimiseResult, shape: ModelShape, devices: int
                   score=result.report.as_dict())
 
 
-def affinity_for(result: AffinityResult, score_name: str) -> Affinity:
-    return Affinity(up=result.up(score_name), down=result.down)
-
-
-def build_layouts(affinity_result: AffinityResult, *, devices: int, delta: int, score_name: str = "fo",
-                  random_layouts: int = 0, ablations: bool = False, restarts: int = 4) -> dict[str, Layout]:
-    """optimised, contiguous, random-<seed> and (optionally) ablation layouts, each with its score."""
-    shape = affinity_result.shape
-    layout_mod.check_devices(shape, devices)
-    layout_mod.check_delta(shape, delta)
-    affinity = affinity_for(affinity_result, score_name)
-    bound = upper_bound(affinity, devices)
-    best = optimise(affinity, devices, bound=bound, restarts=restarts)
-    layouts = {"optimised": to_layout("optimised", best, shape, devices, delta)}
-    for name, options in ABLATIONS.items():
-        if ablations:
-            result = optimise(affinity, devices, bound=bound, restarts=restarts, **options)  # type: ignore[arg-type]
-            layouts[name] = to_layout(name, result, shape, devices, delta)
-    fixed = [layout_mod.contiguous(shape, devices, delta)]
-    fixed += [layout_mod.random(shape, devices, delta, RANDOM_SEED_BASE + k) for k in range(random_layouts)]
-    for lay in fixed:
-        report = score(affinity, lay.kv_group_device, lay.neuron_device, devices=devices, bound=bound)
-        layouts[lay.name] = lay.with_name(lay.name, report.as_dict())
-    return layouts
-
-
 def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
     t0 = time.perf_counter()
     assert state.affinity is not None, "stage_affinity first"
@@ -133,17 +113,49 @@ def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
     state.timed("optimise", t0)
 
 
+def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress: Progress | None = None,
+                    should_stop: ShouldStop | None = None) -> None:
+    """Affinity pass and optimiser on each half of the calibration blocks; the report in state.stability."""
+    from models.stability import HALVES, half_layouts, stability_report
+
+    t0 = time.perf_counter()
+    assert state.blocks is not None, "stage_calibration first"
+    count = len(state.blocks)
+    if count < 2:
+        raise ValueError(f"stability needs at least 2 calibration blocks (one per half), got {count}")
+    parts = dict(zip(HALVES, (state.blocks[:count // 2], state.blocks[count // 2:]), strict=True))
+    halves = {}
+    for k, (half, blocks) in enumerate(parts.items()):
+        def half_progress(stage: str, fraction: float, k: int = k) -> None:
+            if progress:
+                progress("stability", (k + fraction) / 2)
+
+        halves[half] = affinity_pass(model, blocks, batch_size=spec.batch_size, progress=half_progress,
+                                     should_stop=should_stop)
+    layouts = half_layouts(halves, devices=spec.devices, delta=spec.delta, score_name=spec.score,
+                           restarts=spec.restarts)
+    for lay in layouts.values():
+        lay.save(state.out_dir / "stability" / f"{lay.name}.json")
+    state.stability = stability_report(halves, layouts, score_name=spec.score, restarts=spec.restarts,
+                                       blocks={half: len(b) for half, b in parts.items()})
+    state.timed("stability", t0)
+
+
 def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
-                 overwrite: bool = False, checkpoint: bool = True, shards: bool = True) -> None:
-    """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`)."""
+                 overwrite: bool = False, checkpoint: bool = True, shards: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+    """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
+    in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
-    permuted = permuted_copy(model, best)
+    compute = next(model.parameters()).dtype
+    permuted = export_copy(model, best, dtype)
+    state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
     if checkpoint:
         export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
     if shards:
         export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
-                           progress=progress)
+                           progress=progress, compute_dtype=compute)
     state.timed("export", t0)
 
 
@@ -158,11 +170,27 @@ def versions() -> dict[str, str]:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec) -> dict:
+def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec,
+                 calibration_identity: str | None = None, data: dict[str, Any] | None = None) -> dict:
+    """report.json. calibration_identity: which text the calibration read (`models.heldout`), so that a
+    later `distill --from` holds its blocks out whatever the source is called there; computed from
+    calibration.source when not given. data: the held-out placement of a distillation that followed."""
     assert state.affinity is not None
+    if calibration_identity is None:
+        try:
+            calibration_identity = source_identity(calibration.source, calibration.text_field)
+        except (DataError, AssetNotFoundError):
+            calibration_identity = None
     reports = {name: lay.score for name, lay in state.layouts.items()}
     any_report = next(iter(reports.values())) or {}
     notes = []
+    if spec.restarts != PAPER_RESTARTS:
+        notes.append(f"restarts={spec.restarts}: besides the paper's single start from the contiguous KV groups, "
+                     f"the optimiser also started from {spec.restarts} random head assignments and kept the best; "
+                     f"pass restarts={PAPER_RESTARTS} for the paper's procedure")
+    if spec.ablations and spec.restarts != PAPER_RESTARTS:
+        notes.append("neurons-only never moves the KV groups, so restarts cannot change it: compare it with "
+                     "optimised-restarts-0 (equal restarts), not with optimised")
     if spec.delta != 1:
         notes.append(f"delta={spec.delta}: the objective models δ=1 (what a device misses from the previous "
                      "module); the same objective is used for δ>1 until it is generalised")
@@ -173,16 +201,22 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "devices": spec.devices,
         "delta": spec.delta,
         "score": spec.score,
+        "restarts": spec.restarts,
+        "paper_procedure": spec.restarts == PAPER_RESTARTS,
         "calibration": asdict(calibration),
         "calibration_fingerprint": calibration.fingerprint(),
+        "calibration_identity": calibration_identity,
         "tokens": state.affinity.tokens,
         "random_expectation": any_report.get("random_expectation"),
         "upper_bound": any_report.get("upper_bound"),
         "upper_bound_exact": any_report.get("upper_bound_exact"),
         "layouts": reports,
+        **({"stability": state.stability} if state.stability is not None else {}),
         "seconds": state.seconds,
         "versions": versions(),
         "notes": notes,
+        **({"export": state.export_dtypes} if state.export_dtypes else {}),
+        **({"data": data} if data is not None else {}),
     }
 
 
@@ -201,3 +235,19 @@ def summary_table(report: dict) -> str:
                 f"{'' if report.get('upper_bound_exact') else ' (relaxed)'}; {report['tokens']} calibration tokens")
     return "\n".join(rows)
 
+
+
+def stability_text(stability: dict) -> str:
+    """The calibration-stability report as a few lines (J of each half's layout on each half)."""
+    j, agree = stability["J"], stability["agreement"]
+    lines = [f"calibration stability ({stability['score'].upper()} units, restarts {stability['restarts']}):"]
+    for on in ("first", "second"):
+        half = stability["halves"][on]
+        other = "second" if on == "first" else "first"
+        lines.append(f"  on the {on} half ({half['blocks']} blocks): own layout J={j[f'{on}_on_{on}']:.3f}, "
+                     f"the {other} half's layout J={j[f'{other}_on_{on}']:.3f} "
+                     f"({stability['transfer'][on]:.1%}; random {half['random_expectation']:.3f}, "
+                     f"bound {half['upper_bound']:.3f})")
+    lines.append(f"  neurons on the same device under the best relabelling: {agree['neurons']:.1%} "
+                 f"(KV groups {agree['kv_groups']:.1%}; chance about {agree['chance']:.1%})")
+    return "\n".join(lines)

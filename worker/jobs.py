@@ -40,14 +40,16 @@ from typing import Any
 from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from app import logs
 from app.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
 from app.hub import prepare_model
 from app.schemas import METRIC_NAMES, JobSpec
-from app.services import DISTILL_SUMMARY, event
+from app.services import DISTILL_SUMMARY, event, job_log_fields
 from app.settings import Settings
 from app.sources import resolve_data
 from app.storage import Storage, sha256_file
 from worker.device import out_of_memory_message, prepare_device
+from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
 log = logging.getLogger("dtp_layout.worker")
 DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
@@ -244,6 +246,7 @@ class Monitor(threading.Thread):
 
 @dataclass
 class Loaded:
+    config: Any = None
     model: Any = None
     tokenizer: Any = None
 
@@ -342,6 +345,7 @@ class JobRun:
         if self.settings.stage_delay_s:  # TEST ONLY: every stage lasts a while (kill and cancel tests)
             time.sleep(self.settings.stage_delay_s)
         self.stage, self._stage_t0 = stage, time.perf_counter()
+        logs.update(stage=stage)
         self.monitor.start_stage(stage)
         with self.db.transaction() as session:
             job = self._owned(session)
@@ -395,9 +399,10 @@ class JobRun:
         from models import pipeline
         from models.affinity import AffinityResult
         from models.calibration import CalibrationSpec
+        from models.export import dtype_name, export_dtype
         from models.families import model_shape
         from models.layout import check_delta, check_devices
-        from models.loading import ModelSource, load_config, load_model, load_tokenizer
+        from models.loading import DTYPES, ModelSource, load_config, load_model, load_tokenizer
 
         spec = self.spec
         self.prepare_work()
@@ -422,11 +427,12 @@ class JobRun:
             # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
             location = prepare_model(settings=self.settings, spec=spec)
             source = ModelSource(**location.loader_args())
-            shape = model_shape(load_config(source))
+            config = load_config(source)
+            shape = model_shape(config)
             check_devices(shape, spec.devices)
             check_delta(shape, spec.delta)
             self.monitor.report(0.05)
-            loaded = Loaded()
+            loaded = Loaded(config=config)
             if not have_affinity or need_export or need_distill:
                 loaded.model = load_model(source, dtype=spec.model.dtype, device=self.settings.device)
                 self.monitor.report(0.9)
@@ -434,6 +440,7 @@ class JobRun:
             return loaded
 
         loaded: Loaded = self.abandonable(load)
+        config = loaded.config
         self.complete("loading", weights=loaded.model is not None)
 
         # calibration
@@ -518,7 +525,9 @@ class JobRun:
             offset = 0.5 if spec.export.checkpoint else 0.0
             pipeline.stage_export(state, model=loaded.model, tokenizer=loaded.tokenizer,
                                   progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
-                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards)
+                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards,
+                                  dtype=export_dtype(spec.export.dtype, config=config,
+                                                     compute=DTYPES[spec.model.dtype]))
             self.check()
             files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")
                      for p in sorted((self.work / sub).glob("*")) if p.is_file()]
@@ -533,7 +542,18 @@ class JobRun:
         # the report, and done
         self.check()
         self.stage = None
-        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown)
+        from models.heldout import source_identity
+
+        if spec.export.any and state.export_dtypes is None:  # exported by an earlier attempt
+            state.export_dtypes = {"dtype": dtype_name(export_dtype(spec.export.dtype, config=config,
+                                                                    compute=DTYPES[spec.model.dtype])),
+                                   "compute_dtype": spec.model.dtype}
+
+        summary_file = self.work / "distill" / "summary.json"
+        held_out = json.loads(summary_file.read_text()).get("data") if spec.distill and summary_file.is_file() else None
+        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown,
+                                       calibration_identity=source_identity(calibration.source, calibration.text_field),
+                                       data=held_out)
         self._finish(report)
 
     def distil(self, loaded: Loaded, layouts_dir: Path) -> None:
@@ -548,9 +568,12 @@ class JobRun:
         data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
                                                                           field=f"distill.{part}.source")})
                 for part, fields in shown.items()}
+        calibration = CalibrationSpec(**{**self.spec.calibration.model_dump(),
+                                         "source": resolve_data(self.settings.data_dir, self.spec.calibration.source)})
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
-                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()))
+                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
+                              allow_overlap=spec.allow_overlap)
         total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
         self.enter("distilling")
         t0, trained = time.monotonic(), 0
@@ -580,7 +603,8 @@ class JobRun:
         summary_file = out_dir / "summary.json"
         summary = json.loads(summary_file.read_text())
         for part, fields in shown.items():
-            summary[part] = {**summary.get(part, {}), **fields}
+            # the blocks actually read (held-out placement may have moved them), under the submitted name
+            summary[part] = {**fields, **summary.get(part, {}), "source": fields["source"]}
         _write_json(summary_file, summary)
         staging = self.work / "distill-publish"
         shutil.rmtree(staging, ignore_errors=True)
@@ -779,6 +803,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
         return "skipped"
     attempt = job.attempts
+    logs.update(**job_log_fields(job))
     if job.cancel_requested:
         _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=job.stage, attempt=attempt)
         return "cancelled"
@@ -819,6 +844,16 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         if isinstance(exc, JobCancelled | Cancelled):
             _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=stage, attempt=attempt)
             return "cancelled"
+        if database_unreachable(exc):  # nothing can be recorded: the lease expires, a sweeper retries it
+            log.warning("job %s: the database became unreachable during %s; left to be retried when it is back",
+                        job_id, stage)
+            return "retried"
+        if disk_full(exc, settings.storage):
+            log.error("job %s: the storage volume is full (%s): %s", job_id, stage, exc)
+            if _end(db, job_id, worker, status="failed", error=no_space_message(stage, settings.storage),
+                    stage=stage, attempt=attempt):
+                remove_work(Storage(settings.storage).work_dir(job_id))  # once ended by us: no attempt resumes
+            return "failed"
         oom = out_of_memory_message(exc, stage=stage)
         if oom is not None:
             message = oom

@@ -24,6 +24,7 @@ from typing import Any
 
 from celery.signals import worker_ready
 
+from app import logs
 from app.db import database
 from app.settings import get_settings
 from worker.celery_app import TASK_NAME, app, enqueue
@@ -51,8 +52,9 @@ def run_job(self: Any, job_id: str) -> str:
         log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    return jobs.run_job(job_id, settings=settings, db=db, worker=worker,
-                        enqueue=lambda jid: enqueue(app, settings, jid), on_hard_limit=hard_limit)
+    with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/logs.py)
+        return jobs.run_job(job_id, settings=settings, db=db, worker=worker,
+                            enqueue=lambda jid: enqueue(app, settings, jid), on_hard_limit=hard_limit)
 
 
 def sweep_once() -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from models.layout_set import ablation_names
 from tests import browser_kit
 from tests.app.conftest import API_KEYS
 from tests.service_kit import CALIB, TINY_MODEL
@@ -22,7 +23,8 @@ from tests.service_kit import CALIB, TINY_MODEL
 pytestmark = [pytest.mark.worker, pytest.mark.browser]
 
 STAGES = ["queued", "loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
-LAYOUTS = {"optimised", "anti-optimised", "heads-only", "neurons-only", "contiguous", "random-1000"}
+# The job of the form's defaults with ablations: restarts 4, so the equal-restarts reference too.
+LAYOUTS = {"optimised", *ablation_names("fo", restarts=4), "contiguous", "random-1000"}
 
 
 @pytest.fixture(scope="module")

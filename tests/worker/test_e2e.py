@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from app.main import create_app
 from models.export import load_rank_shards
 from models.layout import from_json_dict
+from models.layout_set import ablation_names
 from tests.service_kit import TINY_MODEL, WorkerProcess, spec, wait_for, worker_settings
 from tests.tiny import tokens
 
@@ -65,8 +66,8 @@ def test_job_succeeds_and_artifacts_keep_the_dense_logits(client, settings, fini
     assert job["affinity_cached"] is False and job["attempts"] == 1 and job["error"] is None
     assert set(job["timings"]) == set(job["stages_done"])
     layouts = {item["name"]: item for item in client.get(job["links"]["layouts"]).json()["items"]}
-    assert set(layouts) == {"optimised", "contiguous", "random-1000", "random-1001", "anti-optimised",
-                            "heads-only", "neurons-only"}
+    assert set(layouts) == {"optimised", "contiguous", "random-1000", "random-1001",
+                            *ablation_names("fo", restarts=4)}
     assert layouts["optimised"]["J"] >= max(v["J"] for v in layouts.values()) - 1e-9
     assert job["summary"]["layouts"]["optimised"] == pytest.approx(layouts["optimised"]["J"])
 

@@ -3,7 +3,9 @@
 import {api, ApiError, apiUrl, getKey} from "../api.js";
 import {copyButton, h, replace} from "../dom.js";
 
-const ABLATIONS = ["anti-optimised", "heads-only", "neurons-only"];
+// As models.layout_set: the paper's seven spread layouts; the fourth is named after the other score.
+const ABLATIONS = ["anti-optimised", "heads-only", "neurons-only", "add-score", "4-layers", "8-layers", "12-layers"];
+const RESTARTS_DEFAULT = 4;
 const RANDOM_SEED_BASE = 1000;
 const DEFAULTS = {
   "model.id": "", "model.gguf_file": "", "model.revision": "", "model.dtype": "float32",
@@ -95,7 +97,7 @@ export function renderSubmit(container, {params, navigate}) {
       field("delta", "Delay δ", number(), "in modules"),
       field("score", "Up-edge score", select([["fo", "fo (first order)"], ["add", "add"]])),
       field("random_layouts", "Random layouts", number(), "baselines random-1000 …"),
-      field("ablations", "Ablations (anti-optimised, heads-only, neurons-only)", check()))),
+      field("ablations", "Ablations (the paper's seven spread layouts)", check()))),
     h("fieldset", {}, h("legend", {}, "Calibration"), h("div", {class: "grid"},
       field("calibration.source", "Source", text({list: "source-list", required: true}),
         "corpus:NAME, hf:NAME[:CONFIG[:SPLIT]] or a name under the data root"),
@@ -129,7 +131,11 @@ export function renderSubmit(container, {params, navigate}) {
   function layoutNames() {
     const k = Number(inputs.random_layouts.value) || 0;
     const names = ["optimised"];
-    if (inputs.ablations.checked) names.push(...ABLATIONS);
+    if (inputs.ablations.checked) {
+      names.push(...ABLATIONS.map((n) => (n === "add-score" && inputs.score.value === "add" ? "fo-score" : n)));
+      const restarts = inputs.restarts.value === "" ? RESTARTS_DEFAULT : Number(inputs.restarts.value);
+      if (restarts > 0) names.push("optimised-restarts-0");
+    }
     names.push("contiguous");
     for (let i = 0; i < Math.min(Math.max(0, k), 64); i += 1) names.push(`random-${RANDOM_SEED_BASE + i}`);
     return names;
@@ -237,7 +243,7 @@ export function renderSubmit(container, {params, navigate}) {
   }
 
   form.addEventListener("input", (ev) => {
-    if (ev.target === inputs.random_layouts || ev.target === inputs.ablations) drawLayoutChecks();
+    if ([inputs.random_layouts, inputs.ablations, inputs.score, inputs.restarts].includes(ev.target)) drawLayoutChecks();
     if (ev.target === inputs["model.id"]) fillGguf();
     update();
   });
