@@ -262,3 +262,43 @@ def test_metrics_past_the_bind_parameter_limit(tmp_path, postgres_server):
     with db.session() as session:
         assert session.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == job_id)) == n
         assert session.scalar(select(Metric.value).where(Metric.job_id == job_id, Metric.step == n - 1)) == 2.0
+
+
+def test_stall_stops_the_lease_renewal(tmp_path):
+    settings = sqlite_settings(tmp_path)
+    db = database(settings.database_url)
+    job_id = submit(settings)
+    claim(db, job_id, worker="w:1", lease_s=30)
+    monitor = Monitor(db, job_id, "w:1", 30, attempt=1, stall_s=0.3)
+    monitor.flush()
+    renewed = row(settings, job_id).lease_until
+    time.sleep(0.4)
+    monitor.flush()
+    assert monitor.stalled.is_set() and row(settings, job_id).lease_until == renewed
+    monitor.report(0.5)  # progress after the stall does not take the lease back: the run is abandoned
+    monitor.flush()
+    assert row(settings, job_id).lease_until == renewed
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.worker
+def test_worker_sweeper_sends_a_job_whose_message_never_left(tmp_path, postgres_server, redis_broker):
+    """The API crashed between recording the job and enqueueing it: a real worker's sweeper finds the
+    job, sends it, and the worker runs it once."""
+    from tests.service_kit import WorkerProcess, worker_settings
+
+    settings = worker_settings(tmp_path, postgres_server, redis_broker, "lostmsg", requeue_after_s=1.0)
+    job_id = submit(settings, spec(random_layouts=0, ablations=False, export={"checkpoint": False,
+                                                                              "shards": False}))
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        deadline = time.monotonic() + 90
+        while row(settings, job_id).status in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        worker.stop()
+    job = row(settings, job_id)
+    assert job.status == "succeeded", (job.status, job.error, worker.log()[-3000:])
+    assert job.requeues >= 1 and events(job)["claimed"] == 1 and events(job)["succeeded"] == 1
+    assert "still queued" in worker.log()
