@@ -81,8 +81,8 @@ class Settings(BaseSettings):
     time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit")
     stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches and at "
                                                                   "each stage's start")
-    test_hang_stage: str = Field(default="", description="TEST ONLY: the loading or calibration stage hangs "
-                                                        "(a stuck download) without reporting progress")
+    test_hang_stage: str = Field(default="", description="TEST ONLY: the loading, calibration or optimising stage "
+                                                        "hangs (a stuck download) without reporting progress")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
     log_format: Literal["text", "json"] = Field(default="text", description="text (readable lines) or json (one "
                                                                             "object per line)")

@@ -332,12 +332,23 @@ class JobRun:
         earlier = sorted((int(p.name) for p in parent.iterdir() if p.name.isdigit() and int(p.name) < self.attempt),
                          reverse=True) if parent.is_dir() else []
         shutil.rmtree(self.work, ignore_errors=True)
+        skip = shutil.ignore_patterns("checkpoint", "shards", "distill-publish", "*.tmp", "*.tmp.npy")
         if earlier:
-            source = parent / str(earlier[0])
-            shutil.copytree(source, self.work, ignore=shutil.ignore_patterns(
-                "checkpoint", "shards", "distill-publish", "*.tmp", "*.tmp.npy"))
+            shutil.copytree(parent / str(earlier[0]), self.work, ignore=skip)
             for n in earlier:
                 shutil.rmtree(parent / str(n), ignore_errors=True)
+        elif parent.is_dir():
+            # A job started before per-attempt directories: its files are in work/ itself.
+            legacy = [p for p in parent.iterdir() if not p.name.isdigit()]
+            ignored = skip(str(parent), [p.name for p in legacy])
+            for p in legacy:
+                if p.name in ignored:
+                    continue
+                if p.is_dir():
+                    shutil.copytree(p, self.work / p.name, ignore=skip)
+                else:
+                    self.work.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(p, self.work / p.name)
         self.work.mkdir(parents=True, exist_ok=True)
 
     def enter(self, stage: str, **note: Any) -> None:
@@ -502,7 +513,7 @@ class JobRun:
         if "optimising" not in self.done:
             self.enter("optimising")
             shutil.rmtree(layouts_dir, ignore_errors=True)
-            pipeline.stage_layouts(state, spec=ospec)
+            self.abandonable(lambda: pipeline.stage_layouts(state, spec=ospec))  # no progress callback: cancel
 
             def record_layouts(session: Session, _job: Job) -> None:
                 have = set(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == self.job_id)).all())

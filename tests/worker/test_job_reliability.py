@@ -101,7 +101,7 @@ def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
     assert settings.time_limits(10**9)[0] == 1000
 
 
-@pytest.mark.parametrize("stage", ["loading", "calibration"])
+@pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
 def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage):
     from app.services import cancel_job
 
@@ -239,6 +239,23 @@ def test_each_attempt_has_its_own_work_directory(tmp_path):
     assert (second.work / "blocks.npy").read_bytes() == b"blocks"
     assert not (second.work / "shards").exists()  # exports are redone, never resumed from a dead run's files
     assert not first.work.exists()
+
+
+def test_a_job_from_before_per_attempt_directories_resumes_from_its_files(tmp_path):
+    settings = sqlite_settings(tmp_path)
+    db = database(settings.database_url)
+    job_id = submit(settings)
+    legacy = settings.storage / "jobs" / job_id / "work"
+    (legacy / "layouts").mkdir(parents=True)
+    (legacy / "layouts" / "optimised.json").write_text("{}")
+    (legacy / "blocks.npy").write_bytes(b"blocks")
+    (legacy / "checkpoint").mkdir()
+    job = claim(db, job_id, worker="w:1", lease_s=30)
+    run = JobRun(db=db, settings=settings, job=job, spec=JobSpec.model_validate(job.spec), worker="w:1",
+                 monitor=Monitor(db, job_id, "w:1", 30, attempt=1))
+    run.prepare_work()
+    assert run.work == legacy / "1" and (run.work / "blocks.npy").read_bytes() == b"blocks"
+    assert (run.work / "layouts" / "optimised.json").is_file() and not (run.work / "checkpoint").exists()
 
 
 @pytest.mark.postgres
