@@ -129,7 +129,7 @@ def requeue_queued(db: Database, send: Callable[[str], None], *, after_s: float)
     more than `after_s` ago: the message was lost (crash between insert and enqueue, broker purged or
     restarted without persistence, a claim that failed on a database error). A duplicate message is
     harmless: `claim` lets one run through."""
-    unheld = (Job.status.in_(("queued", "running")), Job.lease_until.is_(None), Job.cancel_requested.is_(False),
+    unheld = (Job.status.in_(("queued", "running")), Job.lease_until.is_(None),
               or_(Job.enqueued_at.is_(None), Job.enqueued_at < db_now(-after_s)))
     with db.session() as session:
         ids = session.scalars(select(Job.id).where(*unheld).order_by(Job.created_at).limit(500)).all()
