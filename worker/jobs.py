@@ -167,6 +167,7 @@ class Monitor(threading.Thread):
         self.lost = threading.Event()
         self.stalled = threading.Event()
         self.over_time = threading.Event()
+        self.hard_hit = threading.Event()
         self.stage: str | None = None
         self._halt = threading.Event()
         self._lock = threading.Lock()
@@ -281,6 +282,8 @@ class JobRun:
         """Between micro-batches: the (test-only) stage delay, then the flags the monitor read."""
         if self.settings.stage_delay_s:
             time.sleep(self.settings.stage_delay_s)
+        if self.settings.test_hang_stage == self.stage:  # TEST ONLY: stuck where no check can interrupt
+            threading.Event().wait()
         self.monitor.beat()
         if self.monitor.cancel.is_set():
             return True
@@ -834,8 +837,23 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
             raise ValueError(f"the stored job spec no longer validates: {problems}") from exc
         from app.budgets import work_tokens
 
+        limits = settings.time_limits(work_tokens(spec))
+
+        def hard_limit() -> None:
+            # The run never reached a check (stuck in native code): record why, then the caller's
+            # action (the Celery task kills its own process, as Celery's hard limit kills a pool process).
+            assert monitor is not None
+            if on_hard_limit is None or monitor.hard_hit.is_set():
+                return
+            monitor.hard_hit.set()
+            _end(db, job_id, worker, status="failed", stage=monitor.stage, attempt=attempt,
+                 error=f"exceeded its hard time limit of {limits[1]:g} s in stage {monitor.stage}; the worker "
+                       "process was killed")
+            log.error("job %s: hard time limit exceeded in %s", job_id, monitor.stage)
+            on_hard_limit()
+
         monitor = Monitor(db, job_id, worker, settings.lease_s, attempt=attempt, stall_s=settings.stall_s,
-                          limits=settings.time_limits(work_tokens(spec)), on_hard_limit=on_hard_limit)
+                          limits=limits, on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
         monitor.start()
         runner.run()

@@ -94,8 +94,26 @@ def test_soft_time_limit_fails_the_job(tmp_path):
     assert job.error_stage == "calibration" and "exceeded its time limit of 1.5 s" in job.error, job.error
 
 
+def test_hard_time_limit_fails_the_job_and_calls_the_kill(tmp_path):
+    """A run stuck where no check interrupts it (affinity, in native code say): past the hard limit the
+    job is failed with the reason and the kill action runs (the Celery task SIGKILLs its process)."""
+    settings = sqlite_settings(tmp_path, test_hang_stage="affinity", time_limit_s=3.0, time_limit_per_mtoken_s=0,
+                               time_limit_grace_s=0.0)
+    db = database(settings.database_url)
+    job_id = submit(settings)
+    killed = threading.Event()
+    stuck = threading.Thread(target=run_job, args=(job_id,), kwargs=dict(settings=settings, db=db, worker="w:1",
+                                                                          on_hard_limit=killed.set), daemon=True)
+    stuck.start()  # never returns: its thread stays hung, as the worker's would until killed
+    assert killed.wait(30)
+    job = row(settings, job_id)
+    assert job.status == "failed" and job.error_stage == "affinity" and stuck.is_alive()
+    assert job.error.startswith("exceeded its hard time limit of 3.3 s in stage affinity"), job.error
+
+
 def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
-    settings = make_settings(tmp_path, time_limit_s=100, time_limit_per_mtoken_s=50, time_limit_max_s=1000)
+    settings = make_settings(tmp_path, time_limit_s=100, time_limit_per_mtoken_s=50, time_limit_max_s=1000,
+                             time_limit_grace_s=60)
     assert settings.time_limits(0) == (100, 170)
     assert settings.time_limits(4_000_000) == (300, 390)
     assert settings.time_limits(10**9)[0] == 1000
