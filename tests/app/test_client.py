@@ -383,3 +383,19 @@ def test_artifact_names_from_the_service_stay_under_the_output_directory(tmp_pat
     for bad in ("../x", "/etc/passwd", "a/../../x", "a\\b", "", "a//b", "./x", "C:x"):
         with pytest.raises(ClientError, match="refusing artifact name"):
             artifact_destination(tmp_path, bad)
+
+
+def test_submit_flags_for_the_export_dtype_and_overlap():
+    from app.cli import build_parser
+    from app.cli_client import build_spec
+
+    def spec(*flags):
+        return build_spec(build_parser().parse_args(["client", "submit", "--model", "m", "-L", "2", "--calib",
+                                                     "corpus:shakespeare", *flags]))
+
+    assert spec("--export-dtype", "bfloat16", "--no-shards")["export"] == {"checkpoint": True, "shards": False,
+                                                                          "dtype": "bfloat16"}
+    assert spec("--export-dtype", "float32", "--no-export")["export"] is False
+    assert "export" not in spec() and "distill" not in spec()
+    assert spec("--distill", "optimised", "--allow-overlap")["distill"] == {"layouts": ["optimised"],
+                                                                          "allow_overlap": True}

@@ -151,11 +151,12 @@ def test_progress_reaches_one():
     assert seen[-1] == ("affinity", 1.0) and len(seen) == 2
 
 
-def test_bf16_pass_agrees_with_float64():
-    """A bf16 model's pass sums over tokens in fp32 (per chunk) and float64 (across micro-batches): with
-    many small token chunks (where bf16 running sums lost ~10% of up_fo) each matrix stays within 2%
-    (relative Frobenius norm; measured ≤ 0.8%) of the float64 pass, and the layouts optimised on it
-    score within 1% of the float64 layouts' J under the float64 affinity."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_pass_agrees_with_float64(dtype):
+    """A bf16/fp16 model's pass sums over tokens in fp32 (per chunk) and float64 (across micro-batches):
+    with many small token chunks (where bf16 running sums lost ~10% of up_fo) each matrix stays within
+    2% (relative Frobenius norm; measured ≤ 0.8% in bf16, ≤ 0.1% in fp16) of the float64 pass, and the
+    layouts optimised on it score within 1% of the float64 layouts' J under the float64 affinity."""
     import copy
 
     from models.optimise import optimise, score, upper_bound
@@ -164,7 +165,7 @@ def test_bf16_pass_agrees_with_float64():
     model = tiny_model("llama")
     ids = tokens(batch=8, seq=128)
     exact = affinity_pass(copy.deepcopy(model).double(), ids, batch_size=4, token_chunk=4)
-    low = affinity_pass(copy.deepcopy(model).to(torch.bfloat16), ids, batch_size=4, token_chunk=4)
+    low = affinity_pass(copy.deepcopy(model).to(dtype), ids, batch_size=4, token_chunk=4)
     for name in ("up_fo", "up_add", "down"):
         for got, want in zip(getattr(low, name), getattr(exact, name), strict=True):
             assert got.dtype == np.float64
