@@ -74,15 +74,19 @@ class Settings(BaseSettings):
     time_limit_s: float = Field(default=3600.0, gt=0, description="soft time limit of one run of a job: this, plus "
                                                                    "TIME_LIMIT_PER_MTOKEN_S per million work tokens, "
                                                                    "at most TIME_LIMIT_MAX_S; the hard limit is 10% + "
-                                                                   "60 s more")
+                                                                   "TIME_LIMIT_GRACE_S more")
     time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
                                                                             "million work tokens (calibration + "
                                                                             "distillation training)")
     time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit")
+    time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
+                                                                      "this; past it the worker process is killed")
     stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches and at "
                                                                   "each stage's start")
-    test_hang_stage: str = Field(default="", description="TEST ONLY: the loading or calibration stage hangs "
-                                                        "(a stuck download) without reporting progress")
+    test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
+                                                        "calibration or optimising where a cancel can abandon it (a "
+                                                        "stuck download), affinity or distilling where only the hard "
+                                                        "time limit can")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "
@@ -119,7 +123,7 @@ class Settings(BaseSettings):
     def time_limits(self, work_tokens: int) -> tuple[float, float]:
         """(soft, hard) seconds for one run of a job of `work_tokens` (app.budgets.work_tokens)."""
         soft = min(self.time_limit_max_s, self.time_limit_s + self.time_limit_per_mtoken_s * work_tokens / 1e6)
-        return soft, soft * 1.1 + 60.0
+        return soft, soft * 1.1 + self.time_limit_grace_s
 
     @property
     def storage(self) -> Path:
@@ -179,6 +183,7 @@ class Settings(BaseSettings):
             "TIME_LIMIT_S": str(self.time_limit_s),
             "TIME_LIMIT_PER_MTOKEN_S": str(self.time_limit_per_mtoken_s),
             "TIME_LIMIT_MAX_S": str(self.time_limit_max_s),
+            "TIME_LIMIT_GRACE_S": str(self.time_limit_grace_s),
             "MAX_MODEL_PARAMS": str(self.max_model_params),
             "HUB_MODELS": self.hub_models,
             "HUB_DATASETS": self.hub_datasets,

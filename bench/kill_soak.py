@@ -3,7 +3,8 @@
 One uninterrupted job first (the reference: its stage windows and its distillation curves). Then N
 trials: a job is submitted, the worker is SIGKILLed at a random moment of it — trial i aims at stage
 i mod 6 (loading, calibration, affinity, optimising, exporting, distilling): once the database shows
-that stage, after a uniform part of its length in the reference run — and a new worker is started,
+that stage, after a uniform part of its length in the reference run (distilling: up to its last
+evaluation) — and a new worker is started,
 as a supervisor would. Every
 trial must end with the job `succeeded` exactly once, one artifact set (one row per name, the files
 on disk exactly the rows, every sha256 verified), the reference's layouts, and distillation curves
@@ -31,12 +32,13 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from app.auth import OPEN
 from app.db import Artifact, Job, LayoutRow, Metric, database
@@ -90,7 +92,7 @@ def _submit(settings: Settings, queue: JobQueue) -> str:
 
 
 def _at(entry: dict[str, Any]) -> float:
-    from datetime import UTC, datetime
+    from datetime import datetime
 
     return datetime.fromisoformat(entry["at"].rstrip("Z")).replace(tzinfo=UTC).timestamp()
 
@@ -183,6 +185,11 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
         if ref.status != "succeeded":
             raise RuntimeError(f"the reference job {ref.status}: {ref.error}\n{worker.log()[-3000:]}")
         windows = stage_windows(ref)
+        with db.session() as session:  # distilling: up to its last evaluation (the plot after it is slow cold)
+            last_eval = session.scalar(select(func.max(Metric.created_at)).where(Metric.job_id == ref_id))
+        if last_eval is not None and "distilling" in windows:
+            t0 = _loading_started(ref) or 0.0
+            windows["distilling"] = (windows["distilling"][0], last_eval.replace(tzinfo=UTC).timestamp() - t0)
         with db.session() as session:
             ref_artifacts = sorted(session.scalars(select(Artifact.name).where(Artifact.job_id == ref_id)))
         reference: dict[str, Any] = {"curves": curves(db, ref_id), "layouts": layouts(db, ref_id),
@@ -210,8 +217,8 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
             claims = [_at(e) for e in done.history if e["event"] == "claimed"]
             later = [t for t in claims if t > t_kill]
             trial.reclaimed_s = later[0] - t_kill if later else None
-            trial.finished_s = _at(next(e for e in reversed(done.history) if e["event"] == "succeeded")) - t_kill \
-                if done.status == "succeeded" else None
+            if done.status == "succeeded" and not trial.killed_in.startswith("after"):
+                trial.finished_s = _at(next(e for e in reversed(done.history) if e["event"] == "succeeded")) - t_kill
             trial.attempts = done.attempts
             trial.problems = verify(settings, job_id, reference)
             results.append(trial)

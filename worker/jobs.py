@@ -129,7 +129,7 @@ def requeue_queued(db: Database, send: Callable[[str], None], *, after_s: float)
     more than `after_s` ago: the message was lost (crash between insert and enqueue, broker purged or
     restarted without persistence, a claim that failed on a database error). A duplicate message is
     harmless: `claim` lets one run through."""
-    unheld = (Job.status.in_(("queued", "running")), Job.lease_until.is_(None), Job.cancel_requested.is_(False),
+    unheld = (Job.status.in_(("queued", "running")), Job.lease_until.is_(None),
               or_(Job.enqueued_at.is_(None), Job.enqueued_at < db_now(-after_s)))
     with db.session() as session:
         ids = session.scalars(select(Job.id).where(*unheld).order_by(Job.created_at).limit(500)).all()
@@ -167,6 +167,7 @@ class Monitor(threading.Thread):
         self.lost = threading.Event()
         self.stalled = threading.Event()
         self.over_time = threading.Event()
+        self.hard_hit = threading.Event()
         self.stage: str | None = None
         self._halt = threading.Event()
         self._lock = threading.Lock()
@@ -281,6 +282,8 @@ class JobRun:
         """Between micro-batches: the (test-only) stage delay, then the flags the monitor read."""
         if self.settings.stage_delay_s:
             time.sleep(self.settings.stage_delay_s)
+        if self.settings.test_hang_stage == self.stage:  # TEST ONLY: stuck where no check can interrupt
+            threading.Event().wait()
         self.monitor.beat()
         if self.monitor.cancel.is_set():
             return True
@@ -332,12 +335,23 @@ class JobRun:
         earlier = sorted((int(p.name) for p in parent.iterdir() if p.name.isdigit() and int(p.name) < self.attempt),
                          reverse=True) if parent.is_dir() else []
         shutil.rmtree(self.work, ignore_errors=True)
+        skip = shutil.ignore_patterns("checkpoint", "shards", "distill-publish", "*.tmp", "*.tmp.npy")
         if earlier:
-            source = parent / str(earlier[0])
-            shutil.copytree(source, self.work, ignore=shutil.ignore_patterns(
-                "checkpoint", "shards", "distill-publish", "*.tmp", "*.tmp.npy"))
+            shutil.copytree(parent / str(earlier[0]), self.work, ignore=skip)
             for n in earlier:
                 shutil.rmtree(parent / str(n), ignore_errors=True)
+        elif parent.is_dir():
+            # A job started before per-attempt directories: its files are in work/ itself.
+            legacy = [p for p in parent.iterdir() if not p.name.isdigit()]
+            ignored = skip(str(parent), [p.name for p in legacy])
+            for p in legacy:
+                if p.name in ignored:
+                    continue
+                if p.is_dir():
+                    shutil.copytree(p, self.work / p.name, ignore=skip)
+                else:
+                    self.work.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(p, self.work / p.name)
         self.work.mkdir(parents=True, exist_ok=True)
 
     def enter(self, stage: str, **note: Any) -> None:
@@ -502,7 +516,7 @@ class JobRun:
         if "optimising" not in self.done:
             self.enter("optimising")
             shutil.rmtree(layouts_dir, ignore_errors=True)
-            pipeline.stage_layouts(state, spec=ospec)
+            self.abandonable(lambda: pipeline.stage_layouts(state, spec=ospec))  # no progress callback: cancel
 
             def record_layouts(session: Session, _job: Job) -> None:
                 have = set(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == self.job_id)).all())
@@ -823,8 +837,23 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
             raise ValueError(f"the stored job spec no longer validates: {problems}") from exc
         from app.budgets import work_tokens
 
+        limits = settings.time_limits(work_tokens(spec))
+
+        def hard_limit() -> None:
+            # The run never reached a check (stuck in native code): record why, then the caller's
+            # action (the Celery task kills its own process, as Celery's hard limit kills a pool process).
+            assert monitor is not None
+            if on_hard_limit is None or monitor.hard_hit.is_set():
+                return
+            monitor.hard_hit.set()
+            _end(db, job_id, worker, status="failed", stage=monitor.stage, attempt=attempt,
+                 error=f"exceeded its hard time limit of {limits[1]:g} s in stage {monitor.stage}; the worker "
+                       "process was killed")
+            log.error("job %s: hard time limit exceeded in %s", job_id, monitor.stage)
+            on_hard_limit()
+
         monitor = Monitor(db, job_id, worker, settings.lease_s, attempt=attempt, stall_s=settings.stall_s,
-                          limits=settings.time_limits(work_tokens(spec)), on_hard_limit=on_hard_limit)
+                          limits=limits, on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
         monitor.start()
         runner.run()

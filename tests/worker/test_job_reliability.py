@@ -94,14 +94,32 @@ def test_soft_time_limit_fails_the_job(tmp_path):
     assert job.error_stage == "calibration" and "exceeded its time limit of 1.5 s" in job.error, job.error
 
 
+def test_hard_time_limit_fails_the_job_and_calls_the_kill(tmp_path):
+    """A run stuck where no check interrupts it (affinity, in native code say): past the hard limit the
+    job is failed with the reason and the kill action runs (the Celery task SIGKILLs its process)."""
+    settings = sqlite_settings(tmp_path, test_hang_stage="affinity", time_limit_s=3.0, time_limit_per_mtoken_s=0,
+                               time_limit_grace_s=0.0)
+    db = database(settings.database_url)
+    job_id = submit(settings)
+    killed = threading.Event()
+    stuck = threading.Thread(target=run_job, args=(job_id,), kwargs=dict(settings=settings, db=db, worker="w:1",
+                                                                          on_hard_limit=killed.set), daemon=True)
+    stuck.start()  # never returns: its thread stays hung, as the worker's would until killed
+    assert killed.wait(30)
+    job = row(settings, job_id)
+    assert job.status == "failed" and job.error_stage == "affinity" and stuck.is_alive()
+    assert job.error.startswith("exceeded its hard time limit of 3.3 s in stage affinity"), job.error
+
+
 def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
-    settings = make_settings(tmp_path, time_limit_s=100, time_limit_per_mtoken_s=50, time_limit_max_s=1000)
+    settings = make_settings(tmp_path, time_limit_s=100, time_limit_per_mtoken_s=50, time_limit_max_s=1000,
+                             time_limit_grace_s=60)
     assert settings.time_limits(0) == (100, 170)
     assert settings.time_limits(4_000_000) == (300, 390)
     assert settings.time_limits(10**9)[0] == 1000
 
 
-@pytest.mark.parametrize("stage", ["loading", "calibration"])
+@pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
 def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage):
     from app.services import cancel_job
 
@@ -241,6 +259,23 @@ def test_each_attempt_has_its_own_work_directory(tmp_path):
     assert not first.work.exists()
 
 
+def test_a_job_from_before_per_attempt_directories_resumes_from_its_files(tmp_path):
+    settings = sqlite_settings(tmp_path)
+    db = database(settings.database_url)
+    job_id = submit(settings)
+    legacy = settings.storage / "jobs" / job_id / "work"
+    (legacy / "layouts").mkdir(parents=True)
+    (legacy / "layouts" / "optimised.json").write_text("{}")
+    (legacy / "blocks.npy").write_bytes(b"blocks")
+    (legacy / "checkpoint").mkdir()
+    job = claim(db, job_id, worker="w:1", lease_s=30)
+    run = JobRun(db=db, settings=settings, job=job, spec=JobSpec.model_validate(job.spec), worker="w:1",
+                 monitor=Monitor(db, job_id, "w:1", 30, attempt=1))
+    run.prepare_work()
+    assert run.work == legacy / "1" and (run.work / "blocks.npy").read_bytes() == b"blocks"
+    assert (run.work / "layouts" / "optimised.json").is_file() and not (run.work / "checkpoint").exists()
+
+
 @pytest.mark.postgres
 def test_metrics_past_the_bind_parameter_limit(tmp_path, postgres_server):
     """A long distillation's rows in one call: more distinct steps than Postgres' 65535 bind parameters
@@ -262,3 +297,43 @@ def test_metrics_past_the_bind_parameter_limit(tmp_path, postgres_server):
     with db.session() as session:
         assert session.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == job_id)) == n
         assert session.scalar(select(Metric.value).where(Metric.job_id == job_id, Metric.step == n - 1)) == 2.0
+
+
+def test_stall_stops_the_lease_renewal(tmp_path):
+    settings = sqlite_settings(tmp_path)
+    db = database(settings.database_url)
+    job_id = submit(settings)
+    claim(db, job_id, worker="w:1", lease_s=30)
+    monitor = Monitor(db, job_id, "w:1", 30, attempt=1, stall_s=0.3)
+    monitor.flush()
+    renewed = row(settings, job_id).lease_until
+    time.sleep(0.4)
+    monitor.flush()
+    assert monitor.stalled.is_set() and row(settings, job_id).lease_until == renewed
+    monitor.report(0.5)  # progress after the stall does not take the lease back: the run is abandoned
+    monitor.flush()
+    assert row(settings, job_id).lease_until == renewed
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.worker
+def test_worker_sweeper_sends_a_job_whose_message_never_left(tmp_path, postgres_server, redis_broker):
+    """The API crashed between recording the job and enqueueing it: a real worker's sweeper finds the
+    job, sends it, and the worker runs it once."""
+    from tests.service_kit import WorkerProcess, worker_settings
+
+    settings = worker_settings(tmp_path, postgres_server, redis_broker, "lostmsg", requeue_after_s=1.0)
+    job_id = submit(settings, spec(random_layouts=0, ablations=False, export={"checkpoint": False,
+                                                                              "shards": False}))
+    worker = WorkerProcess(settings, tmp_path / "worker.log").start()
+    try:
+        deadline = time.monotonic() + 90
+        while row(settings, job_id).status in ("queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        worker.stop()
+    job = row(settings, job_id)
+    assert job.status == "succeeded", (job.status, job.error, worker.log()[-3000:])
+    assert job.requeues >= 1 and events(job)["claimed"] == 1 and events(job)["succeeded"] == 1
+    assert "still queued" in worker.log()
