@@ -295,3 +295,36 @@ def test_metrics_survive_an_unreadable_jobs_table(tmp_path, caplog):
     assert r.status_code == 200 and "dtp_layout_http_requests_total" in r.text
     assert "dtp_layout_jobs{" not in r.text
     assert "cannot read the jobs table" in caplog.text
+
+
+# ---- the whole path: serve's API and its real worker, JSON logs ----------------------------------------
+
+@pytest.mark.worker
+def test_serve_and_its_worker_log_json_lines_that_join_on_the_request_id(tmp_path):
+    """`dtp-layout serve` with DTP_LAYOUT_LOG_FORMAT=json: the API's access line of the submission and the
+    worker's lines of the job's run carry the same request id, the job id and, on the worker, the stage."""
+    import httpx
+
+    from tests.service_kit import ServeProcess, wait_for
+
+    var = tmp_path / "var"
+    provision(make_settings(var))
+    serve = ServeProcess(var, DTP_LAYOUT_LOG_FORMAT="json")
+    try:
+        serve.start()
+        with httpx.Client(base_url=serve.url, timeout=30) as client:
+            submitted = client.post("/v1/jobs", json=spec(random_layouts=0, ablations=False, export=False),
+                                    headers={"X-Request-ID": "ci-run-42"})
+            assert submitted.status_code == 202, submitted.text
+            job_id = submitted.json()["id"]
+            done = wait_for(client, job_id, timeout=120)
+        assert done["status"] == "succeeded", (done, serve.worker_log())
+    finally:
+        serve.stop()
+    api = _json_lines("".join(serve.output))
+    assert any(line.get("request_id") == "ci-run-42" and line.get("job_id") == job_id and line.get("status") == 202
+               for line in api), api[-5:]
+    worker = [line for line in _json_lines((var / "worker.log").read_text()) if line.get("job_id") == job_id]
+    stages = {line.get("stage") for line in worker}
+    assert {"loading", "affinity", "optimising"} <= stages, worker
+    assert all(line["request_id"] == "ci-run-42" for line in worker if line.get("stage")), worker
