@@ -107,7 +107,7 @@ class Server:
     """The API in a subprocess over a fresh database and storage root, seeded; removed on close."""
 
     def __init__(self, backend: str, *, workers: int, clients: int, keys_per_tenant: int, jobs_per_tenant: int,
-                 log_format: str) -> None:
+                 log_format: str, api_threads: int | None = None) -> None:
         self.backend, self.workers = backend, workers
         self.root = Path(tempfile.mkdtemp(prefix="dtp-load-"))
         self.port = free_port()
@@ -122,6 +122,8 @@ class Server:
                    # the limiter runs but never refuses: the closed loop measures saturation, not the limit
                    # (the open loop's 1 request/s per key is far below the default 600/min anyway)
                    DTP_LAYOUT_RATE_LIMIT_PER_MIN="1000000", DTP_LAYOUT_RATE_LIMIT_BURST="100000")
+        if api_threads is not None:
+            env["DTP_LAYOUT_API_THREADS"] = str(api_threads)
         if backend == "postgres":
             env.update(self._postgres())
         self.env = env
@@ -665,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys-per-tenant", type=int, default=10)
     p.add_argument("--jobs-per-tenant", type=int, default=5)
     p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--api-threads", type=int, help="DTP_LAYOUT_API_THREADS of the server (default: its default)")
     p.add_argument("--url", help="drive this running server instead (its own jobs: --job IDs; --api-key)")
     p.add_argument("--api-key", default="", help="with --url: the key every client uses")
     p.add_argument("--job", action="append", default=[], help="with --url: finished job ids to read")
@@ -692,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             server = Server(args.backend, workers=args.workers, clients=args.clients,
                             keys_per_tenant=args.keys_per_tenant, jobs_per_tenant=args.jobs_per_tenant,
-                            log_format=args.log_format)
+                            log_format=args.log_format, api_threads=args.api_threads)
             server.start()
             url, seeded = server.url, server.seeded
         rng = random.Random(args.seed)
