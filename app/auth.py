@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fastapi import Request, Security
 from fastapi.security import APIKeyHeader
 
+from app import logs
 from app.errors import TooManyRequests, Unauthorized
 from app.keys import MAX_KEY_LENGTH, KeyRing
 from app.ratelimit import RateLimiter
@@ -59,6 +60,7 @@ def caller(request: Request, key: str | None = Security(api_key_header)) -> Call
             raise Unauthorized("this server needs an X-API-Key header (its operator makes keys with "
                                "`dtp-layout keys create NAME`)")
         raise Unauthorized("unknown or revoked X-API-Key")
+    logs.update(tenant=info.tenant)
     _charge(limiter, f"key:{info.name}", f"for key {info.name!r}")
     return Caller(tenant=info.tenant, admin=info.admin, key_name=info.name)
 

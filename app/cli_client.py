@@ -117,6 +117,9 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             if spec.get("export") is False:
                 continue
             spec["export"] = {"checkpoint": True, "shards": True, **(spec.get("export") or {}), part: False}
+    if args.export_dtype and spec.get("export") is not False:
+        given = spec.get("export")
+        spec["export"] = {**(given if isinstance(given, dict) else {}), "dtype": args.export_dtype}
     distill = {
         "distill.layouts": args.distill.split(",") if args.distill else None,
         "distill.seeds": _ints(args.distill_seeds, "--distill-seeds") if args.distill_seeds else None,
@@ -125,6 +128,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
         "distill.eval.source": args.eval_data,
         "distill.recipe.eval_every": args.eval_every,
         "distill.recipe.lr": args.lr,
+        "distill.allow_overlap": True if args.allow_overlap else None,
     }
     for path, value in distill.items():
         if value is not None:
@@ -452,7 +456,7 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--devices", "-L", type=int, help="L")
     p.add_argument("--delta", "-d", type=int, help="δ in modules")
-    p.add_argument("--calib", help="calibration.source: corpus:kjv, corpus:shakespeare, hf:…, or a data-root name")
+    p.add_argument("--calib", help="calibration.source: corpus:shakespeare, corpus:kjv, hf:…, or a data-root name")
     p.add_argument("--calib-sequences", type=int)
     p.add_argument("--calib-seq-len", type=int)
     p.add_argument("--calib-seed", type=int)
@@ -464,6 +468,8 @@ def register(sub: Any) -> None:
     p.add_argument("--no-export", action="store_true", help="export nothing")
     p.add_argument("--no-checkpoint", action="store_true", help="no permuted checkpoint")
     p.add_argument("--no-shards", action="store_true", help="no rank shards")
+    p.add_argument("--export-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="export.dtype: what the exported weights are stored in (auto: the source checkpoint's)")
     p.add_argument("--distill", metavar="LAYOUTS", help="distil these layouts (comma-separated), e.g. "
                                                         "optimised,contiguous")
     p.add_argument("--distill-steps", type=int, metavar="N")
@@ -472,6 +478,8 @@ def register(sub: Any) -> None:
     p.add_argument("--eval-data", metavar="SOURCE", help="distill.eval.source")
     p.add_argument("--eval-every", type=int, metavar="N", help="distill.recipe.eval_every")
     p.add_argument("--lr", type=float, help="distill.recipe.lr")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="distill.allow_overlap: train/eval as given even where they overlap the calibration")
     p.add_argument("--wait", action="store_true", help="follow the job; exit 1 unless it succeeds")
     _wait_args(p)
     p.add_argument("--json", action="store_true", help="print the job as JSON instead of its id")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli import CliError, _add_model_args, _layouts_dir, _load
+from app.cli import CliError, _add_model_args, _calibration_of, _layouts_dir, _load
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe  # torch-free
 
 PAPER = DistillRecipe()  # the defaults of every recipe flag
@@ -52,9 +52,11 @@ def _spec(args: argparse.Namespace) -> Any:
                             skip_blocks=args.train_skip_blocks)
     evaluation = CalibrationSpec(source=args.eval_data, sequences=args.eval_blocks,
                                  seq_len=args.eval_seq_len or args.seq_len, text_field=args.text_field)
+    calibration, identity = _calibration_of(args)
     return DistillSpec(layouts=tuple(_csv_list(args.layouts, "--layouts")), train=train, eval=evaluation,
                        devices=args.devices, delta=args.delta, seeds=tuple(_seeds(args.seeds)), recipe=recipe,
-                       reference=args.reference, candidate=args.candidate)
+                       reference=args.reference, candidate=args.candidate, calibration=calibration,
+                       calibration_identity=identity, allow_overlap=args.allow_overlap)
 
 
 class _Bars:
@@ -122,6 +124,10 @@ def cmd_distill(args: argparse.Namespace) -> int:
     finally:
         bars.close()
     print(distill.summary_table(summary))
+    from models.heldout import describe_dict
+
+    for line in describe_dict(summary.get("data") or {}):
+        print(f"data: {line}")
     print(f"wrote {out}/metrics.csv, {out}/summary.json, {out}/curves.png and runs/ "
           f"({time.perf_counter() - t0:.0f}s)")
     return 0
@@ -153,11 +159,16 @@ def register(sub: Any) -> None:
     data.add_argument("--seq-len", type=int, default=SEQ_LEN, help=f"tokens per training block (default: {SEQ_LEN})")
     data.add_argument("--eval-data", default=WIKITEXT2_TEST,
                       help=f"held-out evaluation data spec (default: {WIKITEXT2_TEST}, needs `datasets` and the "
-                           "internet); skips past the training text when it is the same source")
+                           "internet); skips past the training and calibration text when it is the same text")
     data.add_argument("--eval-blocks", type=int, default=EVAL_SEQUENCES,
                       help=f"evaluation blocks (default: {EVAL_SEQUENCES})")
     data.add_argument("--eval-seq-len", type=int, default=None, help="tokens per evaluation block (default: --seq-len)")
     data.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
+    data.add_argument("--allow-overlap", action="store_true",
+                      help="read the specs as given even where training overlaps the --from run's calibration "
+                           "blocks or evaluation overlaps either (reported in summary.json); by default, on the "
+                           "same text (by content), training starts after the calibration blocks and evaluation "
+                           "after both")
     recipe = p.add_argument_group("recipe (defaults: the paper's)")
     recipe.add_argument("--steps", type=int, default=PAPER.steps)
     recipe.add_argument("--batch-size", type=int, default=PAPER.batch_size, help="sequences per optimiser step")

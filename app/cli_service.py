@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.supervisor import WorkerSupervisor
+
 PACKAGED_MODEL = "smollm2-135m"
 
 
@@ -63,7 +65,7 @@ def provision_packaged_model(settings: Any) -> dict[str, Any] | None:
 
 def example_curl(url: str, model: dict[str, Any] | None, api_keys: bool) -> str:
     spec = {"model": model or {"id": "NAME_UNDER_MODEL_ROOT"}, "devices": 3, "delta": 1,
-            "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+            "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
             "random_layouts": 2, "export": {"checkpoint": True, "shards": True}}
     key = " -H 'X-API-Key: YOUR_KEY'" if api_keys else ""
     return (f"curl -s -X POST {url}/v1/jobs -H 'Content-Type: application/json'{key} \\\n"
@@ -79,17 +81,6 @@ def _wait_for_port(host: str, port: int, timeout: float) -> bool:
         except OSError:
             time.sleep(0.1)
     return False
-
-
-def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -110,25 +101,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"dtp-layout serve: {refusal}", file=sys.stderr)
         return 2
     model = provision_packaged_model(settings)
-    worker = None
     log_path = settings.var_dir / "worker.log"
-    if not args.no_worker:
-        env = {**os.environ, **settings.worker_env()}
-        log_file = open(log_path, "ab")  # noqa: SIM115 (lives as long as the worker)
-        worker = subprocess.Popen(worker_command(settings, name="local"), env=env, stdout=log_file,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
     host_shown = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host_shown}:{args.port}"
+    worker: WorkerSupervisor | None = None
 
     def banner() -> None:
         if not _wait_for_port(host_shown, args.port, 60):
             return
+        pid = worker.pid if worker is not None else None
         lines = [
             f"dtp-layout service: {url}   (dashboard: {url}/ui   API docs: {url}/docs)",
             f"  database {settings.database_url}",
             f"  broker   {settings.broker_url}",
             f"  storage  {settings.storage}   models {settings.models_dir}   data {settings.data_dir}",
-            f"  worker   {'pid ' + str(worker.pid) + ', log ' + str(log_path) if worker else 'none (--no-worker)'}",
+            f"  worker   {f'pid {pid}, log {log_path} (restarted if it dies)' if worker else 'none (--no-worker)'}",
             "",
             "submit a job on the corpus" + (" with the packaged SmolLM2-135M:" if model else ":"),
             "",
@@ -139,23 +126,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ]
         print("\n".join(lines), flush=True)
 
-    def watch_worker() -> None:
-        assert worker is not None
-        code = worker.wait()
-        if not stopping.is_set():
-            print(f"dtp-layout serve: the worker exited with status {code}; jobs stay queued (see {log_path})",
-                  file=sys.stderr, flush=True)
+    # SIGTERM (systemd, docker, a supervisor) must end here like Ctrl-C does: uvicorn shuts down
+    # gracefully, then re-raises the signal it caught; this handler turns it into SystemExit, so that
+    # the `finally` below stops the worker instead of the default action killing this process alone.
+    def exit_on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
 
-    stopping = threading.Event()
-    threading.Thread(target=banner, daemon=True).start()
-    if worker is not None:
-        threading.Thread(target=watch_worker, daemon=True).start()
+    previous = {sig: signal.signal(sig, exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        if not args.no_worker:
+            worker = WorkerSupervisor(worker_command(settings, name="local"), env={**os.environ,
+                                      **settings.worker_env()}, log_path=log_path).start()
+        threading.Thread(target=banner, daemon=True).start()
+        # The app's own access log (app/request_context.py) carries the X-Request-ID: uvicorn's is off;
+        # with DTP_LAYOUT_LOG_FORMAT=json uvicorn's loggers go through the app's JSON handler (app/logs.py).
+        from uvicorn.config import LOGGING_CONFIG
+
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    log_config=None if settings.log_format == "json" else LOGGING_CONFIG)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        return 0 if code in (128 + signal.SIGTERM, 128 + signal.SIGHUP) else code
     finally:
-        stopping.set()
         if worker is not None:
-            _stop(worker)
+            worker.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

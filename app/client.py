@@ -309,6 +309,8 @@ class LayoutClient:
                         attempt += 1
                         time.sleep(wait)
                         continue
+                    if not (response.is_success or response.status_code == 304):
+                        response.read()  # a streamed error: its JSON body says why (e.g. artifact_damaged)
                     self._raise_for(response)
                     if response.status_code == 206:
                         if not response.headers.get("content-range", "").startswith(f"bytes {have}-"):

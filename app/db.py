@@ -19,6 +19,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -28,7 +29,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+from sqlalchemy.sql.expression import FunctionElement
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
@@ -42,6 +45,31 @@ def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
+class db_now(FunctionElement[datetime]):
+    """The database server's clock as naive UTC, `seconds` ahead: leases and queue times are compared
+    on one clock whatever the workers' clocks say. Postgres: clock_timestamp() (not the transaction's
+    start); SQLite: strftime with milliseconds, in the text form SQLAlchemy stores DateTime in."""
+
+    type = DateTime()
+    inherit_cache = False  # `seconds` is rendered into the SQL text: never reuse a compiled statement
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds = float(seconds)
+        super().__init__()
+
+
+@compiles(db_now, "postgresql")
+def _db_now_pg(element: db_now, compiler: Any, **kw: Any) -> str:
+    shift = f" + interval '{element.seconds!r} seconds'" if element.seconds else ""
+    return f"((clock_timestamp() AT TIME ZONE 'UTC'){shift})"
+
+
+@compiles(db_now, "sqlite")
+def _db_now_sqlite(element: db_now, compiler: Any, **kw: Any) -> str:
+    shift = f", '{element.seconds:+.3f} seconds'" if element.seconds else ""
+    return f"strftime('%Y-%m-%d %H:%M:%f', 'now'{shift})"
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -52,6 +80,7 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_status_enqueued_at", "status", "enqueued_at"),)  # the queued sweeper
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow, index=True)
@@ -80,7 +109,9 @@ class Job(Base):
     affinity_cached: Mapped[bool] = mapped_column(Boolean, default=False)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(200))
-    lease_until: Mapped[datetime | None] = mapped_column(DateTime)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime)  # by the database clock (db_now)
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime, default=utcnow)  # last sent to the broker
+    requeues: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # sent again by a sweeper
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
 
     layouts: Mapped[list[LayoutRow]] = relationship(back_populates="job", cascade="all, delete-orphan",
@@ -164,9 +195,15 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
 
 
+WRITE = "dtp_layout_write"  # execution option: this connection's transactions will write
+
+
 def make_engine(url: str) -> Engine:
-    """An engine; SQLite gets WAL, a busy timeout, foreign keys and BEGIN IMMEDIATE transactions
-    (two processes write the embedded database: a deferred transaction that later writes can fail)."""
+    """An engine. SQLite gets WAL, a busy timeout and foreign keys; its write transactions (sessions of
+    `Database.transaction()` and `write_transaction`) begin IMMEDIATE, because two processes write the
+    embedded database and a deferred transaction that later writes can fail at once with SQLITE_BUSY.
+    Reads begin deferred: under WAL they never take the write lock, so a GET never waits behind a
+    worker's write transaction."""
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
@@ -181,10 +218,12 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE) else "BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    # connect_timeout: a database host that does not answer is a 503 within seconds, not a hung request.
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, pool_timeout=10,
+                         connect_args={"connect_timeout": 5} if url.startswith("postgresql") else {})
 
 
 class Database:
@@ -192,17 +231,30 @@ class Database:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._write_sessions = sessionmaker(self.engine.execution_options(**{WRITE: True}), expire_on_commit=False)
 
     def session(self) -> Session:
+        """A session for reading (on SQLite its transactions begin deferred: no write lock)."""
         return self._sessions()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
-        with self._sessions() as session, session.begin():
+        """A write transaction, committed at the end (on SQLite it holds the write lock throughout:
+        keep slow work such as hashing out of it)."""
+        with self._write_sessions() as session, session.begin():
             yield session
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+@contextmanager
+def write_transaction(session: Session) -> Iterator[Session]:
+    """`session.begin()` for a transaction that writes: on SQLite it begins IMMEDIATE (the write lock
+    at once, waiting for it under the busy timeout) instead of failing at its first write."""
+    with session.begin():
+        session.connection(execution_options={WRITE: True})
+        yield session
 
 
 _databases: dict[str, Database] = {}

@@ -36,6 +36,12 @@ def get_queue(request: Request) -> JobQueue:
     return queue
 
 
+async def request_id(request: Request) -> str | None:
+    """The request's X-Request-ID (app/request_context.py)."""
+    rid: str | None = getattr(request.state, "request_id", None)
+    return rid
+
+
 def base_url(request: Request) -> str:
     """The prefix of the links in responses: DTP_LAYOUT_PUBLIC_URL, or relative links."""
     public = request.app.state.settings.public_url
@@ -71,3 +77,4 @@ StorageDep = Annotated[Storage, Depends(get_storage)]
 QueueDep = Annotated[JobQueue, Depends(get_queue)]
 CallerDep = Annotated[Caller, Depends(caller)]
 BaseUrl = Annotated[str, Depends(base_url)]
+RequestIdDep = Annotated[str | None, Depends(request_id)]

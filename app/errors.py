@@ -36,7 +36,8 @@ class ErrorOut(BaseModel):
     error: str | None = Field(default=None, description="a short code for programs: unauthorized, not_found, "
                                                         "conflict, payload_too_large, range_not_satisfiable, "
                                                         "rate_limited, too_many_active_jobs, work_budget, "
-                                                        "database_unavailable, broker_unavailable, …")
+                                                        "database_unavailable, broker_unavailable, "
+                                                        "artifact_damaged, …")
 
 
 class FieldError(BaseModel):
@@ -106,6 +107,13 @@ class ServiceUnavailable(ApiError):
 
 class BrokerUnavailable(ServiceUnavailable):
     code = "broker_unavailable"
+
+
+class ArtifactDamaged(ServiceUnavailable):
+    """A stored artifact no longer matches its recorded size or sha256: never served as valid. A 503
+    (a server-side loss the operator must repair), without Retry-After: waiting does not mend it."""
+
+    default_field, code = "name", "artifact_damaged"
 
 
 class SpecError(ValueError):
@@ -191,10 +199,13 @@ def install(app: FastAPI) -> None:
                               code="database_unavailable")
 
     @app.exception_handler(Exception)
-    async def _bug(_request: Request, exc: Exception) -> JSONResponse:
-        # A bug: the traceback goes to the log, the caller gets JSON without internals.
-        log.error("unhandled error", exc_info=exc)
-        return error_response(500, "internal error (logged on the server)", None, code="internal_error")
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: the traceback goes to the log, the caller gets JSON without internals. Starlette calls
+        # this outside every middleware, so the request id is taken from the request's state.
+        rid = getattr(request.state, "request_id", None)
+        log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
+        return error_response(500, f"internal error (logged on the server with request id {rid})", None,
+                              {"X-Request-ID": rid} if rid else None, code="internal_error")
 
     @app.exception_handler(DBAPIError)
     async def _database_error(_request: Request, exc: DBAPIError) -> JSONResponse:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from app import body_limit, errors, services
+from app import body_limit, errors, logs, request_context
 from app.db import database
+from app.job_stats import CachedStats, job_stats
 from app.keys import KeyRing
 from app.metrics import Metrics
 from app.queue import JobQueue
@@ -45,6 +46,7 @@ Unknown paths are 404 and unsupported methods 405, with the same body.
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    logs.configure(settings.log_format, settings.log_level)
     app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION,
                   openapi_tags=[{"name": "jobs"}, {"name": "layouts"}, {"name": "artifacts"}, {"name": "scores"},
                                 {"name": "health"}])
@@ -55,9 +57,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = KeyRing(settings, db)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, settings.rate_limit_burst)
     app.state.queue = JobQueue(settings)
-    app.state.metrics = metrics = Metrics(lambda: services.job_counts(db=db))
-    app.middleware("http")(metrics.middleware)
-    body_limit.install(app, settings.max_body_bytes)  # outermost: an oversized body never reaches the app
+    stats = CachedStats(lambda: job_stats(db=db), settings.metrics_cache_s)
+    app.state.metrics = metrics = Metrics(stats.get)
+    body_limit.install(app, settings.max_body_bytes)  # an oversized body never reaches the app
+    # outermost: every answer (a 413 included) carries its X-Request-ID and is counted
+    request_context.install(app, metrics, access_log=settings.access_log)
     errors.install(app)
     app.include_router(v1_router())
     app.include_router(health.router)

@@ -20,10 +20,20 @@ from app.settings import Settings
 TASK_NAME = "dtp_layout.run_job"
 
 
-def celery_config(settings: Settings) -> dict[str, Any]:
+# The API's publish to Redis: each socket operation and the whole send are bounded, so that a broker that
+# is down (connection refused) or hung (accepts, never answers) is a 503 within about 2 × the socket timeout.
+PUBLISH_SOCKET_TIMEOUT_S = 2.0
+PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 0.5}
+
+
+def celery_config(settings: Settings, *, publisher: bool = False) -> dict[str, Any]:
+    """The Celery configuration; `publisher` (the API's client) adds short socket timeouts on Redis (a
+    worker keeps the defaults: its blocking reads wait longer than any publish should)."""
     transport: dict[str, Any] = {}
     if settings.broker_url.startswith(("redis://", "rediss://")):
         transport.update(visibility_timeout=settings.visibility_timeout_s, socket_connect_timeout=5)
+        if publisher:
+            transport.update(socket_connect_timeout=PUBLISH_SOCKET_TIMEOUT_S, socket_timeout=PUBLISH_SOCKET_TIMEOUT_S)
         if settings.broker_key_prefix:
             transport["global_keyprefix"] = settings.broker_key_prefix
     elif settings.broker_url.startswith(("sqla+sqlite", "sqlalchemy+sqlite")):
@@ -46,17 +56,17 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def make_celery(settings: Settings, *, include: tuple[str, ...] = ()) -> Celery:
+def make_celery(settings: Settings, *, include: tuple[str, ...] = (), publisher: bool = False) -> Celery:
     app = Celery("dtp_layout", include=list(include))
-    app.conf.update(celery_config(settings))
+    app.conf.update(celery_config(settings, publisher=publisher))
     return app
 
 
 def enqueue(celery: Celery, settings: Settings, job_id: str, *, options: dict[str, Any] | None = None) -> None:
     """Send the job to the queue by task name (the sender never imports the task's code); `options`
     go to `send_task` (e.g. time limits)."""
-    celery.send_task(TASK_NAME, args=[job_id], queue=settings.queue, retry=True,
-                     retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5}, **(options or {}))
+    celery.send_task(TASK_NAME, args=[job_id], queue=settings.queue, retry=True, retry_policy=PUBLISH_RETRY,
+                     **(options or {}))
 
 
 class JobQueue:
@@ -71,7 +81,7 @@ class JobQueue:
     def celery(self) -> Celery:
         with self._lock:
             if self._celery is None:
-                self._celery = make_celery(self.settings)
+                self._celery = make_celery(self.settings, publisher=True)
             return self._celery
 
     def enqueue(self, job_id: str, options: dict[str, Any] | None = None) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -13,10 +15,13 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    create_model,
     field_validator,
     model_validator,
 )
 
+from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
+from models.distill.recipe import DistillError, DistillRecipe, FieldRule
 from models.ids import GGUF_FILE, REVISION
 from models.layout_set import ablation_names
 
@@ -34,7 +39,7 @@ EXAMPLE_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
     "devices": 3,
     "delta": 1,
-    "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
     "score": "fo",
     "random_layouts": 2,
     "ablations": False,
@@ -45,14 +50,16 @@ EXAMPLE_DISTILL_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
     "devices": 3,
     "delta": 1,
-    "calibration": {"source": "corpus:kjv", "sequences": 8, "seq_len": 256},
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
     "random_layouts": 1,
     "export": False,
     "distill": {
         "layouts": ["optimised", "contiguous", "random-1000"],
         "seeds": [0],
         "steps": 200,
-        "train": {"source": "corpus:kjv", "seq_len": 64},
+        # One text for all three, held out by blocks: training starts after the calibration blocks,
+        # evaluation after the training ones (corpus:shakespeare is the corpus every install has).
+        "train": {"source": "corpus:shakespeare", "seq_len": 64},
         "eval": {"source": "corpus:shakespeare", "sequences": 16},
         "recipe": {"batch_size": 4, "micro_batch_size": 4, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20,
                    "eval_every": 25},
@@ -99,16 +106,19 @@ class ModelRef(_Strict):
                                  description="hub branch, tag or commit (hub models only)")
     gguf_file: Text | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
                                   description="a .gguf file inside the model directory or hub repo")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="weights dtype for the run")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="compute dtype: what the weights are loaded and the passes run in (the "
+                                       "export's dtype is export.dtype)")
 
 
 class CalibrationIn(_Strict):
     """The calibration spec of `models/calibration.py`; a file source is a name under the data root."""
 
     source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                         description="corpus:shakespeare (every install) | corpus:kjv (where the King James Bible "
+                                     "is installed; refused otherwise) | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
                                      "server's data root (.txt, .jsonl, .npy of token ids, or a directory of .txt)",
-                        examples=["corpus:kjv", "calibration/tokens.npy"])
+                        examples=["corpus:shakespeare", "calibration/tokens.npy"])
     sequences: StrictInt = Field(default=64, ge=1, le=1_000_000,
                                  description="calibration blocks; sequences × seq_len is bounded by the server's "
                                              "DTP_LAYOUT_MAX_CALIBRATION_TOKENS")
@@ -126,83 +136,73 @@ class CalibrationIn(_Strict):
 
 # ---- distillation ---------------------------------------------------------------------------------
 #
-# The API never imports torch, and models.distill does: the recipe is mirrored here field by field
-# (with DistillRecipe's constraints; tests/app/test_service_units.py checks that the two agree).
+# The request's recipe is built from the recipe itself (`models.distill.recipe`, torch-free): one field
+# per DistillRecipe field, bounded by that field's rule, and one validator that asks DistillRecipe.
 
-RECIPE_DEFAULTS: dict[str, Any] = {
-    "steps": 1000, "batch_size": 16, "micro_batch_size": 4, "lr": 5e-5, "min_lr": 5e-6, "warmup_steps": 100,
-    "betas": (0.9, 0.95), "adam_eps": 1e-8, "weight_decay": 0.0, "grad_clip": 1.0, "ce_weight": 0.1,
-    "freeze_embeddings": True, "freeze_lm_head": False, "autocast": "auto", "gradient_checkpointing": False,
-    "logit_chunk": 256, "eval_every": 100, "eval_batch_size": 4, "checkpoint_every": 5, "last_scale": "sqrt",
-}
-EVAL_SEQUENCES = 16  # evaluation blocks when `eval.sequences` is not given (as `distill --eval-blocks`)
+RECIPE_DEFAULTS: dict[str, Any] = DistillRecipe().as_dict()
 
 
-def _finite(ge: float | None = None, gt: float | None = None, description: str = "") -> Any:
-    return Field(default=None, ge=ge, gt=gt, allow_inf_nan=False, description=description)
+def _recipe_field(name: str, rule: FieldRule) -> tuple[Any, Any]:
+    """(type, Field) of one optional recipe field: null or absent keeps the recipe's default."""
+    default = RECIPE_DEFAULTS[name]
+    doc = f"{rule.doc} (default {json.dumps(default)})"
+    bounds = {k: getattr(rule, k) for k in ("ge", "gt", "le", "lt") if getattr(rule, k) is not None}
+    if rule.kind == "int":
+        return StrictInt | None, Field(default=None, description=doc, **bounds)
+    if rule.kind == "float":
+        return float | None, Field(default=None, allow_inf_nan=False, description=doc, **bounds)
+    if rule.kind == "bool":
+        return StrictBool | None, Field(default=None, description=doc)
+    if rule.kind == "choice":
+        return Literal[rule.choices] | None, Field(default=None, description=doc)
+    def betas(value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not all(math.isfinite(b) and rule.within(b) for b in value):
+            low = f"[{rule.ge:g}" if rule.ge is not None else f"({rule.gt:g}"
+            high = f"{rule.le:g}]" if rule.le is not None else f"{rule.lt:g})"
+            raise ValueError(f"{name} must be two numbers in {low}, {high}, got {list(value)}")
+        return value
+
+    return Annotated[tuple[float, float] | None, AfterValidator(betas)], Field(default=None, description=doc)
 
 
-def _positive(description: str, le: int = 10_000_000) -> Any:
-    return Field(default=None, ge=1, le=le, description=description)
-
-
-class DistillRecipeIn(_Strict):
+class _RecipeIn(_Strict):
     """`models.distill.DistillRecipe`, every field optional (null or absent: the recipe's default)."""
 
-    steps: StrictInt | None = _positive("optimiser steps per run (1000)")
-    batch_size: StrictInt | None = _positive("sequences per optimiser step (16)", le=65_536)
-    micro_batch_size: StrictInt | None = _positive("sequences per forward/backward (4); divides batch_size",
-                                                   le=65_536)
-    lr: float | None = _finite(gt=0, description="peak learning rate (5e-5)")
-    min_lr: float | None = _finite(gt=0, description="end of the cosine decay (5e-6); 0 < min_lr ≤ lr")
-    warmup_steps: StrictInt | None = Field(default=None, ge=0, le=10_000_000, description="linear warm-up steps (100)")
-    betas: tuple[float, float] | None = Field(default=None, description="AdamW betas, each in [0, 1) ([0.9, 0.95])")
-    adam_eps: float | None = _finite(gt=0, description="AdamW epsilon (1e-8)")
-    weight_decay: float | None = _finite(ge=0, description="AdamW weight decay (0)")
-    grad_clip: float | None = _finite(ge=0, description="max global gradient norm (1); 0 turns clipping off")
-    ce_weight: float | None = _finite(ge=0, description="loss = KL + ce_weight · CE (0.1)")
-    freeze_embeddings: StrictBool | None = Field(default=None, description="freeze the input embeddings (true)")
-    freeze_lm_head: StrictBool | None = Field(default=None, description="also freeze an untied LM head (false)")
-    autocast: Literal["auto", "bf16", "none"] | None = Field(default=None,
-                                                            description="auto: bf16 on CUDA, fp32 on CPU")
-    gradient_checkpointing: StrictBool | None = Field(default=None, description="recompute modules in backward")
-    logit_chunk: StrictInt | None = _positive("tokens per chunk of the loss over the vocabulary (256)", le=1_048_576)
-    eval_every: StrictInt | None = _positive("steps between evaluations (100); also at step 0 and the last")
-    eval_batch_size: StrictInt | None = _positive("evaluation sequences per forward (4)", le=65_536)
-    checkpoint_every: StrictInt | None = _positive("evaluations between checkpoints (5)")
-    last_scale: Literal["sqrt", "one"] | None = Field(default=None, description="DTP last-module scale (sqrt)")
-
-    @field_validator("betas")
-    @classmethod
-    def _betas(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        if value is not None and not all(0 <= b < 1 for b in value):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {list(value)}")
-        return value
+    def given(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.model_dump().items() if v is not None}
+        if "betas" in out:
+            out["betas"] = list(out["betas"])
+        return out
 
     def effective(self) -> dict[str, Any]:
         """Every recipe field: the given ones over the defaults."""
         return {**RECIPE_DEFAULTS, **self.given()}
 
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
     @model_validator(mode="after")
-    def _together(self) -> DistillRecipeIn:
-        r = self.effective()
-        if r["batch_size"] % r["micro_batch_size"]:
-            raise ValueError(f"batch_size={r['batch_size']} must be a multiple of "
-                             f"micro_batch_size={r['micro_batch_size']}")
-        if not r["min_lr"] <= r["lr"]:
-            raise ValueError(f"needs 0 < min_lr ≤ lr, got lr={r['lr']}, min_lr={r['min_lr']}")
+    def _recipe_accepts(self) -> _RecipeIn:
+        try:  # the rules between fields (batch_size a multiple of micro_batch_size, min_lr ≤ lr)
+            DistillRecipe.from_dict(self.given())
+        except DistillError as exc:
+            raise ValueError(str(exc).removeprefix("recipe.").removeprefix("recipe ")) from exc
         return self
+
+
+if TYPE_CHECKING:  # the fields are DistillRecipe's; type checkers see the methods
+    DistillRecipeIn = _RecipeIn
+else:
+    DistillRecipeIn = create_model(
+        "DistillRecipeIn", __base__=_RecipeIn, __doc__=_RecipeIn.__doc__,
+        **{name: _recipe_field(name, rule) for name, rule in DistillRecipe.rules().items()})
+
+EVAL_SEQUENCES = RECIPE_EVAL_SEQUENCES  # evaluation blocks when `eval.sequences` is not given (as distill)
 
 
 class DistillDataIn(_Strict):
     """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
 
     source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:kjv | corpus:shakespeare | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
-                                     "server's data root", examples=["corpus:kjv"])
+                         description="corpus:shakespeare | corpus:kjv | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
+                                     "server's data root", examples=["corpus:shakespeare"])
     sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                         description="blocks to load; training: steps × batch_size (one pass), "
                                                     "evaluation: 16")
@@ -226,10 +226,17 @@ class DistillJobSpec(_Strict):
     steps: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                     description="optimiser steps per run (shorthand for recipe.steps; 1000)")
     train: DistillDataIn | None = Field(default=None,
-                                        description="training text; default: the calibration source")
+                                        description="training text; default: the calibration source. Where it is "
+                                                    "the calibration's text (by content), training starts after "
+                                                    "the calibration blocks")
     eval: DistillDataIn | None = Field(default=None,
-                                       description="held-out evaluation text; default: the training source, "
-                                                   "after the training text")
+                                       description="held-out evaluation text; default: the training source. Where "
+                                                   "it is the training or calibration text (by content), "
+                                                   "evaluation starts after those blocks")
+    allow_overlap: StrictBool = Field(default=False,
+                                      description="read train and eval as given even where they overlap the "
+                                                  "calibration or each other (the overlap is reported in "
+                                                  "summary.json and report.json under `data`)")
     recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(),
                                     description="the training recipe; every field optional (the paper's defaults)")
 
@@ -249,8 +256,9 @@ class DistillJobSpec(_Strict):
 
     @model_validator(mode="after")
     def _steps_once(self) -> DistillJobSpec:
-        if self.steps is not None and self.recipe.steps is not None and self.steps != self.recipe.steps:
-            raise ValueError(f"steps={self.steps} and recipe.steps={self.recipe.steps} disagree; give one")
+        given = self.recipe.given().get("steps")
+        if self.steps is not None and given is not None and self.steps != given:
+            raise ValueError(f"steps={self.steps} and recipe.steps={given} disagree; give one")
         return self
 
     def recipe_fields(self) -> dict[str, Any]:
@@ -258,8 +266,6 @@ class DistillJobSpec(_Strict):
         fields = self.recipe.given()
         if self.steps is not None:
             fields["steps"] = self.steps
-        if "betas" in fields:
-            fields["betas"] = list(fields["betas"])
         return fields
 
     def effective_recipe(self) -> dict[str, Any]:
@@ -282,6 +288,10 @@ class DistillJobSpec(_Strict):
 class ExportSpec(_Strict):
     checkpoint: StrictBool = Field(default=True, description="the permuted Hugging Face checkpoint (checkpoint/*)")
     shards: StrictBool = Field(default=True, description="per-rank DTP shards and manifest (shards/*)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="dtype the exported weights are stored in; auto: the source checkpoint's "
+                                    "(a bf16 hub model exports bf16 whatever model.dtype computed in; a GGUF, "
+                                    "which has none, exports in model.dtype). The manifest records both")
 
     @property
     def any(self) -> bool:

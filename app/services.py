@@ -16,18 +16,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Select, func, select, text
+from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
-from app import budgets, hub
+from app import budgets, hub, logs
 from app.auth import Caller
-from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow, write_transaction
 from app.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
 from app.model_limits import check_model_config
 from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model
-from app.storage import Storage
+from app.storage import DamagedFile, Storage
 from app.timeline import stage_timeline
 from models.layout import LayoutError
 from models.layout_names import canonical_layout_name
@@ -47,6 +47,14 @@ def _aware(dt: datetime | None) -> datetime | None:
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"at": utcnow().isoformat() + "Z", "event": kind, **fields}
+
+
+def job_log_fields(job: Job) -> dict[str, str | None]:
+    """The log context of a job's run on a worker: its tenant, and the id of the request that
+    submitted it (from the history), so that the worker's lines join the API's."""
+    submitted = next((e for e in job.history or [] if isinstance(e, dict) and e.get("event") == "submitted"), {})
+    rid = submitted.get("request_id")
+    return {"tenant": job.owner, "request_id": rid if isinstance(rid, str) else None}
 
 
 # ---- submit ---------------------------------------------------------------------------------------
@@ -130,29 +138,41 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
 
 
 def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: Caller,
-               enqueue: Callable[[str], None]) -> Job:
+               enqueue: Callable[[str], None], request_id: str | None = None) -> Job:
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
-    broker is down: the job is then recorded as failed)."""
+    broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
+    request's id goes into the job's history."""
     fp, found = check_spec(settings=settings, spec=spec)
-    with session.begin():
+    with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
         job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
                   revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
                   status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
-                  history=[event("submitted", config_checked=found["config_checked"], key=caller.key_name)],
+                  history=[event("submitted", config_checked=found["config_checked"], key=caller.key_name,
+                                 request_id=request_id)],
                   cancel_requested=False, affinity_cached=False, attempts=0)
         session.add(job)
+    logs.update(job_id=job.id)
     try:
         enqueue(job.id)
     except Exception as exc:
-        log.exception("could not enqueue job %s", job.id)
-        with session.begin():
-            row = session.get(Job, job.id, populate_existing=True)
-            if row is not None:
-                row.status, row.error, row.finished_at = "failed", "could not enqueue the job", utcnow()
-        raise BrokerUnavailable("the job broker is unreachable; the job was recorded as failed, submit it again "
-                                "shortly", headers={"Retry-After": "10"}) from exc
+        log.error("could not enqueue job %s (%s: %s); the job is withdrawn", job.id, type(exc).__name__, exc)
+        _withdraw(session, job.id)
+        raise BrokerUnavailable("the job broker is unreachable; the job was not accepted (nothing was recorded): "
+                                "submit it again after Retry-After seconds", headers={"Retry-After": "5"}) from exc
     return job
+
+
+def _withdraw(session: Session, job_id: str) -> None:
+    """Delete a job whose message never reached the broker: the caller is told 503 and submits again, so
+    the row must not run later as a second copy. Should the database fail too, the row stays `queued`
+    and the queued-job sweeper sends it once the broker is back (the job then runs once)."""
+    try:
+        session.rollback()
+        with write_transaction(session):
+            session.execute(delete(Job).where(Job.id == job_id, Job.status == "queued"))
+    except Exception:
+        log.exception("job %s: could not withdraw it; it stays queued for the sweeper", job_id)
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -223,9 +243,9 @@ def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -
     }
 
 
-def cancel_job(*, session: Session, job_id: str, caller: Caller) -> Job:
+def cancel_job(*, session: Session, job_id: str, caller: Caller, request_id: str | None = None) -> Job:
     """Queued jobs are cancelled at once; running ones stop between micro-batches (the worker sees the flag)."""
-    with session.begin():
+    with write_transaction(session):
         job = get_job(session=session, job_id=job_id, caller=caller, lock=True)
         if job.status in FINISHED:
             raise Conflict(f"job {job_id!r} is already {job.status}; only queued or running jobs can be cancelled")
@@ -234,7 +254,8 @@ def cancel_job(*, session: Session, job_id: str, caller: Caller) -> Job:
             job.status, job.finished_at, job.error = "cancelled", now, "cancelled before it started"
         job.cancel_requested = True
         job.updated_at = now
-        job.history = [*(job.history or []), event("cancel-requested", by=caller.key_name)]
+        job.history = [*(job.history or []), event("cancel-requested", by=caller.key_name,
+                                                       request_id=request_id)]
     return job
 
 
@@ -308,11 +329,13 @@ def job_metrics(*, session: Session, storage: Storage, job_id: str, caller: Call
         curves.append(curve)
     summary = None
     if summary_row is not None:
-        try:
-            doc = json.loads(storage.path(summary_row.storage_key).read_text())
+        try:  # checked like a download: a damaged summary.json is not shown as the job's headline
+            with storage.open_verified(summary_row.storage_key, size=summary_row.size,
+                                       sha256=summary_row.sha256) as f:
+                doc = json.loads(f.read())
             summary = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
                        "seconds": doc.get("seconds")}
-        except (OSError, ValueError):
+        except (OSError, ValueError, DamagedFile):
             log.warning("job %s: cannot read %s", job_id, DISTILL_SUMMARY, exc_info=True)
     return {"job_id": job.id, "status": job.status, "stage": job.stage, "curves": curves, "summary": summary}
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
@@ -64,8 +65,43 @@ class Settings(BaseSettings):
                                       description="Redis visibility timeout, above the longest job")
     lease_s: float = Field(default=60.0, gt=0, description="a running job's lease; a worker silent for longer has died")
     max_attempts: int = Field(default=3, ge=1, description="runs of one job before it is failed")
-    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches")
+    requeue_after_s: float = Field(default=300.0, gt=0, description="a job still queued this long after it was "
+                                                                     "sent (no worker took it: message lost, broker "
+                                                                     "purged, enqueue failed) is sent again")
+    stall_s: float = Field(default=1800.0, gt=0, description="a running job that reports no progress for this long "
+                                                              "(e.g. a hung download) stops renewing its lease and is "
+                                                              "retried (up to MAX_ATTEMPTS runs)")
+    time_limit_s: float = Field(default=3600.0, gt=0, description="soft time limit of one run of a job: this, plus "
+                                                                   "TIME_LIMIT_PER_MTOKEN_S per million work tokens, "
+                                                                   "at most TIME_LIMIT_MAX_S; the hard limit is 10% + "
+                                                                   "TIME_LIMIT_GRACE_S more")
+    time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
+                                                                            "million work tokens (calibration + "
+                                                                            "distillation training)")
+    time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit")
+    time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
+                                                                      "this; past it the worker process is killed")
+    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches and at "
+                                                                  "each stage's start")
+    test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
+                                                        "calibration or optimising where a cancel can abandon it (a "
+                                                        "stuck download), affinity or distilling where only the hard "
+                                                        "time limit can")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
+    log_format: Literal["text", "json"] = Field(default="text", description="text (readable lines) or json (one "
+                                                                            "object per line)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="level of this "
+                                                                                                "project's loggers")
+    access_log: bool = Field(default=True, description="one log line per HTTP request (with its X-Request-ID)")
+    metrics_cache_s: float = Field(default=2.0, ge=0, le=300, description="/metrics reads the jobs table at most "
+                                                                          "this often")
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _case(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.strip().lower() if info.field_name == "log_format" else value.strip().upper()
 
     @model_validator(mode="after")
     def _defaults(self) -> Settings:
@@ -80,6 +116,11 @@ class Settings(BaseSettings):
         self.model_root = (self.model_root or var / "models").expanduser().absolute()
         self.data_root = (self.data_root or var / "data").expanduser().absolute()
         return self
+
+    def time_limits(self, work_tokens: int) -> tuple[float, float]:
+        """(soft, hard) seconds for one run of a job of `work_tokens` (app.budgets.work_tokens)."""
+        soft = min(self.time_limit_max_s, self.time_limit_s + self.time_limit_per_mtoken_s * work_tokens / 1e6)
+        return soft, soft * 1.1 + self.time_limit_grace_s
 
     @property
     def storage(self) -> Path:
@@ -133,10 +174,19 @@ class Settings(BaseSettings):
             "LEASE_S": str(self.lease_s),
             "MAX_ATTEMPTS": str(self.max_attempts),
             "STAGE_DELAY_S": str(self.stage_delay_s),
+            "TEST_HANG_STAGE": self.test_hang_stage,
+            "REQUEUE_AFTER_S": str(self.requeue_after_s),
+            "STALL_S": str(self.stall_s),
+            "TIME_LIMIT_S": str(self.time_limit_s),
+            "TIME_LIMIT_PER_MTOKEN_S": str(self.time_limit_per_mtoken_s),
+            "TIME_LIMIT_MAX_S": str(self.time_limit_max_s),
+            "TIME_LIMIT_GRACE_S": str(self.time_limit_grace_s),
             "MAX_MODEL_PARAMS": str(self.max_model_params),
             "HUB_MODELS": self.hub_models,
             "HUB_DATASETS": self.hub_datasets,
             "VAR_DIR": str(self.var_dir),
+            "LOG_FORMAT": self.log_format,
+            "LOG_LEVEL": self.log_level,
         }
         if self.cuda_memory_fraction is not None:
             env["CUDA_MEMORY_FRACTION"] = str(self.cuda_memory_fraction)

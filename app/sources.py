@@ -16,9 +16,10 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
+from models.assets import CORPORA as ASSET_CORPORA
 from models.ids import GGUF_FILE, HUB_ID, REVISION
 
-CORPORA = ("kjv", "shakespeare")
+CORPORA = tuple(ASSET_CORPORA)  # which of them this install has is the worker's to say (models.assets)
 HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?(:[A-Za-z0-9._-]*){0,2}$")
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@-]*$")
 

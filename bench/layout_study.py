@@ -142,17 +142,15 @@ def distill_spec(args: argparse.Namespace) -> distill.DistillSpec:
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup, eval_every=args.eval_every, checkpoint_every=2,
         eval_batch_size=4)
-    # Training text starts after the calibration text when both come from the same source.
-    skip = 0
-    if args.train == args.calib:
-        skip = -(-args.calib_sequences * args.calib_seq_len // args.seq_len)
-    train = CalibrationSpec(source=args.train, sequences=args.steps * args.batch_size, seq_len=args.seq_len,
-                            skip_blocks=skip)
+    # Held out by content (models.heldout): training starts after the calibration blocks where it reads
+    # the same text, evaluation after both.
+    train = CalibrationSpec(source=args.train, sequences=args.steps * args.batch_size, seq_len=args.seq_len)
     evaluation = CalibrationSpec(source=args.eval, sequences=args.eval_blocks, seq_len=args.seq_len)
+    calibration = CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len)
     layouts = study_layouts(args)
     seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
     return distill.DistillSpec(layouts=layouts, train=train, eval=evaluation, devices=args.devices, delta=args.delta,
-                               seeds=seeds, recipe=recipe)
+                               seeds=seeds, recipe=recipe, calibration=calibration)
 
 
 def markdown_table(summary: dict[str, Any]) -> str:

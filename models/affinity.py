@@ -34,8 +34,14 @@ from models.progress import Cancelled as Cancelled  # where callers of the pass 
 from models.progress import Progress, ShouldStop
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a micro-batch's sums over tokens are accumulated in: float32 at least (a bf16/fp16 model's
+    products are exact enough per token, but thousands of them summed in bf16 lose whole percents)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _LayerAccumulator:
-    """float64 sums over tokens for one layer (each micro-batch is summed in the model's dtype first)."""
+    """float64 sums over tokens for one layer; each micro-batch is summed in `sum_dtype` (fp32 at least)."""
 
     def __init__(self, heads: int, neurons: int, device: torch.device) -> None:
         self.fo = torch.zeros(heads, neurons, dtype=torch.float64, device=device)  # Σ_t Δ²: [H, I]
@@ -70,21 +76,25 @@ def _accumulate_up(acc: _LayerAccumulator, heads_out: torch.Tensor, inv_r: torch
                    up: torch.Tensor, fold: Fold, token_chunk: int) -> None:
     """heads_out: [T, H*hd]; inv_r: [T, 1]; gate/up: [T, I]; fold: neuron blocks of [H, hd, b]."""
     heads, head_dim = fold[0][1].shape[:2]
+    acc_dtype = sum_dtype(gate.dtype)
     a = (heads_out * inv_r).view(-1, heads, head_dim).transpose(0, 1).contiguous()  # [H, T, hd]: a_h / r
-    # ADD needs only the second moment of a_h/r: Σ_t (a·f)² = fᵀ (Σ_t a aᵀ) f, per head and fold column.
-    cov = torch.bmm(a.transpose(1, 2), a)  # [H, hd, hd]
+    # ADD needs only the second moment of a_h/r: Σ_t (a·f)² = fᵀ (Σ_t a aᵀ) f, per head and fold column;
+    # the moment is a sum over tokens, so it is formed in acc_dtype.
+    a_acc = a.to(acc_dtype)
+    cov = torch.bmm(a_acc.transpose(1, 2), a_acc)  # [H, hd, hd]
     sig = torch.sigmoid(gate)
     silu = gate * sig
     coef_g = sig.mul_(1 + gate * (1 - sig)).mul_(up)  # silu'(g)·u: [T, I]
-    fo = torch.zeros(heads, gate.shape[1], dtype=gate.dtype, device=gate.device)  # [H, I]
+    fo = torch.zeros(heads, gate.shape[1], dtype=acc_dtype, device=gate.device)  # [H, I]
     add = torch.zeros_like(fo)
     for cols, fold_g, fold_u in fold:
-        add[:, cols] = (torch.bmm(cov, fold_g) * fold_g).sum(1) + (torch.bmm(cov, fold_u) * fold_u).sum(1)
+        fg, fu = fold_g.to(acc_dtype), fold_u.to(acc_dtype)
+        add[:, cols] = (torch.bmm(cov, fg) * fg).sum(1) + (torch.bmm(cov, fu) * fu).sum(1)
         for start in range(0, a.shape[1], token_chunk):
             rows = slice(start, start + token_chunk)
             delta = torch.bmm(a[:, rows], fold_g).mul_(coef_g[rows, cols])  # silu'(g)u (p_h·w^g): [H, t, b]
             delta.addcmul_(torch.bmm(a[:, rows], fold_u), silu[rows, cols])  # + silu(g) (p_h·w^u) = Δ_hk
-            fo[:, cols] += delta.square_().sum(1)
+            fo[:, cols] += delta.to(acc_dtype).square_().sum(1)  # per token in the model's dtype, summed in fp32
     acc.fo += fo.double()
     acc.add += add.double()
 
@@ -140,7 +150,8 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
         for i in range(n_layers):
             layer = layers[i]
             if pending_act is not None:
-                accs[i - 1].act += (pending_act * _rms_inverse(x, eps).square()).sum(0).double()
+                inv = _rms_inverse(x, eps).to(pending_act.dtype)
+                accs[i - 1].act += (pending_act * inv.square()).sum(0).double()
             heads_out = dense.attention_heads(i, x.view(1, *emb.shape), cos, sin)[0]  # [T, H*hd]
             x = x + heads_out @ layer.self_attn.o_proj.weight.t()
             inv_r = _rms_inverse(x, eps)  # [T, 1]
@@ -153,7 +164,7 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
             _accumulate_up(accs[i], heads_out, inv_r, gate, up, fold, token_chunk)
             act = F.silu(gate) * up  # [T, I]
             x = x + act @ layer.mlp.down_proj.weight.t()
-            pending_act = act.square() if i < n_layers - 1 else None
+            pending_act = act.to(sum_dtype(act.dtype)).square() if i < n_layers - 1 else None
         if progress is not None:
             progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
     tokens = int(blocks.numel())

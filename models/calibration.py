@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.assets import corpus_file
+from models.assets import AssetNotFoundError, corpus_file
 
 # Characters tokenised per step: large enough for throughput, small enough to stop early.
 _TEXT_CHUNK = 1 << 18
@@ -68,7 +68,11 @@ def _documents(spec: CalibrationSpec) -> Iterator[str]:
     """The source as a sequence of documents (text)."""
     src = spec.source
     if src.startswith("corpus:"):
-        yield _read_text(corpus_file(src.split(":", 1)[1]))
+        try:
+            path = corpus_file(src.split(":", 1)[1])
+        except AssetNotFoundError as exc:
+            raise DataError(str(exc)) from exc
+        yield _read_text(path)
         return
     if src.startswith("hf:"):
         yield from _hf_documents(src[3:], spec.text_field)
@@ -121,7 +125,13 @@ def _hf_documents(name: str, field: str) -> Iterator[str]:
     ds_name, config = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
     split = parts[2] if len(parts) > 2 else "train"
     # No trust_remote_code: datasets ≥ 4 runs no loading scripts at all, older ones default to False.
-    stream = datasets.load_dataset(ds_name, config, split=split, streaming=True)
+    # Streamed: only the rows the blocks need are read. With HF_HUB_OFFLINE=1 the same call reads the
+    # local Hugging Face datasets cache (a dataset loaded once before).
+    try:
+        stream = datasets.load_dataset(ds_name, config, split=split, streaming=True)
+    except Exception as exc:  # the hub, the cache and the builders raise many types; the message says which
+        raise DataError(f"hf:{name}: cannot load dataset {ds_name!r} (config {config}, split {split!r}): "
+                        f"{type(exc).__name__}: {exc}") from exc
     for row in stream:
         text = row.get(field)
         if not isinstance(text, str):

@@ -31,10 +31,40 @@ from models.progress import Progress
 SHARDS_FORMAT = "dtp-layout-shards/1"
 MANIFEST = "manifest.json"
 LAYOUT_FILE = "dtp_layout.json"
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPORT_DTYPES = ("auto", *FLOAT_DTYPES)  # auto: the source checkpoint's dtype
 
 
 class ExportError(RuntimeError):
     pass
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def source_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the source checkpoint stores (its config.json), read before loading; None when it says
+    none or a non-float one (a GGUF file is quantised: its dequantised weights have no dtype of their own)."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = dtype_name(value) if isinstance(value, torch.dtype) else str(value) if value else None
+    return FLOAT_DTYPES.get(name) if name else None
+
+
+def export_dtype(requested: str, *, config: Any, compute: torch.dtype) -> torch.dtype:
+    """What exported weights are stored in: `requested`, or for `auto` the source checkpoint's dtype
+    (a bf16 hub model exports bf16 whatever the passes computed in), else the compute dtype."""
+    if requested != "auto":
+        if requested not in FLOAT_DTYPES:
+            raise ExportError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {requested!r}")
+        return FLOAT_DTYPES[requested]
+    return source_dtype(config) or compute
+
+
+def export_copy(model: Any, layout: Layout, dtype: torch.dtype | None = None) -> Any:
+    """The permuted copy to export, cast to `dtype` (permuting first: the permutation is exact in any dtype)."""
+    permuted = permuted_copy(model, layout)
+    return permuted if dtype is None else permuted.to(dtype)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -110,8 +140,11 @@ def shard_file_name(rank: int) -> str:
 
 def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path, *,
                        tokenizer: Any = None, overwrite: bool = False,
-                       progress: Progress | None = None) -> Path:
-    """Write device r's slices to `model-rank-{r}-part-0.safetensors` plus `manifest.json`."""
+                       progress: Progress | None = None, compute_dtype: torch.dtype | None = None) -> Path:
+    """Write device r's slices to `model-rank-{r}-part-0.safetensors` plus `manifest.json`.
+
+    The manifest's `dtype` is the shards' (what a reader loads); `compute_dtype` the dtype the model
+    was loaded and scored in, when it was given and differs or not."""
     check_fits(layout, model_shape(permuted.config))
     rules = split_rules(permuted)
     state = checkpoint_state(permuted)
@@ -138,7 +171,8 @@ def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path,
             "split": rules,
             # Additive to dtp-layout-shards/1 (readers must not require them): the family's plan and dtype.
             "plan": family_for_config(permuted.config).plan.to_json_dict(),
-            "dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
+            "dtype": dtype_name(next(iter(state.values())).dtype),
+            "compute_dtype": dtype_name(compute_dtype or next(iter(state.values())).dtype),
             "files": files,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -18,9 +18,11 @@ import torch
 import transformers
 
 from models.affinity import SCORES, AffinityResult, affinity_pass
+from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
-from models.calibration import CalibrationSpec, load_blocks
-from models.export import export_checkpoint, export_rank_shards, permuted_copy
+from models.calibration import CalibrationSpec, DataError, load_blocks
+from models.export import dtype_name, export_checkpoint, export_copy, export_rank_shards
+from models.heldout import source_identity
 from models.layout import Layout, ModelShape
 from models.layout_set import PAPER_RESTARTS, ablation_names
 
@@ -69,6 +71,7 @@ class RunState:
     blocks: torch.Tensor | None = None
     affinity: AffinityResult | None = None
     layouts: dict[str, Layout] = field(default_factory=dict)
+    export_dtypes: dict[str, str] | None = None  # what stage_export stored and what the passes computed in
     stability: dict[str, Any] | None = None
 
     def timed(self, stage: str, start: float) -> None:
@@ -139,16 +142,20 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
 
 
 def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
-                 overwrite: bool = False, checkpoint: bool = True, shards: bool = True) -> None:
-    """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`)."""
+                 overwrite: bool = False, checkpoint: bool = True, shards: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+    """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
+    in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
-    permuted = permuted_copy(model, best)
+    compute = next(model.parameters()).dtype
+    permuted = export_copy(model, best, dtype)
+    state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
     if checkpoint:
         export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
     if shards:
         export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
-                           progress=progress)
+                           progress=progress, compute_dtype=compute)
     state.timed("export", t0)
 
 
@@ -163,8 +170,17 @@ def versions() -> dict[str, str]:
             "numpy": np.__version__, "python": platform.python_version()}
 
 
-def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec) -> dict:
+def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibration: CalibrationSpec,
+                 calibration_identity: str | None = None, data: dict[str, Any] | None = None) -> dict:
+    """report.json. calibration_identity: which text the calibration read (`models.heldout`), so that a
+    later `distill --from` holds its blocks out whatever the source is called there; computed from
+    calibration.source when not given. data: the held-out placement of a distillation that followed."""
     assert state.affinity is not None
+    if calibration_identity is None:
+        try:
+            calibration_identity = source_identity(calibration.source, calibration.text_field)
+        except (DataError, AssetNotFoundError):
+            calibration_identity = None
     reports = {name: lay.score for name, lay in state.layouts.items()}
     any_report = next(iter(reports.values())) or {}
     notes = []
@@ -189,6 +205,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "paper_procedure": spec.restarts == PAPER_RESTARTS,
         "calibration": asdict(calibration),
         "calibration_fingerprint": calibration.fingerprint(),
+        "calibration_identity": calibration_identity,
         "tokens": state.affinity.tokens,
         "random_expectation": any_report.get("random_expectation"),
         "upper_bound": any_report.get("upper_bound"),
@@ -198,6 +215,8 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "seconds": state.seconds,
         "versions": versions(),
         "notes": notes,
+        **({"export": state.export_dtypes} if state.export_dtypes else {}),
+        **({"data": data} if data is not None else {}),
     }
 
 

@@ -34,21 +34,22 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.db import Artifact, Database, Job, LayoutRow, Metric, utcnow
+from app import logs
+from app.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
 from app.hub import prepare_model
 from app.schemas import METRIC_NAMES, JobSpec
-from app.services import DISTILL_SUMMARY, event
+from app.services import DISTILL_SUMMARY, event, job_log_fields
 from app.settings import Settings
 from app.sources import resolve_data
 from app.storage import Storage, sha256_file
 from worker.device import out_of_memory_message, prepare_device
+from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
 log = logging.getLogger("dtp_layout.worker")
 DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
@@ -64,82 +65,134 @@ class JobCancelled(RuntimeError):
 
 
 # ---- claiming and recovery -------------------------------------------------------------------------
+#
+# Leases are compared on the database clock (`db_now`), so that workers whose clocks disagree still
+# agree on which lease expired. `attempts` is the fence: each claim increments it, and every write a
+# run makes (stage rows, layouts, artifacts, metrics, the affinity cache, the lease) checks, in the
+# same transaction, that the job is still at the run's attempt.
 
 def claim(db: Database, job_id: str, *, worker: str, lease_s: float) -> Job | None:
     """Atomically take a queued job, or a running one whose lease expired. None: nothing to do."""
-    now = utcnow()
     with db.transaction() as session:
         result = session.execute(
             update(Job)
             .where(Job.id == job_id, Job.status.in_(("queued", "running")),
-                   or_(Job.lease_until.is_(None), Job.lease_until < now))
-            .values(status="running", worker=worker, lease_until=now + timedelta(seconds=lease_s),
-                    attempts=Job.attempts + 1, updated_at=now)
+                   or_(Job.lease_until.is_(None), Job.lease_until < db_now()))
+            .values(status="running", worker=worker, lease_until=db_now(lease_s),
+                    attempts=Job.attempts + 1, updated_at=utcnow())
             .execution_options(synchronize_session=False)
         )
         if result.rowcount != 1:  # type: ignore[attr-defined]
             return None
         job = session.get(Job, job_id, populate_existing=True)
         assert job is not None
-        job.started_at = job.started_at or now
+        job.started_at = job.started_at or utcnow()
         job.history = [*(job.history or []), event("claimed", worker=worker, attempt=job.attempts)]
     return job
 
 
+def _resend(db: Database, job_id: str, send: Callable[[str], None], *, where: Any, values: dict[str, Any],
+            reason: str) -> bool:
+    """One sweeper's re-enqueue of one job: the guarded update is the atomic step (of several sweeping
+    workers exactly one wins), then the message. A lost message is found again by the next sweeps."""
+    with db.transaction() as session:
+        result = session.execute(
+            update(Job).where(Job.id == job_id, *where)
+            .values(enqueued_at=db_now(), requeues=Job.requeues + 1, updated_at=utcnow(), **values)
+            .execution_options(synchronize_session=False))
+        if result.rowcount != 1:  # type: ignore[attr-defined]
+            return False
+        job = session.get(Job, job_id, populate_existing=True)
+        if job is not None:
+            job.history = [*(job.history or []), event("requeued", reason=reason, requeues=job.requeues)]
+    try:
+        send(job_id)
+    except Exception:
+        log.exception("could not re-enqueue job %s; a later sweep sends it again", job_id)
+        return False
+    return True
+
+
 def requeue_stale(db: Database, send: Callable[[str], None]) -> list[str]:
-    """Re-enqueue running jobs whose worker stopped renewing the lease. Clearing the lease is the
-    atomic step, so that of several sweeping workers exactly one re-sends a job."""
-    now = utcnow()
+    """Re-enqueue running jobs whose worker stopped renewing the lease (dead, or stalled). Clearing the
+    lease makes the job claimable by whoever gets the message; should the message be lost, the job
+    (queued-like: running, no lease) is swept by `requeue_queued` later."""
     with db.session() as session:
-        stale = session.scalars(select(Job.id).where(Job.status == "running", Job.lease_until < now)).all()
-    sent = []
-    for job_id in stale:
-        with db.transaction() as session:
-            result = session.execute(
-                update(Job).where(Job.id == job_id, Job.status == "running", Job.lease_until < now)
-                .values(lease_until=None, updated_at=utcnow()).execution_options(synchronize_session=False))
-            if result.rowcount != 1:  # type: ignore[attr-defined]
-                continue
-            job = session.get(Job, job_id, populate_existing=True)
-            if job is not None:
-                job.history = [*(job.history or []), event("requeued", reason="lease expired")]
-        try:
-            send(job_id)
-            sent.append(job_id)
-        except Exception:
-            log.exception("could not re-enqueue job %s; the next sweep retries", job_id)
-            with db.transaction() as session:
-                session.execute(update(Job).where(Job.id == job_id, Job.lease_until.is_(None))
-                                .values(lease_until=now).execution_options(synchronize_session=False))
-    return sent
+        stale = session.scalars(select(Job.id).where(Job.status == "running", Job.lease_until < db_now())).all()
+    return [job_id for job_id in stale
+            if _resend(db, job_id, send, where=(Job.status == "running", Job.lease_until < db_now()),
+                       values={"lease_until": None}, reason="lease expired")]
+
+
+def requeue_queued(db: Database, send: Callable[[str], None], *, after_s: float) -> list[str]:
+    """Re-enqueue jobs that nobody holds (queued, or running with no lease) and whose message was sent
+    more than `after_s` ago: the message was lost (crash between insert and enqueue, broker purged or
+    restarted without persistence, a claim that failed on a database error). A duplicate message is
+    harmless: `claim` lets one run through."""
+    unheld = (Job.status.in_(("queued", "running")), Job.lease_until.is_(None),
+              or_(Job.enqueued_at.is_(None), Job.enqueued_at < db_now(-after_s)))
+    with db.session() as session:
+        ids = session.scalars(select(Job.id).where(*unheld).order_by(Job.created_at).limit(500)).all()
+    return [job_id for job_id in ids
+            if _resend(db, job_id, send, where=unheld, values={},
+                       reason=f"not picked up within {after_s:g} s of being queued")]
 
 
 # ---- the monitor thread ----------------------------------------------------------------------------
 
-class Monitor(threading.Thread):
-    """Renews the lease, writes progress and ETA (at most once per tick) and reads the cancel flag."""
+class JobStalled(RuntimeError):
+    """No progress for DTP_LAYOUT_STALL_S: this run is abandoned and the job retried."""
 
-    def __init__(self, db: Database, job_id: str, worker: str, lease_s: float) -> None:
+
+class TimeLimitExceeded(RuntimeError):
+    """The run went past its soft time limit (derived from the job's size)."""
+
+
+class Monitor(threading.Thread):
+    """Renews the lease, writes progress and ETA (at most once per tick) and reads the cancel flag.
+
+    It also watches the run: no progress for `stall_s` stops the lease renewal (`stalled`; the run
+    stops at its next check and the job is retried); past the soft time limit `over_time` is set;
+    past the hard limit `on_hard_limit` is called (the Celery task kills its own process: a solo
+    pool cannot interrupt a stage that never returns)."""
+
+    def __init__(self, db: Database, job_id: str, worker: str, lease_s: float, *, attempt: int = 0,
+                 stall_s: float = float("inf"), limits: tuple[float, float] = (float("inf"), float("inf")),
+                 on_hard_limit: Callable[[], None] | None = None) -> None:
         super().__init__(name=f"monitor-{job_id[:8]}", daemon=True)
-        self.db, self.job_id, self.worker, self.lease_s = db, job_id, worker, lease_s
-        self.tick = max(0.05, min(1.0, lease_s / 3))
+        self.db, self.job_id, self.worker, self.lease_s, self.attempt = db, job_id, worker, lease_s, attempt
+        self.stall_s, self.limits, self.on_hard_limit = stall_s, limits, on_hard_limit
+        self.tick = max(0.05, min(1.0, lease_s / 3, stall_s / 4))
         self.cancel = threading.Event()
         self.lost = threading.Event()
+        self.stalled = threading.Event()
+        self.over_time = threading.Event()
+        self.hard_hit = threading.Event()
+        self.stage: str | None = None
         self._halt = threading.Event()
         self._lock = threading.Lock()
         self._fraction: float | None = None
         self._eta: float | None = _AUTO
-        self._stage_t0 = time.monotonic()
+        self._t0 = self._stage_t0 = self._alive = time.monotonic()
 
-    def start_stage(self) -> None:
+    def start_stage(self, stage: str | None = None) -> None:
         with self._lock:
             self._fraction, self._eta, self._stage_t0 = None, _AUTO, time.monotonic()
+            self._alive, self.stage = self._stage_t0, stage
+
+    def beat(self) -> None:
+        """The stage advanced (a micro-batch, a chunk) without a new fraction to show."""
+        self._alive = time.monotonic()
 
     def report(self, fraction: float, eta_s: float | None = _AUTO) -> None:
         """The stage's fraction done; eta_s when the caller knows better than elapsed·(1 − f)/f (a
         resumed stage starts part-way), None for not known yet."""
         with self._lock:
             self._fraction, self._eta = min(1.0, max(0.0, float(fraction))), eta_s
+            self._alive = time.monotonic()
+
+    def silent_s(self) -> float:
+        return time.monotonic() - self._alive
 
     def _progress(self) -> dict[str, Any]:
         with self._lock:
@@ -152,15 +205,28 @@ class Monitor(threading.Thread):
             eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
         return {"progress": fraction, "eta_s": eta}
 
+    def _mine(self) -> tuple[Any, ...]:
+        return (Job.id == self.job_id, Job.worker == self.worker, Job.status == "running",
+                *((Job.attempts == self.attempt,) if self.attempt else ()))
+
     def flush(self) -> None:
-        now = utcnow()
-        values = {"lease_until": now + timedelta(seconds=self.lease_s), "updated_at": now, **self._progress()}
+        if not self.stalled.is_set() and self.silent_s() > self.stall_s:
+            log.warning("job %s: no progress in %s for %.0f s; the lease is no longer renewed",
+                        self.job_id, self.stage, self.silent_s())
+            self.stalled.set()
+        elapsed = time.monotonic() - self._t0
+        if elapsed > self.limits[0]:
+            self.over_time.set()
+        if elapsed > self.limits[1] and self.on_hard_limit is not None:
+            self.on_hard_limit()
         with self.db.transaction() as session:
-            result = session.execute(
-                update(Job).where(Job.id == self.job_id, Job.worker == self.worker, Job.status == "running")
-                .values(**values).execution_options(synchronize_session=False))
-            if result.rowcount != 1:  # type: ignore[attr-defined]
-                self.lost.set()
+            if not self.stalled.is_set():
+                result = session.execute(
+                    update(Job).where(*self._mine())
+                    .values(lease_until=db_now(self.lease_s), updated_at=utcnow(), **self._progress())
+                    .execution_options(synchronize_session=False))
+                if result.rowcount != 1:  # type: ignore[attr-defined]
+                    self.lost.set()
             if session.scalar(select(Job.cancel_requested).where(Job.id == self.job_id)):
                 self.cancel.set()
 
@@ -173,26 +239,28 @@ class Monitor(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=10)
+        if self.is_alive():
+            self.join(timeout=10)
 
 
 # ---- running the stages -----------------------------------------------------------------------------
 
 @dataclass
 class Loaded:
+    config: Any = None
     model: Any = None
     tokenizer: Any = None
 
 
 class JobRun:
-    def __init__(self, *, db: Database, settings: Settings, job: Job, worker: str, monitor: Monitor) -> None:
+    def __init__(self, *, db: Database, settings: Settings, job: Job, spec: JobSpec, worker: str,
+                 monitor: Monitor) -> None:
         self.db, self.settings, self.worker, self.monitor = db, settings, worker, monitor
-        self.job_id = job.id
-        self.spec = JobSpec.model_validate(job.spec)
+        self.job_id, self.attempt, self.spec = job.id, job.attempts, spec
         self.fingerprint = job.fingerprint
         self.done: list[str] = list(job.stages_done or [])
         self.storage = Storage(settings.storage)
-        self.work = self.storage.work_dir(job.id)
+        self.work = self.storage.work_dir(job.id) / str(self.attempt)
         self.stage: str | None = None
         self._stage_t0 = 0.0
 
@@ -203,30 +271,96 @@ class JobRun:
             raise LeaseLost(f"job {self.job_id}: lease lost to another worker")
         if self.monitor.cancel.is_set():
             raise JobCancelled(f"cancelled during {self.stage}")
+        if self.monitor.stalled.is_set():
+            raise JobStalled(f"stalled in stage {self.stage} for {self.monitor.silent_s():.0f} s "
+                             f"(no progress; DTP_LAYOUT_STALL_S={self.settings.stall_s:g})")
+        if self.monitor.over_time.is_set():
+            raise TimeLimitExceeded(f"exceeded its time limit of {self.monitor.limits[0]:g} s in stage "
+                                    f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
 
     def should_stop(self) -> bool:
         """Between micro-batches: the (test-only) stage delay, then the flags the monitor read."""
         if self.settings.stage_delay_s:
             time.sleep(self.settings.stage_delay_s)
-        if self.monitor.lost.is_set():
-            raise LeaseLost(f"job {self.job_id}: lease lost to another worker")
-        return self.monitor.cancel.is_set()
+        if self.settings.test_hang_stage == self.stage:  # TEST ONLY: stuck where no check can interrupt
+            threading.Event().wait()
+        self.monitor.beat()
+        if self.monitor.cancel.is_set():
+            return True
+        self.check()
+        return False
 
     def progress(self, _name: str, fraction: float) -> None:
         self.monitor.report(fraction)
-        if self.monitor.cancel.is_set() and self.stage == "exporting":
-            raise JobCancelled("cancelled during exporting")
+        if self.stage == "exporting":
+            self.check()
+
+    def abandonable(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (a download, loading weights, reading a calibration set: nothing in it checks our
+        flags) in a thread and wait for it while checking them: a cancel, a lost lease or a stall ends
+        the wait within a tick, leaving the thread to finish or hang on its own (its results go to this
+        attempt's work directory, which no later attempt reads)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                if self.settings.test_hang_stage == self.stage:
+                    threading.Event().wait()  # TEST ONLY: a download that never returns
+                box["value"] = fn()
+            except BaseException as exc:  # re-raised in the job's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name=f"{self.stage}-{self.job_id[:8]}", daemon=True).start()
+        while not done.wait(min(0.25, self.monitor.tick)):
+            self.check()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     def _owned(self, session: Session) -> Job:
+        """The job row, locked, if this run still holds it (the fence: same worker, same attempt)."""
         job = session.get(Job, self.job_id, with_for_update=True, populate_existing=True)
-        if job is None or job.worker != self.worker or job.status != "running":
-            raise LeaseLost(f"job {self.job_id}: no longer leased by {self.worker}")
+        if job is None or job.worker != self.worker or job.status != "running" or job.attempts != self.attempt:
+            raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds it")
         return job
+
+    def prepare_work(self) -> None:
+        """This attempt's work directory, seeded with a copy of the latest earlier attempt's (finished
+        stages' outputs and distillation checkpoints; not the exports, which are redone). A worker
+        that lost the job keeps writing, if at all, into its own directory only."""
+        parent = self.work.parent
+        earlier = sorted((int(p.name) for p in parent.iterdir() if p.name.isdigit() and int(p.name) < self.attempt),
+                         reverse=True) if parent.is_dir() else []
+        shutil.rmtree(self.work, ignore_errors=True)
+        skip = shutil.ignore_patterns("checkpoint", "shards", "distill-publish", "*.tmp", "*.tmp.npy")
+        if earlier:
+            shutil.copytree(parent / str(earlier[0]), self.work, ignore=skip)
+            for n in earlier:
+                shutil.rmtree(parent / str(n), ignore_errors=True)
+        elif parent.is_dir():
+            # A job started before per-attempt directories: its files are in work/ itself.
+            legacy = [p for p in parent.iterdir() if not p.name.isdigit()]
+            ignored = skip(str(parent), [p.name for p in legacy])
+            for p in legacy:
+                if p.name in ignored:
+                    continue
+                if p.is_dir():
+                    shutil.copytree(p, self.work / p.name, ignore=skip)
+                else:
+                    self.work.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(p, self.work / p.name)
+        self.work.mkdir(parents=True, exist_ok=True)
 
     def enter(self, stage: str, **note: Any) -> None:
         self.check()
+        if self.settings.stage_delay_s:  # TEST ONLY: every stage lasts a while (kill and cancel tests)
+            time.sleep(self.settings.stage_delay_s)
         self.stage, self._stage_t0 = stage, time.perf_counter()
-        self.monitor.start_stage()
+        logs.update(stage=stage)
+        self.monitor.start_stage(stage)
         with self.db.transaction() as session:
             job = self._owned(session)
             job.stage, job.progress, job.eta_s, job.stage_started_at = stage, 0.0, None, utcnow()
@@ -248,16 +382,23 @@ class JobRun:
         if stage not in self.done:
             self.done.append(stage)
 
-    def _artifact_rows(self, session: Session, files: list[tuple[str, str, Path]]) -> None:
-        """Install files as artifacts (skipping names already recorded) and add their rows."""
+    @staticmethod
+    def digests(files: list[tuple[str, str, Path]]) -> list[tuple[str, str, Path, int, str]]:
+        """(name, kind, path, size, sha256) of files about to be published: hashed before the
+        transaction that installs them, so that the job row is not held locked while hashing."""
+        return [(name, kind, path, path.stat().st_size, sha256_file(path)) for name, kind, path in files]
+
+    def _artifact_rows(self, session: Session, files: list[tuple[str, str, Path, int, str]]) -> None:
+        """Install files as artifacts (skipping names already recorded) and add their rows; called
+        inside `complete`, after `_owned`: a run that lost the job installs nothing."""
         have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
-        for name, kind, path in files:
+        for name, kind, path, size, digest in files:
             if name in have:
                 continue
             key = Storage.artifact_key(self.job_id, name)
-            dest = self.storage.install(path, key)
-            session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=dest.stat().st_size,
-                                 sha256=sha256_file(dest), storage_key=key))
+            self.storage.install(path, key)
+            session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=size, sha256=digest,
+                                 storage_key=key))
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         """Evaluation rows (layout, seed, step, kl, ppl, loss, lr) into the metrics table, if this
@@ -272,12 +413,13 @@ class JobRun:
         from models import pipeline
         from models.affinity import AffinityResult
         from models.calibration import CalibrationSpec
+        from models.export import dtype_name, export_dtype
         from models.families import model_shape
         from models.layout import check_delta, check_devices
-        from models.loading import ModelSource, load_config, load_model, load_tokenizer
+        from models.loading import DTYPES, ModelSource, load_config, load_model, load_tokenizer
 
         spec = self.spec
-        self.work.mkdir(parents=True, exist_ok=True)
+        self.prepare_work()
         cache_key = Storage.affinity_key(self.fingerprint)
         cache_path = self.storage.path(cache_key)
         have_affinity = "affinity" in self.done or cache_path.is_file()
@@ -294,17 +436,25 @@ class JobRun:
         # loading: the config is always checked; weights only when a later stage needs them. The device
         # this attempt runs on is recorded with the stage (the job view's `device`).
         self.enter("loading", device=prepare_device(self.settings.device, self.settings.cuda_memory_fraction))
-        location = prepare_model(settings=self.settings, spec=spec)  # limits checked; a hub id → its snapshot
-        source = ModelSource(**location.loader_args())
-        shape = model_shape(load_config(source))
-        check_devices(shape, spec.devices)
-        check_delta(shape, spec.delta)
-        self.monitor.report(0.05)
-        loaded = Loaded()
-        if not have_affinity or need_export or need_distill:
-            loaded.model = load_model(source, dtype=spec.model.dtype, device=self.settings.device)
-            self.monitor.report(0.9)
-            loaded.tokenizer = load_tokenizer(source)
+
+        def load() -> Loaded:
+            # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
+            location = prepare_model(settings=self.settings, spec=spec)
+            source = ModelSource(**location.loader_args())
+            config = load_config(source)
+            shape = model_shape(config)
+            check_devices(shape, spec.devices)
+            check_delta(shape, spec.delta)
+            self.monitor.report(0.05)
+            loaded = Loaded(config=config)
+            if not have_affinity or need_export or need_distill:
+                loaded.model = load_model(source, dtype=spec.model.dtype, device=self.settings.device)
+                self.monitor.report(0.9)
+                loaded.tokenizer = load_tokenizer(source)
+            return loaded
+
+        loaded: Loaded = self.abandonable(load)
+        config = loaded.config
         self.complete("loading", weights=loaded.model is not None)
 
         # calibration
@@ -314,8 +464,9 @@ class JobRun:
             if have_affinity:
                 self.complete("calibration", skipped="affinity cached")
             else:
-                pipeline.stage_calibration(state, model=loaded.model, tokenizer=loaded.tokenizer,
-                                           calibration=calibration)
+                self.abandonable(lambda: pipeline.stage_calibration(
+                    state, model=loaded.model, tokenizer=loaded.tokenizer, calibration=calibration))
+                self.check()
                 _save_npy(blocks_file, state.blocks)
                 self.complete("calibration", tokens=int(state.blocks.numel()) if state.blocks is not None else 0)
         elif not have_affinity:
@@ -336,11 +487,16 @@ class JobRun:
                 produced = self.work / pipeline.AFFINITY_FILE
                 cache_path.parent.mkdir(parents=True, exist_ok=True)
                 computed_here.touch()
-                if cache_path.is_file():  # another job with the same fingerprint finished first
-                    produced.unlink()
-                else:
-                    produced.replace(cache_path)
+                # The shared cache is written under the fence: a run that lost the job leaves it alone.
+                with self.db.transaction() as session:
+                    self._owned(session)
+                    if cache_path.is_file():  # another job with the same fingerprint finished first
+                        produced.unlink()
+                    else:
+                        produced.replace(cache_path)
             state.affinity = AffinityResult.load(cache_path)
+
+            cache_size, cache_digest = cache_path.stat().st_size, sha256_file(cache_path)
 
             def record_affinity(session: Session, job: Job) -> None:
                 job.affinity_cached = cached
@@ -348,7 +504,7 @@ class JobRun:
                                                                  Artifact.name == pipeline.AFFINITY_FILE)).first()
                 if have is None:
                     session.add(Artifact(job_id=self.job_id, name=pipeline.AFFINITY_FILE, kind="affinity",
-                                         size=cache_path.stat().st_size, sha256=sha256_file(cache_path),
+                                         size=cache_size, sha256=cache_digest,
                                          storage_key=cache_key))
 
             self.complete("affinity", record_affinity, cached=cached)
@@ -360,7 +516,7 @@ class JobRun:
         if "optimising" not in self.done:
             self.enter("optimising")
             shutil.rmtree(layouts_dir, ignore_errors=True)
-            pipeline.stage_layouts(state, spec=ospec)
+            self.abandonable(lambda: pipeline.stage_layouts(state, spec=ospec))  # no progress callback: cancel
 
             def record_layouts(session: Session, _job: Job) -> None:
                 have = set(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == self.job_id)).all())
@@ -383,11 +539,14 @@ class JobRun:
             offset = 0.5 if spec.export.checkpoint else 0.0
             pipeline.stage_export(state, model=loaded.model, tokenizer=loaded.tokenizer,
                                   progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
-                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards)
+                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards,
+                                  dtype=export_dtype(spec.export.dtype, config=config,
+                                                     compute=DTYPES[spec.model.dtype]))
             self.check()
             files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")
                      for p in sorted((self.work / sub).glob("*")) if p.is_file()]
-            self.complete("exporting", lambda session, _job: self._artifact_rows(session, files),
+            published = self.digests(files)
+            self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
                           files=len(files))
 
         # distilling
@@ -397,7 +556,18 @@ class JobRun:
         # the report, and done
         self.check()
         self.stage = None
-        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown)
+        from models.heldout import source_identity
+
+        if spec.export.any and state.export_dtypes is None:  # exported by an earlier attempt
+            state.export_dtypes = {"dtype": dtype_name(export_dtype(spec.export.dtype, config=config,
+                                                                    compute=DTYPES[spec.model.dtype])),
+                                   "compute_dtype": spec.model.dtype}
+
+        summary_file = self.work / "distill" / "summary.json"
+        held_out = json.loads(summary_file.read_text()).get("data") if spec.distill and summary_file.is_file() else None
+        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown,
+                                       calibration_identity=source_identity(calibration.source, calibration.text_field),
+                                       data=held_out)
         self._finish(report)
 
     def distil(self, loaded: Loaded, layouts_dir: Path) -> None:
@@ -412,9 +582,12 @@ class JobRun:
         data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
                                                                           field=f"distill.{part}.source")})
                 for part, fields in shown.items()}
+        calibration = CalibrationSpec(**{**self.spec.calibration.model_dump(),
+                                         "source": resolve_data(self.settings.data_dir, self.spec.calibration.source)})
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
-                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()))
+                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
+                              allow_overlap=spec.allow_overlap)
         total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
         self.enter("distilling")
         t0, trained = time.monotonic(), 0
@@ -444,7 +617,8 @@ class JobRun:
         summary_file = out_dir / "summary.json"
         summary = json.loads(summary_file.read_text())
         for part, fields in shown.items():
-            summary[part] = {**summary.get(part, {}), **fields}
+            # the blocks actually read (held-out placement may have moved them), under the submitted name
+            summary[part] = {**fields, **summary.get(part, {}), "source": fields["source"]}
         _write_json(summary_file, summary)
         staging = self.work / "distill-publish"
         shutil.rmtree(staging, ignore_errors=True)
@@ -454,9 +628,11 @@ class JobRun:
             shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
             files.append((f"distill/{name}", "distill", staging / name))
 
+        published = self.digests(files)
+
         def record(session: Session, _job: Job) -> None:
             upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
-            self._artifact_rows(session, files)
+            self._artifact_rows(session, published)
 
         # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
         self.complete("distilling", record, runs=len(dspec.layouts) * len(dspec.seeds), steps_trained=trained,
@@ -465,15 +641,17 @@ class JobRun:
 
     def _finish(self, report: dict[str, Any]) -> None:
         report_file = self.work / "report.json"
-        with self.db.transaction() as session:
-            job = self._owned(session)
+        with self.db.session() as session:
+            job = session.get(Job, self.job_id)
+            assert job is not None
             report["seconds"] = dict(job.timings or {})
             report["job"] = {"id": self.job_id, "fingerprint": self.fingerprint,
                              "affinity_cached": bool(job.affinity_cached)}
-            tmp = report_file.with_name(report_file.name + ".tmp")
-            tmp.write_text(json.dumps(report, indent=1))
-            tmp.replace(report_file)
-            self._artifact_rows(session, [("report.json", "report", report_file)])
+        _write_json(report_file, report)
+        published = self.digests([("report.json", "report", report_file)])
+        with self.db.transaction() as session:
+            job = self._owned(session)
+            self._artifact_rows(session, published)
             job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
                                                              "upper_bound_exact", "notes")}
             job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
@@ -504,16 +682,33 @@ def read_metrics_csv(path: Path) -> list[dict[str, Any]]:
         return []
 
 
+METRIC_BATCH = 1000  # rows per query: the IN lists and inserts stay far below the bind-parameter limits
+# (SQLite 32766, Postgres 65535) however long the distillation
+
+
 def upsert_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) -> None:
     """One `metrics` row per (job, layout, seed, step, name): an existing row is updated, a missing one
-    inserted; empty and non-finite values (the loss at step 0) are not written."""
+    inserted; empty and non-finite values (the loss at step 0) are not written. In batches of
+    METRIC_BATCH rows, flushed one by one (same transaction)."""
+    for i in range(0, len(rows), METRIC_BATCH):
+        _upsert_metric_batch(session, job_id, rows[i:i + METRIC_BATCH])
+        session.flush()
+
+
+def _upsert_metric_batch(session: Session, job_id: str, rows: list[dict[str, Any]]) -> None:
+    """Existing rows read back by key, then the new ones inserted and the changed ones updated, each
+    as one executemany (no ORM object per row: a long distillation has hundreds of thousands)."""
     if not rows:
         return
     keyed = [(str(r["layout"]), int(r["seed"]), int(r["step"]), r) for r in rows]
-    query = select(Metric).where(Metric.job_id == job_id, Metric.layout.in_({k[0] for k in keyed}),
-                                 Metric.seed.in_({k[1] for k in keyed}), Metric.step.in_({k[2] for k in keyed}),
-                                 Metric.name.in_(METRIC_NAMES))
-    existing = {(m.layout, m.seed, m.step, m.name): m for m in session.scalars(query)}
+    steps = [k[2] for k in keyed]  # a range, not a list of steps: few parameters, the unique index serves it
+    query = select(Metric.id, Metric.layout, Metric.seed, Metric.step, Metric.name, Metric.value).where(
+        Metric.job_id == job_id, Metric.layout.in_({k[0] for k in keyed}), Metric.seed.in_({k[1] for k in keyed}),
+        Metric.step.between(min(steps), max(steps)))
+    existing: dict[tuple[str | None, int, int, str], tuple[int | None, float]] = {
+        (m.layout, m.seed, m.step, m.name): (m.id, m.value) for m in session.execute(query)}
+    inserts: dict[tuple[str | None, int, int, str], dict[str, Any]] = {}
+    updates: dict[int, float] = {}
     for layout, seed, step, row in keyed:
         for name in METRIC_NAMES:
             raw = row.get(name)
@@ -522,13 +717,17 @@ def upsert_metrics(session: Session, job_id: str, rows: list[dict[str, Any]]) ->
             value = float(raw)
             if not math.isfinite(value):
                 continue
-            have = existing.get((layout, seed, step, name))
+            key = (layout, seed, step, name)
+            have = existing.get(key)
             if have is None:
-                existing[(layout, seed, step, name)] = have = Metric(job_id=job_id, layout=layout, seed=seed,
-                                                                     step=step, name=name, value=value)
-                session.add(have)
-            elif have.value != value:
-                have.value = value
+                inserts[key] = {"job_id": job_id, "layout": layout, "seed": seed, "step": step, "name": name,
+                                "value": value, "created_at": utcnow()}
+            elif have[0] is not None and have[1] != value:
+                updates[have[0]] = value
+    if inserts:
+        session.execute(insert(Metric), list(inserts.values()))
+    if updates:
+        session.execute(update(Metric), [{"id": i, "value": v} for i, v in updates.items()])
 
 
 def _save_npy(path: Path, blocks: Any) -> None:
@@ -552,18 +751,52 @@ def _layout_row(job_id: str, lay: Any) -> LayoutRow:
                      shape=asdict(lay.shape), score=score)
 
 
-def _end(db: Database, job_id: str, worker: str, *, status: str, error: str | None, stage: str | None) -> bool:
-    """Mark the job failed or cancelled, if this worker still holds it."""
+def _end(db: Database, job_id: str, worker: str, *, status: str, error: str | None, stage: str | None,
+         attempt: int | None = None) -> bool:
+    """Mark the job failed or cancelled, if this worker (at this attempt) still holds it."""
     with db.transaction() as session:
         job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
-        if job is None or job.worker != worker or job.status != "running":
+        if job is None or job.worker != worker or job.status != "running" \
+                or (attempt is not None and job.attempts != attempt):
             return False
         now = utcnow()
+        stage = stage or job.stage
         job.status, job.error, job.error_stage = status, error, stage if status == "failed" else None
         job.stage = stage
         job.finished_at, job.updated_at, job.lease_until, job.eta_s = now, now, None, None
-        job.history = [*(job.history or []), event(status, stage=stage, attempt=job.attempts)]
+        job.history = [*(job.history or []), event(status, stage=stage, attempt=job.attempts, error=error)]
     return True
+
+
+def _retry(db: Database, job_id: str, worker: str, *, attempt: int, reason: str, stage: str | None,
+           max_attempts: int, enqueue: Callable[[str], None] | None) -> str:
+    """This run was abandoned (it stalled): back to `queued` and sent again, or `failed` once the job
+    has had `max_attempts` runs. A lost message is found by the queued sweeper."""
+    if attempt >= max_attempts:
+        _end(db, job_id, worker, status="failed", stage=stage, attempt=attempt,
+             error=f"gave up after {attempt} attempts: {reason}")
+        return "failed"
+    with db.transaction() as session:
+        job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
+        if job is None or job.worker != worker or job.status != "running" or job.attempts != attempt:
+            return "lost"
+        job.status, job.worker, job.lease_until, job.eta_s = "queued", None, None, None
+        job.enqueued_at, job.requeues, job.updated_at = db_now(), (job.requeues or 0) + 1, utcnow()
+        job.history = [*(job.history or []), event("requeued", reason=reason, stage=stage, attempt=attempt,
+                                                   requeues=job.requeues)]
+    if enqueue is not None:
+        try:
+            enqueue(job_id)
+        except Exception:
+            log.exception("job %s: could not re-enqueue it; the queued sweeper will", job_id)
+    return "retried"
+
+
+def _last_reason(job: Job) -> str:
+    for entry in reversed(job.history or []):
+        if entry.get("event") == "requeued" and entry.get("reason"):
+            return str(entry["reason"])
+    return "the worker was lost each time"
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -573,47 +806,97 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, AssetNotFoundError, ExportError, OSError)
 
 
-def run_job(job_id: str, *, settings: Settings, db: Database, worker: str) -> str:
-    """Claim and run the job; returns what happened: skipped, succeeded, failed, cancelled or lost."""
+def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
+            enqueue: Callable[[str], None] | None = None, on_hard_limit: Callable[[], None] | None = None) -> str:
+    """Claim and run the job; returns what happened: skipped, succeeded, failed, cancelled, retried
+    (the run stalled; the job is queued again) or lost (another run holds the job now)."""
+    from pydantic import ValidationError
+
     job = claim(db, job_id, worker=worker, lease_s=settings.lease_s)
     if job is None:
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
         return "skipped"
+    attempt = job.attempts
+    logs.update(**job_log_fields(job))
     if job.cancel_requested:
-        _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=job.stage)
+        _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=job.stage, attempt=attempt)
         return "cancelled"
-    if job.attempts > settings.max_attempts:
-        _end(db, job_id, worker, status="failed", stage=job.stage,
-             error=f"gave up after {settings.max_attempts} attempts (the worker was lost each time)")
+    if attempt > settings.max_attempts:
+        _end(db, job_id, worker, status="failed", stage=job.stage, attempt=attempt,
+             error=f"gave up after {settings.max_attempts} attempts: {_last_reason(job)}")
         return "failed"
-    monitor = Monitor(db, job_id, worker, settings.lease_s)
-    monitor.start()
-    runner = JobRun(db=db, settings=settings, job=job, worker=worker, monitor=monitor)
+    runner: JobRun | None = None
+    monitor: Monitor | None = None
     try:
+        # The stored spec is validated again before anything runs (the schema may have changed since
+        # it was accepted); one that no longer validates fails the job, with the reason.
+        try:
+            spec = JobSpec.model_validate(job.spec)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors()[:5])
+            raise ValueError(f"the stored job spec no longer validates: {problems}") from exc
+        from app.budgets import work_tokens
+
+        limits = settings.time_limits(work_tokens(spec))
+
+        def hard_limit() -> None:
+            # The run never reached a check (stuck in native code): record why, then the caller's
+            # action (the Celery task kills its own process, as Celery's hard limit kills a pool process).
+            assert monitor is not None
+            if on_hard_limit is None or monitor.hard_hit.is_set():
+                return
+            monitor.hard_hit.set()
+            _end(db, job_id, worker, status="failed", stage=monitor.stage, attempt=attempt,
+                 error=f"exceeded its hard time limit of {limits[1]:g} s in stage {monitor.stage}; the worker "
+                       "process was killed")
+            log.error("job %s: hard time limit exceeded in %s", job_id, monitor.stage)
+            on_hard_limit()
+
+        monitor = Monitor(db, job_id, worker, settings.lease_s, attempt=attempt, stall_s=settings.stall_s,
+                          limits=limits, on_hard_limit=hard_limit)
+        runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
+        monitor.start()
         runner.run()
         return "succeeded"
     except LeaseLost:
         log.warning("job %s: lease lost; leaving it to the worker that holds it", job_id)
         return "lost"
+    except JobStalled as exc:
+        stage = runner.stage if runner is not None else job.stage
+        log.warning("job %s: %s", job_id, exc)
+        return _retry(db, job_id, worker, attempt=attempt, reason=str(exc), stage=stage,
+                      max_attempts=settings.max_attempts, enqueue=enqueue)
     except Exception as exc:
         from models.affinity import Cancelled
 
+        stage = runner.stage if runner is not None else job.stage
         if isinstance(exc, JobCancelled | Cancelled):
-            _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=runner.stage)
+            _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=stage, attempt=attempt)
             return "cancelled"
-        oom = out_of_memory_message(exc, stage=runner.stage)
+        if database_unreachable(exc):  # nothing can be recorded: the lease expires, a sweeper retries it
+            log.warning("job %s: the database became unreachable during %s; left to be retried when it is back",
+                        job_id, stage)
+            return "retried"
+        if disk_full(exc, settings.storage):
+            log.error("job %s: the storage volume is full (%s): %s", job_id, stage, exc)
+            if _end(db, job_id, worker, status="failed", error=no_space_message(stage, settings.storage),
+                    stage=stage, attempt=attempt):
+                remove_work(Storage(settings.storage).work_dir(job_id))  # once ended by us: no attempt resumes
+            return "failed"
+        oom = out_of_memory_message(exc, stage=stage)
         if oom is not None:
             message = oom
             log.error("job %s: %s", job_id, oom)
-        elif isinstance(exc, user_errors()):
+        elif isinstance(exc, (*user_errors(), TimeLimitExceeded)):
             message = str(exc)
         else:
             message = f"{type(exc).__name__}: {exc}"
-            log.error("job %s failed in %s:\n%s", job_id, runner.stage, traceback.format_exc())
-        _end(db, job_id, worker, status="failed", error=message, stage=runner.stage)
+            log.error("job %s failed in %s:\n%s", job_id, stage, traceback.format_exc())
+        _end(db, job_id, worker, status="failed", error=message, stage=stage, attempt=attempt)
         return "failed"
     finally:
-        monitor.stop()
+        if monitor is not None:
+            monitor.stop()
         del runner
         _release_memory()
 

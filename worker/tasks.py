@@ -1,7 +1,15 @@
 """The Celery task: a thin shim that takes a job id, re-reads the job and runs it (`worker.jobs`).
 
-Every worker also runs a sweeper thread that re-enqueues jobs whose worker died (their lease
-expired), so a job killed mid-stage resumes on another worker after its last finished stage.
+Every worker also runs a sweeper thread (at start, then every lease/2 seconds, at most 30 s apart)
+that re-enqueues jobs nobody holds: running jobs whose worker died or stalled (their lease expired),
+so a job killed mid-stage resumes on another worker after its last finished stage, and jobs still
+queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost).
+
+Time limits: the solo pool cannot interrupt a task, so Celery's time limits would be ignored; the
+job's monitor enforces them instead (`Settings.time_limits`, from the job's work tokens): past the
+soft limit the run stops at its next check and the job fails with the reason; past the hard limit
+(the run never reached a check) the job is marked failed and this worker process kills itself,
+as Celery's hard limit kills a pool process (`dtp-layout serve`, or the service manager, restarts it).
 """
 
 from __future__ import annotations
@@ -9,12 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import threading
 import time
 from typing import Any
 
 from celery.signals import worker_ready
 
+from app import logs
 from app.db import database
 from app.settings import get_settings
 from worker.celery_app import TASK_NAME, app, enqueue
@@ -32,21 +42,49 @@ def run_job(self: Any, job_id: str) -> str:
         return "invalid"
     settings = get_settings()
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
-    return jobs.run_job(job_id, settings=settings, db=database(settings.database_url), worker=worker)
+    db = database(settings.database_url)
+
+    def hard_limit() -> None:
+        from worker.jobs import _end
+
+        _end(db, job_id, worker, status="failed", stage=None,
+             error="exceeded its hard time limit; the worker process was restarted")
+        log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/logs.py)
+        return jobs.run_job(job_id, settings=settings, db=db, worker=worker,
+                            enqueue=lambda jid: enqueue(app, settings, jid), on_hard_limit=hard_limit)
 
 
-def _sweep_forever() -> None:
-    from worker.jobs import requeue_stale
+def sweep_once() -> list[str]:
+    from worker.jobs import requeue_queued, requeue_stale
 
     settings = get_settings()
     db = database(settings.database_url)
-    interval = max(0.5, min(30.0, settings.lease_s / 2))
+
+    def send(jid: str) -> None:
+        enqueue(app, settings, jid)
+
+    sent = []
+    for job_id in requeue_stale(db, send):
+        log.warning("job %s: its worker stopped renewing the lease; re-enqueued", job_id)
+        sent.append(job_id)
+    for job_id in requeue_queued(db, send, after_s=settings.requeue_after_s):
+        log.warning("job %s: still queued %.0f s after it was sent (message lost); re-enqueued", job_id,
+                    settings.requeue_after_s)
+        sent.append(job_id)
+    return sent
+
+
+def _sweep_forever() -> None:
+    settings = get_settings()
+    interval = max(0.5, min(30.0, settings.lease_s / 2, settings.requeue_after_s / 2))
     while True:
         try:
-            for job_id in requeue_stale(db, lambda jid: enqueue(app, settings, jid)):
-                log.warning("job %s: its worker stopped renewing the lease; re-enqueued", job_id)
+            sweep_once()
         except Exception:
-            log.warning("sweeper: could not check for stale jobs", exc_info=True)
+            log.warning("sweeper: could not check for stale or lost jobs", exc_info=True)
         time.sleep(interval)
 
 

@@ -5,23 +5,25 @@ Names are looked up in the database, never joined onto a path; the file is strea
 from __future__ import annotations
 
 import base64
+import logging
 import mimetypes
 import re
 from collections.abc import Iterator
-from pathlib import Path as FilePath
 from pathlib import PurePosixPath
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response, StreamingResponse
 
 from app import services
+from app.db import Artifact
 from app.deps import BaseUrl, CallerDep, SessionDep, StorageDep
-from app.errors import NotFound, RangeNotSatisfiable, responses
+from app.errors import ArtifactDamaged, NotFound, RangeNotSatisfiable, responses
 from app.metrics import Metrics
 from app.schemas import ArtifactList, ArtifactOut
-from app.storage import CHUNK
+from app.storage import CHUNK, DamagedFile, Storage
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
 
 JobId = Annotated[str, Path(max_length=64, description="the job id (32 hex digits)")]
@@ -46,8 +48,9 @@ def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
     return start, end
 
 
-def iter_file(path: FilePath, start: int, length: int, metrics: Metrics) -> Iterator[bytes]:
-    with open(path, "rb") as f:
+def iter_file(f: BinaryIO, start: int, length: int, metrics: Metrics) -> Iterator[bytes]:
+    """`length` bytes of the open (verified) file from `start`; closes it."""
+    with f:
         f.seek(start)
         remaining = length
         while remaining > 0:
@@ -82,6 +85,27 @@ def _not_modified(request: Request, etag: str) -> bool:
     return inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]
 
 
+def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str) -> BinaryIO:
+    """The artifact's file, verified (size on every download, sha256 when the file changed since it last
+    verified): a missing or damaged file is refused, logged and counted, never served as valid."""
+    metrics: Metrics = request.app.state.metrics
+    try:
+        return storage.open_verified(art.storage_key, size=art.size, sha256=art.sha256)
+    except FileNotFoundError:
+        metrics.artifacts_damaged.labels("missing").inc()
+        log.error("job %s: artifact %r is missing from storage", job_id, art.name)
+        raise NotFound(f"artifact {art.name!r} of job {job_id!r} is missing from storage", field="name") from None
+    except (DamagedFile, OSError) as exc:
+        reason = exc.reason if isinstance(exc, DamagedFile) else "unreadable"
+        metrics.artifacts_damaged.labels(reason).inc()
+        log.error("job %s: artifact %r is damaged on disk (%s): not served", job_id, art.name, exc)
+        what = {"size": "its size no longer matches the one recorded when the job published it",
+                "sha256": "its sha256 no longer matches the one recorded when the job published it"}.get(
+                    reason, "the file cannot be read")
+        raise ArtifactDamaged(f"artifact {art.name!r} of job {job_id!r} is damaged on the server ({what}) and is not "
+                              "served; the operator must restore it, or submit the job again") from None
+
+
 @router.head("/{name:path}", include_in_schema=False)
 @router.get("/{name:path}", operation_id="download_artifact", response_class=StreamingResponse,
             summary="Download an artifact (Range, ETag / If-None-Match, Digest)",
@@ -89,16 +113,18 @@ def _not_modified(request: Request, etag: str) -> bool:
                        206: {"description": "a byte range",
                              "content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA_TYPES}},
                        304: {"description": "not modified"},
-                       **responses(404, 416, _404="no such job or artifact")})
+                       **responses(404, 416, _404="no such job or artifact",
+                                   _503="the database is unreachable, or the stored file is damaged (never served: "
+                                        "`artifact_damaged`)")})
 def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_length=255, description="artifact name")],
              session: SessionDep, storage: StorageDep, caller: CallerDep) -> Response:
     art = services.get_artifact(session=session, job_id=job_id, name=name, caller=caller)
-    path = storage.path(art.storage_key)
-    if not path.is_file():
-        raise NotFound(f"artifact {name!r} of job {job_id!r} is missing from storage", field="name")
-    size, filename = path.stat().st_size, PurePosixPath(art.name).name
+    session.close()  # the row is read: end the read transaction before the (maybe long) transfer
+    f = _open_checked(request, storage, art, job_id)
+    size, filename = art.size, PurePosixPath(art.name).name
     headers = _headers(art, filename)
     if _not_modified(request, headers["ETag"]):
+        f.close()
         return Response(status_code=304, headers=headers)
     media = "application/json" if filename.endswith(".json") else (
         mimetypes.guess_type(filename)[0] or "application/octet-stream")
@@ -107,6 +133,7 @@ def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_leng
     if range_header and (if_range is None or if_range.strip() == headers["ETag"]):
         parsed = parse_range(range_header, size)
         if parsed == "unsatisfiable":
+            f.close()
             raise RangeNotSatisfiable(f"range {range_header[:100]!r} is outside the artifact's {size} bytes",
                                       headers={"Content-Range": f"bytes */{size}"})
         if isinstance(parsed, tuple):
@@ -115,6 +142,7 @@ def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_leng
     length = max(0, end - start + 1)
     headers["Content-Length"] = str(length)
     if request.method == "HEAD":
+        f.close()
         return Response(status_code=status, headers=headers, media_type=media)
-    return StreamingResponse(iter_file(path, start, length, request.app.state.metrics), status_code=status,
+    return StreamingResponse(iter_file(f, start, length, request.app.state.metrics), status_code=status,
                              headers=headers, media_type=media)

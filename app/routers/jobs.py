@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
 
 from app import services
-from app.deps import BaseUrl, CallerDep, QueueDep, SessionDep, SettingsDep, StorageDep
+from app.deps import BaseUrl, CallerDep, QueueDep, RequestIdDep, SessionDep, SettingsDep, StorageDep
 from app.errors import SpecError, responses
 from app.schemas import (
     EXAMPLE_DISTILL_SPEC,
@@ -50,11 +50,12 @@ def job_out(request: Request, job: Any, base: str) -> dict[str, Any]:
                                                                             "schema": {"type": "string"}}}},
                         **responses()})
 def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: QueueDep, caller: CallerDep,
-           base: BaseUrl, spec: Annotated[JobSpec, Body(openapi_examples=SPEC_EXAMPLES)]) -> JSONResponse:
+           base: BaseUrl, rid: RequestIdDep, spec: Annotated[JobSpec, Body(openapi_examples=SPEC_EXAMPLES)]
+           ) -> JSONResponse:
     metrics = request.app.state.metrics
     try:
         job = services.submit_job(session=session, settings=settings, spec=spec, caller=caller,
-                                  enqueue=queue.enqueue)
+                                  enqueue=queue.enqueue, request_id=rid)
     except SpecError:
         metrics.rejected.inc()
         raise
@@ -92,8 +93,10 @@ def get_job(request: Request, job_id: JobId, session: SessionDep, caller: Caller
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, operation_id="cancel_job",
              summary="Cancel a job (a running one stops between micro-batches)", responses=responses(404, 409))
-def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    return job_out(request, services.cancel_job(session=session, job_id=job_id, caller=caller), base)
+def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl,
+           rid: RequestIdDep) -> dict[str, Any]:
+    return job_out(request, services.cancel_job(session=session, job_id=job_id, caller=caller, request_id=rid),
+                   base)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut, operation_id="job_metrics",

@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
                      "SEQ_LEN", "WIKITEXT2_TEST"), "recipe"),
     "DistillSpec": "spec",
     "learning_rate": "schedule",
-    **dict.fromkeys(("batch_indices", "load_data"), "data"),
+    **dict.fromkeys(("batch_indices", "load_data", "place_data"), "data"),
     **dict.fromkeys(("make_student", "trainable_parameters"), "student"),
     **dict.fromkeys(("LossSums", "chunked_kl_nll", "kl_ce_chunk", "loss_and_backward", "next_token_targets"),
                     "loss"),
@@ -83,6 +83,7 @@ if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
     from models.distill.compare import run_distill as run_distill
     from models.distill.data import batch_indices as batch_indices
     from models.distill.data import load_data as load_data
+    from models.distill.data import place_data as place_data
     from models.distill.evaluation import DenseReference as DenseReference
     from models.distill.evaluation import evaluate_student as evaluate_student
     from models.distill.loss import LossSums as LossSums

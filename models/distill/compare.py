@@ -12,13 +12,14 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from models.atomic import atomic_write_text
-from models.distill.data import load_data
+from models.distill.data import load_data, place_data
 from models.distill.evaluation import DenseReference
 from models.distill.plot import plot_curves
 from models.distill.recipe import DistillError
@@ -68,7 +69,9 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     layouts = resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
                               layouts_dir=layouts_dir)
     vocab = int(config.vocab_size)
-    train_blocks, eval_blocks = load_data(spec, tokenizer=tokenizer, vocab_size=vocab)
+    placement = place_data(spec)
+    train_blocks, eval_blocks = load_data(spec, tokenizer=tokenizer, vocab_size=vocab, placement=placement)
+    spec = replace(spec, train=placement.train or spec.train, eval=placement.eval)  # what was read
     reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe)
     pairs = [(name, seed) for name in layouts for seed in spec.seeds]
     records: list[EvalRecord] = []
@@ -106,6 +109,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
         write_metrics(out_dir, records)
     summary = summarise(records, spec=spec, dense_ppl=reference.dense_ppl, model_id=model_id, layouts=layouts,
                         seconds=time.perf_counter() - t0)
+    summary["data"] = placement.as_dict()
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1))
     if plot:
         plot_curves(summary, out_dir / "curves.png")

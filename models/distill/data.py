@@ -15,6 +15,7 @@ import torch
 
 from models.calibration import load_blocks
 from models.distill.spec import DistillSpec
+from models.heldout import Placement, place
 
 
 @lru_cache(maxsize=8)
@@ -32,13 +33,18 @@ def batch_indices(step: int, *, batch_size: int, num_blocks: int, seed: int) -> 
     return np.array([_epoch_order(seed, int(e), num_blocks)[p] for e, p in zip(epochs, positions, strict=True)])
 
 
-def load_data(spec: DistillSpec, *, tokenizer: Any, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training and evaluation blocks; evaluation skips past the training text when they share a source."""
-    train_spec = replace(spec.train, seed=0)  # the block order belongs to each run's seed
-    eval_spec = spec.eval
-    if eval_spec.source == train_spec.source:
-        train_tokens = (train_spec.sequences + train_spec.skip_blocks) * train_spec.seq_len
-        skip = max(eval_spec.skip_blocks, -(-train_tokens // eval_spec.seq_len))
-        eval_spec = replace(eval_spec, skip_blocks=skip)
+def place_data(spec: DistillSpec) -> Placement:
+    """Where training and evaluation read (`models.heldout.place`): training after the calibration
+    blocks and evaluation after both, where they share a text, unless the spec allows overlap."""
+    return place(spec.train, spec.eval, calibration=spec.calibration, calibration_identity=spec.calibration_identity,
+                 allow_overlap=spec.allow_overlap)
+
+
+def load_data(spec: DistillSpec, *, tokenizer: Any, vocab_size: int,
+              placement: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and evaluation blocks, placed by `place_data` (held out unless the spec allows overlap)."""
+    placement = placement or place_data(spec)
+    assert placement.train is not None
+    train_spec = replace(placement.train, seed=0)  # the block order belongs to each run's seed
     return (load_blocks(train_spec, tokenizer, vocab_size=vocab_size),
-            load_blocks(eval_spec, tokenizer, vocab_size=vocab_size))
+            load_blocks(placement.eval, tokenizer, vocab_size=vocab_size))

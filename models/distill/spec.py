@@ -25,6 +25,11 @@ class DistillSpec:
     recipe: DistillRecipe = field(default_factory=DistillRecipe)
     reference: str = "contiguous"  # the headline compares `candidate` against `reference`
     candidate: str = "optimised"
+    # The calibration the layouts were optimised on (and its identity as recorded then): training
+    # skips its blocks where it shares their text, unless allow_overlap (see models.heldout).
+    calibration: CalibrationSpec | None = None
+    calibration_identity: str | None = None
+    allow_overlap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(self.layouts))

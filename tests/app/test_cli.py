@@ -41,6 +41,49 @@ def test_export_writes_checkpoint_and_shards(checkpoint, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-bf16") / "model"
+    tiny_model("qwen3").to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_export_keeps_the_source_dtype_unless_told(bf16_checkpoint, tmp_path):
+    """A bf16 checkpoint computed in fp32 exports bf16 (not twice its size); --export-dtype overrides it,
+    and the manifest records both dtypes."""
+    from safetensors.torch import load_file
+
+    source = load_file(str(bf16_checkpoint / "model.safetensors"))
+    sizes = {}
+    for flag, stored in ((None, torch.bfloat16), ("float32", torch.float32)):
+        out = tmp_path / (flag or "auto")
+        extra = ["--export-dtype", flag] if flag else []
+        assert main(["export", str(bf16_checkpoint), "--devices", "2", "--out", str(out), "--device", "cpu",
+                     "--dtype", "float32", *extra]) == 0
+        manifest = json.loads((out / "shards" / "manifest.json").read_text())
+        assert manifest["dtype"] == str(stored).removeprefix("torch.") and manifest["compute_dtype"] == "float32"
+        ckpt = load_file(str(out / "checkpoint" / "model.safetensors"))
+        assert {t.dtype for t in ckpt.values()} == {stored}
+        assert json.loads((out / "checkpoint" / "config.json").read_text())["dtype"] == manifest["dtype"]
+        shard = load_file(str(out / "shards" / manifest["files"][0]["name"]))
+        assert {t.dtype for t in shard.values()} == {stored}
+        # not permuted by a layout: the embedding comes back exactly (bf16 → fp32 → bf16 is lossless)
+        assert torch.equal(ckpt["model.embed_tokens.weight"].to(torch.bfloat16), source["model.embed_tokens.weight"])
+        sizes[flag] = (out / "checkpoint" / "model.safetensors").stat().st_size
+    assert sizes[None] < 0.6 * sizes["float32"]
+
+
+def test_optimise_report_records_export_dtypes(bf16_checkpoint, tmp_path):
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 97, size=4 * 16))
+    out = tmp_path / "run"
+    assert main(["optimise", str(bf16_checkpoint), "--devices", "2", "--calib", str(tmp_path / "ids.npy"),
+                 "--calib-sequences", "4", "--calib-seq-len", "16", "--restarts", "0", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["export"] == {"dtype": "bfloat16", "compute_dtype": "float32"}
+    assert report["calibration_identity"].startswith("sha256:")
+
+
 def test_eval_on_npy_tokens_prints_json(checkpoint, tmp_path, capsys):
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 97, size=4 * 16))
     code = main(["eval", str(checkpoint), "--devices", "2", "--delta", "1", "--data", str(tmp_path / "ids.npy"),

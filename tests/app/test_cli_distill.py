@@ -103,3 +103,39 @@ def test_progress_bar_shows_step_loss_eval_kl_and_eta(monkeypatch):
     line = err.getvalue().split("\r")[-1]
     assert "optimised seed 0" in line and "7/10" in line and "loss=1.5000" in line and "eval KL=1.2500@4" in line
     assert "<" in line  # tqdm's elapsed<remaining
+
+
+def test_distill_and_eval_hold_out_the_calibration_blocks_of_from(workdir, tmp_path, capsys):
+    """--from's report.json names its calibration: on the same text (here a copy under another name),
+    training starts after those blocks and evaluation after both; --allow-overlap keeps the specs and
+    reports the overlap. `eval --from` holds the calibration blocks out the same way."""
+    import shutil
+
+    opt = tmp_path / "opt"
+    shutil.copytree(workdir / "opt", opt)
+    shutil.copy(workdir / "train.npy", tmp_path / "calib-copy.npy")
+    (opt / "report.json").write_text(json.dumps({"calibration": {
+        "source": str(tmp_path / "calib-copy.npy"), "sequences": 8, "seq_len": 16, "seed": 0, "text_field": "text",
+        "skip_blocks": 0}}))
+    base = ["distill", str(workdir / "model"), "--layouts", "contiguous", "--from", str(opt), "--devices", "2",
+            "--data", str(workdir / "train.npy"), "--eval-data", str(workdir / "train.npy"), "--seq-len", "16",
+            "--eval-blocks", "2", "--steps", "1", "--batch-size", "4", "--micro-batch-size", "4", "--warmup", "0",
+            "--eval-every", "1", "--logit-chunk", "16", "--device", "cpu"]
+    assert main([*base, "--out", str(tmp_path / "held")]) == 0
+    assert "data: train: skip_blocks 0 → 8" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "held" / "summary.json").read_text())
+    assert (summary["train"]["skip_blocks"], summary["eval"]["skip_blocks"]) == (8, 12)
+    assert summary["data"]["held_out"] and summary["data"]["parts"]["calibration"]["end"] == 128
+
+    assert main([*base, "--allow-overlap", "--out", str(tmp_path / "forced")]) == 0
+    assert "overlap (allowed): calibration and train share 64 tokens" in capsys.readouterr().out
+    forced = json.loads((tmp_path / "forced" / "summary.json").read_text())
+    assert forced["train"]["skip_blocks"] == 0 and not forced["data"]["held_out"]
+    assert {tuple(o["parts"]) for o in forced["data"]["overlaps"]} == {
+        ("calibration", "train"), ("calibration", "eval"), ("train", "eval")}
+
+    assert main(["eval", str(workdir / "model"), "--from", str(opt), "--layout", "contiguous", "--devices", "2",
+                 "--data", str(workdir / "train.npy"), "--blocks", "2", "--seq-len", "16", "--device", "cpu",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["data"]["parts"]["eval"]["skip_blocks"] == 8 and result["data"]["held_out"]

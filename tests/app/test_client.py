@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from app.cli import main
-from app.client import ClientError, LayoutClient, artifact_destination
+from app.client import ClientError, DigestMismatch, LayoutClient, artifact_destination
 from tests.app.conftest import API_KEYS, api_keys_setting
 from tests.service_kit import CALIB, TINY_DISTILL, TINY_MODEL, ServeProcess, free_port, make_settings, provision, spec
 
@@ -210,7 +210,7 @@ def test_download_resumes_after_a_dropped_connection(env, submitted, tmp_path):
     assert hashlib.sha256(result.path.read_bytes()).hexdigest() == result.sha256
 
 
-def test_tampered_artifact_is_detected_and_deleted(env, submitted, tmp_path):
+def test_tampered_artifact_is_refused_by_the_service(env, submitted, tmp_path):
     job_id, _ = submitted
     stored = env.var / "storage" / "jobs" / job_id / "artifacts" / "report.json"
     original = stored.read_bytes()
@@ -221,8 +221,41 @@ def test_tampered_artifact_is_detected_and_deleted(env, submitted, tmp_path):
         code, _, err = run("download", job_id, "report", "--out", str(tmp_path))
     finally:
         stored.write_bytes(original)
-    assert code == 1
-    assert "report.json" in err and "sha256" in err and "does not match" in err
+    # The service checks the file against its record before sending a byte (tests/app/test_faults_artifacts.py):
+    # an error answer (exit status 2), not a bad download.
+    assert code == 2
+    assert "report.json" in err and "503" in err and "damaged" in err and "sha256" in err, err
+    assert not (tmp_path / "report.json").exists() and not list(tmp_path.rglob("*.part"))
+
+
+class FlippingTransport(httpx.HTTPTransport):
+    """A real HTTP transport that flips one bit of every artifact body in transit."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if "/artifacts/" not in request.url.path or response.status_code not in (200, 206):
+            return response
+        inner = response.stream
+
+        class Flip(httpx.SyncByteStream):
+            def __iter__(self):
+                first = True
+                for chunk in inner:
+                    if first and chunk:
+                        chunk, first = bytes([chunk[0] ^ 0x01]) + chunk[1:], False
+                    yield chunk
+
+            def close(self) -> None:
+                inner.close()
+
+        return httpx.Response(response.status_code, headers=response.headers, stream=Flip(), request=request)
+
+
+def test_artifact_damaged_in_transit_is_detected_and_deleted(env, submitted, tmp_path):
+    job_id, _ = submitted
+    with LayoutClient(transport=FlippingTransport()) as client, pytest.raises(DigestMismatch) as caught:
+        client.download(job_id, tmp_path, ["report.json"])
+    assert "report.json" in str(caught.value) and "does not match" in str(caught.value)
     assert not (tmp_path / "report.json").exists() and not list(tmp_path.rglob("*.part"))
 
 
@@ -350,3 +383,19 @@ def test_artifact_names_from_the_service_stay_under_the_output_directory(tmp_pat
     for bad in ("../x", "/etc/passwd", "a/../../x", "a\\b", "", "a//b", "./x", "C:x"):
         with pytest.raises(ClientError, match="refusing artifact name"):
             artifact_destination(tmp_path, bad)
+
+
+def test_submit_flags_for_the_export_dtype_and_overlap():
+    from app.cli import build_parser
+    from app.cli_client import build_spec
+
+    def spec(*flags):
+        return build_spec(build_parser().parse_args(["client", "submit", "--model", "m", "-L", "2", "--calib",
+                                                     "corpus:shakespeare", *flags]))
+
+    assert spec("--export-dtype", "bfloat16", "--no-shards")["export"] == {"checkpoint": True, "shards": False,
+                                                                          "dtype": "bfloat16"}
+    assert spec("--export-dtype", "float32", "--no-export")["export"] is False
+    assert "export" not in spec() and "distill" not in spec()
+    assert spec("--distill", "optimised", "--allow-overlap")["distill"] == {"layouts": ["optimised"],
+                                                                          "allow_overlap": True}

@@ -27,7 +27,7 @@ def test_serve_embedded_end_to_end(tmp_path):
     try:
         text = serve.start().banner()
         assert f"http://127.0.0.1:{serve.port}" in text and "curl -s -X POST" in text, text
-        assert "corpus:kjv" in text  # the ready-to-paste submission uses the shared corpus
+        assert "corpus:shakespeare" in text  # the ready-to-paste submission uses the corpus every install has
         worker_pid = int(re.search(r"worker +pid (\d+)", text).group(1))
 
         with httpx.Client(base_url=serve.url, timeout=30) as client:

@@ -50,7 +50,8 @@ def test_submit_answers_202_with_id_status_and_links(client):
     assert r.headers["location"] == job["links"]["self"] == f"/v1/jobs/{job['id']}"
     assert set(job["links"]) == {"self", "layouts", "artifacts", "metrics", "cancel"}
     assert job["spec"]["calibration"]["source"] == CALIB and job["spec"]["export"] == {"checkpoint": True,
-                                                                                         "shards": True}
+                                                                                         "shards": True,
+                                                                                         "dtype": "auto"}
     got = client.get(f"/v1/jobs/{job['id']}").json()
     assert got["id"] == job["id"] and got["status"] == "queued"
     # The affinity fingerprint depends on model, revision, dtype and calibration only.
@@ -284,9 +285,11 @@ def test_metrics_curves_by_layout_and_seed_with_headline(client, settings, finis
                                 "candidate_step_to_reference_final_kl": 1.5, "multipliers": []}}
         key = Storage.artifact_key(job_id, "distill/summary.json")
         storage.path(key).parent.mkdir(parents=True, exist_ok=True)
-        storage.path(key).write_text(json.dumps(summary))
-        session.add(Artifact(job_id=job_id, name="distill/summary.json", kind="distill", size=1, sha256="0" * 64,
-                             storage_key=key))
+        data = json.dumps(summary).encode()
+        storage.path(key).write_bytes(data)
+        # The true size and digest: the summary is checked like a download before it is shown.
+        session.add(Artifact(job_id=job_id, name="distill/summary.json", kind="distill", size=len(data),
+                             sha256=hashlib.sha256(data).hexdigest(), storage_key=key))
     r = client.get(f"/v1/jobs/{job_id}/metrics")
     assert r.status_code == 200, r.text
     body = r.json()
@@ -359,7 +362,7 @@ def test_health_ready_metrics_docs(client, settings):
         assert r.json()["checks"]["broker"].startswith("error")
         # No exception text or address to an unauthenticated caller: the reason is in the server's log.
         assert "127.0.0.1" not in r.text and "Connection" not in r.text
-        # Submitting while the broker is down: 503, and the job is recorded as failed.
+        # Submitting while the broker is down: 503, and nothing is recorded (tests/app/test_faults_redis.py).
         down = other.post("/v1/jobs", json=spec())
         assert down.status_code == 503 and down.headers["retry-after"]
         assert down.json()["error"] == "broker_unavailable" and "127.0.0.1" not in down.text

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.model_limits import check_config
-from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, RECIPE_DEFAULTS, CalibrationIn, DistillRecipeIn, JobSpec
+from app.schemas import ABLATION_LAYOUTS, RANDOM_SEED_BASE, CalibrationIn, DistillRecipeIn, JobSpec
 from app.settings import Settings
 from app.sources import SourceError, resolve_data, resolve_model, resolve_under
 
@@ -108,14 +108,6 @@ def test_job_spec_defaults_and_export_shorthand():
     spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},
                                    "export": False})
     assert spec.delta == 1 and spec.score == "fo" and not spec.export.any and spec.distill is None
-
-
-def test_distill_recipe_fields_match_models_distill():
-    """The API mirrors DistillRecipe without importing it (torch): same fields, same defaults."""
-    from models.distill import DistillRecipe
-
-    assert set(DistillRecipeIn.model_fields) == set(DistillRecipe.__dataclass_fields__)
-    assert {**DistillRecipe().as_dict(), "betas": DistillRecipe().betas} == RECIPE_DEFAULTS
 
 
 def test_layout_names_match_models_pipeline():
@@ -221,3 +213,21 @@ def test_service_commands_are_registered():
     args = parser.parse_args(["serve", "--host", "0.0.0.0", "--port", "9000"])
     assert args.host == "0.0.0.0" and args.port == 9000 and args.func.__name__ == "cmd_serve"
     assert parser.parse_args(["worker", "--gpus", "0,1"]).gpus == "0,1"
+
+
+def test_export_dtype_is_a_bounded_choice_separate_from_the_compute_dtype():
+    base = {"model": {"id": "x", "dtype": "bfloat16"}, "devices": 2, "calibration": {"source": "corpus:shakespeare"}}
+    spec = JobSpec.model_validate(base)
+    assert spec.export.dtype == "auto" and spec.model.dtype == "bfloat16"
+    assert JobSpec.model_validate({**base, "export": {"dtype": "float32"}}).export.dtype == "float32"
+    for bad in ("int8", "fp32", "", None, 1):
+        with pytest.raises(ValidationError, match=r"export\.dtype"):
+            JobSpec.model_validate({**base, "export": {"dtype": bad}})
+
+
+def test_distill_overlap_flag_defaults_to_held_out():
+    base = {"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:shakespeare"}}
+    assert JobSpec.model_validate({**base, "distill": {}}).distill.allow_overlap is False
+    assert JobSpec.model_validate({**base, "distill": {"allow_overlap": True}}).distill.allow_overlap is True
+    with pytest.raises(ValidationError, match="allow_overlap"):
+        JobSpec.model_validate({**base, "distill": {"allow_overlap": "yes"}})

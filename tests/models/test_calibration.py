@@ -95,6 +95,6 @@ def test_text_without_tokenizer_and_bad_spec(tmp_path):
 
 
 def test_corpus_source_reads_real_text():
-    blocks = load_blocks(CalibrationSpec("corpus:kjv", sequences=2, seq_len=64), CharTokenizer())
+    blocks = load_blocks(CalibrationSpec("corpus:shakespeare", sequences=2, seq_len=64), CharTokenizer())
     assert blocks.shape == (2, 64)
     assert int(blocks.max()) < 256

@@ -107,6 +107,14 @@ def test_distill_stage_writes_curves_metrics_and_artifacts(client, settings, uni
     summary = json.loads(files["distill/summary.json"])
     assert summary["format"] == "dtp-layout-distill/1" and set(summary["layouts"]) == set(LAYOUTS)
     assert summary["train"]["source"] == CALIB == summary["eval"]["source"]  # names, not the server's paths
+    # Held out on one file: training after the 8 × 32 calibration tokens (16 blocks of 16), evaluation
+    # after training's 8 blocks; the placement is reported in summary.json and report.json.
+    assert (summary["train"]["skip_blocks"], summary["eval"]["skip_blocks"]) == (16, 24)
+    assert summary["data"]["held_out"] and not summary["data"]["overlaps"]
+    assert {m["part"] for m in summary["data"]["moved"]} == {"train", "eval"}
+    report = client.get(arts["report.json"]["link"]).json()
+    assert report["data"] == summary["data"] and report["calibration_identity"].startswith("sha256:")
+    assert str(settings.data_dir) not in json.dumps(report) + json.dumps(summary)  # no server path leaks
 
 
 def test_cancel_while_distilling(client, settings, uninterrupted, first_worker):
@@ -139,7 +147,7 @@ def test_redelivered_job_resumes_distilling_onto_the_same_curve(client, settings
     assert partial and partial[0]["layout"] == "optimised" and partial[0]["steps"] == [0, 2, 4]
     first_worker.kill9()
     # Where the dead worker left the second layout's run: finished, or its last checkpoint's step.
-    run_dir = settings.storage / "jobs" / job_id / "work" / "distill" / "runs" / "contiguous" / "seed-0"
+    run_dir = settings.storage / "jobs" / job_id / "work" / "1" / "distill" / "runs" / "contiguous" / "seed-0"
     if json.loads((run_dir / "metrics.json").read_text())["complete"]:
         left_at = 4
     else:

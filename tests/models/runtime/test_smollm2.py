@@ -21,7 +21,7 @@ NEW_TOKENS = 16
 def test_smollm2_optimise_export_generates_the_simulators_greedy_text(smollm2, tmp_path):
     _, tokenizer, gguf = smollm2
     out = tmp_path / "run"
-    assert main(["optimise", str(gguf), "--devices", "3", "--delta", "1", "--calib", str(corpus_file("kjv")),
+    assert main(["optimise", str(gguf), "--devices", "3", "--delta", "1", "--calib", str(corpus_file("shakespeare")),
                  "--calib-sequences", "2", "--calib-seq-len", "64", "--restarts", "0", "--out", str(out),
                  "--device", "cpu"]) == 0
     shards_dir = out / "shards"
