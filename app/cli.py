@@ -429,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
+    except CliError as exc:  # before _user_errors(), which imports torch: `score` stays torch-free
+        print(f"dtp-layout {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         if isinstance(exc, _user_errors()):
             print(f"dtp-layout {args.command}: error: {exc}", file=sys.stderr)

@@ -70,6 +70,7 @@ def test_score_table_and_errors(files, tmp_path, capsys):
 def test_score_command_does_not_import_torch(files):
     aff, paths, _, _ = files
     code = ("import sys; from app.cli import main; assert main(['score', '--affinity', sys.argv[1], sys.argv[2]]) == 0;"
+            "assert main(['score', '--affinity', sys.argv[2], sys.argv[2]]) == 2;"  # the error path too
             "assert 'torch' not in sys.modules, 'score imported torch'")
     subprocess.run([sys.executable, "-c", code, str(aff), str(paths[0])], check=True, capture_output=True)
 
