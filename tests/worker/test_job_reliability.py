@@ -31,6 +31,15 @@ def sqlite_settings(root, **overrides):
     return settings
 
 
+def postgres_job(root, postgres_server, name):
+    """(settings, database, a queued job's id) on a fresh, migrated Postgres database."""
+    url = postgres_server.create_database(name)
+    upgrade(url)
+    settings = make_settings(root, database_url=url, device="cpu")
+    provision(settings)
+    return settings, database(url), submit(settings)
+
+
 def submit(settings, body=None, sent=None):
     """A queued job as the API records it; `sent` collects the ids "enqueued" (None: the message is lost)."""
     db = database(settings.database_url)
@@ -144,14 +153,7 @@ def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage):
 
 @pytest.mark.postgres
 def test_fencing_by_attempt_and_leases_on_the_database_clock(tmp_path, postgres_server, monkeypatch):
-    from app.migrate import upgrade as up
-
-    url = postgres_server.create_database("dtp_fence")
-    up(url)
-    settings = make_settings(tmp_path, database_url=url, device="cpu")
-    provision(settings)
-    db = database(url)
-    job_id = submit(settings)
+    settings, db, job_id = postgres_job(tmp_path, postgres_server, "dtp_fence")
     # The worker's clock is an hour off: leases still follow the database's.
     monkeypatch.setattr(jobs, "utcnow", _skewed)
     first = claim(db, job_id, worker="same:1", lease_s=30)
@@ -280,12 +282,7 @@ def test_a_job_from_before_per_attempt_directories_resumes_from_its_files(tmp_pa
 def test_metrics_past_the_bind_parameter_limit(tmp_path, postgres_server):
     """A long distillation's rows in one call: more distinct steps than Postgres' 65535 bind parameters
     (SQLite's default limit, 32766, is lower still)."""
-    url = postgres_server.create_database("dtp_metrics")
-    upgrade(url)
-    settings = make_settings(tmp_path, database_url=url, device="cpu")
-    provision(settings)
-    db = database(url)
-    job_id = submit(settings)
+    _settings, db, job_id = postgres_job(tmp_path, postgres_server, "dtp_metrics")
     n = 66_000
     rows = [{"layout": "optimised", "seed": 0, "step": step, "kl": step / n} for step in range(n)]
     with db.transaction() as session:
