@@ -9,6 +9,7 @@ through `app/queue.py`. Run it with `dtp-layout serve` (embedded default) or
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -56,6 +57,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The worker threads that run sync routes: as many as the database pool has connections.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        # Everything loaded so far (FastAPI, pydantic, SQLAlchemy, the routes: ~160k objects) lives as long
+        # as the process. Left in the collector's oldest generation, every full collection walks it all
+        # again: 130-300 ms with the GIL held, on this 2-core machine under 200 requests/s, which was most
+        # of the p99 (docs/reliability.md "## Load"). Frozen, a full collection walks only what requests
+        # left behind.
+        gc.collect()
+        gc.freeze()
         yield
 
     app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION, lifespan=lifespan,

@@ -107,7 +107,7 @@ class Server:
     """The API in a subprocess over a fresh database and storage root, seeded; removed on close."""
 
     def __init__(self, backend: str, *, workers: int, clients: int, keys_per_tenant: int, jobs_per_tenant: int,
-                 log_format: str, api_threads: int | None = None) -> None:
+                 log_format: str, api_threads: int | None = None, server_env: dict[str, str] | None = None) -> None:
         self.backend, self.workers = backend, workers
         self.root = Path(tempfile.mkdtemp(prefix="dtp-load-"))
         self.port = free_port()
@@ -124,6 +124,7 @@ class Server:
                    DTP_LAYOUT_RATE_LIMIT_PER_MIN="1000000", DTP_LAYOUT_RATE_LIMIT_BURST="100000")
         if api_threads is not None:
             env["DTP_LAYOUT_API_THREADS"] = str(api_threads)
+        env.update(server_env or {})
         if backend == "postgres":
             env.update(self._postgres())
         self.env = env
@@ -420,9 +421,11 @@ class Results:
     errors: dict[str, int] = field(default_factory=dict)
     lag: list[float] = field(default_factory=list)  # open loop: seconds between scheduled and sent
     error_samples: list[str] = field(default_factory=list)
+    timeline: list[tuple[float, str, float]] = field(default_factory=list)  # (scheduled, endpoint, seconds)
 
-    def record(self, endpoint: str, seconds: float, outcome: str, ok: bool) -> None:
+    def record(self, endpoint: str, seconds: float, outcome: str, ok: bool, scheduled: float = 0.0) -> None:
         self.latency.setdefault(endpoint, []).append(seconds)
+        self.timeline.append((scheduled, endpoint, seconds))
         by = self.statuses.setdefault(endpoint, {})
         by[outcome] = by.get(outcome, 0) + 1
         if not ok:
@@ -493,7 +496,7 @@ class Client:
             if endpoint in ("submit", "cancel"):
                 self.busy = False
         if results is not None:
-            results.record(endpoint, time.perf_counter() - scheduled, outcome, ok)
+            results.record(endpoint, time.perf_counter() - scheduled, outcome, ok, scheduled)
 
 
 async def loop_lag(stop: asyncio.Event, samples: list[float], tick: float = 0.01) -> None:
@@ -505,7 +508,7 @@ async def loop_lag(stop: asyncio.Event, samples: list[float], tick: float = 0.01
 
 
 async def run_mode(mode: str, url: str, clients: list[Client], *, duration: float, warmup: float,
-                   rate: float, client: str = "raw") -> dict[str, Any]:
+                   rate: float, client: str = "raw", timeline: Path | None = None) -> dict[str, Any]:
     results = Results()
     lag_samples: list[float] = []
     stop = asyncio.Event()
@@ -558,6 +561,10 @@ async def run_mode(mode: str, url: str, clients: list[Client], *, duration: floa
         reporter.cancel()
         await lagger
         wall = time.perf_counter() - t_start
+    if timeline is not None:  # one line per request: when it was scheduled (s from the start), what, how long
+        head = f"# start {t_start:.4f} (time.perf_counter, CLOCK_MONOTONIC)\n"
+        timeline.write_text(head + "".join(f"{at - t_start:.4f},{endpoint},{seconds * 1000:.1f}\n"
+                                           for at, endpoint, seconds in sorted(results.timeline)))
     return summarise(mode, results, duration=duration, lag_samples=lag_samples,
                      generator_cpu=(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / wall)
 
@@ -674,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--profile", type=Path, help="py-spy the server during the first mode (raw stacks here)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a setting of the server (e.g. DTP_LAYOUT_ACCESS_LOG=false); repeatable")
+    p.add_argument("--timeline", type=Path, help="write `scheduled s,endpoint,ms` per request of the first mode")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw",
                    help="the generator's HTTP client: raw (asyncio streams, lean) or httpx")
     args = p.parse_args(argv)
@@ -695,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             server = Server(args.backend, workers=args.workers, clients=args.clients,
                             keys_per_tenant=args.keys_per_tenant, jobs_per_tenant=args.jobs_per_tenant,
-                            log_format=args.log_format, api_threads=args.api_threads)
+                            log_format=args.log_format, api_threads=args.api_threads,
+                            server_env=dict(kv.split("=", 1) for kv in args.server_env))
             server.start()
             url, seeded = server.url, server.seeded
         rng = random.Random(args.seed)
@@ -707,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.profile and server and i == 0) else None
             before, cpu0 = loadavg(), server.cpu_seconds() if server else 0.0
             report = asyncio.run(run_mode(mode, url, clients, duration=args.duration, warmup=args.warmup,
-                                          rate=args.rate, client=args.client))
+                                          rate=args.rate, client=args.client,
+                                          timeline=args.timeline if i == 0 else None))
             report.update(clients=len(clients), rate=args.rate, client=args.client, duration_s=args.duration,
                           loadavg_before=before,
                           loadavg_after=loadavg(), backend=args.backend if server else url,
