@@ -50,6 +50,25 @@ Unknown paths are 404 and unsupported methods 405, with the same body.
 """
 
 
+_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Take what is loaded at startup out of the cyclic garbage collector's reach, once per process.
+
+    Everything loaded by then (FastAPI, pydantic, SQLAlchemy, the routes: ~160k objects) lives as long as
+    the process. Left in the collector's oldest generation, every full collection walks it all again:
+    107-315 ms with the GIL held on the 2-core test machine under 200 requests/s, most of the load
+    test's p99 (docs/reliability.md "## Load"). Frozen, a full collection walks only what came after
+    (11-48 ms). Once: a process that builds many apps (the tests) would otherwise freeze each one's
+    garbage for good."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     logs.configure(settings.log_format, settings.log_level)
@@ -57,13 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The worker threads that run sync routes: as many as the database pool has connections.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
-        # Everything loaded so far (FastAPI, pydantic, SQLAlchemy, the routes: ~160k objects) lives as long
-        # as the process. Left in the collector's oldest generation, every full collection walks it all
-        # again: 130-300 ms with the GIL held, on this 2-core machine under 200 requests/s, which was most
-        # of the p99 (docs/reliability.md "## Load"). Frozen, a full collection walks only what requests
-        # left behind.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
         yield
 
     app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION, lifespan=lifespan,
