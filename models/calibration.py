@@ -171,16 +171,22 @@ def _token_stream(spec: CalibrationSpec, tokenizer: Any) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def _npy_blocks(spec: CalibrationSpec) -> np.ndarray:
-    path = Path(spec.source)
+def read_token_ids(path: Path, *, label: str) -> np.ndarray:
+    """An integer array from a .npy file (never unpickled); a DataError naming `label` otherwise."""
     if not path.is_file():
-        raise DataError(f"source {spec.source!r}: no such .npy file")
+        raise DataError(f"{label}: no such file")
     try:
         arr = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: cannot read as .npy: {exc}") from exc
+        raise DataError(f"{label}: cannot read as .npy: {exc}") from exc
     if not np.issubdtype(arr.dtype, np.integer):
-        raise DataError(f"{path}: token ids must be integers, got dtype {arr.dtype}")
+        raise DataError(f"{label}: token ids must be integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _npy_blocks(spec: CalibrationSpec) -> np.ndarray:
+    path = Path(spec.source)
+    arr = read_token_ids(path, label=f"source {spec.source!r}")
     if arr.ndim == 1:
         return arr.astype(np.int64)
     if arr.ndim == 2:

@@ -46,16 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_ids(path: str) -> Any:
-    import numpy as np
+    from models.calibration import read_token_ids
 
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--ids {path}: no such file")
-    try:
-        ids = np.load(file, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--ids {path}: not a .npy array: {exc}") from exc
-    if ids.ndim not in (1, 2) or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+    ids = read_token_ids(Path(path), label=f"--ids {path}")
+    if ids.ndim not in (1, 2) or ids.size == 0:
         raise ValueError(f"--ids {path}: expected a non-empty 1-D or 2-D integer array, got {ids.dtype} {ids.shape}")
     return ids if ids.ndim == 2 else ids[None]
 
