@@ -72,6 +72,7 @@ def freeze_startup_heap() -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     logs.configure(settings.log_format, settings.log_level)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The worker threads that run sync routes: as many as the database pool has connections.
