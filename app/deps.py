@@ -112,6 +112,11 @@ async def base_url(request: Request) -> str:
     return public.rstrip("/") if public else ""
 
 
+# The query parameters a route takes are found once per route and kept on it (walking its dependency
+# tree on every request was work repeated on the hot path; routes are unhashable, so not a dict).
+_KNOWN_QUERIES = "_dtp_layout_known_queries"
+
+
 def _query_names(dependant: Any) -> set[str]:
     names = {param.alias for param in dependant.query_params}
     for sub in dependant.dependencies:
@@ -126,7 +131,10 @@ async def known_query_only(request: Request) -> None:
     dependant = getattr(route, "dependant", None)
     if dependant is None:
         return
-    known = _query_names(dependant)
+    known: frozenset[str] | None = getattr(route, _KNOWN_QUERIES, None)
+    if known is None:
+        known = frozenset(_query_names(dependant))
+        setattr(route, _KNOWN_QUERIES, known)
     unknown = [name for name in request.query_params if name not in known]
     if unknown:
         accepted = ", ".join(sorted(known)) or "none"
