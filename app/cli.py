@@ -72,7 +72,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib", required=True,
-                   help="calibration text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, hf:NAME")
+                   help="calibration text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
+                        "hf:OWNER/NAME")
     p.add_argument("--calib-sequences", type=int, default=64, help="calibration blocks (default: 64)")
     p.add_argument("--calib-seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
     p.add_argument("--calib-seed", type=int, default=0, help="block-order seed (default: 0)")
@@ -326,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_layout_args(p)
     p.add_argument("--data", required=True,
-                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, hf:NAME[:CFG[:SPLIT]]")
+                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
+                        "hf:OWNER/NAME[:CFG[:SPLIT]]")
     p.add_argument("--blocks", type=int, default=16, help="number of blocks (default: 16)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
     p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")

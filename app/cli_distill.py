@@ -151,7 +151,7 @@ def register(sub: Any) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--data", required=True,
                       help="training data spec: text file, directory of .txt, .jsonl, .npy of ids, corpus:NAME, "
-                           "hf:NAME[:CONFIG[:SPLIT]]")
+                           "hf:OWNER/NAME[:CONFIG[:SPLIT]]")
     data.add_argument("--train-sequences", type=int, default=None,
                       help="training blocks to load (default: steps × batch size, one pass); fewer repeat in "
                            "seeded epochs")

@@ -116,8 +116,9 @@ class CalibrationIn(_Strict):
 
     source: Text = Field(min_length=1, max_length=300,
                          description="corpus:shakespeare (every install) | corpus:kjv (where the King James Bible "
-                                     "is installed; refused otherwise) | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
-                                     "server's data root (.txt, .jsonl, .npy of token ids, or a directory of .txt)",
+                                     "is installed; refused at submit otherwise) | hf:OWNER/NAME[:CONFIG[:SPLIT]] "
+                                     "(a hub dataset id) | a name under the server's data root (.txt, .jsonl, .npy of "
+                                     "token ids, or a directory of .txt)",
                         examples=["corpus:shakespeare", "calibration/tokens.npy"])
     sequences: StrictInt = Field(default=64, ge=1, le=1_000_000,
                                  description="calibration blocks; sequences × seq_len is bounded by the server's "
@@ -201,8 +202,8 @@ class DistillDataIn(_Strict):
     """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
 
     source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:shakespeare | corpus:kjv | hf:NAME[:CONFIG[:SPLIT]] | a name under the "
-                                     "server's data root", examples=["corpus:shakespeare"])
+                         description="corpus:shakespeare | corpus:kjv | hf:OWNER/NAME[:CONFIG[:SPLIT]] | a name "
+                                     "under the server's data root", examples=["corpus:shakespeare"])
     sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
                                         description="blocks to load; training: steps × batch_size (one pass), "
                                                     "evaluation: 16")

@@ -26,7 +26,7 @@ from app.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_
 from app.model_limits import check_model_config
 from app.schemas import METRIC_NAMES, JobSpec
 from app.settings import Settings
-from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model
+from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model, submit_corpora
 from app.storage import DamagedFile, Storage
 from app.timeline import stage_timeline
 from models.layout import LayoutError
@@ -59,10 +59,11 @@ def job_log_fields(job: Job) -> dict[str, str | None]:
 
 # ---- submit ---------------------------------------------------------------------------------------
 
-def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None) -> tuple[str, dict[str, Any]]:
     """The budgets, the model and the calibration source (resolved under their roots, or allowed hub
-    ids), and the model's config when it can be read without downloading weights. Returns the
-    fingerprint and what was found; raises SpecError naming every bad field."""
+    ids), and the model's config when it can be read without downloading weights (`tenant`: whose
+    cached reads may be reused). Returns the fingerprint and what was found; raises SpecError naming
+    every bad field."""
     problems = budgets.job_problems(spec, settings)
     location = None
     model_path: Path | None = None
@@ -82,7 +83,7 @@ def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any
     problems += _data_problems(settings, spec.calibration.source, "calibration.source")
     if not problems and not spec.calibration.source.startswith(("corpus:", "hf:")):
         data_path = Path(resolve_data(settings.data_dir, spec.calibration.source))
-    config = read_config(location) if location is not None else None
+    config = read_config(location, scope=tenant) if location is not None else None
     if config is not None:
         problems += check_model_config(config, spec=spec, settings=settings)
     problems += distill_problems(settings=settings, spec=spec)
@@ -96,7 +97,7 @@ def check_spec(*, settings: Settings, spec: JobSpec) -> tuple[str, dict[str, Any
 
 def _data_problems(settings: Settings, source: str, field: str) -> list[tuple[str, str]]:
     try:
-        resolve_data(settings.data_dir, source, field=field)
+        resolve_data(settings.data_dir, source, field=field, corpora=submit_corpora(settings.corpora))
     except SourceError as exc:
         return [(exc.field, str(exc))]
     refusal = hub.dataset_problem(settings, source)
@@ -142,7 +143,7 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
     broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
     request's id goes into the job's history."""
-    fp, found = check_spec(settings=settings, spec=spec)
+    fp, found = check_spec(settings=settings, spec=spec, tenant=caller.tenant)
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
         job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,

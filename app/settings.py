@@ -57,6 +57,10 @@ class Settings(BaseSettings):
                                                      "comma-separated owners and owner/name ids")
     hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
                                                        "(none) or comma-separated owners and names")
+    corpora: str = Field(default="auto", description="corpus:NAME sources a job may name: auto (those this API "
+                                                     "process can read: right where the API and its workers share "
+                                                     "a machine, as `dtp-layout serve` does) or the comma-separated "
+                                                     "names the workers have (an API whose workers run elsewhere)")
     device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
     cuda_memory_fraction: float | None = Field(
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
@@ -98,6 +102,17 @@ class Settings(BaseSettings):
     access_log: bool = Field(default=True, description="one log line per HTTP request (with its X-Request-ID)")
     metrics_cache_s: float = Field(default=2.0, ge=0, le=300, description="/metrics reads the jobs table at most "
                                                                           "this often")
+
+    @field_validator("corpora")
+    @classmethod
+    def _corpora(cls, value: str) -> str:
+        from models.assets import CORPORA
+
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if value.strip().lower() not in ("", "auto") and any(n not in CORPORA for n in names):
+            raise ValueError(f"DTP_LAYOUT_CORPORA must be auto or comma-separated names among {', '.join(CORPORA)}, "
+                             f"got {value!r}")
+        return value
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

@@ -1,7 +1,8 @@
 """Where a job's model and calibration data come from, without ever letting a request pick a path.
 
 A model id is either a name under the server's model root (a checkpoint directory or a `.gguf`
-file) or a hub id `owner/name`; a calibration source is `corpus:NAME`, `hf:NAME[:CONFIG[:SPLIT]]` or a
+file) or a hub id `owner/name`; a calibration source is `corpus:NAME` (one this server's workers
+have), `hf:OWNER/NAME[:CONFIG[:SPLIT]]` (a hub dataset id, never a path of the working directory) or a
 name under the data root. Names are relative, without `..`, and must resolve (symlinks followed)
 inside their root. Torch-free: the API process uses this module.
 """
@@ -11,15 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
 from models.assets import CORPORA as ASSET_CORPORA
-from models.ids import GGUF_FILE, HUB_ID, REVISION
+from models.assets import available_corpora
+from models.ids import GGUF_FILE, HUB_ID, REVISION, hf_dataset_refusal
 
-CORPORA = tuple(ASSET_CORPORA)  # which of them this install has is the worker's to say (models.assets)
+CORPORA = tuple(ASSET_CORPORA)  # the names; which of them an install has: models.assets, submit_corpora
+# The spelling; whether the name is a hub dataset id (owner/name, not a path): models.ids.hf_dataset_refusal.
 HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?(:[A-Za-z0-9._-]*){0,2}$")
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@-]*$")
 
@@ -113,22 +117,41 @@ def resolve_model(model_root: Path, model_id: str, *, revision: str | None = Non
                                   f"of the form 'owner/name'{hint}")
 
 
-def resolve_data(data_root: Path, source: str, field: str = "calibration.source") -> str:
+def submit_corpora(setting: str) -> list[str]:
+    """The corpus names a job may name at submit, from DTP_LAYOUT_CORPORA: `auto`, those this process
+    can read (right wherever the API and its workers share a machine and its corpus settings: the
+    embedded default); otherwise the comma-separated names the operator says the workers have."""
+    if setting.strip().lower() in ("", "auto"):
+        return available_corpora()
+    return [name.strip() for name in setting.split(",") if name.strip()]
+
+
+def resolve_data(data_root: Path, source: str, field: str = "calibration.source", *,
+                 corpora: Collection[str] | None = None) -> str:
     """The source string `models.calibration` reads: corpus:/hf: as they are, a name as its absolute path.
-    `field` is the spec field named in errors (calibration.source, distill.train.source, …)."""
+    `field` is the spec field named in errors (calibration.source, distill.train.source, …); `corpora`,
+    when given, the corpus names the workers have (the API's submit check; the worker reads and refuses
+    a missing one itself)."""
     if source.startswith("corpus:"):
-        if source[7:] not in CORPORA:
+        name = source[7:]
+        if name not in CORPORA:
             raise SourceError(field, f"unknown corpus {source!r}; known: " + ", ".join(f"corpus:{c}" for c in CORPORA))
+        if corpora is not None and name not in corpora:
+            have = ", ".join(f"corpus:{c}" for c in CORPORA if c in corpora) or "none"
+            raise SourceError(field, f"{source} is not installed on this server (its text is not in the workers' "
+                                     f"corpus directory); available here: {have}")
         return source
     if source.startswith("hf:"):
         if not HF_SOURCE.fullmatch(source):
-            raise SourceError(field, f"{source!r}: expected hf:NAME[:CONFIG[:SPLIT]] (letters, digits, '._-')")
+            raise SourceError(field, f"{source!r}: expected hf:OWNER/NAME[:CONFIG[:SPLIT]] (letters, digits, '._-')")
+        if refusal := hf_dataset_refusal(source[3:].split(":", 1)[0]):
+            raise SourceError(field, refusal)
         return source
     what = "calibration source" if field == "calibration.source" else "data source"
     path = resolve_under(data_root, source, field, what)
     if path is None:
         raise SourceError(field, f"no file or directory {source!r} under the server's data root; "
-                          "expected corpus:kjv, corpus:shakespeare, hf:NAME[:CONFIG[:SPLIT]] or a name under "
+                          "expected corpus:kjv, corpus:shakespeare, hf:OWNER/NAME[:CONFIG[:SPLIT]] or a name under "
                           "the data root (.txt, .jsonl, .npy or a directory of .txt)")
     return str(path)
 
@@ -146,16 +169,18 @@ _GGUF_KEYS = {
 }
 
 
-_gguf_cache: dict[tuple[str, int, int], dict[str, Any] | None] = {}
+_gguf_cache: dict[tuple[str | None, str, int, int], dict[str, Any] | None] = {}
 
 
-def gguf_config(path: Path) -> dict[str, Any] | None:
-    """The architecture fields of a GGUF file's metadata (parsing takes a second or two: cached)."""
+def gguf_config(path: Path, *, scope: str | None = None) -> dict[str, Any] | None:
+    """The architecture fields of a GGUF file's metadata (parsing takes seconds: cached). The cache is
+    per `scope` (the tenant): a submit that answers at once because the file was parsed for another
+    tenant would tell that some tenant named this model."""
     try:
         st = path.stat()
     except OSError:
         return None
-    key = (str(path), st.st_size, st.st_mtime_ns)
+    key = (scope, str(path), st.st_size, st.st_mtime_ns)
     if key not in _gguf_cache:
         _gguf_cache[key] = _read_gguf_config(path)
     return _gguf_cache[key]
@@ -211,15 +236,21 @@ def _json_config(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_config(location: ModelLocation) -> dict[str, Any] | None:
-    """The model's config as a dict when it is readable without downloading weights, else None."""
+def read_config(location: ModelLocation, *, scope: str | None = None) -> dict[str, Any] | None:
+    """The model's config as a dict when it is readable without downloading weights, else None;
+    `scope`: the tenant whose cached GGUF metadata may be reused (gguf_config)."""
     if location.path is None:
         return _hub_config(location)
     if location.path.suffix == ".gguf":
-        return gguf_config(location.path)
+        return gguf_config(location.path, scope=scope)
     if location.gguf_file:
-        return gguf_config(location.path / location.gguf_file)
+        return gguf_config(location.path / location.gguf_file, scope=scope)
     return _json_config(location.path / "config.json")
+
+
+def forget_configs() -> None:
+    """Drop the cached GGUF metadata (a worker, between jobs: no job's speed depends on another's)."""
+    _gguf_cache.clear()
 
 
 def config_namespace(config: dict[str, Any]) -> SimpleNamespace:

@@ -2,7 +2,8 @@
 
 Sources: a text file or a directory of `.txt` files; a `.jsonl` file with a text field; a `.npy` of
 token ids (1-D stream or 2-D blocks, no tokenizer needed); `corpus:kjv` / `corpus:shakespeare`
-(see `models.assets`); `hf:NAME[:CONFIG[:SPLIT]]`, streamed with the `datasets` package.
+(see `models.assets`); `hf:OWNER/NAME[:CONFIG[:SPLIT]]`, a hub dataset streamed with the `datasets`
+package (never a builder name or a path of the working directory: `models.ids.hf_dataset_refusal`).
 Text is tokenised with the model's tokenizer, documents joined by EOS, and packed into blocks.
 Blocks are taken from the start of the stream (only as much text is tokenised as needed); the
 seed only shuffles their order, so two specs differing in seed see the same tokens.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +23,9 @@ import numpy as np
 import torch
 
 from models.assets import AssetNotFoundError, corpus_file
+from models.ids import hf_dataset_refusal
+
+log = logging.getLogger(__name__)
 
 # Characters tokenised per step: large enough for throughput, small enough to stop early.
 _TEXT_CHUNK = 1 << 18
@@ -41,7 +46,7 @@ class CalibrationSpec:
 
     def __post_init__(self) -> None:
         if not self.source:
-            raise DataError("source: must name a file, a directory, corpus:NAME or hf:NAME")
+            raise DataError("source: must name a file, a directory, corpus:NAME or hf:OWNER/NAME")
         if self.sequences < 1:
             raise DataError(f"sequences must be ≥ 1, got {self.sequences}")
         if self.seq_len < 2:
@@ -87,7 +92,7 @@ def _documents(spec: CalibrationSpec) -> Iterator[str]:
         return
     if not path.is_file():
         raise DataError(f"source {src!r}: no such file or directory (expected a .txt/.jsonl/.npy file, "
-                        "a directory of .txt files, corpus:NAME or hf:NAME[:CONFIG[:SPLIT]])")
+                        "a directory of .txt files, corpus:NAME or hf:OWNER/NAME[:CONFIG[:SPLIT]])")
     if path.suffix == ".jsonl":
         yield from _jsonl_documents(path, spec.text_field)
         return
@@ -117,21 +122,28 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
 def _hf_documents(name: str, field: str) -> Iterator[str]:
     parts = name.split(":")
     if not parts[0] or len(parts) > 3:
-        raise DataError(f"hf source must be hf:NAME[:CONFIG[:SPLIT]], got hf:{name}")
+        raise DataError(f"hf source must be hf:OWNER/NAME[:CONFIG[:SPLIT]], got hf:{name}")
+    ds_name, config = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
+    split = parts[2] if len(parts) > 2 else "train"
+    # Checked here, just before the load, whoever checked before: load_dataset would take a builder
+    # name or a path of the working directory before the hub (models.ids.hf_dataset_refusal).
+    if refusal := hf_dataset_refusal(ds_name):
+        raise DataError(refusal)
     try:
         import datasets
     except ImportError as exc:
         raise DataError("hf: sources need the `datasets` package (pip install datasets)") from exc
-    ds_name, config = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)
-    split = parts[2] if len(parts) > 2 else "train"
     # No trust_remote_code: datasets ≥ 4 runs no loading scripts at all, older ones default to False.
     # Streamed: only the rows the blocks need are read. With HF_HUB_OFFLINE=1 the same call reads the
     # local Hugging Face datasets cache (a dataset loaded once before).
     try:
         stream = datasets.load_dataset(ds_name, config, split=split, streaming=True)
-    except Exception as exc:  # the hub, the cache and the builders raise many types; the message says which
+    except Exception as exc:  # the hub, the cache and the builders raise many types
+        # The message's first line only (bounded): the rest, which can list files, goes to the log.
+        log.warning("hf:%s: cannot load dataset %r", name, ds_name, exc_info=True)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise DataError(f"hf:{name}: cannot load dataset {ds_name!r} (config {config}, split {split!r}): "
-                        f"{type(exc).__name__}: {exc}") from exc
+                        f"{type(exc).__name__}: {first}") from exc
     for row in stream:
         text = row.get(field)
         if not isinstance(text, str):

@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 GGUF_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.gguf$")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def hf_dataset_refusal(name: str) -> str | None:
+    """Why `hf:NAME` is not read, or None: NAME must be a hub dataset id `owner/name`, and must not also
+    be a path relative to the working directory.
+
+    `datasets.load_dataset(NAME)` reads the disk before the hub: a bare NAME that is one of its builders
+    (`text`, `json`, `csv`, …) reads the data files of the working directory, and a NAME that exists
+    there as a directory is loaded as a local dataset. A service's working directory holds its storage
+    (every tenant's files, under the embedded default), so neither may ever be chosen by a request. The
+    message names only what the caller wrote."""
+    if not HUB_ID.fullmatch(name):
+        return (f"hf:{name}: hf: sources are hub dataset ids of the form owner/name (e.g. "
+                "hf:Salesforce/wikitext:wikitext-2-raw-v1:test); a bare name would be read from the server's "
+                "disk, not the hub")
+    if os.path.lexists(name):
+        return (f"hf:{name}: refused: it is also a path relative to the server's working directory, and hf: "
+                "sources are read from the hub only (name local data under the data root, without hf:)")
+    return None

@@ -21,7 +21,8 @@ CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 
 
 def job(model_id: str, **overrides) -> JobSpec:
     return JobSpec.model_validate({"model": {"id": model_id}, "devices": 2,
-                                   "calibration": {"source": "corpus:kjv", "sequences": 4, "seq_len": 64}, **overrides})
+                                   "calibration": {"source": "corpus:shakespeare", "sequences": 4, "seq_len": 64},
+                                   **overrides})
 
 
 @pytest.fixture
@@ -56,7 +57,8 @@ def test_allow_lists():
 def test_hub_models_and_datasets_off_or_limited_are_422_at_submit(tmp_path):
     off = Settings(var_dir=tmp_path, hub_models="", hub_datasets="")
     with pytest.raises(SpecError) as err:
-        check_spec(settings=off, spec=job("acme/model", calibration={"source": "hf:wikitext:wikitext-2-raw-v1"}))
+        check_spec(settings=off, spec=job("acme/model",
+                                          calibration={"source": "hf:Salesforce/wikitext:wikitext-2-raw-v1"}))
     problems = dict(err.value.problems)
     assert "turned off" in problems["model.id"] and "DTP_LAYOUT_HUB_MODELS" in problems["model.id"]
     assert "turned off" in problems["calibration.source"]

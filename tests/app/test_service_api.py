@@ -79,7 +79,8 @@ def test_invalid_spec_names_each_bad_field(client):
     ({"distill": {"steps": 0}}, "distill.steps", "greater than or equal to 1"),
     ({"export": "yes"}, "export", "valid dictionary"),
     ({"calibration": {"source": "corpus:bible"}}, "calibration.source", "corpus:kjv"),
-    ({"calibration": {"source": "hf:bad name"}}, "calibration.source", "hf:NAME"),
+    ({"calibration": {"source": "hf:bad name"}}, "calibration.source", "hf:OWNER/NAME"),
+    ({"calibration": {"source": "hf:text"}}, "calibration.source", "owner/name"),
     ({"model": {"gguf_file": "../x.gguf"}}, "model.gguf_file", "pattern"),
     ({"model": {"revision": "main"}}, "model.revision", "hub models only"),
 ])
@@ -92,7 +93,7 @@ def test_invalid_values(client, overrides, field, text):
 
 def test_distill_spec_is_accepted_and_stored(client):
     body = {"layouts": ["optimised", "random-1001", "heads-only"], "seeds": [0, 3], "steps": 4,
-            "train": {"source": CALIB, "seq_len": 16}, "eval": {"source": "corpus:kjv", "sequences": 2},
+            "train": {"source": CALIB, "seq_len": 16}, "eval": {"source": "corpus:shakespeare", "sequences": 2},
             "recipe": {"batch_size": 2, "micro_batch_size": 1, "eval_every": 2, "betas": [0.8, 0.9],
                        "autocast": "none"}}
     r = submit(client, distill=body)

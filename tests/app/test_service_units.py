@@ -52,9 +52,9 @@ def test_resolve_model_local_gguf_and_hub(tmp_path):
 def test_resolve_data(tmp_path):
     (tmp_path / "ids.npy").write_bytes(b"")
     assert resolve_data(tmp_path, "corpus:kjv") == "corpus:kjv"
-    assert resolve_data(tmp_path, "hf:wikitext:wikitext-2-raw-v1:train").startswith("hf:")
+    assert resolve_data(tmp_path, "hf:Salesforce/wikitext:wikitext-2-raw-v1:train").startswith("hf:")
     assert resolve_data(tmp_path, "ids.npy") == str((tmp_path / "ids.npy").resolve())
-    for bad in ("corpus:other", "hf:", "/etc/passwd", "../ids.npy", "nope.npy"):
+    for bad in ("corpus:other", "hf:", "hf:text", "hf:wikitext", "/etc/passwd", "../ids.npy", "nope.npy"):
         with pytest.raises(SourceError):
             resolve_data(tmp_path, bad)
 
@@ -86,7 +86,8 @@ def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
     (snapshot.parent.parent / "refs" / "main").write_text("0123456789abcdef")
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     settings = Settings(var_dir=tmp_path / "var")
-    body = {"model": {"id": "acme/tiny", "revision": "main"}, "devices": 3, "calibration": {"source": "corpus:kjv"}}
+    body = {"model": {"id": "acme/tiny", "revision": "main"}, "devices": 3,
+            "calibration": {"source": "corpus:shakespeare"}}
     with pytest.raises(SpecError) as err:
         check_spec(settings=settings, spec=JobSpec.model_validate(body))
     assert err.value.problems[0][0] == "devices" and "valid L for this model: 1, 2" in err.value.problems[0][1]
