@@ -1,11 +1,12 @@
 """The storage root: published artifacts, per-job work directories and the affinity cache.
 
-    STORAGE_ROOT/affinity/<fingerprint>/affinity.safetensors   one per fingerprint, shared by jobs
-    STORAGE_ROOT/jobs/<job id>/work/                            stage outputs (resume after a crash)
-    STORAGE_ROOT/jobs/<job id>/artifacts/<name>                 published files, one per artifact row
+    STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors   one per tenant and fingerprint,
+                                                                         shared by that tenant's jobs only
+    STORAGE_ROOT/jobs/<job id>/work/                                     stage outputs (resume after a crash)
+    STORAGE_ROOT/jobs/<job id>/artifacts/<name>                          published files, one per artifact row
 
 Storage keys (relative paths) are what the database records; a key is only ever built here from a
-job id, a fingerprint or an artifact name the worker chose, never from a request.
+job id, a tenant, a fingerprint or an artifact name the worker chose, never from a request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 CHUNK = 1 << 20
+
+
+def tenant_scope(tenant: str | None) -> str:
+    """A directory name per tenant: a digest, so that names differing only in case (one directory on a
+    case-insensitive filesystem) never share it."""
+    if tenant is None:
+        return "open"
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
 def sha256_file(path: Path) -> str:
@@ -104,8 +113,11 @@ class Storage:
         return path
 
     @staticmethod
-    def affinity_key(fingerprint: str) -> str:
-        return f"affinity/{fingerprint}/affinity.safetensors"
+    def affinity_key(fingerprint: str, *, tenant: str | None) -> str:
+        """The affinity cache entry of `fingerprint` for `tenant`'s jobs. Per tenant: a job that found
+        another tenant's entry (`affinity_cached`, and its speed) would learn that someone ran the same
+        model on the same calibration. The jobs of an open API (no keys, tenant None) share one scope."""
+        return f"affinity/{tenant_scope(tenant)}/{fingerprint}/affinity.safetensors"
 
     @staticmethod
     def artifact_key(job_id: str, name: str) -> str:

@@ -41,6 +41,11 @@ def _file_sha256(path: Path) -> str:
     return _hash_cache[key]
 
 
+def forget_hashes() -> None:
+    """Drop the cached content hashes (a service worker, between jobs of different tenants)."""
+    _hash_cache.clear()
+
+
 def _is_rows(source: str) -> bool:
     """A 2-D `.npy` of blocks: its stream depends on seq_len, so ranges count rows, not tokens."""
     if not source.endswith(".npy") or not Path(source).is_file():

@@ -7,8 +7,9 @@ stage recorded in `stages_done`:
 
 - loading      model and tokenizer (re-done on resume: they live in memory);
 - calibration  token blocks → work/blocks.npy;
-- affinity     → STORAGE_ROOT/affinity/<fingerprint>/affinity.safetensors, shared by every job with
-               the same fingerprint (a later job reuses it: `affinity_cached`);
+- affinity     → STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors, shared by the
+               tenant's jobs with the same fingerprint (a later one reuses it: `affinity_cached`), never
+               by another tenant's;
 - optimising   layouts → work/layouts/*.json and the `layouts` rows, in one transaction with the stage;
 - exporting    the optimised layout's checkpoint and/or rank shards, published as artifacts (files
                renamed into place; rows and the stage recorded in one transaction);
@@ -28,6 +29,7 @@ import csv
 import json
 import logging
 import math
+import re
 import shutil
 import threading
 import time
@@ -46,8 +48,8 @@ from app.hub import prepare_model
 from app.schemas import METRIC_NAMES, JobSpec
 from app.services import DISTILL_SUMMARY, event, job_log_fields
 from app.settings import Settings
-from app.sources import resolve_data
-from app.storage import Storage, sha256_file
+from app.sources import SourceError, forget_configs, resolve_data
+from app.storage import Storage, sha256_file, tenant_scope
 from worker.device import out_of_memory_message, prepare_device
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
@@ -257,7 +259,7 @@ class JobRun:
                  monitor: Monitor) -> None:
         self.db, self.settings, self.worker, self.monitor = db, settings, worker, monitor
         self.job_id, self.attempt, self.spec = job.id, job.attempts, spec
-        self.fingerprint = job.fingerprint
+        self.fingerprint, self.owner = job.fingerprint, job.owner
         self.done: list[str] = list(job.stages_done or [])
         self.storage = Storage(settings.storage)
         self.work = self.storage.work_dir(job.id) / str(self.attempt)
@@ -420,7 +422,7 @@ class JobRun:
 
         spec = self.spec
         self.prepare_work()
-        cache_key = Storage.affinity_key(self.fingerprint)
+        cache_key = Storage.affinity_key(self.fingerprint, tenant=self.owner)
         cache_path = self.storage.path(cache_key)
         have_affinity = "affinity" in self.done or cache_path.is_file()
         need_export = spec.export.any and "exporting" not in self.done
@@ -440,6 +442,10 @@ class JobRun:
         def load() -> Loaded:
             # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
             location = prepare_model(settings=self.settings, spec=spec)
+            if location.path is None or not location.path.is_absolute():
+                # Loaded by absolute path only: a name would be resolved against the working directory.
+                raise SourceError("model.id", f"model {spec.model.id!r} did not resolve to a file under the "
+                                              "model root or the hub cache")
             source = ModelSource(**location.loader_args())
             config = load_config(source)
             shape = model_shape(config)
@@ -799,6 +805,25 @@ def _last_reason(job: Job) -> str:
     return "the worker was lost each time"
 
 
+MAX_ERROR_CHARS = 2000
+_JOB_DIR = re.compile(r"jobs/([0-9a-f]{32})")
+_AFFINITY_DIR = re.compile(r"affinity/([^/\s'\"]+)/")
+
+
+def public_error(message: str, *, job_id: str, tenant: str | None) -> str:
+    """The error text stored on the job (what its tenant reads): bounded, and without the names of other
+    jobs' directories or other tenants' cache entries, should a message ever carry one. The whole text
+    goes to the worker's log when anything was cut."""
+    shown = _JOB_DIR.sub(lambda m: m.group(0) if m.group(1) == job_id else "jobs/…", message)
+    own = tenant_scope(tenant)
+    shown = _AFFINITY_DIR.sub(lambda m: m.group(0) if m.group(1) == own else "affinity/…/", shown)
+    if len(shown) > MAX_ERROR_CHARS:
+        shown = shown[:MAX_ERROR_CHARS] + " … (cut: the rest is in the worker's log)"
+    if shown != message:
+        log.warning("job %s: the error, as stored for its tenant, was cut or masked; in full: %s", job_id, message)
+    return shown
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     from models.assets import AssetNotFoundError
     from models.export import ExportError
@@ -827,6 +852,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         return "failed"
     runner: JobRun | None = None
     monitor: Monitor | None = None
+    _forget_earlier_reads()
     try:
         # The stored spec is validated again before anything runs (the schema may have changed since
         # it was accepted); one that no longer validates fails the job, with the reason.
@@ -892,13 +918,23 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         else:
             message = f"{type(exc).__name__}: {exc}"
             log.error("job %s failed in %s:\n%s", job_id, stage, traceback.format_exc())
-        _end(db, job_id, worker, status="failed", error=message, stage=stage, attempt=attempt)
+        _end(db, job_id, worker, status="failed", error=public_error(message, job_id=job_id, tenant=job.owner),
+             stage=stage, attempt=attempt)
         return "failed"
     finally:
         if monitor is not None:
             monitor.stop()
         del runner
         _release_memory()
+
+
+def _forget_earlier_reads() -> None:
+    """Empty the process's caches of what earlier jobs read (GGUF metadata, content hashes of data
+    files): a job's speed must not tell its tenant what another tenant's job named."""
+    from models.heldout import forget_hashes
+
+    forget_configs()
+    forget_hashes()
 
 
 def _release_memory() -> None:
