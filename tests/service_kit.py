@@ -14,8 +14,15 @@ import numpy as np
 
 from app.settings import Settings
 
+REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
 CALIB = "calib/ids.npy"
+
+
+def importable_from_anywhere(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this checkout first on PYTHONPATH: a process started in another working directory
+    imports the same code."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH"))))}
 
 
 def make_settings(root: Path, **overrides: Any) -> Settings:
@@ -137,10 +144,11 @@ def stop_process(proc: subprocess.Popen[Any] | None, sig: int, *, grace: float, 
 class WorkerProcess:
     """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess."""
 
-    def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", **env: str) -> None:
+    def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", cwd: Path | None = None,
+                 **env: str) -> None:
         from app.cli_service import worker_command
 
-        self.log_path = log_path
+        self.log_path, self.cwd = log_path, cwd
         self.env = {**os.environ, **settings.worker_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                     "TOKENIZERS_PARALLELISM": "false", **env}
         self.cmd = worker_command(settings, name=name)
@@ -149,8 +157,9 @@ class WorkerProcess:
     def start(self, timeout: float = 60.0) -> WorkerProcess:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the subprocess)
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        env = importable_from_anywhere(self.env) if self.cwd is not None else self.env
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=self.cwd)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -198,10 +207,11 @@ def free_port() -> int:
 
 class ServeProcess:
     """`dtp-layout serve` (API + its local worker) in a subprocess on a free port, its var dir under
-    `var`; `env` adds DTP_LAYOUT_* settings (API keys, a Postgres database, a Redis broker, …)."""
+    `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API keys, a Postgres
+    database, a Redis broker, …)."""
 
-    def __init__(self, var: Path, **env: str) -> None:
-        self.var = var
+    def __init__(self, var: Path, *, cwd: Path | None = None, **env: str) -> None:
+        self.var, self.cwd = var, cwd
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
@@ -214,9 +224,10 @@ class ServeProcess:
         """Starts it and reads its banner up to the example curl (the API is listening by then)."""
         import sys
 
+        env = importable_from_anywhere(self.env) if self.cwd is not None else self.env
         self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port),
-                                      "--var-dir", str(self.var)], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                      "--var-dir", str(self.var)], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=self.cwd)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
