@@ -430,6 +430,9 @@ class JobRun:
         calibration_shown = CalibrationSpec(**spec.calibration.model_dump())
         calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
                                          "source": resolve_data(self.settings.data_dir, spec.calibration.source)})
+        if spec.distill is not None:  # its sources refused now, not after the affinity pass
+            for part, fields in zip(("train", "eval"), spec.distill.data_specs(spec.calibration), strict=True):
+                resolve_data(self.settings.data_dir, fields["source"], field=f"distill.{part}.source")
         ospec = pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, score=spec.score,
                                       random_layouts=spec.random_layouts, ablations=spec.ablations,
                                       export=spec.export.any, batch_size=spec.batch_size, restarts=spec.restarts)

@@ -225,12 +225,13 @@ def affinity_across_tenants(client, keys, worker=None) -> list[tuple[str, bool]]
 def test_remote_worker_refuses_an_hf_name_that_is_a_path_of_its_directory(remote):
     _settings, client, keys, worker = remote
     assert not Path("acme/notes").exists()  # the API's working directory: it sees nothing to refuse
-    job = submit(client, keys, "bob", spec(calibration={"source": "hf:acme/notes"}, **QUICK))
-    done = finish(client, keys, "bob", job, worker)
-    assert done["status"] == "failed", done
-    assert "working directory" in done["error"], done["error"]
-    assert SECRET not in done["error"] and "notes.txt" not in done["error"]
-    assert "affinity" not in done["stages_done"]
+    for body in (spec(calibration={"source": "hf:acme/notes"}, **QUICK),
+                 spec(distill={"train": {"source": "hf:acme/notes"}}, **QUICK)):
+        done = finish(client, keys, "bob", submit(client, keys, "bob", body), worker)
+        assert done["status"] == "failed", done
+        assert "working directory" in done["error"], done["error"]
+        assert SECRET not in done["error"] and "notes.txt" not in done["error"]
+        assert done["stages_done"] == [], done  # refused before the first stage, distillation sources too
 
 
 @pytest.mark.postgres
