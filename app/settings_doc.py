@@ -57,6 +57,7 @@ ELSEWHERE = (
      "`cuda`); see [benchmarks.md](benchmarks.md#gpu-check-make-gpu-check)"),
 )
 
+_TYPE_NAMES: dict[object, str] = {bool: "bool", int: "integer", float: "number", str: "string", Path: "path"}
 _SUPERSCRIPT = str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
 _BOUNDS = ((annotated_types.Ge, "≥", "ge"), (annotated_types.Gt, ">", "gt"), (annotated_types.Le, "≤", "le"),
            (annotated_types.Lt, "<", "lt"))
@@ -94,7 +95,7 @@ def type_text(field: FieldInfo) -> str:
     if get_origin(annotation) is Literal:
         text = " \\| ".join(f"`{choice}`" for choice in get_args(annotation))
     else:
-        text = {bool: "bool", int: "integer", float: "number", str: "string", Path: "path"}[annotation]
+        text = _TYPE_NAMES[annotation]
     bounds = [f"{sign} {_number(getattr(item, attr))}" for item in field.metadata
               for kind, sign, attr in _BOUNDS if isinstance(item, kind)]
     return ", ".join([text, *bounds]) + (" (optional)" if optional else "")
