@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-# Import names of the worker extra's packages (tests/test_install.py checks them against pyproject.toml).
+# Import names of the worker extra's packages (tests/test_packaging.py checks them against pyproject.toml).
 WORKER_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "matplotlib")
 WORKER_INSTALL = "pip install 'dtp-layout[worker]'"
 

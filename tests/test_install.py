@@ -106,7 +106,8 @@ def test_base_install_has_no_model_stack_and_pip_check_passes(base_install):
 def test_model_commands_name_the_worker_extra(base_install):
     for argv in (["optimise", "m", "--devices", "3", "--calib", "corpus:shakespeare", "--out", "out"],
                  ["distill", "m", "--devices", "3", "--data", "corpus:shakespeare", "--out", "out"],
-                 ["worker"], ["serve"]):
+                 ["eval", "m", "--devices", "3", "--data", "corpus:shakespeare"],
+                 ["generate", "shards", "--prompt", "x"], ["worker"], ["serve"]):
         result = base_install.run("dtp-layout", *argv)
         assert result.returncode == 2, (argv, result.stdout, result.stderr)
         lines = result.stderr.strip().splitlines()
