@@ -99,7 +99,7 @@ def test_optimise_stability_reports_both_halves(tmp_path, capsys):
     assert st["halves"]["first"]["tokens"] == 2 * 32
     assert set(st["J"]) == {"first_on_first", "first_on_second", "second_on_first", "second_on_second"}
     # Each half's own layout is its optimum, so scoring the other half's layout on it cannot do better
-    # by more than coordinate ascent's local-optimum slack; the ratio is what the README reports.
+    # by more than coordinate ascent's local-optimum slack; the ratio is what docs/cli.md reports.
     for on, other in (("first", "second"), ("second", "first")):
         assert st["transfer"][on] == pytest.approx(st["J"][f"{other}_on_{on}"] / st["J"][f"{on}_on_{on}"])
     assert 0.0 <= st["agreement"]["neurons"] <= 1.0 and st["agreement"]["chance"] == 0.5
