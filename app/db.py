@@ -1,6 +1,6 @@
 """SQLAlchemy 2 models and sessions. Postgres in production and CI, SQLite in the embedded default.
 
-Times are naive UTC. The schema is created by the Alembic migrations in `app/migrations/`, never by
+Times are naive UTC. The schema is created by the Alembic migrations in `migrations/`, never by
 `create_all`, so that Postgres and SQLite run the same migration.
 """
 

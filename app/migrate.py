@@ -1,8 +1,8 @@
 """`alembic upgrade head` from code: the service and the tests apply the same migrations.
 
-The migrations live inside the package (app/migrations), so an installed `dtp-layout` (a wheel, no
-checkout) migrates its database as the checkout does; `alembic.ini` at the repository root is only for
-running `alembic` by hand in a checkout.
+The migrations are the top-level `migrations` folder, shipped in the wheel as a package beside `app`
+(pyproject.toml), so an installed `dtp-layout` (no checkout) finds them where a checkout has them and
+migrates its database the same way; `alembic.ini` is only for running `alembic` by hand in a checkout.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent  # a checkout, or site-packages for an installed wheel
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:
