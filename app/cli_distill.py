@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.cli import CliError, _add_model_args, _calibration_of, _layouts_dir, _load
+from app.extras import needs_worker_extra
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe  # torch-free
 
 PAPER = DistillRecipe()  # the defaults of every recipe flag
@@ -200,3 +201,4 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output directory (metrics.csv, summary.json, curves.png, runs/)")
     p.add_argument("--overwrite", action="store_true", help="discard earlier runs in --out instead of resuming")
     p.set_defaults(func=cmd_distill)
+    needs_worker_extra(p)

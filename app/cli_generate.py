@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Any
 
+from app.extras import needs_worker_extra
 from models.runtime.cli import add_arguments
 
 
@@ -37,3 +38,4 @@ def register(sub: Any) -> None:
                     "per-rank ms/token and time blocked in communication. Under torchrun, this process is one rank.")
     add_arguments(p)
     p.set_defaults(func=cmd_generate)
+    needs_worker_extra(p)

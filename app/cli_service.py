@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.extras import missing_worker_packages, needs_worker_extra, worker_extra_message
 from app.supervisor import WorkerSupervisor
 
 PACKAGED_MODEL = "smollm2-135m"
@@ -84,6 +85,11 @@ def _wait_for_port(host: str, port: int, timeout: float) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if not args.no_worker and (missing := missing_worker_packages()):
+        # the local worker would die at its first import and be restarted for ever
+        print(f"dtp-layout serve: error: the local worker {worker_extra_message(missing)}; or pass --no-worker to "
+              "run the API alone", file=sys.stderr)
+        return 2
     import uvicorn
 
     from app.main import create_app
@@ -197,7 +203,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="the layout service: HTTP API + one local worker (default: SQLite under ./var)",
                        description="Runs `alembic upgrade head`, starts one local Celery worker and the API. "
-                                   "Settings come from DTP_LAYOUT_* variables (see the README); by default "
+                                   "Settings come from DTP_LAYOUT_* variables (docs/settings.md); by default "
                                    "everything lives under ./var and no other server is needed.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1); any other address needs "
                                                         "API keys (`dtp-layout keys create`) or --insecure-open")
@@ -206,7 +212,8 @@ def register(sub: Any) -> None:
                         "read every result")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR; default ./var)")
-    p.add_argument("--no-worker", action="store_true", help="run the API only")
+    p.add_argument("--no-worker", action="store_true",
+                   help="run the API only (all a base install can: the local worker needs the worker extra)")
     p.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
     p.set_defaults(func=cmd_serve)
 
@@ -220,6 +227,7 @@ def register(sub: Any) -> None:
     p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR)")
     p.add_argument("--loglevel", default="INFO")
     p.set_defaults(func=cmd_worker)
+    needs_worker_extra(p)
 
     p = sub.add_parser("migrate", help="apply the database migrations (alembic upgrade head)")
     p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR)")

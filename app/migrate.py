@@ -1,4 +1,9 @@
-"""`alembic upgrade head` from code: the service and the tests apply the same migrations."""
+"""`alembic upgrade head` from code: the service and the tests apply the same migrations.
+
+The migrations are the top-level `migrations` folder, shipped in the wheel as a package beside `app`
+(pyproject.toml), so an installed `dtp-layout` (no checkout) finds them where a checkout has them and
+migrates its database the same way; `alembic.ini` is only for running `alembic` by hand in a checkout.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,14 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def migrations_dir() -> Path:
-    for candidate in (REPO_ROOT / "migrations", Path.cwd() / "migrations"):
-        if (candidate / "env.py").is_file():
-            return candidate
-    raise FileNotFoundError("migrations/ not found beside the package or in the working directory")
+REPO_ROOT = Path(__file__).resolve().parent.parent  # a checkout, or site-packages for an installed wheel
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:
-    ini = migrations_dir().parent / "alembic.ini"
-    config = Config(str(ini)) if ini.is_file() else Config()
-    config.set_main_option("script_location", str(migrations_dir()))
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("path_separator", "os")
     config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     config.attributes["configure_logging"] = False
     return config

@@ -21,40 +21,52 @@ KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DTP_LAYOUT_", extra="ignore")
 
-    var_dir: Path = Field(default=Path("var"), description="base for the embedded defaults below")
-    database_url: str = Field(default="", description="SQLAlchemy URL; default sqlite:///VAR_DIR/dtp-layout.db")
-    broker_url: str = Field(default="", description="Celery broker; default sqla+sqlite:///VAR_DIR/broker.db")
-    broker_key_prefix: str = Field(default="", description="Redis only: a prefix for every broker key")
-    storage_root: Path | None = Field(default=None, description="artifacts and caches; default VAR_DIR/storage")
-    model_root: Path | None = Field(default=None, description="models a job may name; default VAR_DIR/models")
-    data_root: Path | None = Field(default=None, description="calibration files a job may name; default VAR_DIR/data")
+    var_dir: Path = Field(default=Path("var"), description="base of the embedded defaults below (`serve --var-dir`)")
+    database_url: str = Field(default="", description="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db; "
+                                                      "default sqlite:///VAR_DIR/dtp-layout.db")
+    broker_url: str = Field(default="", description="Celery broker, e.g. redis://host:6379/0; default "
+                                                    "sqla+sqlite:///VAR_DIR/broker.db")
+    broker_key_prefix: str = Field(default="", description="Redis only: a prefix for every broker key (several "
+                                                           "services on one Redis)")
+    storage_root: Path | None = Field(default=None, description="artifacts, per-job work directories and the affinity "
+                                                                "cache (a volume the API and workers share); default "
+                                                                "VAR_DIR/storage")
+    model_root: Path | None = Field(default=None, description="the models a job may name (directories or .gguf "
+                                                              "files); default VAR_DIR/models")
+    data_root: Path | None = Field(default=None, description="the calibration files a job may name; default "
+                                                             "VAR_DIR/data")
     queue: str = Field(default="gpu", description="Celery queue the jobs go to")
-    api_keys: str = Field(default="", description="keys by digest, comma-separated NAME:sha256:HEX[:admin] entries "
-                                               "(`dtp-layout keys create NAME --settings` prints one); the api_keys "
-                                               "table holds the others")
-    require_keys: bool = Field(default=False, description="never run open: with no key at all every /v1 call is 401")
+    api_keys: str = Field(default="", description="keys by digest, comma-separated NAME:sha256:HEX[:admin]"
+                                               "[:tenant=T] entries (`dtp-layout keys create NAME --settings` prints "
+                                               "one); the api_keys table holds the others")
+    require_keys: bool = Field(default=False, description="never run open: with no key at all every /v1 call is 401 "
+                                                          "(docker-compose.yml sets it)")
     key_cache_s: float = Field(default=2.0, ge=0, le=300, description="seconds the API caches the api_keys table "
                                                                        "(a revoked key stops working within this)")
-    max_body_bytes: int = Field(default=65536, ge=1024, le=1 << 30, description="larger request bodies get 413")
+    max_body_bytes: int = Field(default=65536, ge=1024, le=1 << 30, description="larger request bodies get 413 "
+                                                                                "before they are read")
     rate_limit_per_min: int = Field(default=600, ge=0, description="requests per minute per key (per client address "
                                                                    "without a valid key); 0 turns the limit off")
     rate_limit_burst: int = Field(default=120, ge=1, description="requests a key may make at once before the rate "
                                                                  "limit applies")
-    max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429")
+    max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429 with "
+                                                              "Retry-After")
     max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (calibration + distillation "
                                                                       "training) of a tenant's active jobs; more "
                                                                       "is 429")
     max_calibration_tokens: int = Field(default=1 << 20, ge=2, description="calibration sequences × seq_len per job "
-                                                                           "(also the evaluation set of a distill)")
+                                                                           "(also the evaluation set of a distill); "
+                                                                           "more is 422")
     max_skip_tokens: int = Field(default=1 << 26, ge=0, description="skip_blocks × seq_len of any data spec")
     max_distill_tokens: int = Field(default=1 << 28, ge=1, description="steps × batch_size × seq_len × layouts × "
-                                                                       "seeds of a job's distillation")
+                                                                       "seeds of a job's distillation (and the "
+                                                                       "training blocks it loads)")
     max_evaluations: int = Field(default=10_000, ge=1, description="distillation evaluations of a job over all its "
                                                                    "runs (4 metric rows each)")
-    max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model (from its "
-                                                                            "config) a job may load")
-    hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none) or "
-                                                     "comma-separated owners and owner/name ids")
+    max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model, estimated "
+                                                                            "from its config, that a job may load")
+    hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none: hub ids are "
+                                                     "422) or comma-separated owners and owner/name ids")
     hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
                                                        "(none) or comma-separated owners and names")
     corpora: str = Field(default="auto", description="corpus:NAME sources a job may name: auto (those this API "
@@ -66,37 +78,51 @@ class Settings(BaseSettings):
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
                                               "workers on one GPU); a job that needs more fails with the sizes")
     visibility_timeout_s: int = Field(default=86400, ge=60,
-                                      description="Redis visibility timeout, above the longest job")
-    lease_s: float = Field(default=60.0, gt=0, description="a running job's lease; a worker silent for longer has died")
-    max_attempts: int = Field(default=3, ge=1, description="runs of one job before it is failed")
+                                      description="Redis visibility timeout; keep it above the longest job")
+    lease_s: float = Field(default=60.0, gt=0, description="a running job's lease, renewed every second by its "
+                                                            "worker; once it expires the worker is presumed dead")
+    max_attempts: int = Field(default=3, ge=1, description="runs of one job (worker deaths, stalls) before it is "
+                                                           "failed (`gave up after N attempts: REASON`)")
     requeue_after_s: float = Field(default=300.0, gt=0, description="a job still queued this long after it was "
-                                                                     "sent (no worker took it: message lost, broker "
-                                                                     "purged, enqueue failed) is sent again")
+                                                                     "sent (no worker took it: a crash between insert "
+                                                                     "and enqueue, message lost, broker purged, a "
+                                                                     "claim that failed) is sent again by the "
+                                                                     "workers' sweeper, every period until a worker "
+                                                                     "takes it")
     stall_s: float = Field(default=1800.0, gt=0, description="a running job that reports no progress for this long "
-                                                              "(e.g. a hung download) stops renewing its lease and is "
-                                                              "retried (up to MAX_ATTEMPTS runs)")
+                                                              "(e.g. a hung download, a stuck stage) stops renewing "
+                                                              "its lease and is retried; after MAX_ATTEMPTS runs it "
+                                                              "fails with `stalled in stage X for N s`")
     time_limit_s: float = Field(default=3600.0, gt=0, description="soft time limit of one run of a job: this, plus "
                                                                    "TIME_LIMIT_PER_MTOKEN_S per million work tokens, "
-                                                                   "at most TIME_LIMIT_MAX_S; the hard limit is 10% + "
-                                                                   "TIME_LIMIT_GRACE_S more")
+                                                                   "at most TIME_LIMIT_MAX_S; past it the job fails "
+                                                                   "with the reason. The hard limit is 10% + "
+                                                                   "TIME_LIMIT_GRACE_S more (the worker process is "
+                                                                   "then killed and restarted)")
     time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
                                                                             "million work tokens (calibration + "
                                                                             "distillation training)")
-    time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit")
+    time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit "
+                                                                        "(48 h)")
     time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
-                                                                      "this; past it the worker process is killed")
-    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches and at "
-                                                                  "each stage's start")
+                                                                      "this: a run that never reaches a check by "
+                                                                      "then (stuck in native code) is failed and its "
+                                                                      "worker process killed (`serve`, or the service "
+                                                                      "manager, restarts it)")
+    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: the worker sleeps this long between "
+                                                                  "micro-batches and at each stage's start (a job "
+                                                                  "slow on purpose, deterministically)")
     test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
-                                                        "calibration or optimising where a cancel can abandon it (a "
-                                                        "stuck download), affinity or distilling where only the hard "
-                                                        "time limit can")
-    public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
+                                                        "calibration or optimising where a cancel or a stall can "
+                                                        "abandon it (a stuck download), affinity or distilling "
+                                                        "where only the hard time limit can")
+    public_url: str = Field(default="", description="base URL of the links in responses (default: relative links)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "
                                                                    "holds as many connections")
     log_format: Literal["text", "json"] = Field(default="text", description="text (readable lines) or json (one "
-                                                                            "object per line)")
+                                                                            "object per line: request id, job id, "
+                                                                            "tenant, stage), API and workers")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="level of this "
                                                                                                 "project's loggers")
     access_log: bool = Field(default=True, description="one log line per HTTP request (with its X-Request-ID)")

@@ -55,7 +55,8 @@ requirements="$VENV/dtp-requirements.txt"
 "$VENV/bin/python" - > "$requirements" <<'PYEOF'
 import tomllib
 with open("pyproject.toml", "rb") as f:
-    print("\n".join([*tomllib.load(f)["project"]["dependencies"], "pytest>=8"]))
+    project = tomllib.load(f)["project"]
+print("\n".join([*project["dependencies"], *project["optional-dependencies"]["worker"], "pytest>=8"]))
 PYEOF
 stamp="$VENV/.gpu-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then

@@ -1,4 +1,4 @@
-"""Screenshots of the dashboard for docs/ and the README, from a running service.
+"""Screenshots of the dashboard for docs/dashboard.md, from a running service.
 
     .venv/bin/dtp-layout serve --port 8777 &        # then run the jobs of docs/dashboard.md
     .venv/bin/python bench/screenshots.py --url http://127.0.0.1:8777 --job JOB --out docs/screenshots

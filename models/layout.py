@@ -1,7 +1,7 @@
 """Layouts: which device holds each KV group and each FFN neuron, per layer.
 
 A layout is balanced (G/L groups and I/L neurons on every device) and serialises to the
-`dtp-layout/1` JSON format described in the README.
+`dtp-layout/1` JSON format described in docs/formats.md.
 """
 
 from __future__ import annotations

@@ -23,14 +23,13 @@ from models.atomic import atomic_write_json
 from models.calibration import CalibrationSpec, DataError, load_blocks
 from models.export import dtype_name, export_checkpoint, export_copy, export_rank_shards
 from models.heldout import source_identity
-from models.layout import Layout, ModelShape
+from models.layout import Layout
 from models.layout_set import PAPER_RESTARTS, ablation_names
 
 # Where callers have imported them from: the layout set lives in models.layout_set (torch-free).
 from models.layout_set import RANDOM_SEED_BASE as RANDOM_SEED_BASE
 from models.layout_set import affinity_for as affinity_for
 from models.layout_set import build_layouts as build_layouts
-from models.optimise import OptimiseResult
 from models.progress import Progress, ShouldStop
 
 AFFINITY_FILE = "affinity.safetensors"
@@ -95,11 +94,6 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
                                    should_stop=should_stop, metadata=meta)
     state.affinity.save(state.out_dir / AFFINITY_FILE)
     state.timed("affinity", t0)
-
-
-def to_layout(name: str, result: OptimiseResult, shape: ModelShape, devices: int, delta: int) -> Layout:
-    return Layout(name, devices, delta, shape, result.kv_group_device, result.neuron_device,
-                  score=result.report.as_dict())
 
 
 def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:

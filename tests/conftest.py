@@ -123,7 +123,8 @@ def redis_broker():
 
 
 # Sections of the terminal summary: skipped tests carrying one of these markers, with the reason.
-SKIP_SECTIONS = {"server-backed tests skipped": SERVER_MARKERS, "GPU tests skipped": ("gpu",)}
+SKIP_SECTIONS = {"server-backed tests skipped": SERVER_MARKERS, "GPU tests skipped": ("gpu",),
+                 "install tests skipped": ("install",)}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

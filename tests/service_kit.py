@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,10 +210,14 @@ def free_port() -> int:
 class ServeProcess:
     """`dtp-layout serve` (API + its local worker) in a subprocess on a free port, its var dir under
     `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API keys, a Postgres
-    database, a Redis broker, …)."""
+    database, a Redis broker, …). `program` is how to run `dtp-layout` (default: this interpreter on this
+    checkout) and `options` more `serve` options (`--no-worker`)."""
 
-    def __init__(self, var: Path, *, cwd: Path | None = None, **env: str) -> None:
+    def __init__(self, var: Path, *, cwd: Path | None = None,
+                 program: Sequence[str] = (sys.executable, "-m", "app.cli"), options: Sequence[str] = (),
+                 **env: str) -> None:
         self.var, self.cwd = var, cwd
+        self.program, self.options = list(program), list(options)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
@@ -222,11 +228,9 @@ class ServeProcess:
 
     def start(self, timeout: float = 60.0) -> ServeProcess:
         """Starts it and reads its banner up to the example curl (the API is listening by then)."""
-        import sys
-
         env = importable_from_anywhere(self.env) if self.cwd is not None else self.env
-        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port),
-                                      "--var-dir", str(self.var)], env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*self.program, "serve", "--port", str(self.port), "--var-dir", str(self.var),
+                                      *self.options], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=self.cwd)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout

@@ -1,4 +1,5 @@
-"""`dtp-layout score` (rescoring saved layouts, torch-free) and `optimise --stability`."""
+"""`dtp-layout score` (rescoring saved layouts) and `layout` (the optimiser alone), both torch-free, and
+`optimise --stability`."""
 
 from __future__ import annotations
 
@@ -67,12 +68,16 @@ def test_score_table_and_errors(files, tmp_path, capsys):
     assert "affinity" in capsys.readouterr().err
 
 
-def test_score_command_does_not_import_torch(files):
+def test_score_and_layout_commands_do_not_import_torch(files, tmp_path):
     aff, paths, _, _ = files
+    out = tmp_path / "optimised.json"
     code = ("import sys; from app.cli import main; assert main(['score', '--affinity', sys.argv[1], sys.argv[2]]) == 0;"
             "assert main(['score', '--affinity', sys.argv[2], sys.argv[2]]) == 2;"  # the error path too
-            "assert 'torch' not in sys.modules, 'score imported torch'")
-    subprocess.run([sys.executable, "-c", code, str(aff), str(paths[0])], check=True, capture_output=True)
+            "assert main(['layout', '--affinity', sys.argv[1], '--devices', '2', '--out', sys.argv[3]]) == 0;"
+            "assert main(['layout', '--affinity', sys.argv[1], '--devices', '3', '--out', sys.argv[3]]) == 2;"
+            "assert 'torch' not in sys.modules, 'score or layout imported torch'")
+    subprocess.run([sys.executable, "-c", code, str(aff), str(paths[0]), str(out)], check=True, capture_output=True)
+    assert json.loads(out.read_text())["name"] == "optimised"
 
 
 def test_optimise_stability_reports_both_halves(tmp_path, capsys):
@@ -94,7 +99,7 @@ def test_optimise_stability_reports_both_halves(tmp_path, capsys):
     assert st["halves"]["first"]["tokens"] == 2 * 32
     assert set(st["J"]) == {"first_on_first", "first_on_second", "second_on_first", "second_on_second"}
     # Each half's own layout is its optimum, so scoring the other half's layout on it cannot do better
-    # by more than coordinate ascent's local-optimum slack; the ratio is what the README reports.
+    # by more than coordinate ascent's local-optimum slack; the ratio is what docs/cli.md reports.
     for on, other in (("first", "second"), ("second", "first")):
         assert st["transfer"][on] == pytest.approx(st["J"][f"{other}_on_{on}"] / st["J"][f"{on}_on_{on}"])
     assert 0.0 <= st["agreement"]["neurons"] <= 1.0 and st["agreement"]["chance"] == 0.5

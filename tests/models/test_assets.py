@@ -41,11 +41,12 @@ def test_unknown_corpus_name():
 
 
 def _documented_corpus_names() -> set[str]:
-    """Every corpus:NAME the README, `make run`'s printed curl and the API examples use."""
+    """Every corpus:NAME the README and docs/, `make run`'s printed curl and the API examples use."""
     from app import schemas
     from app.cli_service import example_curl
 
-    texts = [(REPO / "README.md").read_text(), example_curl("http://h", None, False),
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    texts = [*(page.read_text() for page in pages), example_curl("http://h", None, False),
              json.dumps([schemas.EXAMPLE_SPEC, schemas.EXAMPLE_DISTILL_SPEC, schemas.EXAMPLE_HUB_SPEC]),
              json.dumps(schemas.JobSpec.model_json_schema())]
     return {m for text in texts for m in re.findall(r"corpus:([a-z0-9_-]+)", text) if m != "NAME"}
