@@ -16,6 +16,9 @@ from app.settings import Settings
 
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
 CALIB = "calib/ids.npy"
+# The tiny llama shaped to run the API's examples as they are, with only the model swapped: 3 KV groups
+# (L=3 divides them, as SmolLM2-135M's), 1024 positions, and a byte tokenizer, so it reads the corpora.
+TEXT_MODEL = "tiny-text"
 
 
 def make_settings(root: Path, **overrides: Any) -> Settings:
@@ -49,6 +52,17 @@ def provision(settings: Settings) -> None:
         data.parent.mkdir(parents=True, exist_ok=True)
         np.save(data, np.random.default_rng(0).integers(0, 97, size=4096))
     settings.storage.mkdir(parents=True, exist_ok=True)
+
+
+def provision_text_model(settings: Settings) -> None:
+    """TEXT_MODEL under MODEL_ROOT (the tokenizer first: the model counts as there once config.json is)."""
+    from tests.tiny import byte_tokenizer, tiny_model
+
+    model_dir = settings.models_dir / TEXT_MODEL
+    if not (model_dir / "config.json").is_file():
+        byte_tokenizer().save_pretrained(model_dir)
+        tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, vocab_size=257,
+                   max_position_embeddings=1024).save_pretrained(model_dir)
 
 
 def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None) -> tuple[str, bytes]:
