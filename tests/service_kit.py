@@ -79,7 +79,8 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
               score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, history=[], owner=owner,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
-              summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0})
+              summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0,
+                       "layouts": {"optimised": 3.5, "contiguous": 2.4}})
     payload = os.urandom(5000)
     with db.transaction() as session:
         session.add(job)
@@ -100,6 +101,43 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
                                          "head_dim": 6},
                                   score={"J": value}))
     return job.id, payload
+
+
+def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, owner: str | None = None) -> str:
+    """A job in `status` written straight to the database (no worker), owned by `owner`: queued (sent
+    just now, so no sweeper re-sends it for DTP_LAYOUT_REQUEUE_AFTER_S), running (in the affinity stage,
+    its lease held for an hour), failed (in loading, with an error) or cancelled; for a succeeded one
+    with layouts and artifacts, `seed_finished_job`. Remove them with `delete_jobs`."""
+    from datetime import timedelta
+
+    from app.db import Job, database, utcnow
+
+    now = utcnow()
+    fields: dict[str, Any] = {
+        "queued": {},
+        "running": {"stage": "affinity", "progress": 0.4, "started_at": now, "attempts": 1, "worker": "seeded",
+                    "stages_done": ["loading", "calibration"], "lease_until": now + timedelta(hours=1)},
+        "failed": {"stage": "loading", "error_stage": "loading", "attempts": 1, "started_at": now, "finished_at": now,
+                   "error": "ModelLoadError: the checkpoint could not be read (seeded)"},
+        "cancelled": {"finished_at": now, "error": "cancelled before it started", "cancel_requested": True},
+    }[status]
+    job = Job(spec=spec(), fingerprint="e" * 64, model_id=model_id, revision=None, devices=2, delta=1, score="fo",
+              status=status, owner=owner, history=[{"event": "submitted"}], enqueued_at=now, **fields)
+    with database(settings.database_url).transaction() as session:
+        session.add(job)
+        session.flush()
+        return job.id
+
+
+def delete_jobs(settings: Settings, job_ids: list[str]) -> None:
+    from sqlalchemy import delete
+
+    from app.db import Artifact, Job, LayoutRow, database
+
+    with database(settings.database_url).transaction() as session:
+        for table in (Artifact, LayoutRow):
+            session.execute(delete(table).where(table.job_id.in_(job_ids)))
+        session.execute(delete(Job).where(Job.id.in_(job_ids)))
 
 
 # A distillation of the tiny model that takes seconds: 4 steps of 2 sequences of 16 tokens, evaluated
@@ -211,11 +249,13 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`dtp-layout serve` (API + its local worker) in a subprocess on a free port, its var dir under
-    `var`; `env` adds DTP_LAYOUT_* settings (API keys, a Postgres database, a Redis broker, …)."""
+    """`dtp-layout serve` (API + its local worker, none with `no_worker`) in a subprocess on a free port,
+    its var dir under `var`; `env` adds DTP_LAYOUT_* settings (API keys, a Postgres database, a Redis
+    broker, …)."""
 
-    def __init__(self, var: Path, **env: str) -> None:
+    def __init__(self, var: Path, *, no_worker: bool = False, **env: str) -> None:
         self.var = var
+        self.no_worker = no_worker
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
@@ -229,7 +269,8 @@ class ServeProcess:
         import sys
 
         self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port),
-                                      "--var-dir", str(self.var)], env=self.env, stdout=subprocess.PIPE,
+                                      "--var-dir", str(self.var), *(["--no-worker"] if self.no_worker else [])],
+                                     env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
