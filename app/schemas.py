@@ -387,19 +387,22 @@ class SourceOut(BaseModel):
     description: str | None = None
 
 
+_SPEC_INFO_EXAMPLE: dict[str, Any] = {
+    "defaults": field_defaults(JobSpec), "distill_defaults": field_defaults(DistillJobSpec),
+    "required": required_fields(JobSpec),
+    "sources": [{"source": "corpus:shakespeare", "kind": "corpus", "description": "Shakespeare's works"},
+                {"source": "calibration/tokens.npy", "kind": "data", "description": None}],
+    "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
+    "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
+                  for score in ("fo", "add")},
+    "random_seed_base": RANDOM_SEED_BASE}
+
+
 class SpecInfo(BaseModel):
     """What `POST /v1/jobs` accepts on this server: the defaults of every field a request may leave out, the
     fields it must give, the texts this server can read, and an example job it can run as it is."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "defaults": field_defaults(JobSpec), "distill_defaults": field_defaults(DistillJobSpec),
-        "required": required_fields(JobSpec),
-        "sources": [{"source": "corpus:shakespeare", "kind": "corpus", "description": "Shakespeare's works"},
-                    {"source": "calibration/tokens.npy", "kind": "data", "description": None}],
-        "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
-        "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
-                      for score in ("fo", "add")},
-        "random_seed_base": RANDOM_SEED_BASE}]})
+    model_config = ConfigDict(json_schema_extra={"examples": [_SPEC_INFO_EXAMPLE]})
 
     defaults: dict[str, Any] = Field(description="every field of the job spec that has a default, nested as in the "
                                                  "spec (distill: null, i.e. no distillation)")
