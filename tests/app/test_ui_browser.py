@@ -269,6 +269,18 @@ def test_the_form_as_it_opens_submits_the_servers_example_and_it_succeeds(keyed_
         page.wait_for_url(re.compile(r".*/ui/jobs/[0-9a-f]{32}$"))
         job_id = page.url.rsplit("/", 1)[1]
         page.wait_for_selector("#job-header .badge[data-status=succeeded]", timeout=150_000)
+
+        # "Submit again": the form shows that job's spec, not the example.
+        page.goto(f"{url}/ui/submit?from={job_id}")
+        page.wait_for_selector("#submit-form #submit-job:enabled")
+        assert page.input_value("#f-model-id") == TEXT_MODEL and page.input_value("#f-model-gguf_file") == ""
+        assert page.input_value("#f-calibration-source") == "corpus:shakespeare"
+        assert page.input_value("#f-random_layouts") == str(example["random_layouts"])
+        assert page.is_hidden("#f-calibration-source-other")
+        # A source this server does not list (a hub dataset): "other", then typed in.
+        page.select_option("#f-calibration-source", "")
+        page.fill("#f-calibration-source-other", "hf:acme/texts")
+        assert '"source": "hf:acme/texts"' in page.text_content("#spec-json")
         assert watch.api_errors() == [], watch.errors
 
     assert posted == [{**example, "model": {"id": TEXT_MODEL, "dtype": example["model"]["dtype"]}}]
