@@ -58,7 +58,7 @@ def test_required_fields_are_those_a_submission_is_refused_without(settings, inf
 def test_sources_are_the_installs_corpora_then_the_data_root(info):
     names = [s["source"] for s in info["sources"]]
     corpora = [f"corpus:{n}" for n in available_corpora()]
-    assert names == corpora + [CALIB]
+    assert names == [*corpora, CALIB]
     assert all(s["kind"] == "corpus" and s["description"] for s in info["sources"][:len(corpora)])
     assert "corpus:shakespeare" in corpora  # the packaged text: every install has it
     # the example runs here: its source is one of them, its other values are the API's first example's
