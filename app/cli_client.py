@@ -189,7 +189,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 class _Follower:
     """Shows a job's progress on stderr: a bar per stage on a terminal, a line per change in a log."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str) -> None:
+        self.url = url
         self.tty = sys.stderr.isatty()
         self.bar: Any = None
         self.stage: str | None = None
@@ -199,8 +200,8 @@ class _Follower:
         self.down_since: float | None = None  # the service has not answered since then
         self.down_noticed = 0.0
 
-    def __call__(self, job: dict[str, Any], url: str = "") -> None:
-        self.answered(url)
+    def __call__(self, job: dict[str, Any]) -> None:
+        self.answered()
         if self.tty and job["status"] == "running":
             from tqdm import tqdm
 
@@ -221,24 +222,23 @@ class _Follower:
             _err(f"[{_fmt_s(now - self.t0):>7}] {line}")
             self.last_line, self.last_time = line, now
 
-    def unreachable(self, url: str, error: Exception, down_s: float, retry_s: float,
-                    now: float | None = None) -> None:
+    def unreachable(self, error: Exception, down_s: float, retry_s: float, now: float | None = None) -> None:
         """A try that did not reach the service: a line at the first, then every UNREACHABLE_NOTICE_S."""
         now = time.monotonic() if now is None else now
         if self.down_since is not None and now - self.down_noticed < UNREACHABLE_NOTICE_S:
             return
         self.close()
-        reason = str(error).removeprefix(f"cannot reach the service at {url}: ")
+        reason = str(error).removeprefix(f"cannot reach the service at {self.url}: ")
         first = self.down_since is None
         self.down_since = self.down_since if not first else now - down_s
         self.down_noticed = now
-        _err(f"[{_fmt_s(now - self.t0):>7}] service at {url} unreachable ({reason}); "
+        _err(f"[{_fmt_s(now - self.t0):>7}] service at {self.url} unreachable ({reason}); "
              + (f"retrying for up to {retry_s:.0f} s" if first else
                 f"still retrying ({down_s:.0f} s so far, up to {retry_s:.0f} s more)"))
 
-    def answered(self, url: str) -> None:
+    def answered(self) -> None:
         if self.down_since is not None:
-            _err(f"[{_fmt_s(time.monotonic() - self.t0):>7}] service at {url} answers again "
+            _err(f"[{_fmt_s(time.monotonic() - self.t0):>7}] service at {self.url} answers again "
                  f"(after {time.monotonic() - self.down_since:.0f} s)")
             self.down_since = None
 
@@ -251,11 +251,10 @@ class _Follower:
 def _follow(client: Any, job_id: str, args: argparse.Namespace) -> int:
     from app.client import WaitTimeout
 
-    follower = _Follower()
+    follower = _Follower(client.url)
     try:
-        job = client.wait(job_id, timeout=args.timeout, interval=args.interval,
-                          on_update=lambda job: follower(job, client.url),
-                          on_unreachable=lambda error, down, left: follower.unreachable(client.url, error, down, left))
+        job = client.wait(job_id, timeout=args.timeout, interval=args.interval, on_update=follower,
+                          on_unreachable=follower.unreachable)
     except WaitTimeout as exc:
         follower.close()
         _err(f"dtp-layout client: {exc}")

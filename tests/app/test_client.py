@@ -406,12 +406,12 @@ def test_the_unreachable_notice_repeats_every_30_s_and_says_when_the_service_is_
     from app.cli_client import UNREACHABLE_NOTICE_S, _Follower
 
     url = "http://layout.test:8000"
-    follower = _Follower()
+    follower = _Follower(url)
     t0 = follower.t0
     error = ClientError(f"cannot reach the service at {url}: [Errno 111] Connection refused")
     for down in (0.0, 2.0, 10.0, UNREACHABLE_NOTICE_S + 1, UNREACHABLE_NOTICE_S + 5, 2 * UNREACHABLE_NOTICE_S + 2):
-        follower.unreachable(url, error, down, 120.0 - down, now=t0 + down)
-    follower.answered(url)
+        follower.unreachable(error, down, 120.0 - down, now=t0 + down)
+    follower.answered()
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 4, lines
     assert lines[0].endswith(f"service at {url} unreachable ([Errno 111] Connection refused); retrying for up to 120 s")
