@@ -1,9 +1,11 @@
 """`dtp-layout client …`: the layout service from scripts and CI (submit, status, wait, cancel, list,
 download, scores). Talks HTTP only (app/client.py); nothing here imports torch.
 
-Exit status: 0 done; 1 the job failed or was cancelled, the wait timed out, a downloaded file's
-sha256 did not match, or the scores gate failed; 2 the service is unreachable or refused the request
-(bad key, unknown job, invalid spec) or the command line is wrong.
+Exit status (docs/ci.md has the table, command by job state): 0 done (the job succeeded, the gate
+passed, every file verified); 1 the job failed or was cancelled, the scores gate failed, or a
+downloaded file's sha256 did not match; 2 the service is unreachable or refused the request (bad key,
+unknown job, invalid spec) or the command line is wrong; 3 the job has not finished (queued or running:
+`download` and `scores --job` of such a job, or a `wait --timeout` that ran out).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 EXIT_FAILED = 1
 EXIT_ERROR = 2
+EXIT_NOT_FINISHED = 3
+UNREACHABLE_NOTICE_S = 30.0  # while `wait` retries a service that does not answer, a line this often
 
 
 def _out(text: str = "") -> None:
@@ -185,15 +189,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 class _Follower:
     """Shows a job's progress on stderr: a bar per stage on a terminal, a line per change in a log."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str) -> None:
+        self.url = url
         self.tty = sys.stderr.isatty()
         self.bar: Any = None
         self.stage: str | None = None
         self.last_line = ""
         self.last_time = 0.0
         self.t0 = time.monotonic()
+        self.down_since: float | None = None  # the service has not answered since then
+        self.down_noticed = 0.0
 
     def __call__(self, job: dict[str, Any]) -> None:
+        self.answered()
         if self.tty and job["status"] == "running":
             from tqdm import tqdm
 
@@ -214,6 +222,26 @@ class _Follower:
             _err(f"[{_fmt_s(now - self.t0):>7}] {line}")
             self.last_line, self.last_time = line, now
 
+    def unreachable(self, error: Exception, down_s: float, retry_s: float, now: float | None = None) -> None:
+        """A try that did not reach the service: a line at the first, then every UNREACHABLE_NOTICE_S."""
+        now = time.monotonic() if now is None else now
+        if self.down_since is not None and now - self.down_noticed < UNREACHABLE_NOTICE_S:
+            return
+        self.close()
+        reason = str(error).removeprefix(f"cannot reach the service at {self.url}: ")
+        first = self.down_since is None
+        self.down_since = self.down_since if not first else now - down_s
+        self.down_noticed = now
+        _err(f"[{_fmt_s(now - self.t0):>7}] service at {self.url} unreachable ({reason}); "
+             + (f"retrying for up to {retry_s:.0f} s" if first else
+                f"still retrying ({down_s:.0f} s so far, up to {retry_s:.0f} s more)"))
+
+    def answered(self) -> None:
+        if self.down_since is not None:
+            _err(f"[{_fmt_s(time.monotonic() - self.t0):>7}] service at {self.url} answers again "
+                 f"(after {time.monotonic() - self.down_since:.0f} s)")
+            self.down_since = None
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -223,14 +251,16 @@ class _Follower:
 def _follow(client: Any, job_id: str, args: argparse.Namespace) -> int:
     from app.client import WaitTimeout
 
-    follower = _Follower()
+    follower = _Follower(client.url)
     try:
-        job = client.wait(job_id, timeout=args.timeout, interval=args.interval, on_update=follower)
+        job = client.wait(job_id, timeout=args.timeout, interval=args.interval, on_update=follower,
+                          on_unreachable=follower.unreachable)
     except WaitTimeout as exc:
         follower.close()
         _err(f"dtp-layout client: {exc}")
-        return EXIT_FAILED
-    follower.close()
+        return EXIT_NOT_FINISHED
+    finally:  # the service gone for good (ClientError) too: the progress bar is closed before the message
+        follower.close()
     if args.json:
         _print_json(job)
     _err(f"job {job_id}: {_state(job)}")
@@ -291,9 +321,13 @@ def cmd_download(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(n)
 
+    def on_discard(name: str, part: Path, size: int, why: str) -> None:
+        _err(f"dtp-layout client download: {name}: discarded {size} bytes of {part}: {why}")
+
     with _client(args) as client:
         try:
-            results = client.download(args.job, out, args.names, on_total=on_total, on_bytes=on_bytes)
+            results = client.download(args.job, out, args.names, on_total=on_total, on_bytes=on_bytes,
+                                      on_discard=on_discard)
         except DigestMismatch as exc:
             if bar is not None:
                 bar.close()
@@ -347,11 +381,11 @@ def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: floa
 
 
 def job_scores(job: dict[str, Any]) -> dict[str, Any]:
-    """One job's scores in the shape of GET /v1/scores (for `scores --job`)."""
-    from app.client import ClientError
+    """One job's scores in the shape of GET /v1/scores (for `scores --job`); JobNotSucceeded otherwise."""
+    from app.client import JobNotSucceeded
 
     if job["status"] != "succeeded":
-        raise ClientError(f"job {job['id']} is {job['status']}; only a succeeded job has scores")
+        raise JobNotSucceeded(job, "scores")
     spec, summary = job.get("spec") or {}, job.get("summary") or {}
     layouts = summary.get("layouts") or {}
     return {"job_id": job["id"], "model": (spec.get("model") or {}).get("id"),
@@ -429,7 +463,8 @@ def _positive(kind: type) -> Any:
 
 
 def _wait_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=_positive(float), metavar="S", help="give up after S seconds (exit 1)")
+    p.add_argument("--timeout", type=_positive(float), metavar="S",
+                   help="give up after S seconds (exit 3: the job is still queued or running)")
     p.add_argument("--interval", type=_positive(float), default=2.0, metavar="S", help="poll every S seconds (2)")
 
 
@@ -437,9 +472,10 @@ def register(sub: Any) -> None:
     client = sub.add_parser("client", help="talk to a layout service: submit, status, wait, cancel, list, download, "
                                            "scores (for scripts and CI)",
                             description="A client of the layout service's /v1 API. Exit status: 0 done; 1 the job "
-                                        "failed or was cancelled, a wait timed out, a download's sha256 did not "
-                                        "match, or the scores gate failed; 2 the service is unreachable or refused "
-                                        "the request (bad key, unknown job, invalid spec).")
+                                        "failed or was cancelled, a download's sha256 did not match, or the scores "
+                                        "gate failed; 2 the service is unreachable or refused the request (bad key, "
+                                        "unknown job, invalid spec); 3 the job has not finished (download or scores "
+                                        "of a queued or running job, a wait whose --timeout ran out).")
     _connection(client, suppress=False)
     commands = client.add_subparsers(dest="client_command", required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
@@ -447,8 +483,9 @@ def register(sub: Any) -> None:
 
     p = commands.add_parser("submit", parents=[common], help="submit a job (prints its id)",
                             description="Submit a job from a JSON spec file (or - for stdin) and/or flags (flags "
-                                        "override the file). Prints the job id; with --wait, follows the job and "
-                                        "exits 1 unless it succeeds.")
+                                        "override the file). Prints the job id; with --wait, follows the job: "
+                                        "exit 0 when it succeeds, 1 when it fails or is cancelled, 3 when "
+                                        "--timeout runs out first.")
     p.add_argument("spec", nargs="?", help="job spec JSON file, or - for stdin (the body of POST /v1/jobs)")
     p.add_argument("--model", help="model.id: a name under the service's model root, or a hub id owner/name")
     p.add_argument("--gguf-file", help="model.gguf_file")
@@ -480,7 +517,7 @@ def register(sub: Any) -> None:
     p.add_argument("--lr", type=float, help="distill.recipe.lr")
     p.add_argument("--allow-overlap", action="store_true",
                    help="distill.allow_overlap: train/eval as given even where they overlap the calibration")
-    p.add_argument("--wait", action="store_true", help="follow the job; exit 1 unless it succeeds")
+    p.add_argument("--wait", action="store_true", help="follow the job (exit status as `wait`)")
     _wait_args(p)
     p.add_argument("--json", action="store_true", help="print the job as JSON instead of its id")
     p.set_defaults(client_func=cmd_submit)
@@ -490,8 +527,8 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(client_func=cmd_status)
 
-    p = commands.add_parser("wait", parents=[common], help="follow a job until it finishes (exit 1 unless it "
-                                                          "succeeds)")
+    p = commands.add_parser("wait", parents=[common], help="follow a job until it finishes (0 succeeded, 1 "
+                                                          "failed or cancelled, 3 --timeout ran out)")
     p.add_argument("job")
     _wait_args(p)
     p.add_argument("--json", action="store_true", help="print the final job as JSON")
@@ -517,7 +554,9 @@ def register(sub: Any) -> None:
                                         "out as the worker wrote them (checkpoint/, shards/, …). An interrupted "
                                         "download leaves NAME.part files that the next run resumes with Range; "
                                         "files already complete are skipped; every sha256 is checked (exit 1 on a "
-                                        "mismatch, the bad file deleted).")
+                                        "mismatch, the bad file deleted). Only a succeeded job has artifacts to "
+                                        "download: exit 1 for a failed or cancelled job, 3 for a queued or running "
+                                        "one, nothing written.")
     p.add_argument("job")
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--out", required=True, help="output directory")
@@ -529,7 +568,8 @@ def register(sub: Any) -> None:
                             description="Prints J per layout of the latest succeeded job matching the filters (or "
                                         "of --job ID). With --min-ratio R, exits 1 unless J(--layout) ≥ R × "
                                         "J(--reference); with --min-gain X, unless (J − E) / E ≥ X for the random "
-                                        "expectation E = (2N−1)/L.")
+                                        "expectation E = (2N−1)/L. --job of a failed or cancelled job exits 1, of a "
+                                        "queued or running one 3.")
     p.add_argument("--model", help="the latest succeeded job of this model (with the filters below)")
     p.add_argument("--job", help="this job's scores instead (what a pipeline that just submitted it wants)")
     p.add_argument("--devices", "-L", type=int)
@@ -548,11 +588,15 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Dispatch, turning the client's errors into one line on stderr and exit status 2."""
-    from app.client import ClientError
+    """Dispatch, turning the client's errors into one line on stderr: exit status 2, or for a job with no
+    results 1 (it failed or was cancelled) or 3 (it has not finished)."""
+    from app.client import ClientError, JobNotSucceeded
 
     try:
         return int(args.client_func(args))
+    except JobNotSucceeded as exc:
+        _err(f"dtp-layout client {args.client_command}: {exc}")
+        return EXIT_FAILED if exc.finished else EXIT_NOT_FINISHED
     except ClientError as exc:
         _err(f"dtp-layout client {args.client_command}: error: {exc}")
         return EXIT_ERROR

@@ -8,7 +8,9 @@
 
 The URL and key default to `DTP_LAYOUT_URL` and `DTP_LAYOUT_API_KEY`. The key travels in the
 `X-API-Key` header. Every refusal by the service becomes a `ClientError` with a one-line message;
-`dtp-layout client` (app/cli_client.py) prints it and exits with status 2.
+`dtp-layout client` (app/cli_client.py) prints it and exits with status 2. Asking for the results of a
+job that has not succeeded raises `JobNotSucceeded` (exit status 1 when it failed or was cancelled, 3
+while it is queued or running).
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ class ClientError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class JobNotSucceeded(Exception):
+    """The job has no results: it failed or was cancelled (`finished`), or it is still queued or running."""
+
+    def __init__(self, job: dict[str, Any], wanted: str) -> None:
+        status = job.get("status", "unknown")
+        if status == "failed":
+            first = (job.get("error") or "").strip().splitlines()[:1]
+            stage = job.get("error_stage") or job.get("stage") or "?"
+            state = f"failed in {stage}: {first[0] if first else 'no message'}"
+        elif status == "running":
+            state = f"still running ({job.get('stage') or 'starting'} {100 * (job.get('progress') or 0):.0f}%)"
+        elif status == "queued":
+            state = "still queued"
+        else:
+            state = str(status)
+        hint = "" if status in FINISHED else f"; `dtp-layout client wait {job.get('id')}` follows it to the end"
+        super().__init__(f"job {job.get('id')} {state}: only a succeeded job has {wanted}{hint}")
+        self.job = job
+        self.finished = status in FINISHED
 
 
 class WaitTimeout(Exception):
@@ -219,41 +242,60 @@ class LayoutClient:
         return scores
 
     def wait(self, job_id: str, *, timeout: float | None = None, interval: float = 2.0,
-             on_update: Callable[[dict[str, Any]], None] | None = None, outage_s: float = 120.0) -> dict[str, Any]:
+             on_update: Callable[[dict[str, Any]], None] | None = None, outage_s: float = 120.0,
+             on_unreachable: Callable[[ClientError, float, float], None] | None = None) -> dict[str, Any]:
         """Poll until the job finishes; returns its final state. A service that stops answering for up
-        to `outage_s` seconds in a row (a restart) is waited out; `timeout` bounds the whole wait."""
+        to `outage_s` seconds in a row (a restart) is waited out, and each failed try is reported to
+        `on_unreachable(error, seconds unreachable so far, seconds it will still be retried)`; `timeout`
+        bounds the whole wait. Ends with the last ClientError when the service never came back, with
+        WaitTimeout when the job did not finish in time."""
         start = time.monotonic()
         unreachable_since: float | None = None
         job: dict[str, Any] = {}
         while True:
+            attempt_at = time.monotonic()
             try:
                 job = self.job(job_id)
                 unreachable_since = None
             except ClientError as exc:
                 if exc.status is not None:
                     raise
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since > outage_s:
-                    raise
+                unreachable_since = unreachable_since or attempt_at
+                now = time.monotonic()
+                left = outage_s - (now - unreachable_since)
+                if timeout is not None:
+                    left = min(left, timeout - (now - start))
+                if left <= 0:
+                    raise ClientError(f"{exc} (unreachable for {now - unreachable_since:.0f}s; gave up)") from exc
+                if on_unreachable is not None:
+                    on_unreachable(exc, now - unreachable_since, left)
             else:
                 if on_update is not None:
                     on_update(job)
                 if job["status"] in FINISHED:
                     return job
-            if timeout is not None and time.monotonic() - start >= timeout:
+            elapsed = time.monotonic() - start
+            if timeout is not None and elapsed >= timeout and unreachable_since is None:
                 raise WaitTimeout(f"job {job_id} is still {job.get('status', 'unknown')}"
                                   + (f" ({job['stage']})" if job.get("stage") else "") + f" after {timeout:g}s", job)
-            time.sleep(interval if timeout is None else max(0.0, min(interval, timeout - (time.monotonic() - start))))
+            # past the timeout while unreachable: one more try, which either answers or gives up above
+            time.sleep(interval if timeout is None else max(0.0, min(interval, timeout - elapsed)))
 
     # ---- downloads -------------------------------------------------------------------------------
 
     def download(self, job_id: str, out: Path, names: Iterable[str] = (), *,
                  on_total: Callable[[int, int], None] | None = None,
-                 on_bytes: Callable[[int], None] | None = None, retries: int = 3) -> list[Downloaded]:
-        """Fetch the job's artifacts (or those named) into `out`, under their names (`checkpoint/…`,
-        `shards/…`). A `.part` file left by an interrupted run is resumed with Range; every file's
-        sha256 is checked against the service's record, and a file that does not match is deleted
-        (after one fresh try when it had been resumed). Raises DigestMismatch after fetching the rest."""
+                 on_bytes: Callable[[int], None] | None = None,
+                 on_discard: Callable[[str, Path, int, str], None] | None = None, retries: int = 3) -> list[Downloaded]:
+        """Fetch the artifacts (or those named) of a succeeded job into `out`, under their names
+        (`checkpoint/…`, `shards/…`); any other job raises JobNotSucceeded before a byte is written. A
+        `.part` file left by an interrupted run is resumed with Range; every file's sha256 is checked
+        against the service's record, and a file that does not match is deleted (after one fresh try
+        when it had been resumed). Bytes of a `.part` file thrown away are reported to
+        `on_discard(name, part file, bytes, why)`. Raises DigestMismatch after fetching the rest."""
+        job = self.job(job_id)
+        if job.get("status") != "succeeded":
+            raise JobNotSucceeded(job, "artifacts to download")
         items = select_artifacts(self.artifacts(job_id), names)
         plan = [(a, dest, _complete(dest, a)) for a in items for dest in [artifact_destination(out, a["name"])]]
         have = sum(a["size"] if complete else min(_size(_part(dest)), a["size"]) for a, dest, complete in plan)
@@ -267,13 +309,19 @@ class LayoutClient:
             dest.parent.mkdir(parents=True, exist_ok=True)
             part = _part(dest)
             resumed_from = min(_size(part), art["size"])
-            fetched = self._fetch(job_id, art, part, on_bytes=on_bytes, retries=retries)
+            fetched = self._fetch(job_id, art, part, on_bytes=on_bytes, on_discard=on_discard, retries=retries)
             digest = sha256_file(part)
             if digest != art["sha256"] and resumed_from:
+                discarded = _size(part)
                 part.unlink()  # the kept prefix was bad: one fresh try
+                if on_discard is not None:
+                    on_discard(art["name"], part, discarded,
+                               f"the {resumed_from} bytes kept from an earlier run and the {discarded - resumed_from} "
+                               f"fetched after them do not match the service's sha256 {art['sha256'][:12]}…; "
+                               "fetching the whole file again")
                 if on_bytes is not None:
                     on_bytes(-(resumed_from + fetched))
-                fetched += self._fetch(job_id, art, part, on_bytes=on_bytes, retries=retries)
+                fetched += self._fetch(job_id, art, part, on_bytes=on_bytes, on_discard=on_discard, retries=retries)
                 resumed_from = 0
                 digest = sha256_file(part)
             if digest != art["sha256"]:
@@ -288,7 +336,7 @@ class LayoutClient:
         return results
 
     def _fetch(self, job_id: str, art: dict[str, Any], part: Path, *, on_bytes: Callable[[int], None] | None,
-               retries: int) -> int:
+               on_discard: Callable[[str, Path, int, str], None] | None = None, retries: int) -> int:
         """Bring `part` up to the artifact's size, resuming with Range after a dropped connection.
         Returns the bytes transferred."""
         path = f"/v1/jobs/{_segment(job_id)}/artifacts/" + "/".join(_segment(p) for p in art["name"].split("/"))
@@ -298,6 +346,8 @@ class LayoutClient:
             have = _size(part)
             if have > size:
                 part.unlink()
+                if on_discard is not None:
+                    on_discard(art["name"], part, have, f"longer than the artifact ({size} bytes); fetching it again")
                 have = 0
             if have == size:
                 return transferred
@@ -318,6 +368,9 @@ class LayoutClient:
                                               f"{response.headers.get('content-range')!r}")
                         mode = "ab"
                     else:  # 200: the whole file (no partial file, or the service ignored the range)
+                        if have and on_discard is not None:
+                            on_discard(art["name"], part, have, "the service sent the whole file instead of the rest "
+                                       "(it no longer matches the partial file's ETag)")
                         if have and on_bytes is not None:
                             on_bytes(-have)
                         mode = "wb"

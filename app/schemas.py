@@ -339,6 +339,91 @@ class JobSpec(_Strict):
         return names
 
 
+# ---- what a submission may leave out (GET /v1/spec) -----------------------------------------------------
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (`X`, `X | None`), or None."""
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def _as_json(value: Any) -> Any:
+    if isinstance(value, _RecipeIn):  # its null fields stand for the recipe's own defaults: give those
+        return value.effective()
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return json.loads(json.dumps(value))
+
+
+def field_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """What each field of `model` is when a request leaves it out, read off the model itself: a field
+    with a default gives it (as JSON), a required field that holds a model gives that model's defaults,
+    and a required plain field is absent (`required_fields` names it)."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if info.is_required():
+            nested = _model_class(info.annotation)
+            if nested is not None:
+                out[name] = field_defaults(nested)
+            continue
+        out[name] = _as_json(info.get_default(call_default_factory=True))
+    return out
+
+
+def required_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The dotted paths a request must give (`model.id`, `devices`, `calibration.source`)."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        if not info.is_required():
+            continue
+        nested = _model_class(info.annotation)
+        out += required_fields(nested, f"{prefix}{name}.") if nested is not None else [f"{prefix}{name}"]
+    return out
+
+
+class SourceOut(BaseModel):
+    source: str = Field(description="what to give as calibration.source (or distill.train/eval.source)")
+    kind: Literal["corpus", "data"] = Field(description="corpus: a named text of this install; data: a name under "
+                                                        "the server's data root")
+    description: str | None = None
+
+
+_SPEC_INFO_EXAMPLE: dict[str, Any] = {
+    "defaults": field_defaults(JobSpec), "distill_defaults": field_defaults(DistillJobSpec),
+    "required": required_fields(JobSpec),
+    "sources": [{"source": "corpus:shakespeare", "kind": "corpus", "description": "Shakespeare's works"},
+                {"source": "calibration/tokens.npy", "kind": "data", "description": None}],
+    "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
+    "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
+                  for score in ("fo", "add")},
+    "random_seed_base": RANDOM_SEED_BASE}
+
+
+class SpecInfo(BaseModel):
+    """What `POST /v1/jobs` accepts on this server: the defaults of every field a request may leave out, the
+    fields it must give, the texts this server can read, and an example job it can run as it is."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [_SPEC_INFO_EXAMPLE]})
+
+    defaults: dict[str, Any] = Field(description="every field of the job spec that has a default, nested as in the "
+                                                 "spec (distill: null, i.e. no distillation)")
+    distill_defaults: dict[str, Any] = Field(description="the same for the `distill` block (recipe: the training "
+                                                         "recipe's defaults)")
+    required: list[str] = Field(description="the fields a job must give, as dotted paths")
+    sources: list[SourceOut] = Field(description="the corpora this install has (`corpus:NAME`), then the data "
+                                                 "root's files (.txt, .jsonl, .npy) and directories of .txt; "
+                                                 "hf:NAME[:CONFIG[:SPLIT]] is also accepted where the hub is")
+    example: dict[str, Any] = Field(description="a small job (the API's first example) on a source from `sources`: "
+                                                "what the dashboard's form starts from")
+    distill_example: dict[str, Any] = Field(description="a short distillation (the `distill` block of the API's "
+                                                        "distillation example), on sources from `sources`")
+    ablations: dict[str, dict[str, list[str]]] = Field(
+        description="the layout names `ablations: true` adds, per score, with `restarts` 0 (`paper`) and > 0 "
+                    "(`restarts`)")
+    random_seed_base: int = Field(description="random layouts are random-<base>, random-<base+1>, …")
+    max_calibration_tokens: int = Field(description="the most calibration.sequences × seq_len this server takes")
+
+
 class Links(BaseModel):
     self: str
     layouts: str

@@ -73,7 +73,7 @@ def main() -> int:
             _settle(page, "#jobs-table tbody tr[data-job]")
             page.screenshot(path=args.out / "jobs.png")
             page.goto(f"{base}/ui/submit")
-            _settle(page, "#submit-form")
+            _settle(page, "#submit-form #submit-job:enabled")  # the server's defaults are in
             page.check("#f-distill")
             page.wait_for_timeout(300)
             page.screenshot(path=args.out / "submit.png", full_page=True)

@@ -19,6 +19,9 @@ from app.settings import Settings
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
 CALIB = "calib/ids.npy"
+# The tiny llama shaped to run the API's examples as they are, with only the model swapped: 3 KV groups
+# (L=3 divides them, as SmolLM2-135M's), 1024 positions, and a byte tokenizer, so it reads the corpora.
+TEXT_MODEL = "tiny-text"
 
 
 def importable_from_anywhere(env: dict[str, str]) -> dict[str, str]:
@@ -60,6 +63,17 @@ def provision(settings: Settings) -> None:
     settings.storage.mkdir(parents=True, exist_ok=True)
 
 
+def provision_text_model(settings: Settings) -> None:
+    """TEXT_MODEL under MODEL_ROOT (the tokenizer first: the model counts as there once config.json is)."""
+    from tests.tiny import byte_tokenizer, tiny_model
+
+    model_dir = settings.models_dir / TEXT_MODEL
+    if not (model_dir / "config.json").is_file():
+        byte_tokenizer().save_pretrained(model_dir)
+        tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, vocab_size=257,
+                   max_position_embeddings=1024).save_pretrained(model_dir)
+
+
 def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None) -> tuple[str, bytes]:
     """A succeeded job written straight to the database (no worker), owned by `owner`, with the layouts
     optimised (J 3.5) and contiguous (2.4) and the artifacts report.json and shards/blob.bin (5000
@@ -74,7 +88,8 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
               score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, history=[], owner=owner,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
-              summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0})
+              summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0,
+                       "layouts": {"optimised": 3.5, "contiguous": 2.4}})
     payload = os.urandom(5000)
     with db.transaction() as session:
         session.add(job)
@@ -95,6 +110,43 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
                                          "head_dim": 6},
                                   score={"J": value}))
     return job.id, payload
+
+
+def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, owner: str | None = None) -> str:
+    """A job in `status` written straight to the database (no worker), owned by `owner`: queued (sent
+    just now, so no sweeper re-sends it for DTP_LAYOUT_REQUEUE_AFTER_S), running (in the affinity stage,
+    its lease held for an hour), failed (in loading, with an error) or cancelled; for a succeeded one
+    with layouts and artifacts, `seed_finished_job`. Remove them with `delete_jobs`."""
+    from datetime import timedelta
+
+    from app.db import Job, database, utcnow
+
+    now = utcnow()
+    fields: dict[str, Any] = {
+        "queued": {},
+        "running": {"stage": "affinity", "progress": 0.4, "started_at": now, "attempts": 1, "worker": "seeded",
+                    "stages_done": ["loading", "calibration"], "lease_until": now + timedelta(hours=1)},
+        "failed": {"stage": "loading", "error_stage": "loading", "attempts": 1, "started_at": now, "finished_at": now,
+                   "error": "ModelLoadError: the checkpoint could not be read (seeded)"},
+        "cancelled": {"finished_at": now, "error": "cancelled before it started", "cancel_requested": True},
+    }[status]
+    job = Job(spec=spec(), fingerprint="e" * 64, model_id=model_id, revision=None, devices=2, delta=1, score="fo",
+              status=status, owner=owner, history=[{"event": "submitted"}], enqueued_at=now, **fields)
+    with database(settings.database_url).transaction() as session:
+        session.add(job)
+        session.flush()
+        return job.id
+
+
+def delete_jobs(settings: Settings, job_ids: list[str]) -> None:
+    from sqlalchemy import delete
+
+    from app.db import Artifact, Job, LayoutRow, database
+
+    with database(settings.database_url).transaction() as session:
+        for table in (Artifact, LayoutRow):
+            session.execute(delete(table).where(table.job_id.in_(job_ids)))
+        session.execute(delete(Job).where(Job.id.in_(job_ids)))
 
 
 # A distillation of the tiny model that takes seconds: 4 steps of 2 sequences of 16 tokens, evaluated
@@ -208,16 +260,17 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`dtp-layout serve` (API + its local worker) in a subprocess on a free port, its var dir under
-    `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API keys, a Postgres
-    database, a Redis broker, …). `program` is how to run `dtp-layout` (default: this interpreter on this
-    checkout) and `options` more `serve` options (`--no-worker`)."""
+    """`dtp-layout serve` (API + its local worker, none with `no_worker`) in a subprocess on a free port,
+    its var dir under `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API
+    keys, a Postgres database, a Redis broker, …). `program` is how to run `dtp-layout` (default: this
+    interpreter on this checkout) and `options` more `serve` options."""
 
-    def __init__(self, var: Path, *, cwd: Path | None = None,
+    def __init__(self, var: Path, *, cwd: Path | None = None, no_worker: bool = False,
                  program: Sequence[str] = (sys.executable, "-m", "app.cli"), options: Sequence[str] = (),
                  **env: str) -> None:
         self.var, self.cwd = var, cwd
-        self.program, self.options = list(program), list(options)
+        self.program = list(program)
+        self.options = [*options, *(["--no-worker"] if no_worker and "--no-worker" not in options else [])]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}

@@ -66,3 +66,17 @@ def _cached_tiny_model(case: str) -> PreTrainedModel:
 def fresh(case: str) -> PreTrainedModel:
     """A private copy of the case's seed-0 tiny model (built once per session, then deep-copied)."""
     return copy.deepcopy(_cached_tiny_model(case))
+
+
+def byte_tokenizer() -> Any:
+    """A tokenizer for any text without training one: byte-level, one token per byte (ids 0-255), no merges,
+    and `</s>` (256) as EOS, so a tiny model with vocab_size 257 can read the corpora."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)} | {"</s>": len(alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>")

@@ -152,6 +152,13 @@ def models(request: Request, _caller: CallerDep) -> dict[str, Any]:
 
 
 @router.api_route("/ui", methods=["GET", "HEAD"])
+def ui_without_slash(request: Request) -> RedirectResponse:
+    """`/ui` (the address `dtp-layout serve` prints) is `/ui/`: the page's relative links and its routes
+    are under `/ui/`, so the address is made canonical before the page loads (the query kept)."""
+    query = request.url.query
+    return RedirectResponse(f"{_root(request)}/ui/" + (f"?{query}" if query else ""), status_code=307)
+
+
 @router.api_route("/ui/{route:path}", methods=["GET", "HEAD"])
 def page(request: Request, route: str = "") -> Response:
     """Every dashboard route is the same page; the script draws the route."""

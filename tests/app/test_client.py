@@ -1,5 +1,6 @@
-"""`dtp-layout client` end to end against a real `dtp-layout serve` (embedded default, API keys on),
-and the CI flow once more on Postgres and Redis."""
+"""`dtp-layout client` end to end against a real `dtp-layout serve` (embedded default, API keys on):
+the commands, their exit status for every job state (docs/ci.md's table), docs/ci.md's job spec as
+written, and the CI flow once more on Postgres and Redis."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +21,21 @@ import pytest
 from app.cli import main
 from app.client import ClientError, DigestMismatch, LayoutClient, artifact_destination
 from tests.app.conftest import API_KEYS, api_keys_setting
-from tests.service_kit import CALIB, TINY_DISTILL, TINY_MODEL, ServeProcess, free_port, make_settings, provision, spec
+from tests.service_kit import (
+    CALIB,
+    TEXT_MODEL,
+    TINY_DISTILL,
+    TINY_MODEL,
+    ServeProcess,
+    delete_jobs,
+    free_port,
+    make_settings,
+    provision,
+    provision_text_model,
+    seed_finished_job,
+    seed_job,
+    spec,
+)
 
 pytestmark = [pytest.mark.worker]
 
@@ -156,12 +172,23 @@ def test_download_lays_out_files_resumes_and_verifies(env, submitted, tmp_path):
     assert metric(env.url, "dtp_layout_artifact_bytes_served_total") - served == size - size // 3
     assert (out / name).read_bytes() == body and "1 resumed" in err
 
-    # A partial file whose kept bytes are wrong: the digest catches it, one fresh download fixes it.
+    # A partial file whose kept bytes are wrong: the digest catches it, one fresh download fixes it, and
+    # stderr says which file and how many bytes were thrown away.
     (out / name).unlink()
-    (out / f"{name}.part").write_bytes(b"\0" * (size // 2))
+    part = out / f"{name}.part"
+    part.write_bytes(b"\0" * (size // 2))
     code, stdout, err = run("download", job_id, "shards", name, "--out", str(out), "--json")
     assert code == 0, err
     assert (out / name).read_bytes() == body
+    assert f"{name}: discarded {size} bytes of {part}: the {size // 2} bytes kept from an earlier run and the " \
+           f"{size - size // 2} fetched after them do not match the service's sha256" in err, err
+    assert {r["name"]: r for r in json.loads(stdout)}[name]["resumed_from"] == 0  # fetched whole in the end
+    # Longer than the artifact: the same, before anything is fetched.
+    (out / name).unlink()
+    part.write_bytes(body + b"junk")
+    code, _, err = run("download", job_id, name, "--out", str(out))
+    assert code == 0 and (out / name).read_bytes() == body, err
+    assert f"{name}: discarded {size + 4} bytes of {part}: longer than the artifact ({size} bytes)" in err
     assert {r["name"] for r in json.loads(stdout)} == {name} | {n for n in arts if n.startswith("shards/")}
     code, _, err = run("download", job_id, "nosuch", "--out", str(out))
     assert code == 2 and "no artifact 'nosuch'" in err and "shards/" in err
@@ -265,7 +292,7 @@ def test_cancel_and_wait_timeout(env):
     with LayoutClient() as client:
         job_id = client.submit(slow)["id"]
         code, _, err = run("wait", job_id, "--timeout", "0.5", "--interval", "0.2")
-        assert code == 1 and "still" in err and "after 0.5s" in err
+        assert code == 3 and "still" in err and "after 0.5s" in err
         deadline = time.monotonic() + 120
         while client.job(job_id)["status"] != "running" and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -291,6 +318,153 @@ def test_errors_are_one_line_with_exit_status_2(env, monkeypatch):
     monkeypatch.delenv("DTP_LAYOUT_API_KEY")
     code, _, err = run("list")
     assert code == 2 and "no key given" in err
+
+
+# ---- exit status by command and job state (docs/ci.md "Exit status") -------------------------------
+
+DOCS_CI = Path(__file__).resolve().parents[2] / "docs" / "ci.md"
+STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+
+def exit_status_table() -> dict[str, dict[str, int]]:
+    """docs/ci.md's table: command (as written there) → job state → exit status."""
+    text = DOCS_CI.read_text()
+    header = "| command | " + " | ".join(STATES) + " |"
+    assert header in text, f"docs/ci.md has no table headed {header!r}"
+    table: dict[str, dict[str, int]] = {}
+    for line in text.split(header, 1)[1].splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        command, *cells = [c.strip() for c in line.strip("|").split("|")]
+        table[command.strip("`")] = {state: int(cell) for state, cell in zip(STATES, cells, strict=True)}
+    return table
+
+
+def argv_for(command: str, job_id: str, out: Path) -> list[str]:
+    return {"status ID": ["status", job_id],
+            "wait ID --timeout S": ["wait", job_id, "--timeout", "1", "--interval", "0.2"],
+            "download ID --out DIR": ["download", job_id, "--out", str(out)],
+            "scores --job ID": ["scores", "--job", job_id],
+            "cancel ID": ["cancel", job_id]}[command]
+
+
+@pytest.fixture
+def seeded_jobs(env):
+    """One job of the `ci` tenant in each state, written to the service's database (no worker runs them);
+    deleted afterwards."""
+    settings = make_settings(env.var)
+    made: list[str] = []
+
+    def seed() -> dict[str, str]:
+        jobs = {state: seed_finished_job(settings, model_id="exit-status", owner="ci")[0] if state == "succeeded"
+                else seed_job(settings, status=state, model_id="exit-status", owner="ci") for state in STATES}
+        made.extend(jobs.values())
+        return jobs
+
+    yield seed
+    delete_jobs(settings, made)
+
+
+def test_exit_status_of_every_command_for_every_job_state(env, seeded_jobs, tmp_path):
+    table = exit_status_table()
+    assert set(table) == {"status ID", "wait ID --timeout S", "download ID --out DIR", "scores --job ID", "cancel ID"}
+    assert all(row["succeeded"] == 0 for command, row in table.items() if command != "cancel ID")
+    for command, expected in table.items():
+        jobs = seeded_jobs()  # fresh ones for each command: `cancel` changes them
+        for state, job_id in jobs.items():
+            out = tmp_path / f"{command.split()[0]}-{state}"
+            code, stdout, err = run(*argv_for(command, job_id, out))
+            assert code == expected[state], (command, state, code, stdout, err)
+            if command.startswith(("download", "scores")) and state != "succeeded":
+                # one line naming the job and its state; nothing downloaded
+                assert len(err.strip().splitlines()) == 1 and job_id in err and state in err, err
+                assert not out.exists() or not any(out.rglob("*")), (command, state)
+    # what the failed job's line says: the stage and the error
+    jobs = seeded_jobs()
+    _, _, err = run("download", jobs["failed"], "--out", str(tmp_path / "f"))
+    assert "failed in loading: ModelLoadError: the checkpoint could not be read" in err
+    _, _, err = run("scores", "--job", jobs["running"])
+    assert "still running (affinity 40%)" in err and f"dtp-layout client wait {jobs['running']}" in err
+
+
+# ---- wait against a service that does not answer -----------------------------------------------------
+
+def test_wait_says_what_it_waits_for_while_the_service_is_unreachable():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    code, out, err = run("wait", "0" * 32, "--url", url, "--timeout", "3", "--interval", "0.5")
+    took = time.monotonic() - started
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "", err
+    # at the first failure, then (every 30 s: not within 3 s) nothing until it gives up
+    assert re.search(rf"service at {re.escape(url)} unreachable \(.+\); retrying for up to 3 s$", lines[0]), lines
+    assert len(lines) == 2 and "cannot reach the service" in lines[1] and "gave up" in lines[1], lines
+    assert 3 <= took < 8, took
+
+
+def test_the_unreachable_notice_repeats_every_30_s_and_says_when_the_service_is_back(capsys):
+    from app.cli_client import UNREACHABLE_NOTICE_S, _Follower
+
+    url = "http://layout.test:8000"
+    follower = _Follower(url)
+    t0 = follower.t0
+    error = ClientError(f"cannot reach the service at {url}: [Errno 111] Connection refused")
+    for down in (0.0, 2.0, 10.0, UNREACHABLE_NOTICE_S + 1, UNREACHABLE_NOTICE_S + 5, 2 * UNREACHABLE_NOTICE_S + 2):
+        follower.unreachable(error, down, 120.0 - down, now=t0 + down)
+    follower.answered()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].endswith(f"service at {url} unreachable ([Errno 111] Connection refused); retrying for up to 120 s")
+    assert lines[1].endswith("still retrying (31 s so far, up to 89 s more)")
+    assert lines[2].endswith("still retrying (62 s so far, up to 58 s more)")
+    assert f"service at {url} answers again" in lines[3]
+
+
+# ---- docs/ci.md's job spec -------------------------------------------------------------------------
+
+def ci_doc_spec() -> dict:
+    """The JSON block of docs/ci.md that `ci/layout-job.json` is (the one with a `model`)."""
+    blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", DOCS_CI.read_text(), re.S)]
+    [doc_spec] = [b for b in blocks if "model" in b]
+    return doc_spec
+
+
+def test_the_ci_doc_spec_is_accepted_by_a_fresh_service(tmp_path, monkeypatch):
+    """As written, on a fresh `dtp-layout serve` (its packaged model, the corpora every install has), with
+    no worker: accepted (exit 0, the id on stdout), then cancelled."""
+    doc_spec = ci_doc_spec()
+    path = tmp_path / "layout-job.json"
+    path.write_text(json.dumps(doc_spec))
+    serve = ServeProcess(tmp_path / "var", no_worker=True).start()
+    try:
+        monkeypatch.setenv("DTP_LAYOUT_URL", serve.url)
+        code, out, err = run("submit", str(path))
+        assert code == 0 and re.fullmatch(r"[0-9a-f]{32}\n", out), (err, serve.banner())
+        job = LayoutClient().job(out.strip())
+        assert job["status"] == "queued" and job["spec"]["calibration"]["source"] == "corpus:shakespeare"
+        code, _, err = run("cancel", out.strip())
+        assert code == 0, err
+    finally:
+        serve.stop()
+
+
+def test_the_ci_doc_spec_succeeds_with_only_the_model_swapped(env, tmp_path):
+    """docs/ci.md's spec (64 × 1024 tokens of the corpus, 4 random layouts, the shards) on the tiny model
+    shaped like SmolLM2, then the doc's gate and download, as its pipeline runs them."""
+    provision_text_model(make_settings(env.var))
+    path = tmp_path / "layout-job.json"
+    path.write_text(json.dumps({**ci_doc_spec(), "model": {"id": TEXT_MODEL}}))
+    code, out, err = run("submit", str(path), "--wait", "--timeout", "300", "--interval", "0.5")
+    assert code == 0, (err, env.worker_log())
+    job_id = out.strip()
+    code, out, err = run("scores", "--job", job_id, "--min-ratio", "1.0")  # optimised ≥ contiguous, its start
+    assert code == 0 and "pass" in out, (out, err)
+    layouts = LayoutClient().job(job_id)["summary"]["layouts"]
+    assert {"optimised", "contiguous", "random-1000", "random-1003"} <= set(layouts)
+    code, _, err = run("download", job_id, "shards", "--out", str(tmp_path / "layout"))
+    assert code == 0, err
+    assert (tmp_path / "layout" / "shards" / "manifest.json").is_file()
+    assert not (tmp_path / "layout" / "checkpoint").exists()  # export.checkpoint false
 
 
 # docs/ci.md installs the client without the package's dependencies: it must run on httpx and tqdm alone

@@ -192,6 +192,7 @@ upgrade(s.database_url)
 with TestClient(create_app(s)) as c:
     assert c.get('/healthz').status_code == 200
     assert c.get('/v1/jobs').status_code == 200
+    assert c.get('/v1/spec').status_code == 200  # the corpora, the data root and the defaults, torch-free
     assert c.post('/v1/jobs', json={{}}).status_code == 422
     bad = c.post('/v1/jobs', json={{'model': {{'id': 'x'}}, 'devices': 2, 'calibration': {{'source': 'corpus:kjv'}},
                                    'distill': {{'layouts': ['random-7'], 'recipe': {{'lr': 1e-3}}}}}})

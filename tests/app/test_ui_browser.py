@@ -1,7 +1,9 @@
 """The dashboard in a real headless browser (Debian's Chromium driven by Playwright) against a real
 `dtp-layout serve` with API keys on: the key prompt, a job submitted through the form (a refused
 one first, its message next to the field), followed to success in the page, the plots drawn with
-data, an artifact downloaded through its link and checked, and the pages at 1280×800 and 390 wide.
+data, an artifact downloaded through its link and checked, and the pages at 1280×800 and 390 wide;
+the address `serve` prints (/ui, no slash); and the form as it opens, which submits the server's
+example job and succeeds with only the model swapped for a tiny one.
 Screenshots go to the test's tmp dir (and to $DTP_LAYOUT_SCREENSHOT_DIR when set)."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 from models.layout_set import ablation_names
 from tests import browser_kit
 from tests.app.conftest import API_KEYS
-from tests.service_kit import CALIB, TINY_MODEL
+from tests.service_kit import CALIB, TEXT_MODEL, TINY_MODEL, make_settings, provision_text_model
 
 pytestmark = [pytest.mark.worker, pytest.mark.browser]
 
@@ -94,11 +96,11 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
 
         # A refused submission: the API's 422 message sits next to the field it names.
         page.click("nav a[data-nav=submit]")
-        page.wait_for_selector("#submit-form")
+        page.wait_for_selector("#submit-form #submit-job:enabled")  # the server's defaults are in
         page.fill("#f-model-id", TINY_MODEL)
-        page.fill("#f-model-gguf_file", "")
+        assert page.input_value("#f-model-gguf_file") == ""  # another model: not the previous one's .gguf
         page.fill("#f-devices", "3")
-        page.fill("#f-calibration-source", CALIB)
+        page.select_option("#f-calibration-source", CALIB)  # listed: it is under the data root
         page.fill("#f-calibration-sequences", "8")
         page.fill("#f-calibration-seq_len", "32")
         page.click("#submit-job")
@@ -209,3 +211,82 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
             page.wait_for_load_state("networkidle")
             assert no_horizontal_overflow(page), path
         assert watch.api_errors() == [], watch.errors
+
+
+def test_ui_with_and_without_the_slash_opens_the_jobs_list(keyed_service, playwright):
+    """`dtp-layout serve` and the README print /ui: it opens the jobs list, as /ui/ does."""
+    with browser_kit.browser_context(playwright) as context:
+        page = context.new_page()
+        watch = Watch(page)
+        for path in ("/ui", "/ui/"):
+            page.goto(f"{keyed_service.url}{path}")
+            if path == "/ui":
+                enter_key(page, API_KEYS["ci"], remember=True)
+            page.wait_for_selector("#jobs-table")
+            assert page.url == f"{keyed_service.url}/ui/", path
+            assert "Not found" not in page.title() and "Not found" not in page.text_content("#main"), path
+            assert page.get_attribute("nav a[data-nav=jobs]", "class") == "active", path
+        assert watch.api_errors() == [], watch.errors
+
+
+def test_the_form_as_it_opens_submits_the_servers_example_and_it_succeeds(keyed_service, playwright, tmp_path):
+    """The form starts from GET /v1/spec: the sources are the ones this server has, the values are the
+    server's example job (on its packaged model) over the spec's defaults. Submitted with only the model
+    swapped for a tiny one shaped like SmolLM2 (3 KV groups, a tokenizer), the job succeeds."""
+    url = keyed_service.url
+    provision_text_model(make_settings(keyed_service.var))
+    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEYS["ci"]}) as api:
+        info = api.get("/v1/spec").json()
+        models = [m["id"] for m in api.get("/ui/api/models").json()["items"]]
+    example = {k: v for k, v in info["example"].items() if v is not None}
+    with browser_kit.browser_context(playwright) as context:
+        page = context.new_page()
+        watch = Watch(page)
+        posted: list[dict] = []
+        page.on("request", lambda r: r.method == "POST" and r.url.endswith("/v1/jobs")
+                and posted.append(r.post_data_json))
+        page.goto(f"{url}/ui/submit")
+        enter_key(page, API_KEYS["ci"])
+        page.wait_for_selector("#submit-form #submit-job:enabled")
+
+        # The source list is what this server has: its corpora (no corpus:kjv without kjv.txt), its data.
+        options = page.eval_on_selector_all("#f-calibration-source option", "os => os.map(o => o.value)")
+        assert options == [s["source"] for s in info["sources"]] + [""]
+        assert "corpus:shakespeare" in options and CALIB in options
+        assert page.input_value("#f-calibration-source") == example["calibration"]["source"] == "corpus:shakespeare"
+        # The example's model, which `serve` put under the model root, and its values; defaults as placeholders.
+        assert example["model"]["id"] in models
+        assert page.input_value("#f-model-id") == example["model"]["id"]
+        assert page.input_value("#f-devices") == str(example["devices"])
+        assert page.input_value("#f-calibration-sequences") == str(example["calibration"]["sequences"])
+        assert page.get_attribute("#f-restarts", "placeholder") == str(info["defaults"]["restarts"])
+        assert page.get_attribute("#f-distill-recipe-eval_every", "placeholder") == \
+            str(info["distill_defaults"]["recipe"]["eval_every"])
+        shot(page, tmp_path, "submit-defaults")
+
+        page.fill("#f-model-id", TEXT_MODEL)  # the one change: a model that runs in seconds
+        page.click("#submit-job")
+        page.wait_for_url(re.compile(r".*/ui/jobs/[0-9a-f]{32}$"))
+        job_id = page.url.rsplit("/", 1)[1]
+        page.wait_for_selector("#job-header .badge[data-status=succeeded]", timeout=150_000)
+
+        # "Submit again": the form shows that job's spec, not the example.
+        page.goto(f"{url}/ui/submit?from={job_id}")
+        page.wait_for_selector("#submit-form #submit-job:enabled")
+        assert page.input_value("#f-model-id") == TEXT_MODEL and page.input_value("#f-model-gguf_file") == ""
+        assert page.input_value("#f-calibration-source") == "corpus:shakespeare"
+        assert page.input_value("#f-random_layouts") == str(example["random_layouts"])
+        assert page.is_hidden("#f-calibration-source-other")
+        # A source this server does not list (a hub dataset): "other", then typed in.
+        page.select_option("#f-calibration-source", "")
+        page.fill("#f-calibration-source-other", "hf:acme/texts")
+        assert '"source": "hf:acme/texts"' in page.text_content("#spec-json")
+        assert watch.api_errors() == [], watch.errors
+
+    assert posted == [{**example, "model": {"id": TEXT_MODEL, "dtype": example["model"]["dtype"]}}]
+    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEYS["ci"]}) as api:
+        job = api.get(f"/v1/jobs/{job_id}").json()
+        artifacts = {a["name"].split("/")[0] for a in api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]}
+    assert job["status"] == "succeeded", job
+    assert set(job["summary"]["layouts"]) == {"optimised", "contiguous", "random-1000", "random-1001"}
+    assert {"checkpoint", "shards"} <= artifacts

@@ -40,7 +40,7 @@ def client(settings):
 
 
 def test_every_route_is_the_page_with_its_base_and_a_strict_csp(client):
-    for path in ("/ui", "/ui/", "/ui/submit", "/ui/jobs/0123abcd", "/ui/scores?model=x", "/ui/no/such/page"):
+    for path in ("/ui/", "/ui/submit", "/ui/jobs/0123abcd", "/ui/scores?model=x", "/ui/no/such/page"):
         r = client.get(path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), path
         assert '<base href="/ui/">' in r.text and "__BASE__" not in r.text
@@ -48,12 +48,18 @@ def test_every_route_is_the_page_with_its_base_and_a_strict_csp(client):
         assert r.headers["x-content-type-options"] == "nosniff" and r.headers["cache-control"] == "no-store"
     home = client.get("/", follow_redirects=False)
     assert home.status_code == 307 and home.headers["location"] == "/ui/"
+    # the address `dtp-layout serve` prints: the page lives under /ui/ (its routes and relative links)
+    for path, location in (("/ui", "/ui/"), ("/ui?x=1", "/ui/?x=1")):
+        bare = client.get(path, follow_redirects=False)
+        assert bare.status_code == 307 and bare.headers["location"] == location, path
+    assert client.head("/ui", follow_redirects=False).status_code == 307
     assert client.head("/ui/").status_code == 200
 
 
 def test_base_follows_the_mount_point(settings):
     with TestClient(create_app(settings), root_path="/layout") as c:
         assert '<base href="/layout/ui/">' in c.get("/ui/jobs/x").text
+        assert c.get("/ui", follow_redirects=False).headers["location"] == "/layout/ui/"
 
 
 def test_static_files_with_types_etags_and_404s(client):

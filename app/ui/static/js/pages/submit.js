@@ -1,24 +1,22 @@
 // Submit form: every field of the job spec; the API's 422 messages are shown next to their fields.
+// What the form starts from is the server's (GET /v1/spec): the spec's defaults, the corpora and data
+// this server has, and an example job it can run; nothing here restates a default.
 
 import {api, ApiError, apiUrl, getKey} from "../api.js";
 import {copyButton, h, replace} from "../dom.js";
 
-// As models.layout_set: the paper's seven spread layouts; the fourth is named after the other score.
-const ABLATIONS = ["anti-optimised", "heads-only", "neurons-only", "add-score", "4-layers", "8-layers", "12-layers"];
-const RESTARTS_DEFAULT = 4;
-const RANDOM_SEED_BASE = 1000;
-const DEFAULTS = {
-  "model.id": "", "model.gguf_file": "", "model.revision": "", "model.dtype": "float32",
-  devices: "3", delta: "1", score: "fo", random_layouts: "2", ablations: false,
-  "calibration.source": "corpus:kjv", "calibration.sequences": "8", "calibration.seq_len": "256", "calibration.seed": "",
-  "export.checkpoint": true, "export.shards": true, restarts: "", batch_size: "",
-  distill: false, "distill.seeds": "0", "distill.steps": "200", "distill.train.source": "", "distill.train.seq_len": "64",
-  "distill.eval.source": "corpus:shakespeare", "distill.eval.sequences": "16", "distill.recipe.lr": "1e-4",
-  "distill.recipe.min_lr": "1e-5", "distill.recipe.warmup_steps": "20", "distill.recipe.batch_size": "4",
-  "distill.recipe.micro_batch_size": "4", "distill.recipe.eval_every": "25",
-};
+const OTHER_SOURCE = "";  // the source select's last option: type hf:… or a data-root name
 
 const idOf = (path) => `f-${path.replace(/\./g, "-")}`;
+
+/** {"a": {"b": 1}} → {"a.b": 1}; lists stay values. */
+function flatten(obj, prefix = "", out = {}) {
+  for (const [k, v] of Object.entries(obj || {})) {
+    if (v !== null && typeof v === "object" && !Array.isArray(v)) flatten(v, `${prefix}${k}.`, out);
+    else out[`${prefix}${k}`] = v;
+  }
+  return out;
+}
 
 /** A number field's value: a number, undefined when blank, or the raw text (the API names the problem). */
 function numeric(text) {
@@ -34,7 +32,7 @@ export function renderSubmit(container, {params, navigate}) {
   const errors = {};
   const groups = {};
 
-  function field(path, label, input, hint) {
+  function field(path, label, input, hint, extra) {
     input.id = input.id || idOf(path);
     input.name = path;
     inputs[path] = input;
@@ -42,7 +40,7 @@ export function renderSubmit(container, {params, navigate}) {
     groups[path] = h("div", {class: ["field", input.type === "checkbox" && "check"], "data-field": path},
       input.type === "checkbox" ? h("label", {for: input.id, class: "inline"}, input, " ", label)
         : [h("label", {for: input.id}, label), input],
-      hint ? h("small", {class: "hint"}, hint) : null, errors[path]);
+      extra || null, hint ? h("small", {class: "hint"}, hint) : null, errors[path]);
     return groups[path];
   }
   const text = (attrs = {}) => h("input", {type: "text", autocomplete: "off", spellcheck: "false", ...attrs});
@@ -52,8 +50,11 @@ export function renderSubmit(container, {params, navigate}) {
 
   const modelList = h("datalist", {id: "model-list"});
   const ggufList = h("datalist", {id: "gguf-list"});
-  const sourceList = h("datalist", {id: "source-list"},
-    ["corpus:kjv", "corpus:shakespeare", "hf:Salesforce/wikitext:wikitext-2-raw-v1:test"].map((v) => h("option", {value: v})));
+  const sourceList = h("datalist", {id: "source-list"});  // the server's sources, for the distillation's
+  // The calibration source: what this server has, or another one typed in (hf:…, a data-root name).
+  const sourceSelect = h("select", {}, h("option", {value: OTHER_SOURCE}, "other (type it below)"));
+  const sourceOther = text({id: "f-calibration-source-other", "aria-label": "Other calibration source",
+                            placeholder: "hf:NAME[:CONFIG[:SPLIT]] or a name under the data root"});
   const layoutBox = h("div", {class: "checks", id: "distill-layouts"});
   const layoutError = h("p", {class: "field-error", "data-error-for": "distill.layouts", role: "alert"});
   errors["distill.layouts"] = layoutError;
@@ -63,23 +64,23 @@ export function renderSubmit(container, {params, navigate}) {
   const preview = h("pre", {class: "code", id: "spec-json"});
   const curl = h("pre", {class: "code", id: "spec-curl"});
   const copyHost = h("span", {});
-  const submitButton = h("button", {type: "submit", id: "submit-job"}, "Submit job");
+  const submitButton = h("button", {type: "submit", id: "submit-job", disabled: true}, "Submit job");
 
   const distillToggle = check();
   const distillSection = h("div", {class: "grid", id: "distill-fields"},
     groups["distill.layouts"],
-    field("distill.seeds", "Training seeds", text({placeholder: "0"}), "comma-separated; each (layout, seed) is one run"),
-    field("distill.steps", "Steps", number({placeholder: "1000"}), "optimiser steps per run"),
+    field("distill.seeds", "Training seeds", text(), "comma-separated; each (layout, seed) is one run"),
+    field("distill.steps", "Steps", number(), "optimiser steps per run"),
     field("distill.train.source", "Training data", text({list: "source-list", placeholder: "the calibration source"})),
     field("distill.train.seq_len", "Training seq len", number({placeholder: "calibration's"})),
     field("distill.eval.source", "Evaluation data", text({list: "source-list", placeholder: "the training source"})),
-    field("distill.eval.sequences", "Evaluation blocks", number({placeholder: "16"})),
-    field("distill.recipe.lr", "Peak lr", number({placeholder: "5e-5"})),
-    field("distill.recipe.min_lr", "Final lr", number({placeholder: "5e-6"})),
-    field("distill.recipe.warmup_steps", "Warm-up steps", number({placeholder: "100"})),
-    field("distill.recipe.batch_size", "Batch (sequences)", number({placeholder: "16"})),
-    field("distill.recipe.micro_batch_size", "Micro-batch", number({placeholder: "4"})),
-    field("distill.recipe.eval_every", "Evaluate every", number({placeholder: "100"}), "steps; also at step 0 and the last"));
+    field("distill.eval.sequences", "Evaluation blocks", number()),
+    field("distill.recipe.lr", "Peak lr", number()),
+    field("distill.recipe.min_lr", "Final lr", number()),
+    field("distill.recipe.warmup_steps", "Warm-up steps", number()),
+    field("distill.recipe.batch_size", "Batch (sequences)", number()),
+    field("distill.recipe.micro_batch_size", "Micro-batch", number()),
+    field("distill.recipe.eval_every", "Evaluate every", number(), "steps; also at step 0 and the last"));
   const distillFieldset = h("fieldset", {class: "distill"},
     h("legend", {}, "Distillation"),
     field("distill", "Distil the DTP model of some layouts after the export (stage distilling)", distillToggle),
@@ -99,16 +100,17 @@ export function renderSubmit(container, {params, navigate}) {
       field("random_layouts", "Random layouts", number(), "baselines random-1000 …"),
       field("ablations", "Ablations (the paper's seven spread layouts)", check()))),
     h("fieldset", {}, h("legend", {}, "Calibration"), h("div", {class: "grid"},
-      field("calibration.source", "Source", text({list: "source-list", required: true}),
-        "corpus:NAME, hf:NAME[:CONFIG[:SPLIT]] or a name under the data root"),
+      field("calibration.source", "Source", sourceSelect,
+        "the corpora and data this server has; or other: hf:NAME[:CONFIG[:SPLIT]] or a name under the data root",
+        sourceOther),
       field("calibration.sequences", "Sequences", number()),
       field("calibration.seq_len", "Tokens per sequence", number()),
-      field("calibration.seed", "Seed", number({placeholder: "0"})))),
+      field("calibration.seed", "Seed", number()))),
     h("fieldset", {}, h("legend", {}, "Outputs"), h("div", {class: "grid"},
       field("export.checkpoint", "Permuted checkpoint (checkpoint/)", check()),
       field("export.shards", "Per-rank shards (shards/)", check()),
-      field("restarts", "Optimiser restarts", number({placeholder: "4"})),
-      field("batch_size", "Calibration micro-batch", number({placeholder: "4"})))),
+      field("restarts", "Optimiser restarts", number()),
+      field("batch_size", "Calibration micro-batch", number()))),
     distillFieldset,
     general,
     h("div", {class: "actions"}, submitButton),
@@ -118,26 +120,51 @@ export function renderSubmit(container, {params, navigate}) {
 
   container.append(h("section", {class: "card"}, h("div", {class: "card-head"}, h("h1", {}, "Submit a job")), form));
 
+  // GET /v1/spec: defaults, sources, the example job and the layout names (null until it has come).
+  let info = null;
+  let defaults = {};  // "calibration.sequences" → 64, "distill.recipe.lr" → 5e-5, …
+
+  function setSource(value) {
+    const known = [...sourceSelect.options].some((o) => o.value === value && value !== OTHER_SOURCE);
+    sourceSelect.value = known ? value : OTHER_SOURCE;
+    sourceOther.value = known ? "" : value;
+    sourceOther.hidden = known;
+  }
+
   function setValues(values) {
     for (const [path, value] of Object.entries(values)) {
       const input = inputs[path];
       if (!input) continue;
-      if (input.type === "checkbox") input.checked = Boolean(value);
-      else input.value = value === null || value === undefined ? "" : String(value);
+      if (path === "calibration.source") setSource(value === null || value === undefined ? "" : String(value));
+      else if (input.type === "checkbox") input.checked = Boolean(value);
+      else input.value = value === null || value === undefined ? "" : Array.isArray(value) ? value.join(",") : String(value);
     }
   }
 
-  let chosenLayouts = new Set(["optimised", "contiguous"]);
+  /** Every field to its default: checkboxes and selects take it, a blank text field shows it as its
+   *  placeholder (left blank, the server applies it). */
+  function showDefaults() {
+    for (const [path, input] of Object.entries(inputs)) {
+      const d = defaults[path];
+      if (d === undefined || d === null) continue;
+      if (input.type === "checkbox") input.checked = Boolean(d);
+      else if (input.tagName === "SELECT" && path !== "calibration.source") input.value = String(d);
+      else if (input.tagName !== "SELECT") { input.value = ""; input.placeholder = Array.isArray(d) ? d.join(",") : String(d); }
+    }
+  }
+
+  let chosenLayouts = new Set();
   function layoutNames() {
+    if (!info) return [];
     const k = Number(inputs.random_layouts.value) || 0;
     const names = ["optimised"];
     if (inputs.ablations.checked) {
-      names.push(...ABLATIONS.map((n) => (n === "add-score" && inputs.score.value === "add" ? "fo-score" : n)));
-      const restarts = inputs.restarts.value === "" ? RESTARTS_DEFAULT : Number(inputs.restarts.value);
-      if (restarts > 0) names.push("optimised-restarts-0");
+      const restarts = inputs.restarts.value === "" ? defaults.restarts : Number(inputs.restarts.value);
+      const byScore = info.ablations[inputs.score.value] || info.ablations[defaults.score];
+      names.push(...(restarts > 0 ? byScore.restarts : byScore.paper));
     }
     names.push("contiguous");
-    for (let i = 0; i < Math.min(Math.max(0, k), 64); i += 1) names.push(`random-${RANDOM_SEED_BASE + i}`);
+    for (let i = 0; i < Math.min(Math.max(0, k), 64); i += 1) names.push(`random-${info.random_seed_base + i}`);
     return names;
   }
   function drawLayoutChecks() {
@@ -153,7 +180,8 @@ export function renderSubmit(container, {params, navigate}) {
 
   function spec() {
     const v = (p) => inputs[p].value.trim();
-    const out = {model: {id: v("model.id")}, devices: numeric(v("devices")), calibration: {source: v("calibration.source")}};
+    const source = sourceSelect.value === OTHER_SOURCE ? sourceOther.value.trim() : sourceSelect.value;
+    const out = {model: {id: v("model.id")}, devices: numeric(v("devices")), calibration: {source}};
     if (v("model.gguf_file")) out.model.gguf_file = v("model.gguf_file");
     if (v("model.revision")) out.model.revision = v("model.revision");
     out.model.dtype = v("model.dtype");
@@ -245,6 +273,10 @@ export function renderSubmit(container, {params, navigate}) {
   form.addEventListener("input", (ev) => {
     if ([inputs.random_layouts, inputs.ablations, inputs.score, inputs.restarts].includes(ev.target)) drawLayoutChecks();
     if (ev.target === inputs["model.id"]) fillGguf();
+    if (ev.target === sourceSelect) {
+      sourceOther.hidden = sourceSelect.value !== OTHER_SOURCE;
+      if (!sourceOther.hidden) sourceOther.focus();
+    }
     update();
   });
   form.addEventListener("change", update);
@@ -265,64 +297,88 @@ export function renderSubmit(container, {params, navigate}) {
     }
   });
 
-  // the model root's names, for the datalist and a sensible default
-  let catalogue = [];
+  // the model root's names, for the datalist and the form's model
+  let catalogue = null;
   function fillGguf() {
-    const entry = catalogue.find((m) => m.id === inputs["model.id"].value.trim());
-    replace(ggufList, ((entry && entry.gguf_files) || []).map((f) => h("option", {value: f})));
-    if (entry && entry.gguf_files && entry.gguf_files.length && !inputs["model.gguf_file"].value) {
-      inputs["model.gguf_file"].value = entry.gguf_files[0];
-    }
+    const entry = (catalogue || []).find((m) => m.id === inputs["model.id"].value.trim());
+    const files = (entry && entry.gguf_files) || [];
+    replace(ggufList, files.map((f) => h("option", {value: f})));
+    // another model of the root: its own .gguf file (or none), never the previous model's
+    if (entry && !files.includes(inputs["model.gguf_file"].value.trim())) inputs["model.gguf_file"].value = files[0] || "";
   }
 
-  setValues(DEFAULTS);
   drawLayoutChecks();
   update();
 
   (async () => {
+    const models = api("ui/api/models").then((r) => r.items || [], () => null);
+    try {
+      info = await api("v1/spec");
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 401) return;  // the key prompt is up; the page is drawn again
+      general.hidden = false;
+      general.textContent = `Cannot read this service's defaults (GET /v1/spec): ${err.message}`;
+      submitButton.disabled = false;
+      return;
+    }
+    catalogue = await models;
+    defaults = {...flatten(info.defaults), ...flatten(info.distill_defaults, "distill.")};
+    defaults["distill.steps"] ??= defaults["distill.recipe.steps"];  // `steps` is the recipe's, given once
+    sourceSelect.prepend(...info.sources.map((src) => h("option", {value: src.source},
+      src.kind === "corpus" ? `${src.source} (${src.description})` : `${src.source} (data root)`)));
+    replace(sourceList, info.sources.map((src) => h("option", {value: src.source})));
+    replace(modelList, (catalogue || []).map((m) => h("option", {value: m.id})));
+
     const from = params.get("from");
+    let shown = false;
     if (from) {
       try {
         const job = await api(`v1/jobs/${encodeURIComponent(from)}`);
         prefill(job.spec || {});
-        return;
+        shown = true;
       } catch (err) {
         general.hidden = false;
         general.textContent = `Cannot load job ${from}: ${err.message}`;
       }
     }
-    try {
-      catalogue = (await api("ui/api/models")).items || [];
-    } catch {
-      catalogue = [];
-    }
-    replace(modelList, catalogue.map((m) => h("option", {value: m.id})));
-    if (!inputs["model.id"].value && catalogue.length) {
-      const preferred = catalogue.find((m) => m.id === "smollm2-135m") || catalogue[0];
-      inputs["model.id"].value = preferred.id;
-      fillGguf();
-      update();
-    }
+    if (!shown) prefill(runnableExample());
+    submitButton.disabled = false;
   })();
 
-  function prefill(sp) {
-    const values = {...DEFAULTS};
-    const m = sp.model || {};
-    Object.assign(values, {"model.id": m.id, "model.gguf_file": m.gguf_file, "model.revision": m.revision,
-                           "model.dtype": m.dtype || "float32"});
-    for (const k of ["devices", "delta", "score", "random_layouts", "restarts", "batch_size"]) if (sp[k] !== undefined) values[k] = sp[k];
-    values.ablations = Boolean(sp.ablations);
-    for (const k of ["source", "sequences", "seq_len", "seed"]) {
-      if (sp.calibration && sp.calibration[k] !== undefined) values[`calibration.${k}`] = sp.calibration[k];
+  /** The server's example job, on a model of this server's model root: the example's own where the
+   *  root has it, else the root's first model. */
+  function runnableExample() {
+    const example = structuredClone(info.example);
+    const model = example.model || {};
+    if (catalogue !== null && !catalogue.some((m) => m.id === model.id)) {
+      const first = catalogue[0];
+      example.model = first ? {id: first.id, gguf_file: first.gguf_files[0], dtype: model.dtype} : {dtype: model.dtype};
     }
-    const ex = sp.export === false ? {checkpoint: false, shards: false} : sp.export || {};
-    values["export.checkpoint"] = ex.checkpoint !== false;
-    values["export.shards"] = ex.shards !== false;
+    return example;
+  }
+
+  /** Show a spec (the example, or the job of ?from=ID) over the defaults; the distillation fields start
+   *  from the server's distillation example unless the spec has its own. */
+  function prefill(sp) {
+    showDefaults();
+    const quick = info.distill_example || {};
+    chosenLayouts = new Set(quick.layouts || []);
+    const values = flatten({...quick, layouts: null}, "distill.");
+    const put = (path, value) => { if (value !== undefined && value !== null) values[path] = value; };
+    const m = sp.model || {};
+    for (const k of ["id", "gguf_file", "revision", "dtype"]) put(`model.${k}`, m[k]);
+    for (const k of ["devices", "delta", "score", "random_layouts", "restarts", "batch_size", "ablations"]) put(k, sp[k]);
+    for (const k of ["source", "sequences", "seq_len", "seed"]) put(`calibration.${k}`, (sp.calibration || {})[k]);
+    if (sp.export !== undefined && sp.export !== null) {
+      const ex = sp.export === false ? {checkpoint: false, shards: false} : sp.export;
+      put("export.checkpoint", ex.checkpoint);
+      put("export.shards", ex.shards);
+    }
     const d = sp.distill;
     values.distill = Boolean(d);
     if (d) {
       chosenLayouts = new Set(d.layouts || []);
-      values["distill.seeds"] = (d.seeds || [0]).join(",");
+      values["distill.seeds"] = d.seeds || "";
       values["distill.steps"] = d.steps ?? (d.recipe && d.recipe.steps) ?? "";
       for (const part of ["train", "eval"]) {
         values[`distill.${part}.source`] = (d[part] && d[part].source) || "";
@@ -333,7 +389,13 @@ export function renderSubmit(container, {params, navigate}) {
         values[`distill.recipe.${k}`] = (d.recipe && d.recipe[k]) ?? "";
       }
     }
+    // A distillation source that is the one it defaults to (training: the calibration's, evaluation: the
+    // training's) is left blank, so that it follows the calibration source when that is changed.
+    const trainSource = values["distill.train.source"] || values["calibration.source"];
+    if (values["distill.train.source"] === values["calibration.source"]) values["distill.train.source"] = "";
+    if (values["distill.eval.source"] === trainSource) values["distill.eval.source"] = "";
     setValues(values);
+    fillGguf();
     drawLayoutChecks();
     update();
   }
