@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.layout_set import ablation_names
+from models.layouts.set import ablation_names
 from tests import browser_kit
 from tests.app.conftest import API_KEYS
 from tests.service_kit import CALIB, TINY_MODEL
