@@ -1,8 +1,9 @@
 """The `dtp-layout` command line.
 
-Heavy modules (torch, transformers, models.*) are imported inside the commands, so that
-`dtp-layout --help` is instant, the API process never imports torch through this module, and a base
-install (no `worker` extra: app/extras.py) runs every torch-free command.
+Heavy modules (torch, transformers, numpy and the models.* that use them) are imported inside the
+commands, so that `dtp-layout --help` is instant, the API process never imports torch through this
+module, and a base install (no `worker` extra: app/extras.py) runs every torch-free command; at the
+top only the dependency-free names (score, dtype and layout names, the layout format).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from app.extras import missing_module_message, needs_worker_extra, refusal
+from models.affinity_scores import SCORES
+from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+from models.layouts.format import LAYOUT_FORMAT
+from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 
 
 class CliError(Exception):
@@ -45,13 +50,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="hub id (owner/name), a local checkpoint directory, or a local .gguf file")
     p.add_argument("--revision", help="hub revision (branch, tag or commit)")
     p.add_argument("--gguf-file", help="GGUF file name inside the model directory or hub repo")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                    help="compute dtype: what the weights are loaded and the passes run in (default: float32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
 
 
 def _add_export_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--export-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--export-dtype", default="auto", choices=EXPORT_DTYPE_NAMES,
                    help="dtype of the exported checkpoint and shards (default: auto, the source checkpoint's "
                         "dtype, so a bf16 model exports bf16 whatever --dtype computed in; a GGUF source, which "
                         "has none, exports in --dtype)")
@@ -65,9 +70,9 @@ def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layout", default="contiguous",
-                   help="contiguous | random:SEED (or random-SEED) | a layout name of --from DIR (optimised, "
-                        "heads-only, …) | path to a dtp-layout/1 JSON file (default: contiguous)")
+    p.add_argument("--layout", default=CONTIGUOUS,
+                   help=f"{CONTIGUOUS} | random:SEED (or random-SEED) | a layout name of --from DIR (optimised, "
+                        f"heads-only, …) | path to a {LAYOUT_FORMAT} JSON file (default: {CONTIGUOUS})")
     p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
     p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
     p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
@@ -125,9 +130,9 @@ def _calibration_of(args: argparse.Namespace) -> tuple[Any, str | None]:
 
 
 def _layout(args: argparse.Namespace, config: Any) -> Any:
-    """The layout named by --layout (see models.layout_names) for a model of this config."""
+    """The layout named by --layout (see models.layouts.names) for a model of this config."""
     from models.families import model_shape
-    from models.layout_names import resolve_layout
+    from models.layouts.resolve import resolve_layout
 
     return resolve_layout(args.layout, shape=model_shape(config), devices=args.devices, delta=args.delta,
                           layouts_dir=_layouts_dir(args))
@@ -136,7 +141,7 @@ def _layout(args: argparse.Namespace, config: Any) -> Any:
 def cmd_export(args: argparse.Namespace) -> int:
     from models.export import export_checkpoint, export_copy, export_rank_shards
     from models.families import model_shape
-    from models.layout import check_delta, check_devices
+    from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config
 
     config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
@@ -209,11 +214,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
                             seq_len=args.seq_len, text_field="text", batch_size=1, last_scale="sqrt")
     model, tokenizer = _load(ns)
     print(f"{'layout':<14}{'dense ppl':>12}{'DTP ppl':>12}{'KL nats/tok':>14}")
-    for layout in ("contiguous", "random:1000", "random:1001"):
+    for layout in (CONTIGUOUS, random_name(RANDOM_SEED_BASE), random_name(RANDOM_SEED_BASE + 1)):
         ns.layout = layout
         r, _ = _eval_result(ns, model, tokenizer)
         print(f"{layout:<14}{r.dense_ppl:>12.3f}{r.dtp_ppl:>12.3f}{r.kl:>14.4f}")
-    print("next: `dtp-layout export MODEL --layout random:1000 --devices 3 --delta 1 --out DIR`")
+    print(f"next: `dtp-layout export MODEL --layout {random_name(RANDOM_SEED_BASE)} --devices 3 --delta 1 --out DIR`")
     return 0
 
 
@@ -227,7 +232,7 @@ def _calibration_spec(args: argparse.Namespace) -> Any:
 def cmd_optimise(args: argparse.Namespace) -> int:
     from models import pipeline
     from models.families import model_shape
-    from models.layout import check_delta, check_devices
+    from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config
 
     spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
@@ -271,8 +276,8 @@ def cmd_optimise(args: argparse.Namespace) -> int:
 def cmd_layout(args: argparse.Namespace) -> int:
     """The optimiser alone on a saved affinity; torch-free."""
     from models.affinity_file import AffinityResult
-    from models.layout import Layout, check_delta, check_devices
-    from models.layout_set import affinity_for
+    from models.layouts.layout import Layout, check_delta, check_devices
+    from models.layouts.set import affinity_for
     from models.optimise import optimise, upper_bound
 
     try:
@@ -305,7 +310,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """J, J/bound and the per-layer co-located fractions of each layout; torch-free."""
-    from models.layout_score import rescore, score_table
+    from models.layouts.score import rescore, score_table
 
     try:
         doc = rescore(args.affinity, args.layouts, score_name=args.score)
@@ -353,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
     p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
     _add_calibration_args(p)
-    p.add_argument("--score", default="fo", choices=["fo", "add"], help="up-edge affinity score (default: fo)")
-    p.add_argument("--random", type=int, default=0, metavar="K", help="also score K random layouts (seeds 1000…)")
+    p.add_argument("--score", default="fo", choices=SCORES, help="up-edge affinity score (default: fo)")
+    p.add_argument("--random", type=int, default=0, metavar="K",
+                   help=f"also score K random layouts (seeds {RANDOM_SEED_BASE}…)")
     p.add_argument("--ablations", action="store_true",
                    help="also the paper's seven spread layouts (§5.4): anti-optimised, heads-only, neurons-only, "
                         "add-score, 4-, 8- and 12-layers (and optimised-restarts-0 when --restarts > 0)")
@@ -376,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
     p.add_argument("--devices", "-L", type=int, required=True)
     p.add_argument("--delta", "-d", type=int, default=1)
-    p.add_argument("--score", default="fo", choices=["fo", "add"])
+    p.add_argument("--score", default="fo", choices=SCORES)
     p.add_argument("--minimise", action="store_true", help="minimise J (the anti-optimised layout)")
     variant = p.add_mutually_exclusive_group()
     variant.add_argument("--heads-only", action="store_true", help="move KV groups only (neurons contiguous)")
@@ -385,13 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restarts", type=int, default=4,
                    help="extra starts from random head assignments (0: the paper's procedure)")
     p.add_argument("--name", default="optimised", help="layout name stored in the JSON")
-    p.add_argument("--out", required=True, help="output dtp-layout/1 JSON file")
+    p.add_argument("--out", required=True, help=f"output {LAYOUT_FORMAT} JSON file")
     p.set_defaults(func=cmd_layout)
 
     p = sub.add_parser("score", help="rescore layouts on a saved affinity.safetensors (no model needed)")
     p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
-    p.add_argument("--score", default="fo", choices=["fo", "add"], help="up-edge units of J (default: fo)")
-    p.add_argument("layouts", nargs="+", metavar="LAYOUT.json", help="dtp-layout/1 layout files")
+    p.add_argument("--score", default="fo", choices=SCORES, help="up-edge units of J (default: fo)")
+    p.add_argument("layouts", nargs="+", metavar="LAYOUT.json", help=f"{LAYOUT_FORMAT} layout files")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_score)
 
@@ -429,7 +435,7 @@ def _register_extensions(sub: Any) -> None:
 # command never imports torch to classify its error.
 _USER_ERRORS = {"models.assets": "AssetNotFoundError", "models.calibration": "DataError",
                 "models.export": "ExportError", "models.families": "UnsupportedModelError",
-                "models.layout": "LayoutError", "models.loading": "ModelLoadError"}
+                "models.layouts.format": "LayoutError", "models.loading": "ModelLoadError"}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from models.affinity_scores import SCORES
+from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+
 EXIT_FAILED = 1
 EXIT_ERROR = 2
 EXIT_NOT_FINISHED = 3
@@ -490,14 +493,14 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="model.id: a name under the service's model root, or a hub id owner/name")
     p.add_argument("--gguf-file", help="model.gguf_file")
     p.add_argument("--revision", help="model.revision (hub models)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
     p.add_argument("--devices", "-L", type=int, help="L")
     p.add_argument("--delta", "-d", type=int, help="δ in modules")
     p.add_argument("--calib", help="calibration.source: corpus:shakespeare, corpus:kjv, hf:…, or a data-root name")
     p.add_argument("--calib-sequences", type=int)
     p.add_argument("--calib-seq-len", type=int)
     p.add_argument("--calib-seed", type=int)
-    p.add_argument("--score", choices=["fo", "add"])
+    p.add_argument("--score", choices=SCORES)
     p.add_argument("--random", type=int, metavar="K", help="random_layouts")
     p.add_argument("--ablations", action="store_true")
     p.add_argument("--restarts", type=int)
@@ -505,7 +508,7 @@ def register(sub: Any) -> None:
     p.add_argument("--no-export", action="store_true", help="export nothing")
     p.add_argument("--no-checkpoint", action="store_true", help="no permuted checkpoint")
     p.add_argument("--no-shards", action="store_true", help="no rank shards")
-    p.add_argument("--export-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--export-dtype", choices=EXPORT_DTYPE_NAMES,
                    help="export.dtype: what the exported weights are stored in (auto: the source checkpoint's)")
     p.add_argument("--distill", metavar="LAYOUTS", help="distil these layouts (comma-separated), e.g. "
                                                         "optimised,contiguous")
@@ -574,7 +577,7 @@ def register(sub: Any) -> None:
     p.add_argument("--job", help="this job's scores instead (what a pipeline that just submitted it wants)")
     p.add_argument("--devices", "-L", type=int)
     p.add_argument("--delta", "-d", type=int)
-    p.add_argument("--score", choices=["fo", "add"])
+    p.add_argument("--score", choices=SCORES)
     p.add_argument("--revision")
     p.add_argument("--layout", default="optimised", help="the layout gated (default: optimised)")
     p.add_argument("--reference", default="contiguous", help="the layout --min-ratio compares with (contiguous)")

@@ -15,6 +15,7 @@ from typing import Any
 from app.cli import CliError, _add_model_args, _calibration_of, _layouts_dir, _load
 from app.extras import needs_worker_extra
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe  # torch-free
+from models.layouts.format import LAYOUT_FORMAT
 
 PAPER = DistillRecipe()  # the defaults of every recipe flag
 
@@ -95,7 +96,7 @@ class _Bars:
 def cmd_distill(args: argparse.Namespace) -> int:
     from models import distill
     from models.families import model_shape
-    from models.layout import check_delta, check_devices
+    from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config
 
     spec = _spec(args)
@@ -142,7 +143,7 @@ def register(sub: Any) -> None:
     _add_model_args(p)
     p.add_argument("--layouts", default="optimised,contiguous",
                    help="comma-separated: names from --from DIR/layouts (optimised, anti-optimised, heads-only, …), "
-                        "contiguous, random-SEED / random:SEED, or dtp-layout/1 JSON paths "
+                        f"contiguous, random-SEED / random:SEED, or {LAYOUT_FORMAT} JSON paths "
                         "(default: optimised,contiguous)")
     p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
     p.add_argument("--seeds", default="0", help="comma-separated training seeds; each (layout, seed) is a run")

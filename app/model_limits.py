@@ -1,7 +1,7 @@
 """What the server accepts of a model, checked from its config alone in constant time.
 
 Dimensions are capped before anything else looks at them (a crafted config with 2^40 heads is a 422
-in microseconds, not a loop; the valid device counts that `models.layout` lists are the divisors of
+in microseconds, not a loop; the valid device counts that `models.layouts.layout` lists are the divisors of
 gcd(G, I), found in O(√gcd)), the parameter count estimated from the config is held under
 DTP_LAYOUT_MAX_MODEL_PARAMS, and every sequence length of the job must fit the model's
 `max_position_embeddings`. The API runs these checks at submit
@@ -66,10 +66,11 @@ def parameter_count(config: dict[str, Any]) -> int | None:
 
 def check_config(config: dict[str, Any], *, devices: int, delta: int) -> list[tuple[str, str]]:
     """(field, message) for every reason the job would fail its loading stage: the dimension limits,
-    then the messages `models.families` and `models.layout` raise there."""
+    then the messages `models.families` and `models.layouts.layout` raise there."""
     from app.sources import config_namespace
     from models.families import family_for_config, model_shape
-    from models.layout import LayoutError, check_delta, check_devices
+    from models.layouts.format import LayoutError
+    from models.layouts.layout import check_delta, check_devices
 
     if problems := dimension_problems(config):
         return problems

@@ -20,19 +20,19 @@ from pydantic import (
     model_validator,
 )
 
+from models.affinity_scores import ScoreName
 from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
-from models.ids import GGUF_FILE, REVISION
-from models.layout_set import ablation_names
+from models.ids import GGUF_FILE, REVISION, DtypeName, ExportDtypeName
+from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
+from models.layouts.set import ablation_names
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
 MetricName = Literal["kl", "ppl", "loss", "lr"]
 METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
 
-# As models.pipeline (which imports torch): random-<seed> layouts use seeds 1000 … 1000+K-1.
-RANDOM_SEED_BASE = 1000
-# The paper's seven spread layouts of an FO run (models.layout_set names them for any score and restarts).
+# The paper's seven spread layouts of an FO run (models.layouts.set names them for any score and restarts).
 ABLATION_LAYOUTS = tuple(ablation_names("fo"))
 
 EXAMPLE_SPEC: dict[str, Any] = {
@@ -106,7 +106,7 @@ class ModelRef(_Strict):
                                  description="hub branch, tag or commit (hub models only)")
     gguf_file: Text | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
                                   description="a .gguf file inside the model directory or hub repo")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+    dtype: DtypeName = Field(
         default="float32", description="compute dtype: what the weights are loaded and the passes run in (the "
                                        "export's dtype is export.dtype)")
 
@@ -289,7 +289,7 @@ class DistillJobSpec(_Strict):
 class ExportSpec(_Strict):
     checkpoint: StrictBool = Field(default=True, description="the permuted Hugging Face checkpoint (checkpoint/*)")
     shards: StrictBool = Field(default=True, description="per-rank DTP shards and manifest (shards/*)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: ExportDtypeName = Field(
         default="auto", description="dtype the exported weights are stored in; auto: the source checkpoint's "
                                     "(a bf16 hub model exports bf16 whatever model.dtype computed in; a GGUF, "
                                     "which has none, exports in model.dtype). The manifest records both")
@@ -307,7 +307,7 @@ class JobSpec(_Strict):
                                                           "and the FFN width)")
     delta: StrictInt = Field(default=1, ge=0, le=1024, description="delay δ in modules")
     calibration: CalibrationIn
-    score: Literal["fo", "add"] = Field(default="fo", description="up-edge affinity score")
+    score: ScoreName = Field(default="fo", description="up-edge affinity score")
     random_layouts: StrictInt = Field(default=0, ge=0, le=64, description="K random layouts scored as baselines")
     ablations: StrictBool = Field(default=False, description="also the paper's seven spread layouts (§5.4): "
                                   "anti-optimised, heads-only, neurons-only, add-score (fo-score for score=add), "
@@ -334,8 +334,8 @@ class JobSpec(_Strict):
         names = ["optimised"]
         if self.ablations:
             names += ablation_names(self.score, self.restarts)
-        names.append("contiguous")
-        names += [f"random-{RANDOM_SEED_BASE + k}" for k in range(self.random_layouts)]
+        names.append(CONTIGUOUS)
+        names += [random_name(RANDOM_SEED_BASE + k) for k in range(self.random_layouts)]
         return names
 
 

@@ -29,11 +29,10 @@ from app.settings import Settings
 from app.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model, submit_corpora
 from app.storage import DamagedFile, Storage
 from app.timeline import stage_timeline
-from models.layout import LayoutError
-from models.layout_names import canonical_layout_name
+from models.layouts.format import LAYOUT_FORMAT, LayoutError
+from models.layouts.names import canonical_layout_name
 
 log = logging.getLogger(__name__)
-LAYOUT_FORMAT = "dtp-layout/1"
 DISTILL_SUMMARY = "distill/summary.json"  # the artifact GET /v1/jobs/{id}/metrics reads the headline from
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 _STORED_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,255}")  # what a layout or artifact name can be

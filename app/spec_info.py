@@ -16,7 +16,6 @@ from typing import Any
 from app.schemas import (
     EXAMPLE_DISTILL_SPEC,
     EXAMPLE_SPEC,
-    RANDOM_SEED_BASE,
     DistillJobSpec,
     JobSpec,
     field_defaults,
@@ -25,7 +24,8 @@ from app.schemas import (
 from app.settings import Settings
 from app.sources import check_name
 from models.assets import CORPORA, available_corpora
-from models.layout_set import ablation_names
+from models.layouts.names import RANDOM_SEED_BASE
+from models.layouts.set import ablation_names
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".npy")  # what models.calibration reads from a file
 MAX_DATA_NAMES = 200

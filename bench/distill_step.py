@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_shape_args, interleaved_times, qwen3_06b_shaped
 from models import distill
-from models import layout as lay
 from models.families import model_shape
+from models.layouts import layout as lay
 
 
 def dense_trainer(model: Any, *, freeze_embeddings: bool) -> tuple[Any, Any]:

@@ -317,10 +317,10 @@ def stage_affinity(check: Check, model: Any, rec: dict[str, Any]) -> Any:
 
 
 def stage_optimise(check: Check, affinity: Any, rec: dict[str, Any]) -> dict[str, Any]:
-    from models import pipeline
+    from models.layouts.set import build_layouts
 
     s = check.sizes
-    seconds, layouts = check.timed(lambda: pipeline.build_layouts(
+    seconds, layouts = check.timed(lambda: build_layouts(
         affinity, devices=s.devices, delta=s.delta, random_layouts=s.random_layouts, restarts=s.restarts))
     rec["seconds"] = round(seconds, 3)
     scores = {name: lay.score for name, lay in layouts.items()}
@@ -382,8 +382,8 @@ def stage_forward(check: Check, model: Any, rec: dict[str, Any]) -> None:
 
 def stage_distill(check: Check, model: Any, layouts: dict[str, Any] | None, rec: dict[str, Any]) -> None:
     from models import distill as D
-    from models import layout as lay
     from models.families import model_shape
+    from models.layouts import layout as lay
 
     s = check.sizes
     recipe = D.DistillRecipe(**s.recipe)

@@ -41,7 +41,8 @@ from bench import score_kl
 from models import distill, pipeline
 from models.atomic import atomic_write_json
 from models.calibration import CalibrationSpec
-from models.layout_set import ablation_names
+from models.layouts.names import RANDOM_SEED_BASE, random_name
+from models.layouts.set import ablation_names
 from models.loading import ModelSource, load_model, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--calib", default="corpus:kjv")
     ap.add_argument("--calib-sequences", type=int, default=16)
     ap.add_argument("--calib-seq-len", type=int, default=256)
-    ap.add_argument("--random", type=int, default=2, help="random layouts (seeds 1000, 1001, …)")
+    ap.add_argument("--random", type=int, default=2,
+                    help=f"random layouts (seeds {RANDOM_SEED_BASE}, {RANDOM_SEED_BASE + 1}, …)")
     ap.add_argument("--ablations", action="store_true",
                     help="also the paper's seven spread layouts (§5.4), and the score-vs-KL correlation (§5.2)")
     ap.add_argument("--restarts", type=int, default=4, help="optimiser restarts (0 = the paper's procedure)")
@@ -107,7 +109,7 @@ def optimise_layouts(args: argparse.Namespace, model: Any, tokenizer: Any, work:
 
 def study_layouts(args: argparse.Namespace) -> tuple[str, ...]:
     """Trained in this order: the ends of the score axis first, so a partial study still spans it."""
-    randoms = [f"random-{pipeline.RANDOM_SEED_BASE + k}" for k in range(args.random)]
+    randoms = [random_name(RANDOM_SEED_BASE + k) for k in range(args.random)]
     if not args.ablations:
         return ("optimised", "contiguous", *randoms)
     spread = ablation_names("fo", args.restarts)

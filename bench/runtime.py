@@ -29,9 +29,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models import layout as lay
 from models.export import export_rank_shards, permuted_copy
 from models.families import model_shape
+from models.layouts import layout as lay
 from models.runtime import DTPRuntime
 
 # SmolLM2-135M's dimensions (HuggingFaceTB/SmolLM2-135M config).

@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from models.affinity_scores import SCORES
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=str(REPO / "var" / "study-spread"), help="a layout study's --work directory")
     ap.add_argument("--step", type=int, default=None, help="training step (default: the last one reached)")
-    ap.add_argument("--units", default="fo", choices=["fo", "add"])
+    ap.add_argument("--units", default="fo", choices=SCORES)
     args = ap.parse_args(argv)
     work = Path(args.work)
     report = json.loads((work / "report.json").read_text())

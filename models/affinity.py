@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 # The result and its file are torch-free (models.affinity_file), re-exported where callers import them.
-from models.affinity_file import SCORES as SCORES
 from models.affinity_file import AffinityResult as AffinityResult
 from models.dtp import DTPModel, rms_norm
 from models.families import model_shape
-from models.layout import ModelShape
+from models.layouts.layout import ModelShape
 from models.permute import decoder_layers
 from models.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
 from models.progress import Progress, ShouldStop

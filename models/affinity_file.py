@@ -15,10 +15,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from models.affinity_scores import SCORES
 from models.atomic import atomic_write
-from models.layout import ModelShape
+from models.layouts.layout import ModelShape
 
-SCORES = ("fo", "add")
 AFFINITY_FORMAT = "dtp-layout-affinity/1"
 
 

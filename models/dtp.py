@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.families import family_for_config, model_shape
-from models.layout import check_delta, check_devices
+from models.layouts.layout import check_delta, check_devices
 from models.partials import DTPCache, ModelWeights, ShardedDecoder, rms_norm
 
 __all__ = ["DTPCache", "DTPModel", "DTPSchedule", "LastScale", "rms_norm"]

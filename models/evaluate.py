@@ -11,7 +11,7 @@ import torch
 from models.distill.loss import chunked_kl_nll, next_token_targets
 from models.dtp import DTPModel, LastScale
 from models.export import permuted_copy
-from models.layout import Layout
+from models.layouts.layout import Layout
 from models.progress import Progress
 
 LOGIT_CHUNK = 512  # tokens per chunk of the statistics over the vocabulary

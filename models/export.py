@@ -24,15 +24,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.families import family_for_config, model_shape
 from models.families.plan import SplitRule, rank_slice, split_dim
-from models.layout import Layout, check_fits, from_json_dict
+from models.ids import EXPORT_DTYPE_NAMES
+from models.layouts.layout import Layout, check_fits, from_json_dict
+from models.loading import DTYPES
 from models.permute import permute_
 from models.progress import Progress
 
 SHARDS_FORMAT = "dtp-layout-shards/1"
 MANIFEST = "manifest.json"
 LAYOUT_FILE = "dtp_layout.json"
-FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EXPORT_DTYPES = ("auto", *FLOAT_DTYPES)  # auto: the source checkpoint's dtype
 
 
 class ExportError(RuntimeError):
@@ -48,16 +48,16 @@ def source_dtype(config: Any) -> torch.dtype | None:
     none or a non-float one (a GGUF file is quantised: its dequantised weights have no dtype of their own)."""
     value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     name = dtype_name(value) if isinstance(value, torch.dtype) else str(value) if value else None
-    return FLOAT_DTYPES.get(name) if name else None
+    return DTYPES.get(name) if name else None
 
 
 def export_dtype(requested: str, *, config: Any, compute: torch.dtype) -> torch.dtype:
     """What exported weights are stored in: `requested`, or for `auto` the source checkpoint's dtype
     (a bf16 hub model exports bf16 whatever the passes computed in), else the compute dtype."""
     if requested != "auto":
-        if requested not in FLOAT_DTYPES:
-            raise ExportError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {requested!r}")
-        return FLOAT_DTYPES[requested]
+        if requested not in DTYPES:
+            raise ExportError(f"export dtype must be one of {', '.join(EXPORT_DTYPE_NAMES)}, got {requested!r}")
+        return DTYPES[requested]
     return source_dtype(config) or compute
 
 

@@ -15,9 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from models.families import family_for_config
-from models.ids import GGUF_FILE, HUB_ID, REVISION
+from models.ids import DTYPE_NAMES, GGUF_FILE, HUB_ID, REVISION
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}  # "float32" → torch.float32
 
 
 class ModelLoadError(ValueError):

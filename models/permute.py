@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from models.families import Family, family_for_config, model_shape
-from models.layout import Layout, ModelShape, check_fits
+from models.layouts.layout import Layout, ModelShape, check_fits
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -17,24 +17,21 @@ import numpy as np
 import torch
 import transformers
 
-from models.affinity import SCORES, AffinityResult, affinity_pass
+from models.affinity import AffinityResult, affinity_pass
+from models.affinity_scores import SCORES
 from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
 from models.calibration import CalibrationSpec, DataError, load_blocks
 from models.export import dtype_name, export_checkpoint, export_copy, export_rank_shards
 from models.heldout import source_identity
-from models.layout import Layout
-from models.layout_set import PAPER_RESTARTS, ablation_names
-
-# Where callers have imported them from: the layout set lives in models.layout_set (torch-free).
-from models.layout_set import RANDOM_SEED_BASE as RANDOM_SEED_BASE
-from models.layout_set import affinity_for as affinity_for
-from models.layout_set import build_layouts as build_layouts
+from models.layouts.layout import Layout
+from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts
+from models.layouts.stability import HALVES, half_layouts, stability_report
 from models.progress import Progress, ShouldStop
 
 AFFINITY_FILE = "affinity.safetensors"
 REPORT_FILE = "report.json"
-# The paper's seven spread layouts (§5.4) for an FO run; models.layout_set defines them.
+# The paper's seven spread layouts (§5.4) for an FO run; models.layouts.set defines them.
 ABLATIONS = tuple(ablation_names("fo"))
 
 
@@ -48,7 +45,7 @@ class OptimiseSpec:
     export: bool = True
     batch_size: int = 4
     restarts: int = 4  # the paper's procedure is 0 (one start, from the contiguous KV groups)
-    stability: bool = False  # also optimise on each half of the calibration blocks (models.stability)
+    stability: bool = False  # also optimise on each half of the calibration blocks (models.layouts.stability)
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -110,8 +107,6 @@ def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
 def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress: Progress | None = None,
                     should_stop: ShouldStop | None = None) -> None:
     """Affinity pass and optimiser on each half of the calibration blocks; the report in state.stability."""
-    from models.stability import HALVES, half_layouts, stability_report
-
     t0 = time.perf_counter()
     assert state.blocks is not None, "stage_calibration first"
     count = len(state.blocks)

@@ -417,7 +417,7 @@ class JobRun:
         from models.calibration import CalibrationSpec
         from models.export import dtype_name, export_dtype
         from models.families import model_shape
-        from models.layout import check_delta, check_devices
+        from models.layouts.layout import check_delta, check_devices
         from models.loading import DTYPES, ModelSource, load_config, load_model, load_tokenizer
 
         spec = self.spec
@@ -535,7 +535,7 @@ class JobRun:
 
             self.complete("optimising", record_layouts, layouts=len(state.layouts))
         else:
-            from models.layout import load as load_layout
+            from models.layouts.layout import load as load_layout
 
             state.layouts = {p.stem: load_layout(p) for p in sorted(layouts_dir.glob("*.json"))}
 

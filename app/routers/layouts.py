@@ -10,11 +10,12 @@ from app import services
 from app.deps import BaseUrl, CallerDep, DbDep
 from app.errors import responses
 from app.schemas import LayoutList, LayoutSummary
+from models.layouts.format import LAYOUT_FORMAT
 
 router = APIRouter(prefix="/jobs/{job_id}/layouts", tags=["layouts"])
 
 JobId = Annotated[str, Path(max_length=64, description="the job id (32 hex digits)")]
-LAYOUT_EXAMPLE = {"format": "dtp-layout/1", "name": "optimised", "devices": 3, "delta": 1,
+LAYOUT_EXAMPLE = {"format": LAYOUT_FORMAT, "name": "optimised", "devices": 3, "delta": 1,
                   "model": {"model_type": "llama", "num_layers": 30, "num_kv_groups": 3, "num_query_heads": 9,
                             "intermediate_size": 1536, "hidden_size": 576, "head_dim": 64},
                   "kv_group_device": [[0, 2, 1]], "neuron_device": [[2, 0, 1, 1]]}
@@ -31,7 +32,7 @@ async def list_layouts(job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUr
                                     link=f"{url}/{r.name}") for r in rows]}
 
 
-@router.get("/{name}", operation_id="get_layout", summary="One layout as dtp-layout/1 JSON",
+@router.get("/{name}", operation_id="get_layout", summary=f"One layout as {LAYOUT_FORMAT} JSON",
             responses={200: {"content": {"application/json": {"schema": {"type": "object"},
                                                               "example": LAYOUT_EXAMPLE}}},
                        **responses(404, _404="no such job or layout")})

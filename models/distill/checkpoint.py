@@ -20,7 +20,7 @@ from models.distill.records import EvalRecord, RunState
 from models.distill.student import trainable_parameters
 from models.distill.train import StepStats
 from models.dtp import DTPModel
-from models.layout import Layout
+from models.layouts.layout import Layout
 
 CHECKPOINT_FORMAT = "dtp-layout-distill-checkpoint/1"
 

@@ -29,14 +29,14 @@ from models.distill.run import distill_run
 from models.distill.spec import DistillSpec
 from models.distill.train import StepStats
 from models.families import model_shape
-from models.layout import Layout, ModelShape
-from models.layout_names import resolve_layout
+from models.layouts.layout import Layout, ModelShape
+from models.layouts.resolve import resolve_layout
 from models.progress import Progress, ShouldStop
 
 
 def resolve_layouts(names: Sequence[str], *, shape: ModelShape, devices: int, delta: int,
                     layouts_dir: Path | None = None) -> dict[str, Layout]:
-    """Each name resolved by `models.layout_names.resolve_layout`, keyed by the layout's name."""
+    """Each name resolved by `models.layouts.resolve.resolve_layout`, keyed by the layout's name."""
     layouts: dict[str, Layout] = {}
     for name in names:
         lay = resolve_layout(name, shape=shape, devices=devices, delta=delta, layouts_dir=layouts_dir)

@@ -19,7 +19,7 @@ from typing import Any
 from models.atomic import atomic_write_text
 from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.train import StepStats
-from models.layout import Layout
+from models.layouts.layout import Layout
 
 RUN_FORMAT = "dtp-layout-distill-run/1"
 METRIC_COLUMNS = ("layout", "seed", "step", "kl", "ppl", "loss", "lr")

@@ -15,7 +15,7 @@ import numpy as np
 
 from models.distill.records import EvalRecord, json_safe
 from models.distill.spec import DistillSpec
-from models.layout import Layout
+from models.layouts.layout import Layout
 
 SUMMARY_FORMAT = "dtp-layout-distill/1"
 

@@ -25,7 +25,7 @@ from models.distill.records import EvalRecord, RunState, read_complete, write_lo
 from models.distill.schedule import learning_rate
 from models.distill.student import make_student
 from models.distill.train import StepStats, make_optimizer, train_step
-from models.layout import Layout
+from models.layouts.layout import Layout
 from models.progress import Cancelled, Progress, ShouldStop
 
 STAGE = "distilling"

@@ -12,7 +12,7 @@ from models.distill.recipe import DistillError, DistillRecipe
 class DistillSpec:
     """A layout comparison: every (layout, seed) pair is one run of the same recipe.
 
-    layouts: names in the grammar of `models.layout_names` (optimised and ablations from a layouts
+    layouts: names in the grammar of `models.layouts.names` (optimised and ablations from a layouts
     directory, `contiguous`, `random-<seed>` / `random:<seed>`, or a dtp-layout/1 JSON path).
     """
 

@@ -15,7 +15,7 @@ from torch import nn
 from models.distill.recipe import DistillRecipe
 from models.dtp import DTPModel
 from models.export import permuted_copy
-from models.layout import Layout
+from models.layouts.layout import Layout
 
 
 def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe) -> DTPModel:

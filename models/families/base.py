@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.families.plan import ShardingPlan
-from models.layout import ModelShape
+from models.layouts.layout import ModelShape
 
 
 class UnsupportedModelError(ValueError):

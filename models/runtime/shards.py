@@ -22,10 +22,9 @@ from safetensors.torch import load_file
 from models.export import MANIFEST, SHARDS_FORMAT, sha256_file
 from models.families import Family, UnsupportedModelError, family_for_config, model_shape
 from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias, stacked_weight
-from models.layout import Layout, LayoutError, ModelShape, check_fits, from_json_dict
+from models.layouts.format import LayoutError
+from models.layouts.layout import Layout, ModelShape, check_fits, from_json_dict
 from models.runtime.errors import ShardError
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

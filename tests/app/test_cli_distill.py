@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from app.cli import main
-from models import layout as lay
 from models.families import model_shape
+from models.layouts import layout as lay
 from tests.tiny import tiny_model
 
 

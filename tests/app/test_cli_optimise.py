@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from app.cli import main
 from models.affinity import AffinityResult
-from models.layout import load
+from models.layouts.layout import load
+from models.layouts.set import affinity_for
 from models.optimise import is_block_optimal
-from models.pipeline import affinity_for
 from tests.tiny import tiny_model, tokens
 
 

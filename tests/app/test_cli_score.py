@@ -12,7 +12,7 @@ import pytest
 
 from app.cli import main
 from models.affinity_file import AffinityResult
-from models.layout import ModelShape, contiguous, random
+from models.layouts.layout import ModelShape, contiguous, random
 from models.optimise import Affinity
 from tests.models.optimise.kit import literal_J
 

@@ -228,7 +228,7 @@ def finished_job(settings):
 
 
 def test_layouts_and_dtp_layout_json(client, finished_job):
-    from models.layout import from_json_dict
+    from models.layouts.layout import from_json_dict
 
     job_id, _ = finished_job
     items = client.get(f"/v1/jobs/{job_id}/layouts").json()["items"]

@@ -25,7 +25,7 @@ from models import distill as D
 from models.affinity import affinity_pass
 from models.dtp import DTPModel
 from models.families import model_shape
-from models.layout import random
+from models.layouts.layout import random
 from models.permute import permute_
 from tests.tiny import FAMILY_CASES, tiny_model, tokens
 

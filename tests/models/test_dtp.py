@@ -13,7 +13,8 @@ from transformers import PreTrainedModel
 
 from models.dtp import DTPCache, DTPModel
 from models.families import UnsupportedModelError, model_shape
-from models.layout import Layout, LayoutError, contiguous, random
+from models.layouts.format import LayoutError
+from models.layouts.layout import Layout, contiguous, random
 from models.permute import permute_, unpermute_
 from tests.tiny import FAMILY_CASES, fresh, tiny_model, tokens
 

@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from models import layout as lay
 from models.dtp import DTPModel
 from models.export import (
     ExportError,
@@ -21,6 +20,7 @@ from models.export import (
     sha256_file,
 )
 from models.families import model_shape
+from models.layouts import layout as lay
 from tests.tiny import tiny_model, tokens
 
 

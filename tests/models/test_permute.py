@@ -7,7 +7,8 @@ import torch
 from transformers import PreTrainedModel
 
 from models.families import model_shape
-from models.layout import Layout, LayoutError, contiguous, random
+from models.layouts.format import LayoutError
+from models.layouts.layout import Layout, contiguous, random
 from models.permute import permute_, unpermute_
 from tests.tiny import FAMILY_CASES, fresh, tokens
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from app.cli import main
-from models import layout as lay
 from models.assets import corpus_file
 from models.export import permuted_copy
 from models.families import model_shape
+from models.layouts import layout as lay
 
 pytestmark = pytest.mark.real
 
@@ -53,9 +53,9 @@ def test_smollm2_optimise_end_to_end(smollm2, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from models.affinity import AffinityResult
-    from models.layout import load
+    from models.layouts.layout import load
+    from models.layouts.set import affinity_for
     from models.optimise import is_block_optimal
-    from models.pipeline import affinity_for
 
     model, tokenizer, gguf = smollm2
     out = tmp_path / "run"

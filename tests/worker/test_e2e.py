@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from app.main import create_app
 from models.export import load_rank_shards
-from models.layout import from_json_dict
-from models.layout_set import ablation_names
+from models.layouts.layout import from_json_dict
+from models.layouts.set import ablation_names
 from tests.service_kit import TINY_MODEL, WorkerProcess, spec, wait_for, worker_settings
 from tests.tiny import tokens
 

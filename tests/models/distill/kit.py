@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from models import distill as D
-from models import layout as lay
 from models.families import model_shape
+from models.layouts import layout as lay
 
 VOCAB = 97
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from models import distill as D
-from models import layout as lay
 from models.calibration import CalibrationSpec
 from models.families import model_shape
+from models.layouts import layout as lay
+from models.layouts.format import LayoutError
 from tests.models.distill.kit import VOCAB, layout_of, recipe
 from tests.tiny import tiny_model
 
@@ -29,11 +30,11 @@ def test_resolve_layouts_by_name(tmp_path):
     assert np.array_equal(got["optimised"].neuron_device, stored.neuron_device)
     assert got["optimised"].score == {"J": 4.5}
     assert np.array_equal(got["random-5"].neuron_device, lay.random(shape, 2, 1, seed=5).neuron_device)
-    with pytest.raises(lay.LayoutError, match="it has: optimised"):
+    with pytest.raises(LayoutError, match="it has: optimised"):
         D.resolve_layouts(["heads-only"], shape=shape, devices=2, delta=1, layouts_dir=tmp_path / "layouts")
-    with pytest.raises(lay.LayoutError, match="--from"):
+    with pytest.raises(LayoutError, match="--from"):
         D.resolve_layouts(["optimised"], shape=shape, devices=2, delta=1)
-    with pytest.raises(lay.LayoutError, match="devices=2"):
+    with pytest.raises(LayoutError, match="devices=2"):
         D.resolve_layouts(["optimised"], shape=shape, devices=4, delta=1, layouts_dir=tmp_path / "layouts")
 
 

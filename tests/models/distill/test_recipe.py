@@ -49,7 +49,7 @@ def test_defaults_are_the_papers_recipe():
     assert recipe.use_bf16("cuda") and not recipe.use_bf16("cpu")
     # The data protocol: 16 sequences of 1024 tokens per step; evaluation on 16 blocks of 1024 tokens
     # of the WikiText-2 test set; calibration on 64 sequences of 1024 tokens; random seeds 1000…
-    from models.pipeline import RANDOM_SEED_BASE
+    from models.layouts.names import RANDOM_SEED_BASE
 
     assert (SEQ_LEN, EVAL_SEQUENCES) == (1024, 16)
     assert re.fullmatch(r"hf:[^:]+/wikitext:wikitext-2-raw-v1:test", WIKITEXT2_TEST)

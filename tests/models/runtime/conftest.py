@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from models import layout as lay
 from models.export import export_rank_shards, permuted_copy
 from models.families import model_shape
+from models.layouts import layout as lay
 from models.runtime import DTPRuntime
 from tests.tiny import fresh
 

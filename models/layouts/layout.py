@@ -1,7 +1,7 @@
 """Layouts: which device holds each KV group and each FFN neuron, per layer.
 
 A layout is balanced (G/L groups and I/L neurons on every device) and serialises to the
-`dtp-layout/1` JSON format described in docs/formats.md.
+`dtp-layout/1` JSON format (`models.layouts.format`) described in docs/formats.md.
 """
 
 from __future__ import annotations
@@ -15,12 +15,8 @@ from typing import Any
 import numpy as np
 
 from models.atomic import atomic_write_json
-
-LAYOUT_FORMAT = "dtp-layout/1"
-
-
-class LayoutError(ValueError):
-    """A layout (or the request for one) is malformed, unbalanced or does not fit the model."""
+from models.layouts.format import LAYOUT_FORMAT, LayoutError
+from models.layouts.names import CONTIGUOUS, random_name
 
 
 @dataclass(frozen=True)
@@ -155,7 +151,7 @@ def _contiguous_row(width: int, devices: int) -> np.ndarray:
     return np.repeat(np.arange(devices), width // devices)  # [width]
 
 
-def contiguous(shape: ModelShape, devices: int, delta: int = 1, name: str = "contiguous") -> Layout:
+def contiguous(shape: ModelShape, devices: int, delta: int = 1, name: str = CONTIGUOUS) -> Layout:
     """The standard tensor-parallel layout: storage order sliced into L contiguous shards."""
     check_devices(shape, devices)
     n = shape.num_layers
@@ -173,7 +169,7 @@ def random(shape: ModelShape, devices: int, delta: int = 1, seed: int = 0,
     i_row = _contiguous_row(shape.intermediate_size, devices)
     groups = np.stack([rng.permutation(g_row) for _ in range(shape.num_layers)])
     neurons = np.stack([rng.permutation(i_row) for _ in range(shape.num_layers)])
-    return Layout(name or f"random-{seed}", devices, delta, shape, groups, neurons)
+    return Layout(name or random_name(seed), devices, delta, shape, groups, neurons)
 
 
 _SHAPE_FIELDS = ("model_type", "num_layers", "num_kv_groups", "num_query_heads", "intermediate_size")
@@ -240,9 +236,3 @@ def check_fits(layout: Layout, shape: ModelShape) -> None:
         if mine != theirs:
             raise LayoutError(f"layout {layout.name!r} is for model.{key}={mine}, the model has {theirs}")
 
-
-def resolve(spec: str, shape: ModelShape, devices: int, delta: int) -> Layout:
-    """A layout by name (`models.layout_names.resolve_layout`, without a layouts directory)."""
-    from models.layout_names import resolve_layout  # layout_names builds on this module
-
-    return resolve_layout(spec, shape=shape, devices=devices, delta=delta)

@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from models.layout import (
-    LAYOUT_FORMAT,
+from models.layouts.format import LAYOUT_FORMAT, LayoutError
+from models.layouts.layout import (
     Layout,
-    LayoutError,
     ModelShape,
     check_delta,
     check_devices,

@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from models import layout as layout_mod
-from models.layout import Layout, ModelShape
-from models.optimise import Affinity, OptimiseResult, optimise, score, upper_bound
+from models.affinity_scores import SCORES, other_score
+from models.layouts import layout as layout_mod
+from models.layouts.layout import Layout, ModelShape
+from models.layouts.names import RANDOM_SEED_BASE
+from models.optimise import Affinity, OptimiseResult, balanced_assignment, optimise, score, upper_bound
 
 if TYPE_CHECKING:
     from models.affinity_file import AffinityResult
 
-SCORES = ("fo", "add")
-RANDOM_SEED_BASE = 1000  # random-<seed> layouts use seeds 1000 … 1000+K-1, as in the paper
 LAYER_COUNTS = (4, 8, 12)  # the paper's layer-subset ablations
 PAPER_RESTARTS = 0  # the paper starts the coordinate ascent once, from the contiguous KV groups
 PAPER_REFERENCE = "optimised-restarts-0"
@@ -53,10 +53,6 @@ class Variant:
     layer_count: int | None = None  # None: every layer moves
     other_score: bool = False  # optimise on the score the run does not use
     paper_restarts: bool = False  # always restarts 0, whatever the run's restarts
-
-
-def other_score(score_name: str) -> str:
-    return "add" if score_name == "fo" else "fo"
 
 
 def ablation_variants(score_name: str = "fo", restarts: int = 0) -> list[Variant]:
@@ -110,7 +106,7 @@ def run_variant(result: AffinityResult, variant: Variant, *, devices: int, score
 
 def score_both(result: AffinityResult, kv_group_device: Any, neuron_device: Any, devices: int) -> dict[str, dict]:
     """The layout's report in FO and in ADD units: {"fo": {...}, "add": {...}}."""
-    out = {}
+    out: dict[str, dict] = {}
     for name in SCORES:
         affinity = affinity_for(result, name)
         out[name] = score(affinity, kv_group_device, neuron_device, devices=devices,
@@ -162,8 +158,6 @@ def neuron_agreement(a: Layout, b: Layout) -> dict[str, Any]:
     exact assignment on the [L, L] table of neurons shared by device l of `a` and device m of `b`.
     Chance level is about 1/L.
     """
-    from models.optimise import balanced_assignment
-
     if a.neuron_device.shape != b.neuron_device.shape or a.devices != b.devices:
         raise ValueError("layouts of different shapes or device counts")
     devices = a.devices

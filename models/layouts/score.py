@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from models import layout as layout_mod
 from models.affinity_file import AffinityResult
-from models.layout_set import affinity_for
+from models.layouts import layout as layout_mod
+from models.layouts.format import LayoutError
+from models.layouts.set import affinity_for
 from models.optimise import score, upper_bound
 
 SCORES_FORMAT = "dtp-layout-scores/1"
@@ -32,8 +33,8 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
         lay = layout_mod.load(path)
         try:
             layout_mod.check_fits(lay, result.shape)
-        except layout_mod.LayoutError as exc:
-            raise layout_mod.LayoutError(f"{path}: {exc} (affinity {affinity_path})") from exc
+        except LayoutError as exc:
+            raise LayoutError(f"{path}: {exc} (affinity {affinity_path})") from exc
         bound = upper_bound(affinity, lay.devices)
         rep = score(affinity, lay.kv_group_device, lay.neuron_device, devices=lay.devices, bound=bound)
         rows.append({"name": lay.name, "path": str(path), "devices": lay.devices, "J": rep.J,

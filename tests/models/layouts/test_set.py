@@ -12,9 +12,9 @@ import itertools
 import numpy as np
 import pytest
 
-from models.affinity_file import AffinityResult
-from models.layout import Layout, ModelShape
-from models.layout_set import (
+from models.affinity_scores import SCORES
+from models.layouts.layout import Layout, ModelShape
+from models.layouts.set import (
     LAYER_COUNTS,
     PAPER_REFERENCE,
     ablation_names,
@@ -23,22 +23,8 @@ from models.layout_set import (
     neuron_agreement,
 )
 from models.optimise import Affinity, contiguous_row
+from tests.models.layouts.kit import G, I, L, N, brute_agreement, fake_result, units
 from tests.models.optimise.kit import all_balanced, literal_J
-
-N, G, I, L = 6, 2, 4, 2
-
-
-def fake_result(seed: int = 0, layers: int = N) -> AffinityResult:
-    """An affinity file's content with independent FO and ADD up edges (heavy-tailed, like real ones)."""
-    rng = np.random.default_rng(seed)
-    shape = ModelShape("llama", layers, G, 2 * G, I, hidden_size=8, head_dim=4)
-    return AffinityResult(up_fo=[rng.lognormal(0, 1.5, (G, I)) for _ in range(layers)],
-                          up_add=[rng.lognormal(0, 1.5, (G, I)) for _ in range(layers)],
-                          down=[rng.lognormal(0, 1.5, (I, G)) for _ in range(layers - 1)], tokens=10, shape=shape)
-
-
-def units(result: AffinityResult, score: str) -> Affinity:
-    return Affinity(result.up_fo if score == "fo" else result.up_add, result.down)
 
 
 def contiguous_arrays(layers: int = N) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +88,7 @@ def test_the_seven_spread_layouts_and_the_equal_restarts_reference(layouts):
 
 def test_every_layout_is_scored_in_fo_and_add_units_by_the_literal_sum(result, layouts):
     for name, lay in layouts.items():
-        for score in ("fo", "add"):
+        for score in SCORES:
             literal = literal_J(units(result, score), lay.kv_group_device, lay.neuron_device)
             assert lay.score["scores"][score]["J"] == pytest.approx(literal, abs=1e-12), (name, score)
         # The headline J is in the run's units (FO) whichever score built the layout.
@@ -138,10 +124,6 @@ def test_each_ablation_has_the_papers_structure(result, layouts):
     assert layouts["4-layers"].score["layers"] == [0, 2, 3, 4]
 
 
-def brute_agreement(a: np.ndarray, b: np.ndarray, devices: int) -> float:
-    return max(float((np.array(perm)[a] == b).mean()) for perm in itertools.permutations(range(devices)))
-
-
 def test_neuron_agreement_is_the_best_relabelling():
     shape = ModelShape("llama", 3, 3, 3, 6)
     rng = np.random.default_rng(4)
@@ -154,23 +136,3 @@ def test_neuron_agreement_is_the_best_relabelling():
     relabelled = Layout("c", 3, 1, shape, (a.kv_group_device + 1) % 3, (a.neuron_device + 1) % 3)
     same = neuron_agreement(a, relabelled)
     assert same["neurons"] == 1.0 and same["kv_groups"] == 1.0
-
-
-def test_stability_report_cross_scores_halves(result):
-    from models.stability import half_layouts, stability_report
-
-    halves = {"first": result, "second": fake_result(seed=1)}
-    lays = half_layouts(halves, devices=L, delta=1, score_name="fo", restarts=0)
-    rep = stability_report(halves, lays, score_name="fo", restarts=0, blocks={"first": 3, "second": 4})
-    for built in ("first", "second"):
-        for on in ("first", "second"):
-            literal = literal_J(units(halves[on], "fo"), lays[built].kv_group_device, lays[built].neuron_device)
-            assert rep["J"][f"{built}_on_{on}"] == pytest.approx(literal, abs=1e-12)
-    assert rep["transfer"]["second"] == pytest.approx(rep["J"]["first_on_second"] / rep["J"]["second_on_second"])
-    assert rep["halves"]["second"]["blocks"] == 4 and rep["restarts"] == 0
-    assert rep["agreement"]["neurons"] == pytest.approx(
-        brute_agreement(lays["first"].neuron_device, lays["second"].neuron_device, L))
-    same = stability_report({"first": result, "second": result}, half_layouts(
-        {"first": result, "second": result}, devices=L, delta=1, score_name="fo", restarts=0),
-        score_name="fo", restarts=0, blocks={"first": 1, "second": 1})
-    assert same["transfer"] == {"first": 1.0, "second": 1.0} and same["agreement"]["neurons"] == 1.0

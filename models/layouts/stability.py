@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from models.layout import Layout
-from models.layout_set import Variant, affinity_for, neuron_agreement, run_variant
+from models.layouts.layout import Layout
+from models.layouts.set import Variant, affinity_for, neuron_agreement, run_variant
 from models.optimise import score, upper_bound
 
 if TYPE_CHECKING:

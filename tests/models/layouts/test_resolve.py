@@ -1,4 +1,4 @@
-"""The layout-name grammar and its one resolver (export, eval, distill and the service use it)."""
+"""The one resolver of layout names (models.layouts.resolve): export, eval, distill and the service use it."""
 
 from __future__ import annotations
 
@@ -8,32 +8,10 @@ import numpy as np
 import pytest
 
 from models.families import model_shape
-from models.layout import LayoutError, contiguous, random, resolve
-from models.layout_names import canonical_layout_name, parse_layout_name, resolve_layout
+from models.layouts.format import LayoutError
+from models.layouts.layout import contiguous, random
+from models.layouts.resolve import resolve_layout
 from tests.tiny import tiny_config
-
-
-@pytest.mark.parametrize(("text", "kind", "name", "seed"), [
-    ("contiguous", "contiguous", "contiguous", None),
-    ("random:7", "random", "random-7", 7),
-    ("random-7", "random", "random-7", 7),
-    ("random:0042", "random", "random-42", 42),
-    ("optimised", "stored", "optimised", None),
-    ("heads-only", "stored", "heads-only", None),
-    ("mine.json", "path", "mine.json", None),
-    ("runs/opt/layouts/optimised.json", "path", "runs/opt/layouts/optimised.json", None),
-    ("../optimised", "path", "../optimised", None),
-])
-def test_parse_layout_name(text: str, kind: str, name: str, seed: int | None) -> None:
-    parsed = parse_layout_name(text)
-    assert (parsed.kind, parsed.name, parsed.seed) == (kind, name, seed)
-    assert canonical_layout_name(text) == name
-
-
-@pytest.mark.parametrize("text", ["random:abc", "random-", "random:-3", "random:1.5", "random: 4", ""])
-def test_parse_layout_name_refuses_malformed_names(text: str) -> None:
-    with pytest.raises(LayoutError, match=r"random:SEED|non-empty"):
-        parse_layout_name(text)
 
 
 def test_resolve_contiguous_and_random() -> None:
@@ -45,8 +23,6 @@ def test_resolve_contiguous_and_random() -> None:
         assert r.name == "random-7" and r.devices == 4 and r.delta == 2
         np.testing.assert_array_equal(r.neuron_device, random(shape, 4, 2, 7).neuron_device)
         np.testing.assert_array_equal(r.kv_group_device, random(shape, 4, 2, 7).kv_group_device)
-    # models.layout.resolve is the same resolver without a layouts directory.
-    np.testing.assert_array_equal(resolve("random:7", shape, 4, 2).kv_group_device, r.kv_group_device)
 
 
 def test_resolve_path(tmp_path: Path) -> None:

@@ -1,0 +1,63 @@
+"""The layout-file format, the random-seed base, the score names and the dtype names: each written once.
+
+Every other use imports it. Read from the Python sources of models/, app/, worker/ and bench/ (tests
+may spell values out to check them): the format string as a literal, a collection literal holding all
+the score names or all the dtype names (a dict's keys too), or an assignment to RANDOM_SEED_BASE,
+anywhere but in the one defining module, is a restatement that can drift.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from models.affinity_scores import SCORES
+from models.ids import DTYPE_NAMES
+from models.layouts.format import LAYOUT_FORMAT
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ("models", "app", "worker", "bench")
+
+
+def python_files() -> Iterator[tuple[str, ast.AST]]:
+    for top in SOURCES:
+        for path in sorted((REPO / top).rglob("*.py")):
+            yield str(path.relative_to(REPO)), ast.parse(path.read_text(), filename=str(path))
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants a collection literal holds (a dict's keys)."""
+    elements = (node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set)
+                else node.keys if isinstance(node, ast.Dict) else [])
+    return {e.value for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+
+def writers() -> dict[str, list[str]]:
+    """What -> every `file:line` that writes it."""
+    out: dict[str, list[str]] = {"format": [], "scores": [], "dtypes": [], "seed base": []}
+    for name, tree in python_files():
+        for node in ast.walk(tree):
+            line = f"{name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Constant) and node.value == LAYOUT_FORMAT:
+                out["format"].append(line)
+            if set(SCORES) <= _strings(node):  # a tuple, list, set, dict or a Literal's subscript
+                out["scores"].append(line)
+            if set(DTYPE_NAMES) <= _strings(node):
+                out["dtypes"].append(line)
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == "RANDOM_SEED_BASE" for t in targets):
+                out["seed base"].append(line)
+    return out
+
+
+def test_each_name_is_written_in_its_one_module():
+    found = writers()
+    assert {what: sorted({line.split(":")[0] for line in lines}) for what, lines in found.items()} == {
+        "format": ["models/layouts/format.py"],
+        "scores": ["models/affinity_scores.py"],
+        "dtypes": ["models/ids.py"],
+        "seed base": ["models/layouts/names.py"],
+    }, found
+    assert all(len(lines) == 1 for lines in found.values()), found
