@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from models.affinity_scores import ScoreName
+from models.affinity_scores import SCORES, ScoreName
 from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
 from models.ids import GGUF_FILE, REVISION, DtypeName, ExportDtypeName
@@ -395,7 +395,7 @@ _SPEC_INFO_EXAMPLE: dict[str, Any] = {
                 {"source": "calibration/tokens.npy", "kind": "data", "description": None}],
     "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
     "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
-                  for score in ("fo", "add")},
+                  for score in SCORES},
     "random_seed_base": RANDOM_SEED_BASE}
 
 

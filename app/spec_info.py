@@ -23,6 +23,7 @@ from app.schemas import (
 )
 from app.settings import Settings
 from app.sources import check_name
+from models.affinity_scores import SCORES
 from models.assets import CORPORA, available_corpora
 from models.layouts.names import RANDOM_SEED_BASE
 from models.layouts.set import ablation_names
@@ -103,7 +104,7 @@ def spec_info(*, settings: Settings) -> dict[str, Any]:
         "example": example,
         "distill_example": distill,
         "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
-                      for score in ("fo", "add")},
+                      for score in SCORES},
         "random_seed_base": RANDOM_SEED_BASE,
         "max_calibration_tokens": settings.max_calibration_tokens,
     }
