@@ -198,10 +198,12 @@ def free_port() -> int:
 
 class ServeProcess:
     """`dtp-layout serve` (API + its local worker) in a subprocess on a free port, its var dir under
-    `var`; `env` adds DTP_LAYOUT_* settings (API keys, a Postgres database, a Redis broker, …)."""
+    `var`; `env` adds DTP_LAYOUT_* settings (API keys, a Postgres database, a Redis broker, …),
+    `serve_args` more command-line arguments (`--no-worker`)."""
 
-    def __init__(self, var: Path, **env: str) -> None:
+    def __init__(self, var: Path, *, serve_args: tuple[str, ...] = (), **env: str) -> None:
         self.var = var
+        self.serve_args = serve_args  # e.g. ("--no-worker",)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
@@ -215,7 +217,7 @@ class ServeProcess:
         import sys
 
         self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port),
-                                      "--var-dir", str(self.var)], env=self.env, stdout=subprocess.PIPE,
+                                      "--var-dir", str(self.var), *self.serve_args], env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
