@@ -163,8 +163,17 @@ class TextFormatter(logging.Formatter):
         return "\n".join([line, *(CONTINUATION + for_log(part) for part in lines)])
 
 
+def _printable(value: Any) -> bool:
+    return not isinstance(value, str) or value.isprintable()
+
+
 def _one_line(record: logging.LogRecord) -> logging.LogRecord:
-    """A copy of `record` without its traceback, its message and string arguments escaped."""
+    """A copy of `record` without its traceback, its message and string arguments escaped; the record
+    itself when there is nothing to change (the common case: no copy on the access log's path)."""
+    args = record.args.values() if isinstance(record.args, dict) else record.args or ()
+    if not (record.exc_info or record.exc_text or record.stack_info) and _printable(record.msg) \
+            and all(_printable(arg) for arg in args):
+        return record
     copy = logging.makeLogRecord(vars(record))
     copy.exc_info = copy.exc_text = copy.stack_info = None
     if isinstance(copy.msg, str):
