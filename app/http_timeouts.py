@@ -120,6 +120,8 @@ class H11HeaderTimeout(_HeaderDeadline, H11Protocol):  # type: ignore[misc]
         super().handle_events()
         if self.cycle is not cycle:
             self._headers_complete()
+        elif self.transport.get_protocol() is not self:  # upgraded (WebSocket): no longer this protocol's
+            self._cancel_header_timer()
 
 
 HeaderTimeoutProtocol: type[asyncio.Protocol] = (HttpToolsHeaderTimeout if _Base is not H11Protocol

@@ -217,8 +217,9 @@ class ServeProcess:
         import sys
 
         self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(self.port),
-                                      "--var-dir", str(self.var), *self.serve_args], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                      "--var-dir", str(self.var), *self.serve_args], env=self.env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

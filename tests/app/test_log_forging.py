@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 import urllib.parse
 
 import pytest
@@ -18,7 +19,8 @@ from app import logs
 from app.safe_text import LINE_BREAKS, for_log, json_escapes
 from tests.service_kit import ServeProcess
 
-FORGED = "FORGED 2026-01-01 00:00:00.000 INFO dtp_layout.access: GET /admin 200"  # no comma: X-Forwarded-For is split on commas
+# No comma: uvicorn splits X-Forwarded-For on commas and would log only the last part.
+FORGED = "FORGED 2026-01-01 00:00:00.000 INFO dtp_layout.access: GET /admin 200"
 
 
 def _raw_request(port: int, target: bytes, headers: dict[bytes, bytes]) -> bytes:
@@ -64,6 +66,9 @@ def test_no_request_can_forge_a_log_line(tmp_path, fmt):
     serve.start()
     try:
         paths = _forgeries(serve.port)
+        deadline = time.monotonic() + 10  # the access lines follow the answers: wait for the last one
+        while f"/v1/jobs/p{len(LINE_BREAKS) - 1}" not in "".join(serve.output) and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         serve.stop()
     lines = _lines(serve)
