@@ -45,7 +45,7 @@ belongs to a tenant and sees only its tenant's jobs (another tenant's job is a 4
 sees and cancels all.
 
 **Errors.** Every failure is JSON: `{"detail", "field"}` naming the part of the request at fault
-(401, 404, 409, 413, 416, 429, 503), or for 422 one entry per bad field under `detail` and a
+(401, 404, 408, 409, 413, 416, 429, 503), or for 422 one entry per bad field under `detail` and a
 `message`. 429 (rate limit, or the tenant's active jobs or work tokens) carries `Retry-After`.
 Unknown paths are 404 and unsupported methods 405, with the same body. Under /v1 the key and the rate
 limit are checked first, before the body is read: without a valid key every /v1 request is 401.
