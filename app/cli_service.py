@@ -145,11 +145,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                       **settings.worker_env()}, log_path=log_path).start()
         threading.Thread(target=banner, daemon=True).start()
         # The app's own access log (app/request_context.py) carries the X-Request-ID: uvicorn's is off;
-        # with DTP_LAYOUT_LOG_FORMAT=json uvicorn's loggers go through the app's JSON handler (app/logs.py).
+        # with DTP_LAYOUT_LOG_FORMAT=json uvicorn's loggers go through the app's JSON handler, with text
+        # uvicorn's formatters are wrapped so that a record stays one line (app/logs.py). The protocol
+        # closes connections whose headers do not arrive in time (app/http_timeouts.py).
         from uvicorn.config import LOGGING_CONFIG
 
+        from app import http_timeouts, logs
+
         uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    log_config=None if settings.log_format == "json" else LOGGING_CONFIG)
+                    log_config=None if settings.log_format == "json" else logs.one_line_config(LOGGING_CONFIG),
+                    http=http_timeouts.protocol(settings.header_timeout_s))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
         return 0 if code in (128 + signal.SIGTERM, 128 + signal.SIGHUP) else code

@@ -34,7 +34,8 @@ class ErrorOut(BaseModel):
                                                         "(`calibration.seq_len`), a path or query parameter, a header "
                                                         "(`X-API-Key`) or `body`; null for a server-side outage (503)")
     error: str | None = Field(default=None, description="a short code for programs: unauthorized, not_found, "
-                                                        "conflict, payload_too_large, range_not_satisfiable, "
+                                                        "conflict, request_timeout, payload_too_large, "
+                                                        "range_not_satisfiable, "
                                                         "rate_limited, too_many_active_jobs, work_budget, "
                                                         "database_unavailable, broker_unavailable, "
                                                         "artifact_damaged, …")
@@ -223,6 +224,8 @@ def install(app: FastAPI) -> None:
 _DESCRIPTIONS = {
     401: "missing, unknown or revoked X-API-Key",
     404: "no such job (or not the caller's)",
+    408: "the request's headers or body did not arrive in time (DTP_LAYOUT_HEADER_TIMEOUT_S, "
+         "DTP_LAYOUT_BODY_TIMEOUT_S); the connection is closed",
     409: "the job already finished",
     413: "request body larger than the server's limit (DTP_LAYOUT_MAX_BODY_BYTES)",
     416: "the Range is not satisfiable",
@@ -233,7 +236,7 @@ _DESCRIPTIONS = {
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 _HEADERS = {401: {"WWW-Authenticate": {"description": "X-API-Key", "schema": {"type": "string"}}},
             429: _RETRY_AFTER, 503: _RETRY_AFTER}
-COMMON = (401, 413, 422, 429, 503)
+COMMON = (401, 408, 413, 422, 429, 503)
 
 
 def responses(*codes: int, **descriptions: str) -> dict[int | str, dict[str, Any]]:

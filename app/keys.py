@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from app import safe_text
 from app.db import ApiKey, Database, utcnow
 from app.settings import KEY_NAME, Settings
 
@@ -55,6 +56,8 @@ def settings_entry(name: str, key: str, *, admin: bool = False, tenant: str | No
 
 
 def check_name(value: str, what: str) -> str:
+    """`value` NFC-normalised (app/safe_text.py) if it is a key or tenant name; else ValueError."""
+    value = safe_text.nfc(value)
     if not KEY_NAME.fullmatch(value):
         raise ValueError(f"{what} {value!r} must be 1-100 letters, digits, '.', '_' or '-', starting with a letter "
                          "or digit")

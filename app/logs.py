@@ -10,10 +10,17 @@ would be gone by the time the route or the access log runs; the object is shared
     worker   ──run_job──────────▶ LogContext(job_id, tenant, stage)         (worker/tasks.py, jobs.py)
     record   ──ContextFilter────▶ record.request_id / job_id / tenant / stage
              ──JsonFormatter────▶ {"ts", "level", "logger", "message", "request_id", …, extras}
+
+One record is one line, whatever a client sent (a decoded path, a header, a spec field): both
+formats write every line break and every other non-printable character of a value as an escape
+(app/safe_text.py: `\n`, `\x85`, `\u2028`; in JSON `\u0085`). A text record with a traceback is
+followed by the traceback's lines, each starting with `  | `: a line that does not is a record.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
 import logging
 import sys
@@ -22,6 +29,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
+
+from app.safe_text import for_log, json_escapes
 
 FIELDS = ("request_id", "job_id", "tenant", "stage")
 FORMATS = ("text", "json")
@@ -110,24 +119,70 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = record.exc_text
         if record.stack_info:
             out["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
+        return json_escapes(json.dumps(out, default=str, ensure_ascii=False))
+
+
+def _escaped(value: Any) -> Any:
+    return for_log(value) if isinstance(value, str) else value
+
+
+# Continuation lines of a text record (its traceback) start with this: no record line does.
+CONTINUATION = "  | "
 
 
 class TextFormatter(logging.Formatter):
     """A readable line (the wrapped formatter's, or `time level logger: message`) with the context
-    fields that are set appended as `[request_id=… job_id=…]`."""
+    fields that are set appended as `[request_id=… job_id=…]`, and the traceback, if any, on the lines
+    after it, each prefixed with `CONTINUATION`.
+
+    The wrapped formatter (uvicorn's, Celery's) formats a copy of the record whose message and string
+    arguments have their non-printable characters escaped, without the traceback; what it returns then
+    has any line break left (a multi-line exception passed as an argument) escaped too. Only ESC is
+    kept there: the wrapped formatter's colours use it, and the arguments' ESC are escaped already."""
 
     def __init__(self, inner: logging.Formatter | None = None) -> None:
         super().__init__()
         self.inner = inner or logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        text = self.inner.format(record)
-        fields = " ".join(f"{name}={value}" for name in FIELDS if (value := getattr(record, name, None)) is not None)
-        if not fields:
-            return text
-        first, sep, rest = text.partition("\n")  # after the message line, before a traceback
-        return f"{first} [{fields}]{sep}{rest}"
+        line = for_log(self.inner.format(_one_line(record)), keep="\x1b")
+        fields = " ".join(f"{name}={for_log(str(value))}" for name in FIELDS
+                          if (value := getattr(record, name, None)) is not None)
+        if fields:
+            line = f"{line} [{fields}]"
+        tail = []
+        if record.exc_info:
+            tail.append(self.formatException(record.exc_info))
+        elif record.exc_text:
+            tail.append(record.exc_text)
+        if record.stack_info:
+            tail.append(self.formatStack(record.stack_info))
+        if not tail:
+            return line
+        lines = "\n".join(tail).splitlines()  # every kind of line break ends a continuation line
+        return "\n".join([line, *(CONTINUATION + for_log(part) for part in lines)])
+
+
+def _printable(value: Any) -> bool:
+    return not isinstance(value, str) or value.isprintable()
+
+
+def _one_line(record: logging.LogRecord) -> logging.LogRecord:
+    """A copy of `record` without its traceback, its message and string arguments escaped; the record
+    itself when there is nothing to change (the common case: no copy on the access log's path)."""
+    args = record.args.values() if isinstance(record.args, dict) else record.args or ()
+    if not (record.exc_info or record.exc_text or record.stack_info) and _printable(record.msg) \
+            and all(_printable(arg) for arg in args):
+        return record
+    copy = logging.makeLogRecord(vars(record))
+    copy.exc_info = copy.exc_text = copy.stack_info = None
+    if isinstance(copy.msg, str):
+        copy.msg = for_log(copy.msg)
+    if isinstance(copy.args, tuple):
+        copy.args = tuple(_escaped(arg) for arg in copy.args)
+    elif isinstance(copy.args, dict):
+        copy.args = {key: _escaped(arg) for key, arg in copy.args.items()}
+    return copy
 
 
 class _Stderr(logging.StreamHandler):
@@ -151,7 +206,9 @@ def formatter(fmt: str, inner: logging.Formatter | None = None) -> logging.Forma
 def configure(fmt: str = "text", level: str = "INFO") -> logging.Handler:
     """The API process's logging: one stderr handler on the root logger with the context filter and
     the format, this project's loggers (`app.*`, `dtp_layout.*`) at `level`. With json, uvicorn's
-    loggers go through it too (one format per process). Calling it again replaces the handler."""
+    loggers go through it too (one format per process); with text, the handlers uvicorn set up before
+    the app was built (`uvicorn app.main:create_app`) get the one-line wrapper (`adopt`). Calling it
+    again replaces the handler."""
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, _MARK, False)]:
         root.removeHandler(old)
@@ -169,7 +226,33 @@ def configure(fmt: str = "text", level: str = "INFO") -> logging.Handler:
             uv.propagate = True
             if uv.level == logging.NOTSET:
                 uv.setLevel(level)
+    else:
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+            adopt(logging.getLogger(name), fmt)
     return handler
+
+
+def wrapped_formatter(inner: Any = "logging.Formatter", **options: Any) -> TextFormatter:
+    """A `logging.config.dictConfig` formatter factory: the TextFormatter (one line per record, the
+    context appended) around the formatter class `inner` (or its dotted name), built with `options`."""
+    if isinstance(inner, str):
+        module, _, name = inner.rpartition(".")
+        inner = getattr(importlib.import_module(module), name)
+    return TextFormatter(inner(**options))
+
+
+def one_line_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a dictConfig (uvicorn's LOGGING_CONFIG, for `serve`'s text format) whose every
+    formatter is wrapped by `wrapped_formatter`: uvicorn's lines keep their look and colours, and
+    nothing a client sent can break one."""
+    out = copy.deepcopy(config)
+    for name, spec in out.get("formatters", {}).items():
+        options = {k: v for k, v in spec.items() if k not in ("()", "class", "format")}
+        if "format" in spec:
+            options["fmt"] = spec["format"]
+        inner = spec.get("()") or spec.get("class") or "logging.Formatter"
+        out["formatters"][name] = {"()": wrapped_formatter, "inner": inner, **options}
+    return out
 
 
 def adopt(logger: logging.Logger, fmt: str) -> None:

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 
-from app import body_limit, errors, logs, request_context
+from app import auth, body_limit, errors, logs, request_context
 from app.db import database
 from app.deps import Db
 from app.job_stats import CachedStats, job_stats
@@ -28,6 +28,7 @@ from app.routers import health, v1_router
 from app.settings import Settings, get_settings
 from app.storage import Storage
 from app.ui.router import router as ui_router
+from app.ui_docs.router import router as docs_router
 
 DESCRIPTION = """\
 Affinity-aware layouts for Delayed Tensor Parallelism as a service: POST a model and a calibration
@@ -44,9 +45,11 @@ belongs to a tenant and sees only its tenant's jobs (another tenant's job is a 4
 sees and cancels all.
 
 **Errors.** Every failure is JSON: `{"detail", "field"}` naming the part of the request at fault
-(401, 404, 409, 413, 416, 429, 503), or for 422 one entry per bad field under `detail` and a
+(401, 404, 408, 409, 413, 416, 429, 503), or for 422 one entry per bad field under `detail` and a
 `message`. 429 (rate limit, or the tenant's active jobs or work tokens) carries `Retry-After`.
-Unknown paths are 404 and unsupported methods 405, with the same body.
+Unknown paths are 404 and unsupported methods 405, with the same body. Under /v1 the key and the rate
+limit are checked first, before the body is read: without a valid key every /v1 request is 401.
+A request whose headers or body do not arrive in time is closed (408).
 """
 
 
@@ -80,7 +83,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         freeze_startup_heap()
         yield
 
+    # /docs and /redoc come from this package (app/ui_docs), not from FastAPI's CDN pages.
     app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None,
                   openapi_tags=[{"name": "jobs"}, {"name": "layouts"}, {"name": "artifacts"}, {"name": "scores"},
                                 {"name": "health"}])
     db = database(settings.database_url, pool_size=settings.api_threads)
@@ -93,11 +98,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.queue = JobQueue(settings)
     stats = CachedStats(lambda: job_stats(db=db), settings.metrics_cache_s)
     app.state.metrics = metrics = Metrics(stats.get)
-    body_limit.install(app, settings.max_body_bytes)  # an oversized body never reaches the app
-    # outermost: every answer (a 413 included) carries its X-Request-ID and is counted
+    # an oversized or stalled body never reaches the app
+    body_limit.install(app, settings.max_body_bytes, settings.body_timeout_s)
+    auth.install(app)  # before the body is read: 401 / 429 for /v1 without parsing a byte of it
+    # outermost: every answer (a 401, 413 included) carries its X-Request-ID and is counted
     request_context.install(app, metrics, access_log=settings.access_log)
     errors.install(app)
     app.include_router(v1_router())
     app.include_router(health.router)
     app.include_router(ui_router)  # the dashboard at /ui (static files of app/ui)
+    app.include_router(docs_router)  # /docs and /redoc
     return app

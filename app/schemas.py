@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -20,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from app import safe_text
 from models.affinity_scores import SCORES, ScoreName
 from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
@@ -79,18 +79,15 @@ EXAMPLE_HUB_SPEC: dict[str, Any] = {
 
 INT32_MAX = 2**31 - 1  # seeds are stored in Integer columns (metrics.seed)
 MAX_SKIP_BLOCKS = 1_000_000
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-PRINTABLE = r"^[^\x00-\x1f\x7f]*$"  # the same rule as a pattern, for query parameters
 
 
-def _printable(value: str) -> str:
-    if _CONTROL.search(value):
-        raise ValueError("must not contain NUL, newlines or other control characters")
-    return value
+def _clean_or_none(value: str | None) -> str | None:
+    return None if value is None else safe_text.clean(value)
 
 
-# Every string of a spec: no NUL (Postgres refuses it), no newline or other control character.
-Text = Annotated[str, AfterValidator(_printable)]
+# Every string of a spec and every text query filter: printable characters only (no control, bidi,
+# zero-width or line-separator character; the rule is app/safe_text.py's), NFC-normalised.
+Text = Annotated[str, AfterValidator(safe_text.clean)]
 Seed = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 
 
@@ -596,10 +593,12 @@ class Health(BaseModel):
 def _text_query(max_length: int, description: str) -> Any:
     from fastapi import Query
 
-    return Query(max_length=max_length, pattern=PRINTABLE, description=description)
+    return Query(max_length=max_length, description=f"{description} (printable characters; compared after "
+                                                    "NFC normalisation)")
 
 
-ModelFilter = Annotated[str | None, _text_query(300, "model id as submitted")]
-OwnerFilter = Annotated[str | None, _text_query(100, "owner (tenant); only an admin sees other tenants' jobs")]
-RevisionFilter = Annotated[str | None, _text_query(128, "hub revision as submitted")]
-LayoutFilter = Annotated[str | None, _text_query(64, "only this layout")]
+ModelFilter = Annotated[str | None, _text_query(300, "model id as submitted"), AfterValidator(_clean_or_none)]
+OwnerFilter = Annotated[str | None, _text_query(100, "owner (tenant); only an admin sees other tenants' jobs"),
+                        AfterValidator(_clean_or_none)]
+RevisionFilter = Annotated[str | None, _text_query(128, "hub revision as submitted"), AfterValidator(_clean_or_none)]
+LayoutFilter = Annotated[str | None, _text_query(64, "only this layout"), AfterValidator(_clean_or_none)]

@@ -45,6 +45,13 @@ class Settings(BaseSettings):
                                                                        "(a revoked key stops working within this)")
     max_body_bytes: int = Field(default=65536, ge=1024, le=1 << 30, description="larger request bodies get 413 "
                                                                                 "before they are read")
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="a request's headers must arrive within "
+                                                                            "this from the connection's start or the "
+                                                                            "previous response; else the connection "
+                                                                            "is closed (`serve`; app/http_timeouts.py)")
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="a request's body must arrive within this "
+                                                                          "from the end of its headers; else 408 and "
+                                                                          "the connection is closed")
     rate_limit_per_min: int = Field(default=600, ge=0, description="requests per minute per key (per client address "
                                                                    "without a valid key); 0 turns the limit off")
     rate_limit_burst: int = Field(default=120, ge=1, description="requests a key may make at once before the rate "

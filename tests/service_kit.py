@@ -263,14 +263,15 @@ class ServeProcess:
     """`dtp-layout serve` (API + its local worker, none with `no_worker`) in a subprocess on a free port,
     its var dir under `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API
     keys, a Postgres database, a Redis broker, …). `program` is how to run `dtp-layout` (default: this
-    interpreter on this checkout) and `options` more `serve` options."""
+    interpreter on this checkout) and `options` (or `serve_args`) more `serve` options."""
 
     def __init__(self, var: Path, *, cwd: Path | None = None, no_worker: bool = False,
                  program: Sequence[str] = (sys.executable, "-m", "app.cli"), options: Sequence[str] = (),
+                 serve_args: Sequence[str] = (),
                  **env: str) -> None:
         self.var, self.cwd = var, cwd
         self.program = list(program)
-        self.options = [*options, *(["--no-worker"] if no_worker and "--no-worker" not in options else [])]
+        self.options = [*options, *serve_args, *(["--no-worker"] if no_worker and "--no-worker" not in options else [])]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}

@@ -145,18 +145,19 @@ def _push(port: int, head: bytes, body_chunks, total: int) -> tuple[bytes, int, 
 
 def test_a_100_mb_body_gets_413_without_being_buffered(base, tmp_path):
     proc, port = _serve(base, tmp_path)
+    key = f"X-API-Key: {base[2]}\r\n"
     try:
         size, block = 100_000_000, b"x" * 65536
         before = _peak_rss_kib(proc.pid)
-        head = (f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        head = (f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{key}"
                 f"Content-Length: {size}\r\n\r\n").encode()
         answer, sent, seconds = _push(port, head, iter([block] * (size // len(block) + 1)), size)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"] == "payload_too_large"
         print(f"Content-Length 100 MB: 413 after {seconds * 1e3:.1f} ms, {sent:,} body bytes sent")
         # Chunked, no length: counted as it arrives, refused once past 64 KiB.
-        head = b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
-               b"Transfer-Encoding: chunked\r\n\r\n"
+        head = f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{key}" \
+               "Transfer-Encoding: chunked\r\n\r\n".encode()
         chunk = b"%x\r\n%s\r\n" % (len(block), block)
         answer2, sent2, seconds2 = _push(port, head, iter([chunk] * (size // len(block) + 1)), size)
         assert answer2.startswith(b"HTTP/1.1 413"), answer2[:200]
@@ -246,6 +247,10 @@ def test_rate_limit_per_key_is_429_with_retry_after(base):
     ("/v1/scores", {"revision": "main\x00"}, "revision"),
     ("/v1/jobs/0123456789abcdef0123456789abcdef/metrics", {"seed": 2**63}, "seed"),
     ("/v1/jobs/0123456789abcdef0123456789abcdef/metrics", {"layout": "\x00"}, "layout"),
+    ("/v1/jobs", {"owner": "team\u202eb"}, "owner"),
+    ("/v1/jobs", {"model": "tiny\u200b"}, "model"),
+    ("/v1/scores", {"model": "a\u2028b"}, "model"),
+    ("/v1/scores", {"revision": "main\x85"}, "revision"),
 ])
 def test_overflowing_and_control_query_parameters_are_422(base, path, params, field):
     with app_with(base) as client:
@@ -273,6 +278,90 @@ def test_overflowing_and_control_spec_fields_are_422(base, overrides, field):
         r = client.post("/v1/jobs", json=spec(**overrides))
         assert r.status_code == 422, r.text
         assert field in fields(r), fields(r)
+
+
+# One rule for every string of a spec (app/safe_text.py): the characters an attacker uses to make two
+# names look alike or to break a log line, each refused in each kind of spec string, naming it.
+SNEAKY = {"\u202e": "RIGHT-TO-LEFT OVERRIDE", "\u2066": "LEFT-TO-RIGHT ISOLATE", "\u200f": "RIGHT-TO-LEFT MARK",
+          "\u061c": "ARABIC LETTER MARK", "\u200b": "ZERO WIDTH SPACE", "\u200d": "ZERO WIDTH JOINER",
+          "\u2060": "WORD JOINER", "\ufeff": "ZERO WIDTH NO-BREAK SPACE", "\x85": "U+0085", "\x9b": "U+009B",
+          "\u2028": "LINE SEPARATOR", "\u2029": "PARAGRAPH SEPARATOR", "\x0b": "U+000B", "\x1e": "U+001E",
+          "\u00a0": "NO-BREAK SPACE", "\U000e0041": "TAG LATIN CAPITAL LETTER A"}
+SPEC_STRINGS = {
+    "model.id": lambda v: {"model": {"id": f"ti{v}ny"}},
+    "model.revision": lambda v: {"model": {"id": "owner/name", "revision": f"ma{v}in"}},
+    "model.gguf_file": lambda v: {"model": {"id": "tiny", "gguf_file": f"m{v}.gguf"}},
+    "calibration.source": lambda v: {"calibration": {"source": f"corpus:{v}kjv"}},
+    "calibration.text_field": lambda v: {"calibration": {"text_field": f"te{v}xt"}},
+    "distill.layouts.0": lambda v: {"distill": {"layouts": [f"optimised{v}"]}},
+    "distill.train.source": lambda v: {"distill": {"train": {"source": f"{v}corpus:kjv"}}},
+    "distill.eval.text_field": lambda v: {"distill": {"eval": {"source": "corpus:kjv", "text_field": f"t{v}"}}},
+}
+
+
+def test_bidi_zero_width_c1_and_separators_are_refused_in_every_spec_string(base):
+    with app_with(base, rate_limit_per_min=0) as client:  # 128 requests: more than a burst
+        for field, make in SPEC_STRINGS.items():
+            for char, name in SNEAKY.items():
+                r = client.post("/v1/jobs", json=spec(**make(char)))
+                assert r.status_code == 422, (field, hex(ord(char)), r.text)
+                problems = fields(r)
+                assert field in problems and f"U+{ord(char):04X}" in problems[field] and name in problems[field], (
+                    field, problems)
+
+
+def test_spec_strings_and_filters_are_nfc_normalised(base):
+    """A string spelt with a combining accent (NFD) is stored, and compared, as its composed form (NFC):
+    the spec the job records, and the list filters, whichever spelling each side used. (Model and data
+    names are ASCII path parts today; the rule holds for every string field, present and future.)"""
+    nfc, nfd = "t\u00e9xt", "te\u0301xt"
+    with app_with(base, max_active_jobs=1000) as client:
+        r = client.post("/v1/jobs", json=spec(calibration={"text_field": nfd}))
+        assert r.status_code == 202, r.text
+        assert r.json()["spec"]["calibration"]["text_field"] == nfc
+        lists = [client.get("/v1/jobs", params={"model": f"tiny-{spelling}"}) for spelling in (nfc, nfd)]
+        assert [x.status_code for x in lists] == [200, 200]
+        assert lists[0].json() == lists[1].json()
+
+
+def test_the_key_and_the_rate_limit_come_before_the_body(base, tmp_path):
+    """A malformed or deeply nested body from a caller without a valid key is 401, over the rate limit
+    429: the body is never parsed. On a real server, a request announcing a body it never sends is
+    answered 401 at once, and its connection closed (the server does not wait for the body)."""
+    root, kwargs, _ = base
+    bodies = {"malformed": b'{"model": ', "nested": b"[" * 60_000, "not utf-8": b"\xff\xfe"}
+    with TestClient(create_app(make_settings(root, **kwargs))) as anonymous:
+        for what, body in bodies.items():
+            for headers in ({}, {"X-API-Key": "dtpk_wrong"}):
+                r = anonymous.post("/v1/jobs", content=body, headers={"Content-Type": "application/json", **headers})
+                assert r.status_code == 401 and r.json()["field"] == "X-API-Key", (what, headers, r.text)
+                assert r.headers["connection"] == "close"
+    with app_with(base, rate_limit_per_min=60, rate_limit_burst=2) as client:
+        key = {"X-API-Key": create_key(client.app.state.db, name=f"rl-{uuid.uuid4().hex[:8]}")}
+        assert [client.get("/v1/jobs", headers=key).status_code for _ in range(2)] == [200, 200]
+        for body in bodies.values():
+            r = client.post("/v1/jobs", content=body, headers={"Content-Type": "application/json", **key})
+            assert r.status_code == 429 and r.json()["error"] == "rate_limited", r.text
+    proc, port = _serve(base, tmp_path)
+    try:
+        for headers in ("", "X-API-Key: dtpk_wrong\r\n"):
+            times = []
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    t0 = time.perf_counter()
+                    sock.sendall(f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+                                 "Content-Length: 1000\r\n\r\n".encode())
+                    answer = b""
+                    while chunk := sock.recv(65536):  # until the server closes the connection
+                        answer += chunk
+                    times.append(time.perf_counter() - t0)
+                assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+            print(f"no body sent, key {headers.strip() or 'missing'}: 401 and closed in "
+                  f"{statistics.median(times) * 1e3:.1f} ms (median of 5)")
+            assert statistics.median(times) < 1.0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def test_control_characters_in_paths_are_404_json(base):
