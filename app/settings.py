@@ -41,9 +41,10 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(default=120, ge=1, description="requests a key may make at once before the rate "
                                                                  "limit applies")
     max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429")
-    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (calibration + distillation "
-                                                                      "training) of a tenant's active jobs; more "
-                                                                      "is 429")
+    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (app.budgets: calibration, "
+                                                                      "distillation training and evaluation, layout "
+                                                                      "work) of a tenant's active jobs; more is 429 "
+                                                                      "(one job alone past it: 422)")
     max_calibration_tokens: int = Field(default=1 << 20, ge=2, description="calibration sequences × seq_len per job "
                                                                            "(also the evaluation set of a distill)")
     max_skip_tokens: int = Field(default=1 << 26, ge=0, description="skip_blocks × seq_len of any data spec")
@@ -51,6 +52,9 @@ class Settings(BaseSettings):
                                                                        "seeds of a job's distillation")
     max_evaluations: int = Field(default=10_000, ge=1, description="distillation evaluations of a job over all its "
                                                                    "runs (4 metric rows each)")
+    max_eval_tokens: int = Field(default=1 << 26, ge=1, description="distillation evaluation tokens of a job: "
+                                                                    "(evaluations + 1) × evaluation sequences × "
+                                                                    "seq_len, every run's and the dense model's")
     max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model (from its "
                                                                             "config) a job may load")
     hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none) or "
@@ -76,17 +80,17 @@ class Settings(BaseSettings):
                                                                    "at most TIME_LIMIT_MAX_S; the hard limit is 10% + "
                                                                    "TIME_LIMIT_GRACE_S more")
     time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
-                                                                            "million work tokens (calibration + "
-                                                                            "distillation training)")
+                                                                            "million work tokens (app.budgets: "
+                                                                            "every unit of work the spec asks for)")
     time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit")
     time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
                                                                       "this; past it the worker process is killed")
     stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: sleep between micro-batches and at "
                                                                   "each stage's start")
     test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
-                                                        "calibration or optimising where a cancel can abandon it (a "
-                                                        "stuck download), affinity or distilling where only the hard "
-                                                        "time limit can")
+                                                        "calibration, optimising, exporting or distilling (its data "
+                                                        "loading) where a cancel can abandon it (a stuck download), "
+                                                        "affinity where only the hard time limit can")
     public_url: str = Field(default="", description="base URL printed in links (default: the request's)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "
