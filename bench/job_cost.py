@@ -56,7 +56,10 @@ def hostile_spec(eval_sequences: int, steps: int = 2) -> dict[str, Any]:
 
 
 def settings_in(root: Path, eval_sequences: int, **overrides: Any) -> Any:
-    settings = make_settings(root, device="cpu", **overrides)
+    from app.settings import Settings
+
+    known = {k: v for k, v in overrides.items() if k in Settings.model_fields}  # an older tree has fewer
+    settings = make_settings(root, device="cpu", **known)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
     provision(settings)

@@ -81,7 +81,8 @@ def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage):
         job_id = submit_job(session=session, settings=settings, spec=JobSpec.model_validate(body), caller=OPEN,
                             enqueue=lambda _jid: None).id
     result: list[str] = []
-    runner = threading.Thread(target=lambda: result.append(run_job(job_id, settings=settings, db=db, worker="w:1")))
+    runner = threading.Thread(target=lambda: result.append(run_job(job_id, settings=settings, db=db, worker="w:1")),
+                              daemon=True)  # should a stage hang for good, the test fails instead
     runner.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -124,8 +125,8 @@ def client(settings, worker):
         yield c
 
 
-def cancel_when(client, settings, worker, body, until, stage):
-    """Submit `body`, cancel once `until(job view)` holds; the cancelled job row."""
+def cancel_when(client, settings, worker, body, until, stage, what):
+    """Submit `body`, cancel once `until(job view)` holds; the cancelled job row and the steps evaluated."""
     job_id = client.post("/v1/jobs", json=body).json()["id"]
     running = wait_for(client, job_id, timeout=120, worker=worker,
                        until=lambda j: until(j) or j["status"] not in ("queued", "running"))
@@ -136,6 +137,7 @@ def cancel_when(client, settings, worker, body, until, stage):
     with database(settings.database_url).session() as session:
         job = session.get(Job, job_id)
         steps = sorted(set(session.scalars(select(Metric.step).where(Metric.job_id == job_id))))
+    print(f"cancel in {what}: {latency_s(job):.2f} s")
     return job, steps
 
 
@@ -145,8 +147,7 @@ def test_cancel_in_the_affinity_pass(client, settings, worker):
     body = spec(random_layouts=0, ablations=False, export=False, batch_size=1,
                 calibration={"source": CALIB_BIG, "sequences": 64, "seq_len": 256})
     job, _ = cancel_when(client, settings, worker, body, lambda j: j["stage"] == "affinity" and j["progress"] > 0,
-                         "affinity")
-    print(f"cancel in affinity: {latency_s(job):.2f} s")
+                         "affinity", "affinity")
     assert latency_s(job) < LATENCY_S
 
 
@@ -156,9 +157,9 @@ def test_cancel_while_training(client, settings, worker):
     body = distill_spec(steps=200, eval={"source": EVAL, "sequences": 4, "seq_len": 256},
                         recipe={"batch_size": 4, "micro_batch_size": 1, "eval_every": 100})
     job, steps = cancel_when(client, settings, worker, body,
-                             lambda j: j["stage"] == "distilling" and j["progress"] > 0, "distilling")
+                             lambda j: j["stage"] == "distilling" and j["progress"] > 0, "distilling",
+                             "distilling (training)")
     assert steps == [0]  # step 0 was evaluated, then training was under way
-    print(f"cancel in distilling (training): {latency_s(job):.2f} s")
     assert latency_s(job) < LATENCY_S
 
 
@@ -175,9 +176,9 @@ def test_cancel_in_the_evaluation_at_the_start_of_distilling(client, settings, w
             entered.setdefault("t", time.monotonic())
         return "t" in entered and time.monotonic() - entered["t"] > 1.0
 
-    job, steps = cancel_when(client, settings, worker, body, a_second_in, "distilling")
+    job, steps = cancel_when(client, settings, worker, body, a_second_in, "distilling",
+                             "distilling (evaluation at the start)")
     assert steps == []  # no evaluation finished
-    print(f"cancel in distilling (evaluation at the start): {latency_s(job):.2f} s")
     assert latency_s(job) < LATENCY_S
 
 
@@ -188,7 +189,7 @@ def test_cancel_in_the_evaluation_at_the_end_of_distilling(client, settings, wor
     body = distill_spec(steps=1, eval=LONG_EVAL, recipe={"batch_size": 1, "micro_batch_size": 1,
                                                          "eval_batch_size": 4096})
     job, steps = cancel_when(client, settings, worker, body,
-                             lambda j: j["stage"] == "distilling" and j["progress"] >= 1.0, "distilling")
+                             lambda j: j["stage"] == "distilling" and j["progress"] >= 1.0, "distilling",
+                             "distilling (evaluation at the end)")
     assert steps == [0]  # the last evaluation (step 1) never finished
-    print(f"cancel in distilling (evaluation at the end): {latency_s(job):.2f} s")
     assert latency_s(job) < LATENCY_S
