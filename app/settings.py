@@ -58,9 +58,10 @@ class Settings(BaseSettings):
                                                                  "limit applies")
     max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429 with "
                                                               "Retry-After")
-    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (calibration + distillation "
-                                                                      "training) of a tenant's active jobs; more "
-                                                                      "is 429")
+    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (app.budgets: calibration, "
+                                                                      "distillation training and evaluation, layout "
+                                                                      "work) of a tenant's active jobs; more is 429 "
+                                                                      "(one job alone past it: 422)")
     max_calibration_tokens: int = Field(default=1 << 20, ge=2, description="calibration sequences × seq_len per job "
                                                                            "(also the evaluation set of a distill); "
                                                                            "more is 422")
@@ -70,6 +71,9 @@ class Settings(BaseSettings):
                                                                        "training blocks it loads)")
     max_evaluations: int = Field(default=10_000, ge=1, description="distillation evaluations of a job over all its "
                                                                    "runs (4 metric rows each)")
+    max_eval_tokens: int = Field(default=1 << 26, ge=1, description="distillation evaluation tokens of a job: "
+                                                                    "(evaluations + 1) × evaluation sequences × "
+                                                                    "seq_len, every run's and the dense model's")
     max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model, estimated "
                                                                             "from its config, that a job may load")
     hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none: hub ids are "
@@ -107,8 +111,8 @@ class Settings(BaseSettings):
                                                                    "TIME_LIMIT_GRACE_S more (the worker process is "
                                                                    "then killed and restarted)")
     time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
-                                                                            "million work tokens (calibration + "
-                                                                            "distillation training)")
+                                                                            "million work tokens (app.budgets: "
+                                                                            "every unit of work the spec asks for)")
     time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit "
                                                                         "(48 h)")
     time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
@@ -120,9 +124,9 @@ class Settings(BaseSettings):
                                                                   "micro-batches and at each stage's start (a job "
                                                                   "slow on purpose, deterministically)")
     test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
-                                                        "calibration or optimising where a cancel or a stall can "
-                                                        "abandon it (a stuck download), affinity or distilling "
-                                                        "where only the hard time limit can")
+                                                        "calibration, optimising, exporting or distilling (its data "
+                                                        "loading) where a cancel can abandon it (a stuck download), "
+                                                        "affinity where only the hard time limit can")
     public_url: str = Field(default="", description="base URL of the links in responses (default: relative links)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "

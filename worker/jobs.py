@@ -544,13 +544,14 @@ class JobRun:
             self.enter("exporting")
             for sub in ("checkpoint", "shards"):
                 shutil.rmtree(self.work / sub, ignore_errors=True)
-            # The checkpoint is written first, then the shards rank by rank (those report progress).
+            # The checkpoint is written first, then the shards rank by rank (those report progress). In a
+            # thread a cancel walks away from: writing a large checkpoint reports nothing for minutes.
             offset = 0.5 if spec.export.checkpoint else 0.0
-            pipeline.stage_export(state, model=loaded.model, tokenizer=loaded.tokenizer,
-                                  progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
-                                  overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards,
-                                  dtype=export_dtype(spec.export.dtype, config=config,
-                                                     compute=DTYPES[spec.model.dtype]))
+            self.abandonable(lambda: pipeline.stage_export(
+                state, model=loaded.model, tokenizer=loaded.tokenizer,
+                progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
+                overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards,
+                dtype=export_dtype(spec.export.dtype, config=config, compute=DTYPES[spec.model.dtype])))
             self.check()
             files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")
                      for p in sorted((self.work / sub).glob("*")) if p.is_file()]
@@ -620,7 +621,7 @@ class JobRun:
         D.run_distill(dspec, teacher=loaded.model, tokenizer=loaded.tokenizer, out_dir=out_dir,
                       layouts_dir=layouts_dir, model_id=self.spec.model.id, progress=progress,
                       should_stop=self.should_stop, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start,
-                      plot=True, keep_checkpoints=False)
+                      plot=True, keep_checkpoints=False, abandonable=self.abandonable)
         self.check()
         # The data specs as submitted (names, not the server's paths), in the published summary.
         summary_file = out_dir / "summary.json"

@@ -55,11 +55,15 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
                 should_stop: ShouldStop | None = None, on_eval: Callable[[EvalRecord], None] | None = None,
                 on_step: Callable[[str, int, StepStats, EvalRecord | None], None] | None = None,
                 on_run_start: Callable[[str, int], None] | None = None, plot: bool = True,
-                keep_checkpoints: bool = True) -> dict[str, Any]:
+                keep_checkpoints: bool = True,
+                abandonable: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
     """Every (layout, seed) run of `spec`, in order; writes out_dir/{metrics.csv, summary.json, curves.png}.
 
     Rerunning with the same spec and out_dir skips finished runs and resumes the interrupted one.
     progress(stage, fraction) counts optimiser steps over all runs. Returns the summary.
+    should_stop is asked between the dense model's evaluation batches, steps, micro-batches and
+    evaluation batches; abandonable(fn) runs the data loading (which asks nothing): the worker passes
+    a wrapper that a cancel can walk away from.
     """
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -69,10 +73,14 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     layouts = resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
                               layouts_dir=layouts_dir)
     vocab = int(config.vocab_size)
-    placement = place_data(spec)
-    train_blocks, eval_blocks = load_data(spec, tokenizer=tokenizer, vocab_size=vocab, placement=placement)
+
+    def read() -> Any:  # where the data are (identities read by content), then the blocks
+        placement = place_data(spec)
+        return (placement, *load_data(spec, tokenizer=tokenizer, vocab_size=vocab, placement=placement))
+
+    placement, train_blocks, eval_blocks = abandonable(read) if abandonable is not None else read()
     spec = replace(spec, train=placement.train or spec.train, eval=placement.eval)  # what was read
-    reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe)
+    reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe, should_stop=should_stop)
     pairs = [(name, seed) for name in layouts for seed in spec.seeds]
     records: list[EvalRecord] = []
 

@@ -1,8 +1,15 @@
-"""Evaluating a run: the teacher's hidden states on the held-out blocks once, then KL and perplexity."""
+"""Evaluating a run: KL(dense ‖ DTP) and perplexity on the held-out blocks, a micro-batch at a time.
+
+Every forward holds at most `recipe.eval_rows(S)` sequences (MAX_FORWARD_TOKENS tokens): the teacher's
+hidden states are recomputed per micro-batch, never kept for the whole set, so the memory an
+evaluation holds does not grow with the number of blocks. `should_stop` is asked before every
+micro-batch (a cancel lands within one forward, however large the evaluation).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,50 +20,68 @@ from models.distill.loss import chunked_kl_nll, chunked_nll, next_token_targets
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
 from models.dtp import DTPModel
+from models.progress import Cancelled, ShouldStop
 
 
 @dataclass
 class DenseReference:
-    """The teacher's final hidden states on the evaluation blocks, computed once for every run."""
+    """The evaluation blocks and the dense model's perplexity on them, computed once for every run."""
 
-    blocks: torch.Tensor  # [n, S] token ids
-    hidden: torch.Tensor  # [n, S, D], the teacher's dtype
+    blocks: torch.Tensor  # [n, S] token ids, on the teacher's device
     dense_ppl: float
 
     @classmethod
-    def compute(cls, teacher: nn.Module, blocks: torch.Tensor, *, recipe: DistillRecipe) -> DenseReference:
+    def compute(cls, teacher: nn.Module, blocks: torch.Tensor, *, recipe: DistillRecipe,
+                should_stop: ShouldStop | None = None) -> DenseReference:
         device = next(teacher.parameters()).device
-        teacher_any: Any = teacher
         head = lm_head(teacher)
-        hidden, nll = [], 0.0
+        nll = 0.0
         with torch.no_grad(), autocast(recipe, device):
-            for start in range(0, blocks.shape[0], recipe.eval_batch_size):
-                ids = blocks[start : start + recipe.eval_batch_size].to(device)  # [b, S]
-                h = teacher_any.model(ids).last_hidden_state  # [b, S, D]
-                hidden.append(h)
+            for ids in _micro_batches(blocks, recipe, should_stop, "the dense model's evaluation"):
+                ids = ids.to(device)  # [b, S]
+                h = _teacher_hidden(teacher, ids)  # [b, S, D]
                 nll += chunked_nll(h.reshape(-1, h.shape[-1]), head, next_token_targets(ids), recipe.logit_chunk)
         n, s = blocks.shape
-        return cls(blocks=blocks.to(device), hidden=torch.cat(hidden), dense_ppl=math.exp(nll / (n * (s - 1))))
+        return cls(blocks=blocks.to(device), dense_ppl=math.exp(nll / (n * (s - 1))))
 
 
 @torch.no_grad()
 def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseReference, *,
-                     recipe: DistillRecipe) -> tuple[float, float]:
-    """(mean per-token KL(dense ‖ DTP) in nats over all tokens, DTP perplexity) on the reference blocks."""
+                     recipe: DistillRecipe, should_stop: ShouldStop | None = None) -> tuple[float, float]:
+    """(mean per-token KL(dense ‖ DTP) in nats over all tokens, DTP perplexity) on the reference blocks.
+
+    Raises `Cancelled` before a micro-batch when should_stop() is true."""
     was_training = student.training
     student.eval()
     device = reference.blocks.device
     head_s, head_t = lm_head(student.model), lm_head(teacher)
     kl = nll = 0.0
     n, s = reference.blocks.shape
-    with autocast(recipe, device):
-        for start in range(0, n, recipe.eval_batch_size):
-            ids = reference.blocks[start : start + recipe.eval_batch_size]  # [b, S]
-            flat_s = student.hidden_states(ids).reshape(-1, reference.hidden.shape[-1])  # [T, D]
-            flat_t = reference.hidden[start : start + recipe.eval_batch_size].reshape(flat_s.shape)
-            _, nll_s, kl_sum = chunked_kl_nll(flat_t, flat_s, head_t, head_s, next_token_targets(ids),
-                                              recipe.logit_chunk)
-            kl += kl_sum
-            nll += nll_s
-    student.train(was_training)
+    try:
+        with autocast(recipe, device):
+            for ids in _micro_batches(reference.blocks, recipe, should_stop, "an evaluation"):  # [b, S]
+                flat_t = _teacher_hidden(teacher, ids)
+                flat_t = flat_t.reshape(-1, flat_t.shape[-1])  # [T, D]
+                flat_s = student.hidden_states(ids).reshape(flat_t.shape)  # [T, D]
+                _, nll_s, kl_sum = chunked_kl_nll(flat_t, flat_s, head_t, head_s, next_token_targets(ids),
+                                                  recipe.logit_chunk)
+                kl += kl_sum
+                nll += nll_s
+    finally:
+        student.train(was_training)
     return kl / (n * s), math.exp(nll / (n * (s - 1)))
+
+
+def _teacher_hidden(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    teacher_any: Any = teacher
+    return teacher_any.model(ids).last_hidden_state  # [b, S, D]
+
+
+def _micro_batches(blocks: torch.Tensor, recipe: DistillRecipe, should_stop: ShouldStop | None,
+                   what: str) -> Iterator[torch.Tensor]:
+    """blocks [n, S] in slices of recipe.eval_rows(S) sequences, should_stop asked before each."""
+    rows = recipe.eval_rows(blocks.shape[1])
+    for start in range(0, blocks.shape[0], rows):
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"{what} cancelled at block {start} of {blocks.shape[0]}")
+        yield blocks[start : start + rows]

@@ -24,7 +24,11 @@ LAST_SCALES: tuple[str, ...] = ("sqrt", "one")
 
 MAX_STEPS = 10_000_000
 MAX_SEQUENCES = 65_536  # sequences per step, micro-batch or evaluation batch
-MAX_LOGIT_CHUNK = 1 << 20
+# Tokens in one forward of a distillation (a training micro-batch, an evaluation batch): micro_batch_size
+# and eval_batch_size are cut to it, so that the memory a forward holds is bounded whatever the spec asks
+# (a sequence longer than this is one forward of its own). 4× the paper's 4 × 1024.
+MAX_FORWARD_TOKENS = 1 << 14
+MAX_LOGIT_CHUNK = MAX_FORWARD_TOKENS  # a chunk never spans forwards: more could never be used
 
 # The paper's data protocol for a comparison (§4): training blocks of 1024 tokens, evaluation on 16
 # blocks of the WikiText-2 test set (an `hf:` source, streamed with the `datasets` package).
@@ -95,8 +99,8 @@ class DistillRecipe:
 
     steps: int = _int(1000, "optimiser steps per run", ge=1, le=MAX_STEPS)
     batch_size: int = _int(16, "sequences per optimiser step", ge=1, le=MAX_SEQUENCES)
-    micro_batch_size: int = _int(4, "sequences per forward/backward (gradient accumulation); divides batch_size",
-                                 ge=1, le=MAX_SEQUENCES)
+    micro_batch_size: int = _int(4, "sequences per forward/backward (gradient accumulation); divides batch_size; "
+                                    f"at most {MAX_FORWARD_TOKENS} tokens are used per forward", ge=1, le=MAX_SEQUENCES)
     lr: float = _float(5e-5, "peak learning rate", gt=0)
     min_lr: float = _float(5e-6, "end of the cosine decay; 0 < min_lr ≤ lr", gt=0)
     warmup_steps: int = _int(100, "linear warm-up steps", ge=0, le=MAX_STEPS)
@@ -113,7 +117,8 @@ class DistillRecipe:
     gradient_checkpointing: bool = _bool(False, "recompute modules in backward (less memory, same gradients)")
     logit_chunk: int = _int(256, "tokens per chunk of the loss over the vocabulary", ge=1, le=MAX_LOGIT_CHUNK)
     eval_every: int = _int(100, "steps between evaluations; also at step 0 and the last", ge=1, le=MAX_STEPS)
-    eval_batch_size: int = _int(4, "evaluation sequences per forward", ge=1, le=MAX_SEQUENCES)
+    eval_batch_size: int = _int(4, f"evaluation sequences per forward (at most {MAX_FORWARD_TOKENS} tokens are used "
+                                   "per forward)", ge=1, le=MAX_SEQUENCES)
     checkpoint_every: int = _int(5, "evaluations between checkpoints (the last step is always checkpointed)",
                                  ge=1, le=MAX_STEPS)
     last_scale: LastScale = _choice("sqrt", "DTP last-module scale", LAST_SCALES)  # noqa: RUF009
@@ -144,9 +149,31 @@ class DistillRecipe:
         out["betas"] = list(self.betas)
         return out
 
+    def eval_steps(self) -> list[int]:
+        """The steps after which a run evaluates: 0, every eval_every, and the last."""
+        steps = list(range(0, self.steps + 1, self.eval_every))
+        return steps if steps[-1] == self.steps else [*steps, self.steps]
+
+    def evaluations(self) -> int:
+        """len(eval_steps()) without building the list (a budget check at submit)."""
+        return self.steps // self.eval_every + 1 + (1 if self.steps % self.eval_every else 0)
+
+    def train_rows(self, seq_len: int) -> int:
+        """Sequences per training forward: micro_batch_size, within MAX_FORWARD_TOKENS."""
+        return forward_rows(self.micro_batch_size, seq_len)
+
+    def eval_rows(self, seq_len: int) -> int:
+        """Sequences per evaluation forward: eval_batch_size, within MAX_FORWARD_TOKENS."""
+        return forward_rows(self.eval_batch_size, seq_len)
+
     def use_bf16(self, device_type: str) -> bool:
         """Whether the forward passes autocast to bf16 on this device type (`cuda`, `cpu`, …)."""
         return self.autocast == "bf16" or (self.autocast == "auto" and device_type == "cuda")
+
+
+def forward_rows(sequences: int, seq_len: int) -> int:
+    """`sequences` per forward cut to MAX_FORWARD_TOKENS tokens of `seq_len` each, and at least one."""
+    return max(1, min(sequences, MAX_FORWARD_TOKENS // seq_len))
 
 
 def _checked(name: str, rule: FieldRule, value: Any) -> Any:

@@ -59,8 +59,7 @@ class RunHooks:
 
 def eval_steps(recipe: DistillRecipe) -> list[int]:
     """The steps after which a run evaluates: 0, every eval_every, and the last."""
-    steps = list(range(0, recipe.steps + 1, recipe.eval_every))
-    return steps if steps[-1] == recipe.steps else [*steps, recipe.steps]
+    return recipe.eval_steps()
 
 
 def _mean_loss_since(state: RunState, previous_eval: int) -> float | None:
@@ -105,7 +104,8 @@ class _Run:
 
     def evaluate(self) -> EvalRecord:
         state, recipe = self.state, self.recipe
-        kl, ppl = evaluate_student(self.student, self.teacher, self.reference, recipe=recipe)
+        kl, ppl = evaluate_student(self.student, self.teacher, self.reference, recipe=recipe,
+                                   should_stop=self.hooks.should_stop)
         previous = max((e for e in self.evals if e < state.step), default=0)
         state.elapsed = time.perf_counter() - self.clock_start
         return EvalRecord(layout=self.layout.name, seed=self.seed, step=state.step, kl=kl, ppl=ppl,
@@ -144,7 +144,8 @@ class _Run:
         index = batch_indices(state.step, batch_size=recipe.batch_size, num_blocks=len(self.train_blocks),
                               seed=self.seed)
         batch = self.train_blocks[torch.from_numpy(index)].to(self.device)  # [batch_size, S]
-        stats = train_step(self.student, self.teacher, batch, self.optimizer, step=state.step, recipe=recipe)
+        stats = train_step(self.student, self.teacher, batch, self.optimizer, step=state.step, recipe=recipe,
+                           should_stop=self.hooks.should_stop)
         if not math.isfinite(stats.loss):
             raise DistillError(f"{self.layout.name} (seed {self.seed}): loss is {stats.loss} at step {state.step}; "
                                "lower the learning rate or check the data")
@@ -174,7 +175,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
 
     train_blocks: [n, S] token ids; each step reads batch_size of them (see `batch_indices`).
-    Raises `Cancelled` between steps when should_stop() is true (the last checkpoint stays).
+    Raises `Cancelled` between steps, micro-batches and evaluation batches when should_stop() is true
+    (the last checkpoint stays).
     on_restore gets the evaluations read back from a finished run or a checkpoint; evaluations past
     the checkpoint are recomputed and passed to on_eval again (same layout, seed and step).
     """

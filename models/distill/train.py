@@ -13,6 +13,7 @@ from models.distill.recipe import DistillRecipe
 from models.distill.schedule import learning_rate
 from models.distill.student import trainable_parameters
 from models.dtp import DTPModel
+from models.progress import Cancelled, ShouldStop
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,12 @@ def make_optimizer(student: DTPModel, recipe: DistillRecipe) -> torch.optim.Adam
 
 
 def train_step(student: DTPModel, teacher: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer, *,
-               step: int, recipe: DistillRecipe) -> StepStats:
-    """One optimiser step on batch [batch_size, S] through micro-batches and gradient accumulation."""
+               step: int, recipe: DistillRecipe, should_stop: ShouldStop | None = None) -> StepStats:
+    """One optimiser step on batch [batch_size, S] through micro-batches and gradient accumulation.
+
+    A micro-batch is micro_batch_size sequences within MAX_FORWARD_TOKENS (`recipe.train_rows`): the
+    gradient is the same however the batch is cut. Raises `Cancelled` between micro-batches when
+    should_stop() is true (the optimiser has not stepped: the step is simply not taken)."""
     student.train()
     lr = learning_rate(step, recipe)
     for group in optimizer.param_groups:
@@ -44,8 +49,12 @@ def train_step(student: DTPModel, teacher: nn.Module, batch: torch.Tensor, optim
     b, s = batch.shape
     kl_norm, ce_norm = b * s, b * (s - 1)
     sums = LossSums()
-    for start in range(0, b, recipe.micro_batch_size):
-        micro = batch[start : start + recipe.micro_batch_size]
+    rows = recipe.train_rows(s)
+    for start in range(0, b, rows):
+        if start and should_stop is not None and should_stop():
+            optimizer.zero_grad(set_to_none=True)
+            raise Cancelled(f"training step {step} cancelled at sequence {start} of {b}")
+        micro = batch[start : start + rows]
         sums.add(loss_and_backward(student, teacher, micro, recipe=recipe, kl_norm=kl_norm, ce_norm=ce_norm))
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = recipe.grad_clip if recipe.grad_clip > 0 else math.inf

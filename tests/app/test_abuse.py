@@ -194,12 +194,63 @@ def test_per_job_budgets_are_422_naming_the_field(base):
             assert field in problems and text in problems[field], (field, problems)
 
 
+# The reviewer's job of issue 17: a tiny training (9 998 steps of one 16-token sequence) evaluated after
+# every step on 65 536 blocks of 16 tokens, all in one forward: 9 999 evaluations and the dense model's,
+# each of 2²⁰ tokens, are 10¹⁰ forward tokens of evaluation, once accepted as 160 224 work tokens.
+EVAL_HEAVY = {"layouts": ["optimised"], "steps": 9_998, "train": {"source": "calib/ids.npy", "seq_len": 16},
+              "eval": {"source": "calib/ids.npy", "sequences": 65_536, "seq_len": 16},
+              "recipe": {"batch_size": 1, "micro_batch_size": 1, "eval_every": 1, "eval_batch_size": 65_536}}
+
+
+def test_every_unit_of_work_is_counted_at_submit(base):
+    """Evaluation (every cadence, run and block) and layout work (optimiser starts, layouts scored)
+    count in the job's work tokens: 10¹⁰ evaluation tokens are 422 naming DTP_LAYOUT_MAX_EVAL_TOKENS,
+    fast; a job whose whole count no tenant may hold is 422 naming DTP_LAYOUT_MAX_ACTIVE_TOKENS."""
+    from app.budgets import LAYOUT_SCORE_TOKENS, LAYOUT_START_TOKENS, job_work
+    from app.schemas import JobSpec
+
+    hostile = spec(random_layouts=0, ablations=False, export=False, distill=EVAL_HEAVY)
+    work = job_work(JobSpec.model_validate(hostile))
+    assert work.evaluations == 9_999 and work.evaluation == 10_000 * 65_536 * 16 > 10**10
+    assert work.training == 9_998 * 16 and work.calibration == 8 * 32
+    assert work.optimiser_starts == 5 and work.layouts_scored == 2  # optimised with 4 restarts; contiguous too
+    assert work.tokens == work.calibration + work.training + work.evaluation + 5 * LAYOUT_START_TOKENS \
+        + 2 * LAYOUT_SCORE_TOKENS
+    with app_with(base) as client:
+        client.get("/v1/jobs")  # warm
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            r = client.post("/v1/jobs", json=hostile)
+            times.append(time.perf_counter() - t0)
+            assert r.status_code == 422, r.text
+        problems = fields(r)
+        assert "DTP_LAYOUT_MAX_EVAL_TOKENS" in problems["distill.eval.sequences"], problems
+        assert "(9,999 + 1) × 65,536 × 16" in problems["distill.eval.sequences"], problems
+        print(f"10^10 evaluation tokens: 422 in {statistics.median(times) * 1e3:.1f} ms (median of 5)")
+        assert statistics.median(times) < 0.1
+    # Under every per-part budget, but more than a tenant may ever hold: waiting cannot help, so 422.
+    layouts_only = spec(random_layouts=64, ablations=True, restarts=64)
+    heavy = job_work(JobSpec.model_validate(layouts_only))
+    assert heavy.optimiser_starts == 7 * 65 + 2 and heavy.layouts_scored == 1 + 8 + 1 + 64
+    with app_with(base, max_active_tokens=heavy.tokens - 1) as client:
+        r = client.post("/v1/jobs", json=layouts_only)
+        assert r.status_code == 422, r.text
+        assert "DTP_LAYOUT_MAX_ACTIVE_TOKENS" in fields(r)["restarts"] and "could never start" in fields(r)["restarts"]
+
+
 def test_active_jobs_and_work_tokens_per_tenant_are_429_with_retry_after(base):
-    with app_with(base, max_active_jobs=2, max_active_tokens=600) as client:
+    from app.budgets import work_tokens
+    from app.schemas import JobSpec
+
+    # Work tokens of each job: its calibration and its layout work (one optimiser start, two layouts scored).
+    small = spec(calibration={"sequences": 8, "seq_len": 32}, ablations=False, random_layouts=1, restarts=0)
+    big = spec(calibration={"sequences": 128, "seq_len": 256}, ablations=False, random_layouts=1, restarts=0)
+    small_tokens, big_tokens = (work_tokens(JobSpec.model_validate(s)) for s in (small, big))
+    with app_with(base, max_active_jobs=2, max_active_tokens=small_tokens + big_tokens - 1) as client:
         db = client.app.state.db
         a = {"X-API-Key": create_key(db, name=f"a-{uuid.uuid4().hex[:8]}", tenant=f"t-{uuid.uuid4().hex[:8]}")}
         b = {"X-API-Key": create_key(db, name=f"b-{uuid.uuid4().hex[:8]}", tenant=f"u-{uuid.uuid4().hex[:8]}")}
-        small = spec(calibration={"sequences": 8, "seq_len": 32})  # 256 tokens
         first = client.post("/v1/jobs", json=small, headers=a)
         assert first.status_code == 202, first.text
         assert client.post("/v1/jobs", json=small, headers=a).status_code == 202
@@ -210,12 +261,20 @@ def test_active_jobs_and_work_tokens_per_tenant_are_429_with_retry_after(base):
         assert client.post("/v1/jobs", json=small, headers=b).status_code == 202  # another tenant is not held up
         assert client.post(f"/v1/jobs/{first.json()['id']}/cancel", headers=a).status_code == 202
         assert client.post("/v1/jobs", json=small, headers=a).status_code == 202  # a finished job frees a place
-        # Work tokens: 256 in flight for b, and 512 more is over 600.
-        big = spec(calibration={"sequences": 16, "seq_len": 32})
+        # Work tokens: one small job in flight for b, and a big one more is over the budget by one.
         over = client.post("/v1/jobs", json=big, headers=b)
         assert over.status_code == 429 and "calibration.sequences" in fields(over)
         assert "MAX_ACTIVE_TOKENS" in over.json()["detail"] and over.headers["retry-after"]
+        assert f"with this job's {big_tokens:,} (calibration 32,768 + " in over.json()["detail"]
         assert over.json()["error"] == "work_budget"
+        # Evaluation counts in flight too: a distillation whose evaluation (3 × 768 × 16 tokens) is most of
+        # its work, within the budget alone but not with b's small job.
+        evaluated = spec(calibration={"sequences": 8, "seq_len": 32}, ablations=False, random_layouts=1, restarts=0,
+                         export=False, distill={**EVAL_HEAVY, "steps": 1, "eval": {"source": "calib/ids.npy",
+                                                                                    "sequences": 768, "seq_len": 16}})
+        assert big_tokens < work_tokens(JobSpec.model_validate(evaluated)) <= small_tokens + big_tokens - 1
+        over = client.post("/v1/jobs", json=evaluated, headers=b)
+        assert over.status_code == 429 and "distill.eval.sequences" in fields(over), over.text
 
 
 def test_rate_limit_per_key_is_429_with_retry_after(base):
