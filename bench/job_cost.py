@@ -32,12 +32,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.auth import OPEN
-from app.db import Job, database
-from app.errors import SpecError
-from app.migrate import upgrade
-from app.schemas import JobSpec
-from app.services import cancel_job, check_spec, submit_job
+from app.core.caller import OPEN
+from app.core.db import Job, database
+from app.core.errors import SpecError
+from app.core.migrate import upgrade
+from app.core.schemas import JobSpec
+from app.core.services import cancel_job, check_spec, submit_job
 from tests.service_kit import CALIB, make_settings, provision, spec
 
 EVAL_DATA = "eval/ids.npy"
@@ -56,7 +56,7 @@ def hostile_spec(eval_sequences: int, steps: int = 2) -> dict[str, Any]:
 
 
 def settings_in(root: Path, eval_sequences: int, **overrides: Any) -> Any:
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     known = {k: v for k, v in overrides.items() if k in Settings.model_fields}  # an older tree has fewer
     settings = make_settings(root, device="cpu", **known)
@@ -74,7 +74,7 @@ def peak_rss_mib() -> float:
 
 
 def submit_answer(settings: Any, body: dict[str, Any]) -> str:
-    from app.budgets import work_tokens
+    from app.core.budgets import work_tokens
 
     parsed = JobSpec.model_validate(body)
     t0 = time.perf_counter()

@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlalchemy import func, select
 
-from app.auth import OPEN
-from app.db import Artifact, Job, LayoutRow, Metric, database
-from app.queue import JobQueue
-from app.schemas import JobSpec
-from app.services import submit_job
-from app.settings import Settings
-from app.storage import Storage, sha256_file
+from app.core.caller import OPEN
+from app.core.db import Artifact, Job, LayoutRow, Metric, database
+from app.core.queue import JobQueue
+from app.core.schemas import JobSpec
+from app.core.services import submit_job
+from app.core.settings import Settings
+from app.core.storage import Storage, sha256_file
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
 
 STAGES = ("loading", "calibration", "affinity", "optimising", "exporting", "distilling")
@@ -270,7 +270,7 @@ def main() -> int:
     import redis
     from sqlalchemy.engine import make_url
 
-    from app.migrate import upgrade
+    from app.core.migrate import upgrade
     from tests.service_kit import provision
 
     admin = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")

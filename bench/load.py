@@ -6,7 +6,7 @@ model work), makes one API key per client (tenants of `--keys-per-tenant` keys),
 a mix of job polls, listings, scores, layouts, artifact listings and downloads (whole, and 64 KiB
 `Range` reads of a 1 MiB file), submissions and cancels, from one asyncio process with httpx:
 
-- `--backend postgres`: the production shape: `uvicorn app.main:create_app --factory --workers W`
+- `--backend postgres`: the production shape: `uvicorn app.api.main:create_app --factory --workers W`
   (W = `--workers`, default the CPU count) on a fresh database of the Postgres server, Redis as the
   broker under a private key prefix (both removed at the end);
 - `--backend sqlite`: the embedded default, `dtp-layout serve --no-worker` (SQLite, the SQLite
@@ -146,8 +146,8 @@ class Server:
                 "DTP_LAYOUT_BROKER_URL": REDIS_URL, "DTP_LAYOUT_BROKER_KEY_PREFIX": self.redis_prefix}
 
     def _settings(self) -> Any:
-        from app.migrate import upgrade
-        from app.settings import Settings
+        from app.core.migrate import upgrade
+        from app.core.settings import Settings
 
         old = {k: os.environ.get(k) for k in self.env if k.startswith("DTP_LAYOUT_")}
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("DTP_LAYOUT_")})
@@ -171,9 +171,9 @@ class Server:
     def _seed(self, clients: int, keys_per_tenant: int, jobs_per_tenant: int) -> Seeded:
         """Per tenant: `jobs_per_tenant` succeeded jobs with two layouts and two artifacts (report.json and a
         1 MiB shards/blob.bin); one key per client."""
-        from app.db import Artifact, Job, LayoutRow, database, utcnow
-        from app.keys import create_key
-        from app.storage import Storage
+        from app.core.db import Artifact, Job, LayoutRow, database, utcnow
+        from app.core.keys import create_key
+        from app.core.storage import Storage
 
         db = database(self.settings.database_url)
         storage = Storage(self.settings.storage)
@@ -216,11 +216,11 @@ class Server:
 
     def command(self) -> list[str]:
         if self.backend == "postgres":
-            return [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "127.0.0.1",
+            return [sys.executable, "-m", "uvicorn", "app.api.main:create_app", "--factory", "--host", "127.0.0.1",
                     "--port", str(self.port), "--workers", str(self.workers), "--no-access-log",
                     "--timeout-keep-alive", "30",
                     "--log-level", "warning"]
-        return [sys.executable, "-m", "app.cli", "serve", "--no-worker", "--port", str(self.port), "--var-dir",
+        return [sys.executable, "-m", "app.cli.main", "serve", "--no-worker", "--port", str(self.port), "--var-dir",
                 str(self.settings.var_dir), "--log-level", "warning"]
 
     def start(self, timeout: float = 90.0) -> None:

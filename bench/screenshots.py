@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.client import LayoutClient
+from app.client.http import LayoutClient
 from tests.browser_kit import browser_context, unavailable
 
 WIDE = {"width": 1280, "height": 800}

@@ -6,7 +6,7 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from app.db import Base, make_engine
+from app.core.db import Base, make_engine
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):
@@ -19,7 +19,7 @@ def _url() -> str:
         return x_args["url"]
     if config.get_main_option("sqlalchemy.url"):
         return str(config.get_main_option("sqlalchemy.url"))
-    from app.settings import Settings
+    from app.core.settings import Settings
 
     return Settings().database_url
 

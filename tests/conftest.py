@@ -72,7 +72,7 @@ class PostgresServer:
         return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
 
     def drop_all(self) -> None:
-        from app import db as app_db
+        from app.core import db as app_db
 
         for url, database in list(app_db._databases.items()):
             if any(name in url for name in self.created):
@@ -96,7 +96,7 @@ def postgres_server():
 @pytest.fixture(scope="session")
 def postgres_url(postgres_server):
     """A fresh database for this test session, migrated to head."""
-    from app.migrate import upgrade
+    from app.core.migrate import upgrade
 
     url = postgres_server.create_database()
     upgrade(url)

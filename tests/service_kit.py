@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from app.settings import Settings
+from app.core.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
@@ -38,7 +38,7 @@ def worker_settings(root: Path, postgres_server: Any, redis_broker: tuple[str, s
                     **overrides: Any) -> Settings:
     """Settings for a real-worker test: its own migrated Postgres database, its own Redis key prefix,
     the tiny model and token ids provisioned under `root`, CPU."""
-    from app.migrate import upgrade
+    from app.core.migrate import upgrade
 
     url = postgres_server.create_database(f"dtp_{name}")
     upgrade(url)
@@ -80,8 +80,8 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     random bytes, returned with the job id)."""
     import hashlib
 
-    from app.db import Artifact, Job, LayoutRow, database, utcnow
-    from app.storage import Storage
+    from app.core.db import Artifact, Job, LayoutRow, database, utcnow
+    from app.core.storage import Storage
 
     db = database(settings.database_url)
     storage = Storage(settings.storage)
@@ -119,7 +119,7 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
     with layouts and artifacts, `seed_finished_job`. Remove them with `delete_jobs`."""
     from datetime import timedelta
 
-    from app.db import Job, database, utcnow
+    from app.core.db import Job, database, utcnow
 
     now = utcnow()
     fields: dict[str, Any] = {
@@ -141,7 +141,7 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
 def delete_jobs(settings: Settings, job_ids: list[str]) -> None:
     from sqlalchemy import delete
 
-    from app.db import Artifact, Job, LayoutRow, database
+    from app.core.db import Artifact, Job, LayoutRow, database
 
     with database(settings.database_url).transaction() as session:
         for table in (Artifact, LayoutRow):
@@ -200,7 +200,7 @@ class WorkerProcess:
 
     def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", cwd: Path | None = None,
                  **env: str) -> None:
-        from app.cli_service import worker_command
+        from app.cli.service import worker_command
 
         self.log_path, self.cwd = log_path, cwd
         self.env = {**os.environ, **settings.worker_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
@@ -266,7 +266,7 @@ class ServeProcess:
     interpreter on this checkout) and `options` (or `serve_args`) more `serve` options."""
 
     def __init__(self, var: Path, *, cwd: Path | None = None, no_worker: bool = False,
-                 program: Sequence[str] = (sys.executable, "-m", "app.cli"), options: Sequence[str] = (),
+                 program: Sequence[str] = (sys.executable, "-m", "app.cli.main"), options: Sequence[str] = (),
                  serve_args: Sequence[str] = (),
                  **env: str) -> None:
         self.var, self.cwd = var, cwd

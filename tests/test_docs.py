@@ -1,6 +1,6 @@
 """The README is a front page and docs/ the manual: the README stays short, every relative link of the README
 and docs/ reaches a file and a heading that exist, and docs/cli.md's command table lists every command with
-the install it needs (what app/extras.py enforces)."""
+the install it needs (what app/cli/extras.py enforces)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_every_relative_link_reaches_a_file_and_heading():
 
 
 def test_the_command_table_lists_every_command_and_the_install_it_needs():
-    from app.cli import build_parser
+    from app.cli.main import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices

@@ -1,5 +1,5 @@
 """`pip install dtp-layout` without extras, for real: a fresh virtual environment, the package installed from a
-copy of this checkout, and what the base install promises (pyproject.toml, app/extras.py): no torch and no
+copy of this checkout, and what the base install promises (pyproject.toml, app/cli/extras.py): no torch and no
 transformers, `pip check` clean, the client, keys, the torch-free `score` and `layout` commands, the API
 (`serve --no-worker` on SQLite, migrations included) answering over HTTP, and every model command
 refused in one line naming `pip install 'dtp-layout[worker]'`.
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.extras import WORKER_INSTALL, WORKER_PACKAGES
+from app.cli.extras import WORKER_INSTALL, WORKER_PACKAGES
 from tests.service_kit import ServeProcess
 
 pytestmark = pytest.mark.install

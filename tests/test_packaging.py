@@ -29,7 +29,7 @@ def _requirement_names(requirements: list[str]) -> set[str]:
 
 
 def test_the_worker_extra_is_what_the_cli_checks_and_stays_out_of_the_base():
-    from app.extras import WORKER_PACKAGES
+    from app.cli.extras import WORKER_PACKAGES
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     worker = _requirement_names(project["optional-dependencies"]["worker"])

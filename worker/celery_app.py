@@ -1,13 +1,13 @@
-"""The workers' Celery application, made from the configuration in `app/queue.py` (which the API
+"""The workers' Celery application, made from the configuration in `app/core/queue.py` (which the API
 uses to enqueue by task name without importing this package)."""
 
 from __future__ import annotations
 
 from celery.signals import after_setup_logger, after_setup_task_logger
 
-from app import logs
-from app.queue import TASK_NAME, celery_config, enqueue, make_celery
-from app.settings import get_settings
+from app.core import logs
+from app.core.queue import TASK_NAME, celery_config, enqueue, make_celery
+from app.core.settings import get_settings
 
 __all__ = ["TASK_NAME", "app", "celery_config", "enqueue", "make_celery"]
 

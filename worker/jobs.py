@@ -42,14 +42,14 @@ from typing import Any
 from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from app import logs
-from app.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
-from app.hub import prepare_model
-from app.schemas import METRIC_NAMES, JobSpec
-from app.services import DISTILL_SUMMARY, event, job_log_fields
-from app.settings import Settings
-from app.sources import SourceError, forget_configs, resolve_data
-from app.storage import Storage, sha256_file, tenant_scope
+from app.core import logs
+from app.core.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
+from app.core.hub import prepare_model
+from app.core.schemas import METRIC_NAMES, JobSpec
+from app.core.services import DISTILL_SUMMARY, event, job_log_fields
+from app.core.settings import Settings
+from app.core.sources import SourceError, forget_configs, resolve_data
+from app.core.storage import Storage, sha256_file, tenant_scope
 from worker.device import out_of_memory_message, prepare_device
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
@@ -865,7 +865,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors()[:5])
             raise ValueError(f"the stored job spec no longer validates: {problems}") from exc
-        from app.budgets import work_tokens
+        from app.core.budgets import work_tokens
 
         limits = settings.time_limits(work_tokens(spec))
 

@@ -24,9 +24,9 @@ from typing import Any
 
 from celery.signals import worker_ready
 
-from app import logs
-from app.db import database
-from app.settings import get_settings
+from app.core import logs
+from app.core.db import database
+from app.core.settings import get_settings
 from worker.celery_app import TASK_NAME, app, enqueue
 
 log = logging.getLogger("dtp_layout.worker")
@@ -52,7 +52,7 @@ def run_job(self: Any, job_id: str) -> str:
         log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/logs.py)
+    with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/core/logs.py)
         return jobs.run_job(job_id, settings=settings, db=db, worker=worker,
                             enqueue=lambda jid: enqueue(app, settings, jid), on_hard_limit=hard_limit)
 

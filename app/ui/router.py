@@ -21,8 +21,8 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 
-from app.deps import CallerDep
-from app.sources import SourceError, resolve_model
+from app.api.deps import CallerDep
+from app.core.sources import SourceError, resolve_model
 
 router = APIRouter(include_in_schema=False)
 

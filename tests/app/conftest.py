@@ -16,7 +16,7 @@ STAGE_DELAY_S = "0.1"
 
 def api_keys_setting(keys: dict[str, str]) -> str:
     """DTP_LAYOUT_API_KEYS for these name → key pairs (each key's tenant is its name; digests only)."""
-    from app.keys import settings_entry
+    from app.core.keys import settings_entry
 
     return ",".join(settings_entry(name, key) for name, key in keys.items())
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.migrate import upgrade
+from app.api.main import create_app
+from app.core.migrate import upgrade
 from tests.service_kit import WorkerProcess, make_settings, provision, spec, wait_for
 
 pytestmark = pytest.mark.gpu
@@ -45,9 +45,9 @@ def embedded_settings(root: Path, **overrides):
 
 
 def cli_worker(settings, name: str, *args: str) -> WorkerProcess:
-    """`dtp-layout worker [args]` (as `python -m app.cli`, the same entry point) in a subprocess."""
+    """`dtp-layout worker [args]` (as `python -m app.cli.main`, the same entry point) in a subprocess."""
     worker = WorkerProcess(settings, settings.var_dir / f"{name}.log", name=name)
-    worker.cmd = [sys.executable, "-m", "app.cli", "worker", "--name", name, *args]
+    worker.cmd = [sys.executable, "-m", "app.cli.main", "worker", "--name", name, *args]
     return worker.start(timeout=120)
 
 

@@ -1,6 +1,6 @@
 """`hf:` sources offline, through the code that reads a hub dataset: a small dataset written into a
 temporary Hugging Face datasets cache (the layout a dataset loaded once leaves behind), read with the
-hub offline by `app.sources` + `models.calibration` (text field, split, streaming)."""
+hub offline by `app.core.sources` + `models.calibration` (text field, split, streaming)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def recording(*args, **kwargs):
     return result
 datasets.load_dataset = recording
 
-from app.sources import resolve_data
+from app.core.sources import resolve_data
 from models.calibration import CalibrationSpec, DataError, load_blocks
 
 class Bytes:  # a tokenizer: one id per byte, EOS 0

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from app.cli import main
+from app.cli.main import main
 from models.assets import corpus_file
 from models.export import permuted_copy
 from models.families import model_shape

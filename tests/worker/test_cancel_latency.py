@@ -21,12 +21,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.auth import OPEN
-from app.db import Job, Metric, database
-from app.main import create_app
-from app.migrate import upgrade
-from app.schemas import JobSpec
-from app.services import cancel_job, submit_job
+from app.api.main import create_app
+from app.core.caller import OPEN
+from app.core.db import Job, Metric, database
+from app.core.migrate import upgrade
+from app.core.schemas import JobSpec
+from app.core.services import cancel_job, submit_job
 from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for, worker_settings
 from worker.jobs import run_job
 

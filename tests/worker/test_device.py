@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.auth import OPEN
-from app.db import Job, database
-from app.migrate import upgrade
-from app.schemas import JobSpec
-from app.services import job_device, job_view, submit_job
+from app.core.caller import OPEN
+from app.core.db import Job, database
+from app.core.migrate import upgrade
+from app.core.schemas import JobSpec
+from app.core.services import job_device, job_view, submit_job
 from models.loading import ModelLoadError
 from tests.service_kit import make_settings, provision, spec
 from worker import device as D

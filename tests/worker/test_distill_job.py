@@ -16,8 +16,8 @@ import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from app.db import Artifact, Job, Metric, database
-from app.main import create_app
+from app.api.main import create_app
+from app.core.db import Artifact, Job, Metric, database
 from tests.service_kit import CALIB, TINY_DISTILL, WorkerProcess, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]

@@ -11,7 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
-from app.main import create_app
+from app.api.main import create_app
 from models.export import load_rank_shards
 from models.layouts.layout import from_json_dict
 from models.layouts.set import ablation_names

@@ -16,9 +16,9 @@ import subprocess
 import pytest
 from fastapi.testclient import TestClient
 
-from app.db import database
-from app.main import create_app
-from app.migrate import upgrade
+from app.api.main import create_app
+from app.core.db import database
+from app.core.migrate import upgrade
 from tests.service_kit import make_settings, provision, spec
 from worker.jobs import run_job
 

@@ -13,11 +13,11 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
-from app.auth import OPEN
-from app.db import Job, LayoutRow, Metric, database, db_now
-from app.migrate import upgrade
-from app.schemas import JobSpec
-from app.services import submit_job
+from app.core.caller import OPEN
+from app.core.db import Job, LayoutRow, Metric, database, db_now
+from app.core.migrate import upgrade
+from app.core.schemas import JobSpec
+from app.core.services import submit_job
 from tests.service_kit import make_settings, provision, spec
 from worker import jobs
 from worker.jobs import JobRun, LeaseLost, Monitor, claim, requeue_queued, requeue_stale, run_job, upsert_metrics
@@ -130,7 +130,7 @@ def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
 def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage):
-    from app.services import cancel_job
+    from app.core.services import cancel_job
 
     settings = sqlite_settings(tmp_path, test_hang_stage=stage, lease_s=3.0)
     db = database(settings.database_url)
@@ -210,7 +210,7 @@ def test_queued_sweeper_resends_lost_messages_once_per_period(tmp_path, postgres
     one sweeper, once per period; the messages really reach Redis."""
     import redis
 
-    from app.queue import enqueue, make_celery
+    from app.core.queue import enqueue, make_celery
     from tests.service_kit import worker_settings
 
     settings = worker_settings(tmp_path, postgres_server, redis_broker, "sweep", requeue_after_s=0.5)

@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.db import Artifact, LayoutRow, database
-from app.main import create_app
-from app.storage import Storage, sha256_file
+from app.api.main import create_app
+from app.core.db import Artifact, LayoutRow, database
+from app.core.storage import Storage, sha256_file
 from tests.service_kit import WorkerProcess, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
@@ -76,7 +76,7 @@ def test_sigkill_mid_affinity_then_resume_once(settings):
 
 
 def _history(settings, job_id):
-    from app.db import Job
+    from app.core.db import Job
 
     with database(settings.database_url).session() as session:
         return session.get(Job, job_id).history

@@ -1,0 +1,95 @@
+"""Request bodies over DTP_LAYOUT_MAX_BODY_BYTES get 413 before they are read; bodies that do not
+arrive within DTP_LAYOUT_BODY_TIMEOUT_S get 408.
+
+A pure ASGI middleware: a Content-Length over the limit is answered at once, without reading a byte
+of the body; a chunked body is counted as it arrives and answered 413 as soon as it passes the
+limit. Either way no more than the limit is ever held in memory. The body's deadline runs from the
+start of the request (its headers are in: app/api/http_timeouts.py bounds those): a client that stops
+sending half-way gets 408 and its connection closed, instead of holding a request open for ever.
+After the body is complete, `receive` is passed through untouched (a streaming answer waits on it
+for the client's disconnect as long as it needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def _answer(status: int, detail: str, error: str) -> tuple[Message, Message]:
+    body = json.dumps({"detail": detail, "field": "body", "error": error}).encode()
+    return ({"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]},
+            {"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self._too_large = _answer(413, f"the request body is larger than this server's limit of {max_bytes} bytes "
+                                       "(DTP_LAYOUT_MAX_BODY_BYTES)", "payload_too_large")
+        self._too_slow = _answer(408, f"the request body did not arrive within {timeout_s:g} s "
+                                      "(DTP_LAYOUT_BODY_TIMEOUT_S)", "request_timeout")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = self.max_bytes + 1  # unparseable: refuse rather than guess
+                if declared > self.max_bytes:
+                    for message in self._too_large:
+                        await send(message)
+                    return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        received = 0
+        started = rejected = complete = False
+
+        async def guarded_receive() -> Message:
+            # Past the limit or the deadline: answer now and tell the app the client left (it stops reading).
+            nonlocal received, rejected, complete
+            if rejected:
+                return {"type": "http.disconnect"}
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                return await reject(self._too_slow)
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    return await reject(self._too_large)
+                complete = not message.get("more_body", False)
+            return message
+
+        async def reject(answer: tuple[Message, Message]) -> Message:
+            nonlocal rejected
+            rejected = True
+            if not started:
+                for message in answer:
+                    await send(message)
+            return {"type": "http.disconnect"}
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if rejected:
+                return  # the 413/408 went out; whatever the app answers to the "disconnect" is dropped
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        await self.app(scope, guarded_receive, guarded_send)
+
+
+def install(app: Any, max_bytes: int, timeout_s: float = 30.0) -> None:
+    app.add_middleware(BodyLimit, max_bytes=max_bytes, timeout_s=timeout_s)

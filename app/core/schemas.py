@@ -1,0 +1,604 @@
+"""The API's request and response models (pydantic), with the examples shown at /docs."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from app.core import safe_text
+from models.affinity_scores import SCORES, ScoreName
+from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
+from models.distill.recipe import DistillError, DistillRecipe, FieldRule
+from models.ids import GGUF_FILE, REVISION, DtypeName, ExportDtypeName
+from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
+from models.layouts.set import ablation_names
+
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
+MetricName = Literal["kl", "ppl", "loss", "lr"]
+METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
+
+# The paper's seven spread layouts of an FO run (models.layouts.set names them for any score and restarts).
+ABLATION_LAYOUTS = tuple(ablation_names("fo"))
+
+EXAMPLE_SPEC: dict[str, Any] = {
+    "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
+    "devices": 3,
+    "delta": 1,
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
+    "score": "fo",
+    "random_layouts": 2,
+    "ablations": False,
+    "export": {"checkpoint": True, "shards": True},
+    "distill": None,
+}
+EXAMPLE_DISTILL_SPEC: dict[str, Any] = {
+    "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
+    "devices": 3,
+    "delta": 1,
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
+    "random_layouts": 1,
+    "export": False,
+    "distill": {
+        "layouts": ["optimised", "contiguous", "random-1000"],
+        "seeds": [0],
+        "steps": 200,
+        # One text for all three, held out by blocks: training starts after the calibration blocks,
+        # evaluation after the training ones (corpus:shakespeare is the corpus every install has).
+        "train": {"source": "corpus:shakespeare", "seq_len": 64},
+        "eval": {"source": "corpus:shakespeare", "sequences": 16},
+        "recipe": {"batch_size": 4, "micro_batch_size": 4, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 20,
+                   "eval_every": 25},
+    },
+}
+EXAMPLE_HUB_SPEC: dict[str, Any] = {
+    "model": {"id": "HuggingFaceTB/SmolLM2-135M", "revision": "main", "dtype": "bfloat16"},
+    "devices": 3,
+    "delta": 1,
+    "calibration": {"source": "calibration/tokens.npy", "sequences": 64, "seq_len": 1024},
+    "score": "add",
+    "random_layouts": 4,
+    "ablations": True,
+    "export": {"checkpoint": False, "shards": True},
+}
+
+
+INT32_MAX = 2**31 - 1  # seeds are stored in Integer columns (metrics.seed)
+MAX_SKIP_BLOCKS = 1_000_000
+
+
+def _clean_or_none(value: str | None) -> str | None:
+    return None if value is None else safe_text.clean(value)
+
+
+# Every string of a spec and every text query filter: printable characters only (no control, bidi,
+# zero-width or line-separator character; the rule is app/core/safe_text.py's), NFC-normalised.
+Text = Annotated[str, AfterValidator(safe_text.clean)]
+Seed = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelRef(_Strict):
+    id: Text = Field(min_length=1, max_length=300,
+                    description="a hub id `owner/name`, or a name under the server's model root (a checkpoint "
+                                "directory or a .gguf file)", examples=["smollm2-135m", "Qwen/Qwen2.5-0.5B"])
+    revision: Text | None = Field(default=None, max_length=128, pattern=REVISION.pattern,
+                                 description="hub branch, tag or commit (hub models only)")
+    gguf_file: Text | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
+                                  description="a .gguf file inside the model directory or hub repo")
+    dtype: DtypeName = Field(
+        default="float32", description="compute dtype: what the weights are loaded and the passes run in (the "
+                                       "export's dtype is export.dtype)")
+
+
+class CalibrationIn(_Strict):
+    """The calibration spec of `models/calibration.py`; a file source is a name under the data root."""
+
+    source: Text = Field(min_length=1, max_length=300,
+                         description="corpus:shakespeare (every install) | corpus:kjv (where the King James Bible "
+                                     "is installed; refused at submit otherwise) | hf:OWNER/NAME[:CONFIG[:SPLIT]] "
+                                     "(a hub dataset id) | a name under the server's data root (.txt, .jsonl, .npy of "
+                                     "token ids, or a directory of .txt)",
+                        examples=["corpus:shakespeare", "calibration/tokens.npy"])
+    sequences: StrictInt = Field(default=64, ge=1, le=1_000_000,
+                                 description="calibration blocks; sequences × seq_len is bounded by the server's "
+                                             "DTP_LAYOUT_MAX_CALIBRATION_TOKENS")
+    seq_len: StrictInt = Field(default=1024, ge=2, le=1_048_576,
+                               description="tokens per block; at most the model's max_position_embeddings")
+    seed: Seed = Field(default=0, description="block-order seed")
+    text_field: Text = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
+    skip_blocks: StrictInt = Field(default=0, ge=0, le=MAX_SKIP_BLOCKS,
+                                   description="blocks to skip at the start of the stream (skip_blocks × seq_len is "
+                                               "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)")
+
+    def tokens(self) -> int:
+        return self.sequences * self.seq_len
+
+
+# ---- distillation ---------------------------------------------------------------------------------
+#
+# The request's recipe is built from the recipe itself (`models.distill.recipe`, torch-free): one field
+# per DistillRecipe field, bounded by that field's rule, and one validator that asks DistillRecipe.
+
+RECIPE_DEFAULTS: dict[str, Any] = DistillRecipe().as_dict()
+
+
+def _recipe_field(name: str, rule: FieldRule) -> tuple[Any, Any]:
+    """(type, Field) of one optional recipe field: null or absent keeps the recipe's default."""
+    default = RECIPE_DEFAULTS[name]
+    doc = f"{rule.doc} (default {json.dumps(default)})"
+    bounds = {k: getattr(rule, k) for k in ("ge", "gt", "le", "lt") if getattr(rule, k) is not None}
+    if rule.kind == "int":
+        return StrictInt | None, Field(default=None, description=doc, **bounds)
+    if rule.kind == "float":
+        return float | None, Field(default=None, allow_inf_nan=False, description=doc, **bounds)
+    if rule.kind == "bool":
+        return StrictBool | None, Field(default=None, description=doc)
+    if rule.kind == "choice":
+        return Literal[rule.choices] | None, Field(default=None, description=doc)
+    def betas(value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not all(math.isfinite(b) and rule.within(b) for b in value):
+            low = f"[{rule.ge:g}" if rule.ge is not None else f"({rule.gt:g}"
+            high = f"{rule.le:g}]" if rule.le is not None else f"{rule.lt:g})"
+            raise ValueError(f"{name} must be two numbers in {low}, {high}, got {list(value)}")
+        return value
+
+    return Annotated[tuple[float, float] | None, AfterValidator(betas)], Field(default=None, description=doc)
+
+
+class _RecipeIn(_Strict):
+    """`models.distill.DistillRecipe`, every field optional (null or absent: the recipe's default)."""
+
+    def given(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.model_dump().items() if v is not None}
+        if "betas" in out:
+            out["betas"] = list(out["betas"])
+        return out
+
+    def effective(self) -> dict[str, Any]:
+        """Every recipe field: the given ones over the defaults."""
+        return {**RECIPE_DEFAULTS, **self.given()}
+
+    @model_validator(mode="after")
+    def _recipe_accepts(self) -> _RecipeIn:
+        try:  # the rules between fields (batch_size a multiple of micro_batch_size, min_lr ≤ lr)
+            DistillRecipe.from_dict(self.given())
+        except DistillError as exc:
+            raise ValueError(str(exc).removeprefix("recipe.").removeprefix("recipe ")) from exc
+        return self
+
+
+if TYPE_CHECKING:  # the fields are DistillRecipe's; type checkers see the methods
+    DistillRecipeIn = _RecipeIn
+else:
+    DistillRecipeIn = create_model(
+        "DistillRecipeIn", __base__=_RecipeIn, __doc__=_RecipeIn.__doc__,
+        **{name: _recipe_field(name, rule) for name, rule in DistillRecipe.rules().items()})
+
+EVAL_SEQUENCES = RECIPE_EVAL_SEQUENCES  # evaluation blocks when `eval.sequences` is not given (as distill)
+
+
+class DistillDataIn(_Strict):
+    """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
+
+    source: Text = Field(min_length=1, max_length=300,
+                         description="corpus:shakespeare | corpus:kjv | hf:OWNER/NAME[:CONFIG[:SPLIT]] | a name "
+                                     "under the server's data root", examples=["corpus:shakespeare"])
+    sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
+                                        description="blocks to load; training: steps × batch_size (one pass), "
+                                                    "evaluation: 16")
+    seq_len: StrictInt | None = Field(default=None, ge=2, le=1_048_576,
+                                      description="tokens per block; training: the calibration's seq_len, "
+                                                  "evaluation: the training's")
+    text_field: Text = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
+    skip_blocks: StrictInt = Field(default=0, ge=0, le=MAX_SKIP_BLOCKS,
+                                   description="blocks to skip at the start of the source")
+
+
+class DistillJobSpec(_Strict):
+    """What `dtp-layout distill` does, on the job's own layouts (`models.distill.run_distill`)."""
+
+    layouts: list[Annotated[Text, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=lambda: ["optimised", "contiguous"], min_length=1, max_length=16,
+        description="layouts of this job to distil: optimised, contiguous, random-<seed> (random-1000 … with "
+                    "random_layouts), and the ablations with ablations=true")
+    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=16,
+                                   description="training seeds; each (layout, seed) pair is one run")
+    steps: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
+                                    description="optimiser steps per run (shorthand for recipe.steps; 1000)")
+    train: DistillDataIn | None = Field(default=None,
+                                        description="training text; default: the calibration source. Where it is "
+                                                    "the calibration's text (by content), training starts after "
+                                                    "the calibration blocks")
+    eval: DistillDataIn | None = Field(default=None,
+                                       description="held-out evaluation text; default: the training source. Where "
+                                                   "it is the training or calibration text (by content), "
+                                                   "evaluation starts after those blocks")
+    allow_overlap: StrictBool = Field(default=False,
+                                      description="read train and eval as given even where they overlap the "
+                                                  "calibration or each other (the overlap is reported in "
+                                                  "summary.json and report.json under `data`)")
+    recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(),
+                                    description="the training recipe; every field optional (the paper's defaults)")
+
+    @field_validator("layouts")
+    @classmethod
+    def _distinct_layouts(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate layouts in {value}")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value) or any(s < 0 for s in value):
+            raise ValueError(f"seeds must be distinct integers ≥ 0, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_once(self) -> DistillJobSpec:
+        given = self.recipe.given().get("steps")
+        if self.steps is not None and given is not None and self.steps != given:
+            raise ValueError(f"steps={self.steps} and recipe.steps={given} disagree; give one")
+        return self
+
+    def recipe_fields(self) -> dict[str, Any]:
+        """The given recipe fields (for DistillRecipe.from_dict), with `steps` folded in."""
+        fields = self.recipe.given()
+        if self.steps is not None:
+            fields["steps"] = self.steps
+        return fields
+
+    def effective_recipe(self) -> dict[str, Any]:
+        return {**RECIPE_DEFAULTS, **self.recipe_fields()}
+
+    def data_specs(self, calibration: CalibrationIn) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The training and evaluation CalibrationSpec fields, defaults filled in (sources as given)."""
+        recipe = self.effective_recipe()
+        train = self.train or DistillDataIn(source=calibration.source, text_field=calibration.text_field)
+        train_spec = {"source": train.source, "sequences": train.sequences or recipe["steps"] * recipe["batch_size"],
+                      "seq_len": train.seq_len or calibration.seq_len, "text_field": train.text_field,
+                      "skip_blocks": train.skip_blocks}
+        ev = self.eval or DistillDataIn(source=train.source, text_field=train.text_field)
+        eval_spec = {"source": ev.source, "sequences": ev.sequences or EVAL_SEQUENCES,
+                     "seq_len": ev.seq_len or train_spec["seq_len"], "text_field": ev.text_field,
+                     "skip_blocks": ev.skip_blocks}
+        return train_spec, eval_spec
+
+
+class ExportSpec(_Strict):
+    checkpoint: StrictBool = Field(default=True, description="the permuted Hugging Face checkpoint (checkpoint/*)")
+    shards: StrictBool = Field(default=True, description="per-rank DTP shards and manifest (shards/*)")
+    dtype: ExportDtypeName = Field(
+        default="auto", description="dtype the exported weights are stored in; auto: the source checkpoint's "
+                                    "(a bf16 hub model exports bf16 whatever model.dtype computed in; a GGUF, "
+                                    "which has none, exports in model.dtype). The manifest records both")
+
+    @property
+    def any(self) -> bool:
+        return self.checkpoint or self.shards
+
+
+class JobSpec(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [EXAMPLE_SPEC, EXAMPLE_HUB_SPEC]})
+
+    model: ModelRef
+    devices: StrictInt = Field(ge=1, le=1024, description="number of DTP devices L (must divide the KV groups "
+                                                          "and the FFN width)")
+    delta: StrictInt = Field(default=1, ge=0, le=1024, description="delay δ in modules")
+    calibration: CalibrationIn
+    score: ScoreName = Field(default="fo", description="up-edge affinity score")
+    random_layouts: StrictInt = Field(default=0, ge=0, le=64, description="K random layouts scored as baselines")
+    ablations: StrictBool = Field(default=False, description="also the paper's seven spread layouts (§5.4): "
+                                  "anti-optimised, heads-only, neurons-only, add-score (fo-score for score=add), "
+                                  "4-, 8- and 12-layers, and optimised-restarts-0 when restarts > 0")
+    export: ExportSpec = Field(default_factory=lambda: ExportSpec(),
+                               description="what to export for the optimised layout; `false` for nothing")
+    distill: DistillJobSpec | None = Field(
+        default=None, description="after the layouts (and the export): distil the DTP model of each named layout "
+                                  "from the dense one and record the curves (stage `distilling`)")
+    batch_size: StrictInt = Field(default=4, ge=1, le=1024, description="calibration sequences per micro-batch")
+    restarts: StrictInt = Field(default=4, ge=0, le=64,
+                                description="extra optimiser starts from random head assignments (0 is the "
+                                            "paper's procedure: one start from the contiguous KV groups)")
+
+    @field_validator("export", mode="before")
+    @classmethod
+    def _export_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return {"checkpoint": value, "shards": value}
+        return value
+
+    def layout_names(self) -> list[str]:
+        """The layouts this job produces (and may distil), in the order they are produced."""
+        names = ["optimised"]
+        if self.ablations:
+            names += ablation_names(self.score, self.restarts)
+        names.append(CONTIGUOUS)
+        names += [random_name(RANDOM_SEED_BASE + k) for k in range(self.random_layouts)]
+        return names
+
+
+# ---- what a submission may leave out (GET /v1/spec) -----------------------------------------------------
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (`X`, `X | None`), or None."""
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def _as_json(value: Any) -> Any:
+    if isinstance(value, _RecipeIn):  # its null fields stand for the recipe's own defaults: give those
+        return value.effective()
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return json.loads(json.dumps(value))
+
+
+def field_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """What each field of `model` is when a request leaves it out, read off the model itself: a field
+    with a default gives it (as JSON), a required field that holds a model gives that model's defaults,
+    and a required plain field is absent (`required_fields` names it)."""
+    out: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if info.is_required():
+            nested = _model_class(info.annotation)
+            if nested is not None:
+                out[name] = field_defaults(nested)
+            continue
+        out[name] = _as_json(info.get_default(call_default_factory=True))
+    return out
+
+
+def required_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The dotted paths a request must give (`model.id`, `devices`, `calibration.source`)."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        if not info.is_required():
+            continue
+        nested = _model_class(info.annotation)
+        out += required_fields(nested, f"{prefix}{name}.") if nested is not None else [f"{prefix}{name}"]
+    return out
+
+
+class SourceOut(BaseModel):
+    source: str = Field(description="what to give as calibration.source (or distill.train/eval.source)")
+    kind: Literal["corpus", "data"] = Field(description="corpus: a named text of this install; data: a name under "
+                                                        "the server's data root")
+    description: str | None = None
+
+
+_SPEC_INFO_EXAMPLE: dict[str, Any] = {
+    "defaults": field_defaults(JobSpec), "distill_defaults": field_defaults(DistillJobSpec),
+    "required": required_fields(JobSpec),
+    "sources": [{"source": "corpus:shakespeare", "kind": "corpus", "description": "Shakespeare's works"},
+                {"source": "calibration/tokens.npy", "kind": "data", "description": None}],
+    "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
+    "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
+                  for score in SCORES},
+    "random_seed_base": RANDOM_SEED_BASE}
+
+
+class SpecInfo(BaseModel):
+    """What `POST /v1/jobs` accepts on this server: the defaults of every field a request may leave out, the
+    fields it must give, the texts this server can read, and an example job it can run as it is."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [_SPEC_INFO_EXAMPLE]})
+
+    defaults: dict[str, Any] = Field(description="every field of the job spec that has a default, nested as in the "
+                                                 "spec (distill: null, i.e. no distillation)")
+    distill_defaults: dict[str, Any] = Field(description="the same for the `distill` block (recipe: the training "
+                                                         "recipe's defaults)")
+    required: list[str] = Field(description="the fields a job must give, as dotted paths")
+    sources: list[SourceOut] = Field(description="the corpora this install has (`corpus:NAME`), then the data "
+                                                 "root's files (.txt, .jsonl, .npy) and directories of .txt; "
+                                                 "hf:NAME[:CONFIG[:SPLIT]] is also accepted where the hub is")
+    example: dict[str, Any] = Field(description="a small job (the API's first example) on a source from `sources`: "
+                                                "what the dashboard's form starts from")
+    distill_example: dict[str, Any] = Field(description="a short distillation (the `distill` block of the API's "
+                                                        "distillation example), on sources from `sources`")
+    ablations: dict[str, dict[str, list[str]]] = Field(
+        description="the layout names `ablations: true` adds, per score, with `restarts` 0 (`paper`) and > 0 "
+                    "(`restarts`)")
+    random_seed_base: int = Field(description="random layouts are random-<base>, random-<base+1>, …")
+    max_calibration_tokens: int = Field(description="the most calibration.sequences × seq_len this server takes")
+
+
+class Links(BaseModel):
+    self: str
+    layouts: str
+    artifacts: str
+    metrics: str
+    cancel: str
+
+
+class TimelineEntry(BaseModel):
+    stage: str = Field(description="`queued` (waiting for a worker), then a stage name")
+    attempt: int = Field(description="the worker run (0 for `queued`)")
+    started_at: datetime | None
+    finished_at: datetime | None = Field(description="null while the span runs")
+    seconds: float | None = Field(description="duration; while running, so far")
+    state: Literal["done", "running", "failed", "cancelled", "interrupted"]
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "status": "running", "stage": "affinity", "progress": 0.42,
+        "eta_s": 12.5, "stages_done": ["loading", "calibration"], "affinity_cached": False, "cancel_requested": False,
+        "attempts": 1,
+        "owner": None, "spec": EXAMPLE_SPEC, "fingerprint": "9c1e…", "error": None, "error_stage": None,
+        "created_at": "2026-11-30T10:00:00Z", "started_at": "2026-11-30T10:00:01Z", "finished_at": None,
+        "updated_at": "2026-11-30T10:00:09Z", "timings": {"loading": 3.1, "calibration": 0.4}, "summary": None,
+        "device": {"device": "cuda:0", "name": "NVIDIA H200", "memory_total_gib": 139.81, "capability": "9.0",
+                   "cuda": "13.0", "torch": "2.11.0+cu130", "visible_devices": 1},
+        "timeline": [
+            {"stage": "queued", "attempt": 0, "started_at": "2026-11-30T10:00:00Z",
+             "finished_at": "2026-11-30T10:00:01Z", "seconds": 0.8, "state": "done"},
+            {"stage": "loading", "attempt": 1, "started_at": "2026-11-30T10:00:01Z",
+             "finished_at": "2026-11-30T10:00:04Z", "seconds": 3.1, "state": "done"},
+            {"stage": "affinity", "attempt": 1, "started_at": "2026-11-30T10:00:05Z", "finished_at": None,
+             "seconds": 4.0, "state": "running"}],
+        "links": {"self": "/v1/jobs/3f6c…", "layouts": "/v1/jobs/3f6c…/layouts",
+                  "artifacts": "/v1/jobs/3f6c…/artifacts", "metrics": "/v1/jobs/3f6c…/metrics",
+                  "cancel": "/v1/jobs/3f6c…/cancel"}}]})
+
+    id: str
+    status: Status
+    stage: str | None = Field(default=None, description="current stage while running; the failing stage when failed")
+    progress: float = Field(description="fraction of the current stage done")
+    eta_s: float | None = Field(default=None, description="seconds left in the current stage (estimate)")
+    stages_done: list[str]
+    affinity_cached: bool = Field(description="the affinity came from an earlier job with the same fingerprint")
+    cancel_requested: bool = Field(default=False, description="a cancel was requested (a running job stops between "
+                                                              "micro-batches)")
+    attempts: int
+    owner: str | None
+    spec: dict[str, Any]
+    fingerprint: str
+    error: str | None
+    error_stage: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime
+    timings: dict[str, float]
+    summary: dict[str, Any] | None = Field(
+        default=None, description="tokens, random expectation, upper bound and J per layout once the job succeeded")
+    device: dict[str, Any] | None = Field(
+        default=None, description="where the worker runs the job (latest attempt): `device` (cpu, cuda:N), `name` "
+                                  "(e.g. NVIDIA H200), `memory_total_gib`, `capability`, `cuda`, `torch`; null "
+                                  "until a worker picked the job up")
+    timeline: list[TimelineEntry] = Field(
+        default_factory=list, description="time spans from the job's history: queued, then each stage attempt "
+                                          "(an interrupted attempt, then its resumption)")
+    links: Links
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int
+    limit: int
+    offset: int
+    next: str | None
+
+
+class LayoutSummary(BaseModel):
+    name: str
+    J: float
+    random_expectation: float
+    upper_bound: float
+    upper_bound_exact: bool
+    up_fraction: list[float]
+    down_fraction: list[float]
+    link: str
+
+
+class LayoutList(BaseModel):
+    items: list[LayoutSummary]
+
+
+class ArtifactOut(BaseModel):
+    name: str
+    kind: str
+    size: int
+    sha256: str
+    link: str
+
+
+class ArtifactList(BaseModel):
+    items: list[ArtifactOut]
+
+
+class ScoresOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "job_id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "model": "smollm2-135m", "revision": None, "devices": 3,
+        "delta": 1, "score": "fo", "finished_at": "2026-11-30T10:01:00Z", "tokens": 2048,
+        "random_expectation": 19.667, "upper_bound": 31.775,
+        "layouts": {"optimised": 30.242, "contiguous": 19.993, "random-1000": 19.651}}]})
+
+    job_id: str
+    model: str
+    revision: str | None
+    devices: int
+    delta: int
+    score: str
+    finished_at: datetime | None
+    tokens: int | None
+    random_expectation: float | None
+    upper_bound: float | None
+    layouts: dict[str, float] = Field(description="J per layout name")
+
+
+class Curve(BaseModel):
+    layout: str
+    seed: int
+    steps: list[int] = Field(description="evaluation steps (optimiser steps taken before each evaluation)")
+    kl: list[float | None] | None = Field(
+        default=None, description="mean per-token KL(dense ‖ DTP) in nats on the evaluation blocks, per step")
+    ppl: list[float | None] | None = Field(default=None, description="the DTP model's perplexity, per step")
+    loss: list[float | None] | None = Field(
+        default=None, description="mean training loss since the previous evaluation (null at step 0)")
+    lr: list[float | None] | None = Field(default=None, description="lr of the last step taken")
+
+
+class MetricsOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "job_id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "status": "succeeded", "stage": None,
+        "curves": [
+            {"layout": "optimised", "seed": 0, "steps": [0, 100, 200], "kl": [0.91, 0.21, 0.12],
+             "ppl": [40.1, 22.3, 20.9], "loss": [None, 0.52, 0.25], "lr": [1e-5, 9.2e-5, 1e-5]},
+            {"layout": "contiguous", "seed": 0, "steps": [0, 100, 200], "kl": [1.72, 0.35, 0.2],
+             "ppl": [75.0, 25.6, 22.2], "loss": [None, 0.81, 0.38], "lr": [1e-5, 9.2e-5, 1e-5]}],
+        "summary": {"dense_ppl": 19.8, "headline": {
+            "reference": "contiguous", "candidate": "optimised", "reference_final_step": 200,
+            "reference_final_kl": 0.2, "candidate_final_kl": 0.12, "candidate_step_to_reference_final_kl": 131.0,
+            "multipliers": [{"step": 100, "reference_kl": 0.35, "candidate_step": 62.5, "multiplier": 1.6},
+                            {"step": 200, "reference_kl": 0.2, "candidate_step": 131.0, "multiplier": 1.53}]}},
+    }]})
+
+    job_id: str
+    status: Status
+    stage: str | None
+    curves: list[Curve] = Field(description="one curve per (layout, seed), in the job's layout order; empty until "
+                                            "the first evaluation")
+    summary: dict[str, Any] | None = Field(
+        default=None, description="once summary.json exists: dense_ppl and the headline (the step at which the "
+                                  "candidate reaches the reference's final KL, and the compute multipliers)")
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)
+
+
+# ---- query parameters shared by the routes ------------------------------------------------------------
+
+def _text_query(max_length: int, description: str) -> Any:
+    from fastapi import Query
+
+    return Query(max_length=max_length, description=f"{description} (printable characters; compared after "
+                                                    "NFC normalisation)")
+
+
+ModelFilter = Annotated[str | None, _text_query(300, "model id as submitted"), AfterValidator(_clean_or_none)]
+OwnerFilter = Annotated[str | None, _text_query(100, "owner (tenant); only an admin sees other tenants' jobs"),
+                        AfterValidator(_clean_or_none)]
+RevisionFilter = Annotated[str | None, _text_query(128, "hub revision as submitted"), AfterValidator(_clean_or_none)]
+LayoutFilter = Annotated[str | None, _text_query(64, "only this layout"), AfterValidator(_clean_or_none)]

@@ -1,0 +1,254 @@
+"""Service settings: one pydantic-settings class, every field from a `DTP_LAYOUT_*` environment variable.
+
+The defaults are the embedded setup of `dtp-layout serve`: everything under `./var` (SQLite database,
+a SQLite-backed Celery transport, artifacts, model and data roots), no other server needed.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DTP_LAYOUT_", extra="ignore")
+
+    var_dir: Path = Field(default=Path("var"), description="base of the embedded defaults below (`serve --var-dir`)")
+    database_url: str = Field(default="", description="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db; "
+                                                      "default sqlite:///VAR_DIR/dtp-layout.db")
+    broker_url: str = Field(default="", description="Celery broker, e.g. redis://host:6379/0; default "
+                                                    "sqla+sqlite:///VAR_DIR/broker.db")
+    broker_key_prefix: str = Field(default="", description="Redis only: a prefix for every broker key (several "
+                                                           "services on one Redis)")
+    storage_root: Path | None = Field(default=None, description="artifacts, per-job work directories and the affinity "
+                                                                "cache (a volume the API and workers share); default "
+                                                                "VAR_DIR/storage")
+    model_root: Path | None = Field(default=None, description="the models a job may name (directories or .gguf "
+                                                              "files); default VAR_DIR/models")
+    data_root: Path | None = Field(default=None, description="the calibration files a job may name; default "
+                                                             "VAR_DIR/data")
+    queue: str = Field(default="gpu", description="Celery queue the jobs go to")
+    api_keys: str = Field(default="", description="keys by digest, comma-separated NAME:sha256:HEX[:admin]"
+                                               "[:tenant=T] entries (`dtp-layout keys create NAME --settings` prints "
+                                               "one); the api_keys table holds the others")
+    require_keys: bool = Field(default=False, description="never run open: with no key at all every /v1 call is 401 "
+                                                          "(docker-compose.yml sets it)")
+    key_cache_s: float = Field(default=2.0, ge=0, le=300, description="seconds the API caches the api_keys table "
+                                                                       "(a revoked key stops working within this)")
+    max_body_bytes: int = Field(default=65536, ge=1024, le=1 << 30, description="larger request bodies get 413 "
+                                                                                "before they are read")
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600, description="a request's headers must arrive within "
+                                                                            "this from the connection's start or the "
+                                                                            "previous response; else the connection "
+                                                                            "is closed (`serve`; "
+                                                                            "app/api/http_timeouts.py)")
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600, description="a request's body must arrive within this "
+                                                                          "from the end of its headers; else 408 and "
+                                                                          "the connection is closed")
+    rate_limit_per_min: int = Field(default=600, ge=0, description="requests per minute per key (per client address "
+                                                                   "without a valid key); 0 turns the limit off")
+    rate_limit_burst: int = Field(default=120, ge=1, description="requests a key may make at once before the rate "
+                                                                 "limit applies")
+    max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429 with "
+                                                              "Retry-After")
+    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (app.core.budgets: calibration, "
+                                                                      "distillation training and evaluation, layout "
+                                                                      "work) of a tenant's active jobs; more is 429 "
+                                                                      "(one job alone past it: 422)")
+    max_calibration_tokens: int = Field(default=1 << 20, ge=2, description="calibration sequences × seq_len per job "
+                                                                           "(also the evaluation set of a distill); "
+                                                                           "more is 422")
+    max_skip_tokens: int = Field(default=1 << 26, ge=0, description="skip_blocks × seq_len of any data spec")
+    max_distill_tokens: int = Field(default=1 << 28, ge=1, description="steps × batch_size × seq_len × layouts × "
+                                                                       "seeds of a job's distillation (and the "
+                                                                       "training blocks it loads)")
+    max_evaluations: int = Field(default=10_000, ge=1, description="distillation evaluations of a job over all its "
+                                                                   "runs (4 metric rows each)")
+    max_eval_tokens: int = Field(default=1 << 26, ge=1, description="distillation evaluation tokens of a job: "
+                                                                    "(evaluations + 1) × evaluation sequences × "
+                                                                    "seq_len, every run's and the dense model's")
+    max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model, estimated "
+                                                                            "from its config, that a job may load")
+    hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none: hub ids are "
+                                                     "422) or comma-separated owners and owner/name ids")
+    hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
+                                                       "(none) or comma-separated owners and names")
+    corpora: str = Field(default="auto", description="corpus:NAME sources a job may name: auto (those this API "
+                                                     "process can read: right where the API and its workers share "
+                                                     "a machine, as `dtp-layout serve` does) or the comma-separated "
+                                                     "names the workers have (an API whose workers run elsewhere)")
+    device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
+    cuda_memory_fraction: float | None = Field(
+        default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
+                                              "workers on one GPU); a job that needs more fails with the sizes")
+    visibility_timeout_s: int = Field(default=86400, ge=60,
+                                      description="Redis visibility timeout; keep it above the longest job")
+    lease_s: float = Field(default=60.0, gt=0, description="a running job's lease, renewed every second by its "
+                                                            "worker; once it expires the worker is presumed dead")
+    max_attempts: int = Field(default=3, ge=1, description="runs of one job (worker deaths, stalls) before it is "
+                                                           "failed (`gave up after N attempts: REASON`)")
+    requeue_after_s: float = Field(default=300.0, gt=0, description="a job still queued this long after it was "
+                                                                     "sent (no worker took it: a crash between insert "
+                                                                     "and enqueue, message lost, broker purged, a "
+                                                                     "claim that failed) is sent again by the "
+                                                                     "workers' sweeper, every period until a worker "
+                                                                     "takes it")
+    stall_s: float = Field(default=1800.0, gt=0, description="a running job that reports no progress for this long "
+                                                              "(e.g. a hung download, a stuck stage) stops renewing "
+                                                              "its lease and is retried; after MAX_ATTEMPTS runs it "
+                                                              "fails with `stalled in stage X for N s`")
+    time_limit_s: float = Field(default=3600.0, gt=0, description="soft time limit of one run of a job: this, plus "
+                                                                   "TIME_LIMIT_PER_MTOKEN_S per million work tokens, "
+                                                                   "at most TIME_LIMIT_MAX_S; past it the job fails "
+                                                                   "with the reason. The hard limit is 10% + "
+                                                                   "TIME_LIMIT_GRACE_S more (the worker process is "
+                                                                   "then killed and restarted)")
+    time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
+                                                                            "million work tokens (app.core.budgets: "
+                                                                            "every unit of work the spec asks for)")
+    time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit "
+                                                                        "(48 h)")
+    time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
+                                                                      "this: a run that never reaches a check by "
+                                                                      "then (stuck in native code) is failed and its "
+                                                                      "worker process killed (`serve`, or the service "
+                                                                      "manager, restarts it)")
+    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: the worker sleeps this long between "
+                                                                  "micro-batches and at each stage's start (a job "
+                                                                  "slow on purpose, deterministically)")
+    test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
+                                                        "calibration, optimising, exporting or distilling (its data "
+                                                        "loading) where a cancel can abandon it (a stuck download), "
+                                                        "affinity where only the hard time limit can")
+    public_url: str = Field(default="", description="base URL of the links in responses (default: relative links)")
+    api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
+                                                                   "work (database, files); its database pool "
+                                                                   "holds as many connections")
+    log_format: Literal["text", "json"] = Field(default="text", description="text (readable lines) or json (one "
+                                                                            "object per line: request id, job id, "
+                                                                            "tenant, stage), API and workers")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="level of this "
+                                                                                                "project's loggers")
+    access_log: bool = Field(default=True, description="one log line per HTTP request (with its X-Request-ID)")
+    metrics_cache_s: float = Field(default=2.0, ge=0, le=300, description="/metrics reads the jobs table at most "
+                                                                          "this often")
+
+    @field_validator("corpora")
+    @classmethod
+    def _corpora(cls, value: str) -> str:
+        from models.assets import CORPORA
+
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if value.strip().lower() not in ("", "auto") and any(n not in CORPORA for n in names):
+            raise ValueError(f"DTP_LAYOUT_CORPORA must be auto or comma-separated names among {', '.join(CORPORA)}, "
+                             f"got {value!r}")
+        return value
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _case(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.strip().lower() if info.field_name == "log_format" else value.strip().upper()
+
+    @model_validator(mode="after")
+    def _defaults(self) -> Settings:
+        self.key_entries()  # a malformed DTP_LAYOUT_API_KEYS stops the process at start
+        var = self.var_dir.expanduser().absolute()
+        self.var_dir = var
+        if not self.database_url:
+            self.database_url = f"sqlite:///{var / 'dtp-layout.db'}"
+        if not self.broker_url:
+            self.broker_url = f"sqla+sqlite:///{var / 'broker.db'}"
+        self.storage_root = (self.storage_root or var / "storage").expanduser().absolute()
+        self.model_root = (self.model_root or var / "models").expanduser().absolute()
+        self.data_root = (self.data_root or var / "data").expanduser().absolute()
+        return self
+
+    def time_limits(self, work_tokens: int) -> tuple[float, float]:
+        """(soft, hard) seconds for one run of a job of `work_tokens` (app.core.budgets.work_tokens)."""
+        soft = min(self.time_limit_max_s, self.time_limit_s + self.time_limit_per_mtoken_s * work_tokens / 1e6)
+        return soft, soft * 1.1 + self.time_limit_grace_s
+
+    @property
+    def storage(self) -> Path:
+        assert self.storage_root is not None
+        return self.storage_root
+
+    @property
+    def models_dir(self) -> Path:
+        assert self.model_root is not None
+        return self.model_root
+
+    @property
+    def data_dir(self) -> Path:
+        assert self.data_root is not None
+        return self.data_root
+
+    def key_entries(self) -> list[tuple[str, str, bool, str]]:
+        """(name, sha256 hex digest, admin, tenant) of every DTP_LAYOUT_API_KEYS entry. Raises ValueError
+        for a malformed entry, or a plain key (only digests are accepted: a leaked settings file leaks no key)."""
+        entries = []
+        for item in filter(None, (part.strip() for part in self.api_keys.split(","))):
+            name, *rest = item.split(":")
+            if len(rest) < 2 or rest[0] != "sha256" or not KEY_NAME.fullmatch(name) \
+                    or not re.fullmatch(r"[0-9a-f]{64}", rest[1]):
+                raise ValueError(f"DTP_LAYOUT_API_KEYS entry {name + ':…'!r} is not NAME:sha256:HEX[:admin]"
+                                 "[:tenant=TENANT] (plain keys are refused: only their sha256 digest goes in the "
+                                 "settings; `dtp-layout keys create NAME --settings` prints an entry)")
+            admin, tenant = False, name
+            for flag in rest[2:]:
+                if flag == "admin":
+                    admin = True
+                elif flag.startswith("tenant=") and KEY_NAME.fullmatch(flag[7:]):
+                    tenant = flag[7:]
+                else:
+                    raise ValueError(f"DTP_LAYOUT_API_KEYS entry {name!r}: unknown flag {flag!r} (admin, tenant=NAME)")
+            entries.append((name, rest[1], admin, tenant))
+        return entries
+
+    def worker_env(self) -> dict[str, str]:
+        """The settings as environment variables, for a worker subprocess."""
+        env = {
+            "DATABASE_URL": self.database_url,
+            "BROKER_URL": self.broker_url,
+            "BROKER_KEY_PREFIX": self.broker_key_prefix,
+            "STORAGE_ROOT": str(self.storage),
+            "MODEL_ROOT": str(self.models_dir),
+            "DATA_ROOT": str(self.data_dir),
+            "QUEUE": self.queue,
+            "DEVICE": self.device,
+            "VISIBILITY_TIMEOUT_S": str(self.visibility_timeout_s),
+            "LEASE_S": str(self.lease_s),
+            "MAX_ATTEMPTS": str(self.max_attempts),
+            "STAGE_DELAY_S": str(self.stage_delay_s),
+            "TEST_HANG_STAGE": self.test_hang_stage,
+            "REQUEUE_AFTER_S": str(self.requeue_after_s),
+            "STALL_S": str(self.stall_s),
+            "TIME_LIMIT_S": str(self.time_limit_s),
+            "TIME_LIMIT_PER_MTOKEN_S": str(self.time_limit_per_mtoken_s),
+            "TIME_LIMIT_MAX_S": str(self.time_limit_max_s),
+            "TIME_LIMIT_GRACE_S": str(self.time_limit_grace_s),
+            "MAX_MODEL_PARAMS": str(self.max_model_params),
+            "HUB_MODELS": self.hub_models,
+            "HUB_DATASETS": self.hub_datasets,
+            "VAR_DIR": str(self.var_dir),
+            "LOG_FORMAT": self.log_format,
+            "LOG_LEVEL": self.log_level,
+        }
+        if self.cuda_memory_fraction is not None:
+            env["CUDA_MEMORY_FRACTION"] = str(self.cuda_memory_fraction)
+        return {f"DTP_LAYOUT_{k}": v for k, v in env.items()}
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
