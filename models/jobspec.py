@@ -60,6 +60,7 @@ class SpecGroup:
     doc: str
     required: bool = False
     nullable: bool = False  # null (the default) leaves the block out: no distillation, default data
+    flags: tuple[Flag, ...] = ()  # an `off` flag sets the whole block to false (`export: false`)
 
 
 def _f(path: str, kind: str, doc: str, default: Any = REQUIRED, *flags: Flag, **rule: Any) -> SpecField:
@@ -108,7 +109,9 @@ GROUPS: tuple[SpecGroup, ...] = (
     SpecGroup("model", "the model to lay out", required=True),
     SpecGroup("calibration", "the calibration text (models/calibration.py); a file source is a name under the "
                              "data root", required=True),
-    SpecGroup("export", "what to export for the optimised layout; `false` for nothing"),
+    SpecGroup("export", "what to export for the optimised layout; `false` for nothing",
+              flags=(Flag(("--no-export",), ("optimise", "submit"), form="off",
+                          help="export nothing (no permuted checkpoint, no rank shards)"),)),
     SpecGroup("distill", "after the layouts (and the export): distil the DTP model of each named layout from the "
                          "dense one and record the curves (stage `distilling`)", nullable=True),
     SpecGroup("distill.train", "training text; default: the calibration source. Where it is the calibration's text "
