@@ -50,22 +50,23 @@ def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
 
 
-def _csv(field: SpecField, flag: Flag) -> Any:
-    """argparse `type` of a comma-separated flag: a list of the items' kind (betas: two floats)."""
+class FlagValueError(argparse.ArgumentTypeError, ValueError):
+    """A flag's value that is not of its field's kind: the commands print it and exit with status 2."""
+
+
+def _csv(field: SpecField, flag: Flag, text: str) -> list[Any]:
+    """A comma-separated flag's value: a list of the items' kind (betas: two floats). Parsed when the
+    spec is read back, not by argparse, so that the command reports it like its other user errors."""
     item_kind = "float" if field.rule.kind == "betas" else field.rule.item.kind if field.rule.item else "str"
     convert = {"int": int, "float": float}.get(item_kind, str)
-
-    def parse(text: str) -> list[Any]:
-        try:
-            items = [convert(x.strip()) for x in text.split(",") if x.strip()]
-        except ValueError:
-            items = []
-        if not items:
-            kind = {"int": "integers", "float": "numbers"}.get(item_kind, "names")
-            raise argparse.ArgumentTypeError(f"{flag.names[0]} takes comma-separated {kind}, got {text!r}")
-        return items
-
-    return parse
+    try:
+        items = [convert(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items:
+        kind = {"int": "integers", "float": "numbers"}.get(item_kind, "names")
+        raise FlagValueError(f"{flag.names[0]} takes comma-separated {kind}, got {text!r}")
+    return items
 
 
 def add_spec_flags(parser: argparse.ArgumentParser | Any, command: str, *, groups: dict[str, Any] | None = None
@@ -104,8 +105,7 @@ def add_spec_flags(parser: argparse.ArgumentParser | Any, command: str, *, group
             target.add_argument(*flag.names, action="store_true", **kwargs)
             continue
         if flag.form == "csv":
-            kwargs["type"] = _csv(item, flag)
-            default = list(default) if isinstance(default, tuple) else default
+            default = _shown(default) if default is not None else None
         elif rule.kind == "int":
             kwargs["type"] = int
         elif rule.kind in ("float", "betas"):
@@ -133,7 +133,8 @@ def spec_values(args: argparse.Namespace, command: str) -> dict[str, Any]:
             value: Any = (flag.form == "on") if raw else None if command == SUBMIT else (
                 None if isinstance(item, SpecGroup) else command_default(item, flag))
         else:
-            value = raw
+            value = _csv(item, flag, raw) if flag.form == "csv" and isinstance(item, SpecField) and raw is not None \
+                else raw
         if value is None and (command == SUBMIT or isinstance(item, SpecGroup)):
             continue
         if isinstance(item, SpecField) and item.rule.kind == "betas" and flag.form == "value":
