@@ -180,7 +180,8 @@ FIELDS: tuple[SpecField, ...] = (
        ("optimised", CONTIGUOUS),
        _on(("--layouts",), "distill", form="csv",
            help="comma-separated: names from --from DIR/layouts (optimised, anti-optimised, heads-only, …), "
-                f"{CONTIGUOUS}, random-SEED / random:SEED, or {LAYOUT_FORMAT} JSON paths"), _on(("--distill",), "submit", form="csv", metavar="LAYOUTS"),
+                f"{CONTIGUOUS}, random-SEED / random:SEED, or {LAYOUT_FORMAT} JSON paths"),
+       _on(("--distill",), "submit", form="csv", metavar="LAYOUTS"),
        min_length=1, max_length=16, item=FieldRule("str", "a layout name", min_length=1, max_length=64)),
     _f("distill.seeds", "list", "training seeds; each (layout, seed) pair is one run", (0,),
        _on(("--seeds",), "distill", form="csv"), _on(("--distill-seeds",), "submit", form="csv", metavar="S,S"),

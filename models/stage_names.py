@@ -6,4 +6,4 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
-STAGES: tuple[Stage, ...] = get_args(Stage)
+STAGES: tuple[str, ...] = get_args(Stage)

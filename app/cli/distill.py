@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import needs_worker_extra
-from app.cli.main import CliError, _add_model_args, _calibration_of, _layouts_dir, _load
+from app.cli.main import _add_model_args, _calibration_of, _layouts_dir, _load
 from app.cli.spec_flags import spec_values
 from models.distill.recipe import DistillRecipe  # torch-free
 

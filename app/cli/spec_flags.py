@@ -15,10 +15,10 @@ import argparse
 import json
 from typing import Any
 
-from models.fields import NO_DEFAULT, Flag
+from models.fields import NO_DEFAULT, Command, Flag
 from models.jobspec import FIELDS, GROUPS, SpecField, SpecGroup, command_default
 
-SUBMIT = "submit"
+SUBMIT: Command = "submit"
 
 
 def generated_submit_flag(field: SpecField) -> Flag:
@@ -88,7 +88,7 @@ def add_spec_flags(parser: argparse.ArgumentParser | Any, command: str, *, group
         required = local and item.required and flag.default is NO_DEFAULT  # a command's own default: optional
         default = command_default(item, flag) if local else None
         if rule.kind == "betas" and flag.form == "value":  # one flag per beta
-            default = default[rule.flags_of(command).index(flag)] if local else None
+            default = (default or (None, None))[rule.flags_of(command).index(flag)] if local else None
         help_text = flag.help or rule.doc
         if rule.kind in ("int", "float") and rule.bounds_text():
             help_text += f"; {rule.bounds_text()}"

@@ -9,8 +9,8 @@ from typing import Literal, get_args
 from models.stage_names import STAGES, Stage
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-STATUSES: tuple[Status, ...] = get_args(Status)
-ACTIVE: tuple[Status, ...] = ("queued", "running")  # a worker has it, or will: counted against budgets
-FINISHED: tuple[Status, ...] = tuple(s for s in STATUSES if s not in ACTIVE)
+STATUSES: tuple[str, ...] = get_args(Status)
+ACTIVE: tuple[str, ...] = ("queued", "running")  # a worker has it, or will: counted against budgets
+FINISHED: tuple[str, ...] = tuple(s for s in STATUSES if s not in ACTIVE)
 
 __all__ = ["ACTIVE", "FINISHED", "STAGES", "STATUSES", "Stage", "Status"]

@@ -409,7 +409,29 @@ _SPEC_INFO_EXAMPLE: dict[str, Any] = {
     "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
     "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
                   for score in SCORES},
-    "random_seed_base": RANDOM_SEED_BASE}
+    "random_seed_base": RANDOM_SEED_BASE, "statuses": list(STATUSES), "stages": list(STAGES),
+    "fields": [{"path": "calibration.seq_len", "kind": "int", "required": False, "nullable": False, "default": 1024,
+                "doc": jobspec.BY_PATH["calibration.seq_len"].rule.doc, "ge": 2, "le": jobspec.MAX_SEQ_LEN}]}
+
+
+class SpecFieldOut(BaseModel):
+    """One declared field of the job spec: what it accepts and what it is when left out."""
+
+    path: str = Field(description="dotted path in the spec, e.g. calibration.seq_len")
+    kind: Literal["int", "float", "bool", "choice", "betas", "str", "list"]
+    required: bool
+    doc: str
+    nullable: bool = Field(description="null is accepted (and means the default)")
+    default: Any = Field(default=None, description="what the field is when left out (absent where required)")
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    min_length: int | None = Field(default=None, description="characters of a string, items of a list")
+    max_length: int | None = None
+    pattern: str | None = None
+    choices: list[str] | None = None
+    item: dict[str, Any] | None = Field(default=None, description="a list's item rule (kind and bounds)")
 
 
 class SpecInfo(BaseModel):
@@ -435,6 +457,10 @@ class SpecInfo(BaseModel):
                     "(`restarts`)")
     random_seed_base: int = Field(description="random layouts are random-<base>, random-<base+1>, …")
     max_calibration_tokens: int = Field(description="the most calibration.sequences × seq_len this server takes")
+    fields: list[SpecFieldOut] = Field(description="every field of the job spec as it is declared (models/jobspec.py),"
+                                                   " dotted paths in declaration order")
+    statuses: list[str] = Field(description="a job's status names")
+    stages: list[str] = Field(description="a job's stage names, in the order a job runs them")
 
 
 class Links(BaseModel):
