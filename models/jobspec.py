@@ -150,7 +150,8 @@ FIELDS: tuple[SpecField, ...] = (
     _f("calibration.text_field", "str", _TEXT_FIELD_DOC, "text", _on(("--text-field",), "optimise"),
        min_length=1, max_length=100),
     _f("calibration.skip_blocks", "int", "blocks to skip at the start of the stream (skip_blocks × seq_len is "
-       "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)", 0, ge=0, le=MAX_SKIP_BLOCKS),
+       "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)", 0, _on(("--calib-skip-blocks",), "optimise", "submit"),
+       ge=0, le=MAX_SKIP_BLOCKS),
     # ---- what is optimised and scored ----
     _f("score", "choice", "up-edge affinity score", "fo", _on(("--score",), "optimise", "submit"), choices=SCORES),
     _f("random_layouts", "int", f"K random layouts scored as baselines ({CONTIGUOUS} is always scored; seeds "

@@ -205,7 +205,7 @@ def _calibration_spec(args: argparse.Namespace) -> Any:
     from models.calibration import CalibrationSpec
 
     return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
-                           seed=args.calib_seed, text_field=args.text_field)
+                           seed=args.calib_seed, text_field=args.text_field, skip_blocks=args.calib_skip_blocks)
 
 
 def cmd_optimise(args: argparse.Namespace) -> int:
