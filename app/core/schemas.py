@@ -118,8 +118,8 @@ def _spec(path: str) -> Any:
     if declared.required:
         return Field(**kwargs)
     default = declared.default
-    if isinstance(default, tuple):  # a list field (pydantic copies a list default for each request)
-        return Field(default=list(default), **kwargs)
+    if isinstance(default, tuple):  # a list field: a fresh list per request
+        return Field(default_factory=lambda: list(default), **kwargs)
     return Field(default=default, **kwargs)
 
 
