@@ -11,10 +11,9 @@ the lists from GET /v1/spec: none of them spells out a list of statuses, stages,
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
-
-import re
 
 from app.core.jobstate import STAGES, STATUSES
 from models.affinity_scores import SCORES

@@ -1,7 +1,8 @@
 """`dtp-layout distill`: distil DTP models of several layouts from the dense one and compare the curves.
 
-Registered by `app.cli.main` (see `_EXTENSIONS`). Imports nothing heavy at import time: only the torch-free
-recipe (whose defaults are the flags' defaults); torch and the rest of models.* load inside the command.
+Registered by `app.cli.main` (see `_EXTENSIONS`). Its flags are the job spec's (models/jobspec.py, the recipe's
+rules included: app/cli/spec_flags.py). Imports nothing heavy at import time; torch and the rest of models.*
+load inside the command.
 """
 
 from __future__ import annotations

@@ -308,15 +308,15 @@ export function renderJob(container, {id}) {
 
   async function tick() {
     if (finishedAndLoaded) return;
-    if (spans.length === 1) {
-      try { spans = ["queued", ...(await specInfo()).stages]; } catch { /* grey spans; the job still shows */ }
-    }
     try {
       job = await api(`v1/jobs/${id}`);
     } catch (err) {
       replace(head, h("h1", {}, `Job ${shortId(id)}`), h("p", {class: "error-box", role: "alert"}, err.message));
       if (err.status === 404) finishedAndLoaded = true;
       return;
+    }
+    if (spans.length === 1) {  // the stage order, once the job has answered (with the key)
+      try { spans = ["queued", ...(await specInfo()).stages]; } catch { /* grey spans; the job still shows */ }
     }
     renderHead();
     const key = `${job.status}|${(job.stages_done || []).join(",")}`;
