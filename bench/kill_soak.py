@@ -42,6 +42,7 @@ from sqlalchemy import func, select
 
 from app.core.caller import OPEN
 from app.core.db import Artifact, Job, LayoutRow, Metric, database
+from app.core.jobstate import STAGES
 from app.core.queue import JobQueue
 from app.core.schemas import JobSpec
 from app.core.services import submit_job
@@ -49,7 +50,6 @@ from app.core.settings import Settings
 from app.core.storage import Storage, sha256_file
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
 
-STAGES = ("loading", "calibration", "affinity", "optimising", "exporting", "distilling")
 BODY = spec(random_layouts=0, ablations=False, export={"checkpoint": False, "shards": True}, distill=TINY_DISTILL)
 TOLERANCE = 1e-6
 

@@ -1,23 +1,28 @@
-"""The layout-file format, the random-seed base, the score names and the dtype names: each written once.
+"""The layout-file format, the random-seed base, the score names, the dtype names, the job status names and
+the stage names: each written once.
 
 Every other use imports it. Read from the Python sources of models/, app/, worker/ and bench/ (tests
 may spell values out to check them): the format string as a literal, a collection literal holding all
-the score names or all the dtype names (a dict's keys too), or an assignment to RANDOM_SEED_BASE,
-anywhere but in the one defining module, is a restatement that can drift.
+the score, dtype, status or stage names (a dict's keys too), or an assignment to RANDOM_SEED_BASE,
+anywhere but in the one defining module, is a restatement that can drift. The dashboard's scripts read
+the lists from GET /v1/spec: none of them spells out a list of statuses, stages, scores or dtypes.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from app.core.jobstate import STAGES, STATUSES
 from models.affinity_scores import SCORES
 from models.ids import DTYPE_NAMES
 from models.layouts.format import LAYOUT_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("models", "app", "worker", "bench")
+SCRIPTS = REPO / "app" / "ui" / "static" / "js"
 
 
 def python_files() -> Iterator[tuple[str, ast.AST]]:
@@ -35,7 +40,8 @@ def _strings(node: ast.AST) -> set[str]:
 
 def writers() -> dict[str, list[str]]:
     """What -> every `file:line` that writes it."""
-    out: dict[str, list[str]] = {"format": [], "scores": [], "dtypes": [], "seed base": []}
+    out: dict[str, list[str]] = {"format": [], "scores": [], "dtypes": [], "seed base": [], "statuses": [],
+                                 "stages": []}
     for name, tree in python_files():
         for node in ast.walk(tree):
             line = f"{name}:{getattr(node, 'lineno', 0)}"
@@ -45,6 +51,10 @@ def writers() -> dict[str, list[str]]:
                 out["scores"].append(line)
             if set(DTYPE_NAMES) <= _strings(node):
                 out["dtypes"].append(line)
+            if set(STATUSES) <= _strings(node):
+                out["statuses"].append(line)
+            if set(STAGES) <= _strings(node):
+                out["stages"].append(line)
             targets = (node.targets if isinstance(node, ast.Assign)
                        else [node.target] if isinstance(node, ast.AnnAssign) else [])
             if any(isinstance(t, ast.Name) and t.id == "RANDOM_SEED_BASE" for t in targets):
@@ -59,5 +69,36 @@ def test_each_name_is_written_in_its_one_module():
         "scores": ["models/affinity_scores.py"],
         "dtypes": ["models/ids.py"],
         "seed base": ["models/layouts/names.py"],
+        "statuses": ["app/core/jobstate.py"],
+        "stages": ["models/stage_names.py"],
     }, found
     assert all(len(lines) == 1 for lines in found.values()), found
+
+
+def _js_string_lists(text: str) -> list[set[str]]:
+    """The strings of each data literal of a script, roughly: every `[...]` / `{...}` (nested ones
+    included) that holds no statement (`;`) and no function (`=>`): its quoted strings and `name:` keys."""
+    out = []
+    opened: list[int] = []
+    for at, char in enumerate(text):
+        if char in "[{":
+            opened.append(at)
+        elif char in "]}" and opened:
+            body = text[opened.pop() + 1:at]
+            if ";" not in body and "=>" not in body:
+                out.append(set(re.findall(r"[\"'`]([^\"'`]*)[\"'`]", body)) | set(re.findall(r"(\w+)\s*:", body)))
+    return out
+
+
+def test_the_dashboard_reads_the_names_from_the_server():
+    lists = {"statuses": set(STATUSES), "stages": set(STAGES), "scores": set(SCORES), "dtypes": set(DTYPE_NAMES)}
+    found = {what: sorted(str(path.relative_to(REPO)) for path in sorted(SCRIPTS.rglob("*.js"))
+                          if any(names <= strings for strings in _js_string_lists(path.read_text())))
+             for what, names in lists.items()}
+    assert found == {what: [] for what in lists}, found
+    # and the checker sees a restatement where there is one (the lists as the scripts had them)
+    assert any(set(STAGES) <= s for s in _js_string_lists(
+        'const C = {queued: "#c", loading: "#8", calibration: "#6", affinity: "#f", optimising: "#e",\n'
+        '  exporting: "#a", distilling: "#f"};'))
+    assert any(set(DTYPE_NAMES) <= s for s in _js_string_lists(
+        'select([["float32", "float32"], ["bfloat16", "bfloat16"], ["float16", "float16"]])'))

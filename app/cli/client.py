@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.cli.spec_flags import add_spec_flags, spec_values
+from app.core.jobstate import STATUSES
 from models.affinity_scores import SCORES
-from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
 
 EXIT_FAILED = 1
 EXIT_ERROR = 2
@@ -85,15 +86,9 @@ def _set(spec: dict[str, Any], path: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got {text!r}") from None
-
-
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The job spec: the JSON file (if any), then the flags on top."""
+    """The job spec: the JSON file (if any), then the flags on top (each flag sets its field's path; a
+    field under a block the spec sets to false, `export: false`, stays out)."""
     spec: dict[str, Any] = {}
     if args.spec:
         from app.client.http import ClientError
@@ -105,41 +100,14 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             raise ClientError(f"cannot read the job spec {args.spec}: {exc}") from exc
         if not isinstance(spec, dict):
             raise ClientError(f"the job spec {args.spec} must be a JSON object")
-    flags = {
-        "model.id": args.model, "model.gguf_file": args.gguf_file, "model.revision": args.revision,
-        "model.dtype": args.dtype, "devices": args.devices, "delta": args.delta, "score": args.score,
-        "random_layouts": args.random, "restarts": args.restarts, "batch_size": args.batch_size,
-        "calibration.source": args.calib, "calibration.sequences": args.calib_sequences,
-        "calibration.seq_len": args.calib_seq_len, "calibration.seed": args.calib_seed,
-    }
-    for path, value in flags.items():
-        if value is not None:
+    given = spec_values(args, "submit")
+    off = {path for path, value in given.items() if "." not in path and value is False}  # `--no-export`
+    for path, value in given.items():
+        block = path.split(".")[0]
+        if path not in off and block not in off and spec.get(block) is not False:
             _set(spec, path, value)
-    if args.ablations:
-        spec["ablations"] = True
-    if args.no_export:
-        spec["export"] = False
-    for flag, part in ((args.no_checkpoint, "checkpoint"), (args.no_shards, "shards")):
-        if flag:
-            if spec.get("export") is False:
-                continue
-            spec["export"] = {"checkpoint": True, "shards": True, **(spec.get("export") or {}), part: False}
-    if args.export_dtype and spec.get("export") is not False:
-        given = spec.get("export")
-        spec["export"] = {**(given if isinstance(given, dict) else {}), "dtype": args.export_dtype}
-    distill = {
-        "distill.layouts": args.distill.split(",") if args.distill else None,
-        "distill.seeds": _ints(args.distill_seeds, "--distill-seeds") if args.distill_seeds else None,
-        "distill.steps": args.distill_steps,
-        "distill.train.source": args.train_data,
-        "distill.eval.source": args.eval_data,
-        "distill.recipe.eval_every": args.eval_every,
-        "distill.recipe.lr": args.lr,
-        "distill.allow_overlap": True if args.allow_overlap else None,
-    }
-    for path, value in distill.items():
-        if value is not None:
-            _set(spec, path, value)
+    for path in off:
+        spec[path] = False
     return spec
 
 
@@ -490,36 +458,7 @@ def register(sub: Any) -> None:
                                         "exit 0 when it succeeds, 1 when it fails or is cancelled, 3 when "
                                         "--timeout runs out first.")
     p.add_argument("spec", nargs="?", help="job spec JSON file, or - for stdin (the body of POST /v1/jobs)")
-    p.add_argument("--model", help="model.id: a name under the service's model root, or a hub id owner/name")
-    p.add_argument("--gguf-file", help="model.gguf_file")
-    p.add_argument("--revision", help="model.revision (hub models)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES)
-    p.add_argument("--devices", "-L", type=int, help="L")
-    p.add_argument("--delta", "-d", type=int, help="δ in modules")
-    p.add_argument("--calib", help="calibration.source: corpus:shakespeare, corpus:kjv, hf:…, or a data-root name")
-    p.add_argument("--calib-sequences", type=int)
-    p.add_argument("--calib-seq-len", type=int)
-    p.add_argument("--calib-seed", type=int)
-    p.add_argument("--score", choices=SCORES)
-    p.add_argument("--random", type=int, metavar="K", help="random_layouts")
-    p.add_argument("--ablations", action="store_true")
-    p.add_argument("--restarts", type=int)
-    p.add_argument("--batch-size", type=int, help="calibration sequences per micro-batch")
-    p.add_argument("--no-export", action="store_true", help="export nothing")
-    p.add_argument("--no-checkpoint", action="store_true", help="no permuted checkpoint")
-    p.add_argument("--no-shards", action="store_true", help="no rank shards")
-    p.add_argument("--export-dtype", choices=EXPORT_DTYPE_NAMES,
-                   help="export.dtype: what the exported weights are stored in (auto: the source checkpoint's)")
-    p.add_argument("--distill", metavar="LAYOUTS", help="distil these layouts (comma-separated), e.g. "
-                                                        "optimised,contiguous")
-    p.add_argument("--distill-steps", type=int, metavar="N")
-    p.add_argument("--distill-seeds", metavar="S,S")
-    p.add_argument("--train-data", metavar="SOURCE", help="distill.train.source")
-    p.add_argument("--eval-data", metavar="SOURCE", help="distill.eval.source")
-    p.add_argument("--eval-every", type=int, metavar="N", help="distill.recipe.eval_every")
-    p.add_argument("--lr", type=float, help="distill.recipe.lr")
-    p.add_argument("--allow-overlap", action="store_true",
-                   help="distill.allow_overlap: train/eval as given even where they overlap the calibration")
+    add_spec_flags(p, "submit")  # one flag per field of the job spec (models/jobspec.py)
     p.add_argument("--wait", action="store_true", help="follow the job (exit status as `wait`)")
     _wait_args(p)
     p.add_argument("--json", action="store_true", help="print the job as JSON instead of its id")
@@ -542,7 +481,7 @@ def register(sub: Any) -> None:
     p.set_defaults(client_func=cmd_cancel)
 
     p = commands.add_parser("list", parents=[common], help="jobs, newest first")
-    p.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    p.add_argument("--status", choices=STATUSES)
     p.add_argument("--model")
     p.add_argument("--devices", type=int)
     p.add_argument("--delta", type=int)

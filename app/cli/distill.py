@@ -1,7 +1,8 @@
 """`dtp-layout distill`: distil DTP models of several layouts from the dense one and compare the curves.
 
-Registered by `app.cli.main` (see `_EXTENSIONS`). Imports nothing heavy at import time: only the torch-free
-recipe (whose defaults are the flags' defaults); torch and the rest of models.* load inside the command.
+Registered by `app.cli.main` (see `_EXTENSIONS`). Its flags are the job spec's (models/jobspec.py, the recipe's
+rules included: app/cli/spec_flags.py). Imports nothing heavy at import time; torch and the rest of models.*
+load inside the command.
 """
 
 from __future__ import annotations
@@ -13,52 +14,35 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import needs_worker_extra
-from app.cli.main import CliError, _add_model_args, _calibration_of, _layouts_dir, _load
-from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe  # torch-free
-from models.layouts.format import LAYOUT_FORMAT
-
-PAPER = DistillRecipe()  # the defaults of every recipe flag
-
-
-def _csv_list(text: str, what: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise CliError(f"{what}: give a comma-separated list, got {text!r}")
-    return items
-
-
-def _seeds(text: str) -> list[int]:
-    try:
-        return [int(x) for x in _csv_list(text, "--seeds")]
-    except ValueError as exc:
-        raise CliError(f"--seeds must be comma-separated integers, got {text!r}") from exc
+from app.cli.main import _add_model_args, _calibration_of, _layouts_dir, _load
+from app.cli.spec_flags import spec_values
+from models.distill.recipe import DistillRecipe  # torch-free
 
 
 def _recipe(args: argparse.Namespace) -> DistillRecipe:
-    return DistillRecipe(
-        steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
-        min_lr=args.min_lr, warmup_steps=args.warmup, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, ce_weight=args.ce_weight, freeze_embeddings=not args.train_embeddings,
-        freeze_lm_head=args.freeze_lm_head, autocast=args.autocast, gradient_checkpointing=args.gradient_checkpointing,
-        logit_chunk=args.logit_chunk, eval_every=args.eval_every, eval_batch_size=args.eval_batch_size,
-        checkpoint_every=args.checkpoint_every, last_scale=args.last_scale)
+    prefix = "distill.recipe."
+    return DistillRecipe(**{path.removeprefix(prefix): value for path, value in spec_values(args, "distill").items()
+                            if path.startswith(prefix)})
 
 
 def _spec(args: argparse.Namespace) -> Any:
     from models.calibration import CalibrationSpec
     from models.distill import DistillSpec
 
+    given = spec_values(args, "distill")
     recipe = _recipe(args)
-    sequences = args.train_sequences or recipe.steps * recipe.batch_size
-    train = CalibrationSpec(source=args.data, sequences=sequences, seq_len=args.seq_len, text_field=args.text_field,
-                            skip_blocks=args.train_skip_blocks)
-    evaluation = CalibrationSpec(source=args.eval_data, sequences=args.eval_blocks,
-                                 seq_len=args.eval_seq_len or args.seq_len, text_field=args.text_field)
+    sequences = given["distill.train.sequences"] or recipe.steps * recipe.batch_size
+    train = CalibrationSpec(source=given["distill.train.source"], sequences=sequences,
+                            seq_len=given["distill.train.seq_len"], text_field=given["distill.train.text_field"],
+                            skip_blocks=given["distill.train.skip_blocks"])
+    evaluation = CalibrationSpec(source=given["distill.eval.source"], sequences=given["distill.eval.sequences"],
+                                 seq_len=given["distill.eval.seq_len"] or train.seq_len,
+                                 text_field=given["distill.eval.text_field"])
     calibration, identity = _calibration_of(args)
-    return DistillSpec(layouts=tuple(_csv_list(args.layouts, "--layouts")), train=train, eval=evaluation,
-                       devices=args.devices, delta=args.delta, seeds=tuple(_seeds(args.seeds)), recipe=recipe,
-                       reference=args.reference, candidate=args.candidate, calibration=calibration,
-                       calibration_identity=identity, allow_overlap=args.allow_overlap)
+    return DistillSpec(layouts=tuple(given["distill.layouts"]), train=train, eval=evaluation,
+                       devices=given["devices"], delta=given["delta"], seeds=tuple(given["distill.seeds"]),
+                       recipe=recipe, reference=args.reference, candidate=args.candidate, calibration=calibration,
+                       calibration_identity=identity, allow_overlap=given["distill.allow_overlap"])
 
 
 class _Bars:
@@ -140,61 +124,12 @@ def register(sub: Any) -> None:
                        description="Distil the DTP model of each layout from the frozen dense model with one recipe "
                                    "(the paper's by default) and compare KL/perplexity curves. Rerunning with the "
                                    "same --out resumes from the last checkpoints.")
-    _add_model_args(p)
-    p.add_argument("--layouts", default="optimised,contiguous",
-                   help="comma-separated: names from --from DIR/layouts (optimised, anti-optimised, heads-only, …), "
-                        f"contiguous, random-SEED / random:SEED, or {LAYOUT_FORMAT} JSON paths "
-                        "(default: optimised,contiguous)")
     p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
-    p.add_argument("--seeds", default="0", help="comma-separated training seeds; each (layout, seed) is a run")
-    p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
-    p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
-    p.add_argument("--last-scale", default=PAPER.last_scale, choices=DistillRecipe.rules()["last_scale"].choices)
     data = p.add_argument_group("data")
-    data.add_argument("--data", required=True,
-                      help="training data spec: text file, directory of .txt, .jsonl, .npy of ids, corpus:NAME, "
-                           "hf:OWNER/NAME[:CONFIG[:SPLIT]]")
-    data.add_argument("--train-sequences", type=int, default=None,
-                      help="training blocks to load (default: steps × batch size, one pass); fewer repeat in "
-                           "seeded epochs")
-    data.add_argument("--train-skip-blocks", type=int, default=0, help="skip this many blocks at the source's start")
-    data.add_argument("--seq-len", type=int, default=SEQ_LEN, help=f"tokens per training block (default: {SEQ_LEN})")
-    data.add_argument("--eval-data", default=WIKITEXT2_TEST,
-                      help=f"held-out evaluation data spec (default: {WIKITEXT2_TEST}, needs `datasets` and the "
-                           "internet); skips past the training and calibration text when it is the same text")
-    data.add_argument("--eval-blocks", type=int, default=EVAL_SEQUENCES,
-                      help=f"evaluation blocks (default: {EVAL_SEQUENCES})")
-    data.add_argument("--eval-seq-len", type=int, default=None, help="tokens per evaluation block (default: --seq-len)")
-    data.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
-    data.add_argument("--allow-overlap", action="store_true",
-                      help="read the specs as given even where training overlaps the --from run's calibration "
-                           "blocks or evaluation overlaps either (reported in summary.json); by default, on the "
-                           "same text (by content), training starts after the calibration blocks and evaluation "
-                           "after both")
     recipe = p.add_argument_group("recipe (defaults: the paper's)")
-    recipe.add_argument("--steps", type=int, default=PAPER.steps)
-    recipe.add_argument("--batch-size", type=int, default=PAPER.batch_size, help="sequences per optimiser step")
-    recipe.add_argument("--micro-batch-size", type=int, default=PAPER.micro_batch_size,
-                        help="sequences per forward/backward")
-    recipe.add_argument("--lr", type=float, default=PAPER.lr)
-    recipe.add_argument("--min-lr", type=float, default=PAPER.min_lr, help="end of the cosine decay")
-    recipe.add_argument("--warmup", type=int, default=PAPER.warmup_steps, help="linear warm-up steps")
-    recipe.add_argument("--beta1", type=float, default=PAPER.betas[0])
-    recipe.add_argument("--beta2", type=float, default=PAPER.betas[1])
-    recipe.add_argument("--weight-decay", type=float, default=PAPER.weight_decay)
-    recipe.add_argument("--grad-clip", type=float, default=PAPER.grad_clip, help="max gradient norm (0: off)")
-    recipe.add_argument("--ce-weight", type=float, default=PAPER.ce_weight, help="loss = KL + w·CE")
-    recipe.add_argument("--train-embeddings", action="store_true", help="do not freeze the input embeddings")
-    recipe.add_argument("--freeze-lm-head", action="store_true", help="also freeze an untied LM head")
-    recipe.add_argument("--autocast", default=PAPER.autocast, choices=DistillRecipe.rules()["autocast"].choices,
-                        help="auto: bf16 autocast on CUDA, fp32 on CPU")
-    recipe.add_argument("--gradient-checkpointing", action="store_true")
-    recipe.add_argument("--logit-chunk", type=int, default=PAPER.logit_chunk,
-                        help="tokens per chunk of the loss over the vocabulary")
-    recipe.add_argument("--eval-every", type=int, default=PAPER.eval_every)
-    recipe.add_argument("--eval-batch-size", type=int, default=PAPER.eval_batch_size)
-    recipe.add_argument("--checkpoint-every", type=int, default=PAPER.checkpoint_every,
-                        help="evaluations between checkpoints")
+    # the job spec's flags of `distill` (models/jobspec.py): the model, L, δ, the layouts and seeds, the
+    # training and evaluation data, and the recipe
+    _add_model_args(p, "distill", groups={"distill.train": data, "distill.eval": data, "distill.recipe": recipe})
     p.add_argument("--reference", default="contiguous", help="headline baseline layout (default: contiguous)")
     p.add_argument("--candidate", default="optimised", help="headline layout (default: optimised)")
     p.add_argument("--no-checkpoints-kept", action="store_true",

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
+from app.cli.spec_flags import add_spec_flags
 from models.affinity_scores import SCORES
-from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
 from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 
@@ -46,20 +46,11 @@ def _progress_bar() -> Callable[[str, float], None]:
     return update
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="hub id (owner/name), a local checkpoint directory, or a local .gguf file")
-    p.add_argument("--revision", help="hub revision (branch, tag or commit)")
-    p.add_argument("--gguf-file", help="GGUF file name inside the model directory or hub repo")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                   help="compute dtype: what the weights are loaded and the passes run in (default: float32)")
+def _add_model_args(p: argparse.ArgumentParser, command: str, *, groups: dict[str, Any] | None = None) -> None:
+    """The command's flags of the job spec (the model, L, δ, and whatever else of the spec the command
+    takes: models/jobspec.py declares which), then where to run."""
+    add_spec_flags(p, command, groups=groups)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
-
-
-def _add_export_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--export-dtype", default="auto", choices=EXPORT_DTYPE_NAMES,
-                   help="dtype of the exported checkpoint and shards (default: auto, the source checkpoint's "
-                        "dtype, so a bf16 model exports bf16 whatever --dtype computed in; a GGUF source, which "
-                        "has none, exports in --dtype)")
 
 
 def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
@@ -74,18 +65,6 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help=f"{CONTIGUOUS} | random:SEED (or random-SEED) | a layout name of --from DIR (optimised, "
                         f"heads-only, …) | path to a {LAYOUT_FORMAT} JSON file (default: {CONTIGUOUS})")
     p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
-    p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
-    p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
-
-
-def _add_calibration_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--calib", required=True,
-                   help="calibration text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
-                        "hf:OWNER/NAME")
-    p.add_argument("--calib-sequences", type=int, default=64, help="calibration blocks (default: 64)")
-    p.add_argument("--calib-seq-len", type=int, default=1024, help="tokens per block (default: 1024)")
-    p.add_argument("--calib-seed", type=int, default=0, help="block-order seed (default: 0)")
-    p.add_argument("--text-field", default="text", help="field of .jsonl / hf rows holding the text")
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -226,7 +205,7 @@ def _calibration_spec(args: argparse.Namespace) -> Any:
     from models.calibration import CalibrationSpec
 
     return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
-                           seed=args.calib_seed, text_field=args.text_field)
+                           seed=args.calib_seed, text_field=args.text_field, skip_blocks=args.calib_skip_blocks)
 
 
 def cmd_optimise(args: argparse.Namespace) -> int:
@@ -326,16 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="write the permuted HF checkpoint and per-rank DTP shards")
-    _add_model_args(p)
+    _add_model_args(p, "export")
     _add_layout_args(p)
-    _add_export_dtype_arg(p)
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=cmd_export)
     needs_worker_extra(p)
 
     p = sub.add_parser("eval", help="dense and DTP perplexity and KL(dense ‖ DTP) on a data spec")
-    _add_model_args(p)
+    _add_model_args(p, "eval")
     _add_layout_args(p)
     p.add_argument("--data", required=True,
                    help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
@@ -354,25 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     needs_worker_extra(p)
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
-    _add_model_args(p)
-    p.add_argument("--devices", "-L", type=int, required=True, help="number of DTP devices L")
-    p.add_argument("--delta", "-d", type=int, default=1, help="delay δ in modules (default: 1)")
-    _add_calibration_args(p)
-    p.add_argument("--score", default="fo", choices=SCORES, help="up-edge affinity score (default: fo)")
-    p.add_argument("--random", type=int, default=0, metavar="K",
-                   help=f"also score K random layouts (seeds {RANDOM_SEED_BASE}…)")
-    p.add_argument("--ablations", action="store_true",
-                   help="also the paper's seven spread layouts (§5.4): anti-optimised, heads-only, neurons-only, "
-                        "add-score, 4-, 8- and 12-layers (and optimised-restarts-0 when --restarts > 0)")
-    p.add_argument("--stability", action="store_true",
-                   help="also optimise on each half of the calibration blocks and report how the two layouts "
-                        "score on the other half and how much they agree (report.json `stability`)")
-    p.add_argument("--no-export", action="store_true", help="skip the permuted checkpoint and rank shards")
-    _add_export_dtype_arg(p)
-    p.add_argument("--batch-size", type=int, default=4, help="calibration sequences per micro-batch")
-    p.add_argument("--restarts", type=int, default=4,
-                   help="extra optimiser starts from random head assignments (default: 4; 0 is the paper's "
-                        "procedure: one start from the contiguous KV groups)")
+    _add_model_args(p, "optimise")  # and the calibration, the layouts scored, the export: the job spec's flags
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint/shards")
     p.set_defaults(func=cmd_optimise)

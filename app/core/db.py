@@ -33,12 +33,11 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 from sqlalchemy.sql.expression import FunctionElement
 
+from app.core.jobstate import FINISHED, STAGES, STATUSES  # noqa: F401  (importable from here as before)
+
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
 
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
-FINISHED = ("succeeded", "failed", "cancelled")
-STAGES = ("loading", "calibration", "affinity", "optimising", "exporting", "distilling")
 
 
 def utcnow() -> datetime:

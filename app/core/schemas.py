@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -20,15 +21,17 @@ from pydantic import (
 )
 
 from app.core import safe_text
+from app.core.jobstate import STAGES, STATUSES, Stage, Status
+from models import jobspec
 from models.affinity_scores import SCORES, ScoreName
 from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
-from models.ids import GGUF_FILE, REVISION, DtypeName, ExportDtypeName
+from models.ids import DtypeName, ExportDtypeName
+from models.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
 
-Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
+__all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
 MetricName = Literal["kl", "ppl", "loss", "lr"]
 METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
 
@@ -77,10 +80,6 @@ EXAMPLE_HUB_SPEC: dict[str, Any] = {
 }
 
 
-INT32_MAX = 2**31 - 1  # seeds are stored in Integer columns (metrics.seed)
-MAX_SKIP_BLOCKS = 1_000_000
-
-
 def _clean_or_none(value: str | None) -> str | None:
     return None if value is None else safe_text.clean(value)
 
@@ -95,38 +94,73 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# ---- the job spec's fields: each one's default, bounds, help and examples are models/jobspec.py's ------------
+#
+# The annotations below give each field its Python type (for type checkers and pydantic's strict kinds);
+# everything else a field accepts comes from its one declaration, and `_declared` refuses, at import, a
+# model whose fields are not exactly the declared ones.
+
+def _spec(path: str) -> Any:
+    """The pydantic Field of a declared job-spec field (`models.jobspec.BY_PATH[path]`)."""
+    declared = jobspec.BY_PATH[path]
+    rule = declared.rule
+    kwargs: dict[str, Any] = {"description": rule.doc}
+    if rule.kind in ("int", "float"):
+        kwargs.update({k: getattr(rule, k) for k in ("ge", "gt", "le", "lt") if getattr(rule, k) is not None})
+    if rule.kind in ("str", "list"):
+        kwargs.update({k: getattr(rule, k) for k in ("min_length", "max_length") if getattr(rule, k) is not None})
+    if rule.pattern is not None:
+        kwargs["pattern"] = rule.pattern
+    if rule.kind == "float":
+        kwargs["allow_inf_nan"] = False
+    if rule.examples:
+        kwargs["examples"] = list(rule.examples)
+    if declared.required:
+        return Field(**kwargs)
+    default = declared.default
+    if isinstance(default, tuple):  # a list field: a fresh list per request
+        return Field(default_factory=lambda: list(default), **kwargs)
+    return Field(default=default, **kwargs)
+
+
+def _item(path: str) -> Any:
+    """The annotation of one item of a declared list field (its bounds from the item's rule)."""
+    item = jobspec.BY_PATH[path].rule.item
+    assert item is not None, path
+    if item.kind == "int":
+        return Annotated[StrictInt, Field(ge=item.ge, le=item.le)]
+    return Annotated[Text, Field(min_length=item.min_length, max_length=item.max_length)]
+
+
+def _group(path: str) -> str:
+    return jobspec.GROUP_BY_PATH[path].doc
+
+
+def _declared(model: type[BaseModel], group: str, *, also: tuple[str, ...] = ()) -> None:
+    """Refuse a request model whose fields are not exactly the declared fields of `group` (plus the
+    blocks named in `also`): a field added to one and not the other would silently drift."""
+    declared = set(jobspec.group_fields(group)) | set(also)
+    if set(model.model_fields) != declared:
+        raise TypeError(f"{model.__name__} has {sorted(model.model_fields)}, models/jobspec.py declares "
+                        f"{sorted(declared)} for {group or 'the top level'}")
+
+
 class ModelRef(_Strict):
-    id: Text = Field(min_length=1, max_length=300,
-                    description="a hub id `owner/name`, or a name under the server's model root (a checkpoint "
-                                "directory or a .gguf file)", examples=["smollm2-135m", "Qwen/Qwen2.5-0.5B"])
-    revision: Text | None = Field(default=None, max_length=128, pattern=REVISION.pattern,
-                                 description="hub branch, tag or commit (hub models only)")
-    gguf_file: Text | None = Field(default=None, max_length=200, pattern=GGUF_FILE.pattern,
-                                  description="a .gguf file inside the model directory or hub repo")
-    dtype: DtypeName = Field(
-        default="float32", description="compute dtype: what the weights are loaded and the passes run in (the "
-                                       "export's dtype is export.dtype)")
+    id: Text = _spec("model.id")
+    revision: Text | None = _spec("model.revision")
+    gguf_file: Text | None = _spec("model.gguf_file")
+    dtype: DtypeName = _spec("model.dtype")
 
 
 class CalibrationIn(_Strict):
     """The calibration spec of `models/calibration.py`; a file source is a name under the data root."""
 
-    source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:shakespeare (every install) | corpus:kjv (where the King James Bible "
-                                     "is installed; refused at submit otherwise) | hf:OWNER/NAME[:CONFIG[:SPLIT]] "
-                                     "(a hub dataset id) | a name under the server's data root (.txt, .jsonl, .npy of "
-                                     "token ids, or a directory of .txt)",
-                        examples=["corpus:shakespeare", "calibration/tokens.npy"])
-    sequences: StrictInt = Field(default=64, ge=1, le=1_000_000,
-                                 description="calibration blocks; sequences × seq_len is bounded by the server's "
-                                             "DTP_LAYOUT_MAX_CALIBRATION_TOKENS")
-    seq_len: StrictInt = Field(default=1024, ge=2, le=1_048_576,
-                               description="tokens per block; at most the model's max_position_embeddings")
-    seed: Seed = Field(default=0, description="block-order seed")
-    text_field: Text = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
-    skip_blocks: StrictInt = Field(default=0, ge=0, le=MAX_SKIP_BLOCKS,
-                                   description="blocks to skip at the start of the stream (skip_blocks × seq_len is "
-                                               "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)")
+    source: Text = _spec("calibration.source")
+    sequences: StrictInt = _spec("calibration.sequences")
+    seq_len: StrictInt = _spec("calibration.seq_len")
+    seed: Seed = _spec("calibration.seed")
+    text_field: Text = _spec("calibration.text_field")
+    skip_blocks: StrictInt = _spec("calibration.skip_blocks")
 
     def tokens(self) -> int:
         return self.sequences * self.seq_len
@@ -198,45 +232,24 @@ EVAL_SEQUENCES = RECIPE_EVAL_SEQUENCES  # evaluation blocks when `eval.sequences
 class DistillDataIn(_Strict):
     """Training or evaluation text, under the same rules as `calibration.source` (never a server path)."""
 
-    source: Text = Field(min_length=1, max_length=300,
-                         description="corpus:shakespeare | corpus:kjv | hf:OWNER/NAME[:CONFIG[:SPLIT]] | a name "
-                                     "under the server's data root", examples=["corpus:shakespeare"])
-    sequences: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
-                                        description="blocks to load; training: steps × batch_size (one pass), "
-                                                    "evaluation: 16")
-    seq_len: StrictInt | None = Field(default=None, ge=2, le=1_048_576,
-                                      description="tokens per block; training: the calibration's seq_len, "
-                                                  "evaluation: the training's")
-    text_field: Text = Field(default="text", min_length=1, max_length=100, description="text field of .jsonl / hf rows")
-    skip_blocks: StrictInt = Field(default=0, ge=0, le=MAX_SKIP_BLOCKS,
-                                   description="blocks to skip at the start of the source")
+    # distill.train and distill.eval are declared alike (their flags differ); one request model serves both
+    source: Text = _spec("distill.train.source")
+    sequences: StrictInt | None = _spec("distill.train.sequences")
+    seq_len: StrictInt | None = _spec("distill.train.seq_len")
+    text_field: Text = _spec("distill.train.text_field")
+    skip_blocks: StrictInt = _spec("distill.train.skip_blocks")
 
 
 class DistillJobSpec(_Strict):
     """What `dtp-layout distill` does, on the job's own layouts (`models.distill.run_distill`)."""
 
-    layouts: list[Annotated[Text, Field(min_length=1, max_length=64)]] = Field(
-        default_factory=lambda: ["optimised", "contiguous"], min_length=1, max_length=16,
-        description="layouts of this job to distil: optimised, contiguous, random-<seed> (random-1000 … with "
-                    "random_layouts), and the ablations with ablations=true")
-    seeds: list[Seed] = Field(default_factory=lambda: [0], min_length=1, max_length=16,
-                                   description="training seeds; each (layout, seed) pair is one run")
-    steps: StrictInt | None = Field(default=None, ge=1, le=10_000_000,
-                                    description="optimiser steps per run (shorthand for recipe.steps; 1000)")
-    train: DistillDataIn | None = Field(default=None,
-                                        description="training text; default: the calibration source. Where it is "
-                                                    "the calibration's text (by content), training starts after "
-                                                    "the calibration blocks")
-    eval: DistillDataIn | None = Field(default=None,
-                                       description="held-out evaluation text; default: the training source. Where "
-                                                   "it is the training or calibration text (by content), "
-                                                   "evaluation starts after those blocks")
-    allow_overlap: StrictBool = Field(default=False,
-                                      description="read train and eval as given even where they overlap the "
-                                                  "calibration or each other (the overlap is reported in "
-                                                  "summary.json and report.json under `data`)")
-    recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(),
-                                    description="the training recipe; every field optional (the paper's defaults)")
+    layouts: list[_item("distill.layouts")] = _spec("distill.layouts")  # type: ignore[valid-type]
+    seeds: list[_item("distill.seeds")] = _spec("distill.seeds")  # type: ignore[valid-type]
+    steps: StrictInt | None = _spec("distill.steps")
+    train: DistillDataIn | None = Field(default=None, description=_group("distill.train"))
+    eval: DistillDataIn | None = Field(default=None, description=_group("distill.eval"))
+    allow_overlap: StrictBool = _spec("distill.allow_overlap")
+    recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(), description=_group("distill.recipe"))
 
     @field_validator("layouts")
     @classmethod
@@ -284,12 +297,9 @@ class DistillJobSpec(_Strict):
 
 
 class ExportSpec(_Strict):
-    checkpoint: StrictBool = Field(default=True, description="the permuted Hugging Face checkpoint (checkpoint/*)")
-    shards: StrictBool = Field(default=True, description="per-rank DTP shards and manifest (shards/*)")
-    dtype: ExportDtypeName = Field(
-        default="auto", description="dtype the exported weights are stored in; auto: the source checkpoint's "
-                                    "(a bf16 hub model exports bf16 whatever model.dtype computed in; a GGUF, "
-                                    "which has none, exports in model.dtype). The manifest records both")
+    checkpoint: StrictBool = _spec("export.checkpoint")
+    shards: StrictBool = _spec("export.shards")
+    dtype: ExportDtypeName = _spec("export.dtype")
 
     @property
     def any(self) -> bool:
@@ -299,25 +309,18 @@ class ExportSpec(_Strict):
 class JobSpec(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [EXAMPLE_SPEC, EXAMPLE_HUB_SPEC]})
 
-    model: ModelRef
-    devices: StrictInt = Field(ge=1, le=1024, description="number of DTP devices L (must divide the KV groups "
-                                                          "and the FFN width)")
-    delta: StrictInt = Field(default=1, ge=0, le=1024, description="delay δ in modules")
-    calibration: CalibrationIn
-    score: ScoreName = Field(default="fo", description="up-edge affinity score")
-    random_layouts: StrictInt = Field(default=0, ge=0, le=64, description="K random layouts scored as baselines")
-    ablations: StrictBool = Field(default=False, description="also the paper's seven spread layouts (§5.4): "
-                                  "anti-optimised, heads-only, neurons-only, add-score (fo-score for score=add), "
-                                  "4-, 8- and 12-layers, and optimised-restarts-0 when restarts > 0")
-    export: ExportSpec = Field(default_factory=lambda: ExportSpec(),
-                               description="what to export for the optimised layout; `false` for nothing")
-    distill: DistillJobSpec | None = Field(
-        default=None, description="after the layouts (and the export): distil the DTP model of each named layout "
-                                  "from the dense one and record the curves (stage `distilling`)")
-    batch_size: StrictInt = Field(default=4, ge=1, le=1024, description="calibration sequences per micro-batch")
-    restarts: StrictInt = Field(default=4, ge=0, le=64,
-                                description="extra optimiser starts from random head assignments (0 is the "
-                                            "paper's procedure: one start from the contiguous KV groups)")
+    model: ModelRef = Field(description=_group("model"))
+    devices: StrictInt = _spec("devices")
+    delta: StrictInt = _spec("delta")
+    calibration: CalibrationIn = Field(description=_group("calibration"))
+    score: ScoreName = _spec("score")
+    random_layouts: StrictInt = _spec("random_layouts")
+    ablations: StrictBool = _spec("ablations")
+    export: ExportSpec = Field(default_factory=lambda: ExportSpec(), description=_group("export"))
+    distill: DistillJobSpec | None = Field(default=None, description=_group("distill"))
+    batch_size: StrictInt = _spec("batch_size")
+    restarts: StrictInt = _spec("restarts")
+    stability: StrictBool = _spec("stability")
 
     @field_validator("export", mode="before")
     @classmethod
@@ -334,6 +337,19 @@ class JobSpec(_Strict):
         names.append(CONTIGUOUS)
         names += [random_name(RANDOM_SEED_BASE + k) for k in range(self.random_layouts)]
         return names
+
+
+for _model, _group_path, _blocks in ((ModelRef, "model", ()), (CalibrationIn, "calibration", ()),
+                                    (ExportSpec, "export", ()), (DistillDataIn, "distill.train", ()),
+                                    (DistillDataIn, "distill.eval", ()), (DistillRecipeIn, "distill.recipe", ()),
+                                    (DistillJobSpec, "distill", ("train", "eval", "recipe")),
+                                    (JobSpec, "", ("model", "calibration", "export", "distill"))):
+    _declared(_model, _group_path, also=_blocks)
+if any(replace(a.rule, flags=()) != replace(b.rule, flags=()) or a.default != b.default
+       for a, b in zip(jobspec.group_fields("distill.train").values(), jobspec.group_fields("distill.eval").values(),
+                       strict=True)):
+    raise TypeError("models/jobspec.py declares distill.train and distill.eval differently; one request model "
+                    "(DistillDataIn) serves both")
 
 
 # ---- what a submission may leave out (GET /v1/spec) -----------------------------------------------------
@@ -393,7 +409,29 @@ _SPEC_INFO_EXAMPLE: dict[str, Any] = {
     "example": EXAMPLE_SPEC, "distill_example": EXAMPLE_DISTILL_SPEC["distill"],
     "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
                   for score in SCORES},
-    "random_seed_base": RANDOM_SEED_BASE}
+    "random_seed_base": RANDOM_SEED_BASE, "statuses": list(STATUSES), "stages": list(STAGES),
+    "fields": [{"path": "calibration.seq_len", "kind": "int", "required": False, "nullable": False, "default": 1024,
+                "doc": jobspec.BY_PATH["calibration.seq_len"].rule.doc, "ge": 2, "le": jobspec.MAX_SEQ_LEN}]}
+
+
+class SpecFieldOut(BaseModel):
+    """One declared field of the job spec: what it accepts and what it is when left out."""
+
+    path: str = Field(description="dotted path in the spec, e.g. calibration.seq_len")
+    kind: Literal["int", "float", "bool", "choice", "betas", "str", "list"]
+    required: bool
+    doc: str
+    nullable: bool = Field(description="null is accepted (and means the default)")
+    default: Any = Field(default=None, description="what the field is when left out (absent where required)")
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    min_length: int | None = Field(default=None, description="characters of a string, items of a list")
+    max_length: int | None = None
+    pattern: str | None = None
+    choices: list[str] | None = None
+    item: dict[str, Any] | None = Field(default=None, description="a list's item rule (kind and bounds)")
 
 
 class SpecInfo(BaseModel):
@@ -419,6 +457,10 @@ class SpecInfo(BaseModel):
                     "(`restarts`)")
     random_seed_base: int = Field(description="random layouts are random-<base>, random-<base+1>, …")
     max_calibration_tokens: int = Field(description="the most calibration.sequences × seq_len this server takes")
+    fields: list[SpecFieldOut] = Field(description="every field of the job spec as it is declared (models/jobspec.py),"
+                                                   " dotted paths in declaration order")
+    statuses: list[str] = Field(description="a job's status names")
+    stages: list[str] = Field(description="a job's stage names, in the order a job runs them")
 
 
 class Links(BaseModel):

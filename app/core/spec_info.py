@@ -1,7 +1,8 @@
 """`GET /v1/spec`: what a job may leave out and what this server can read, for the dashboard's form and
 for anyone writing a spec by hand.
 
-The defaults are read off the request models (`app.core.schemas.field_defaults`), the corpora off
+The defaults are read off the request models (`app.core.schemas.field_defaults`, themselves generated from
+the one declaration, models/jobspec.py, whose every field `fields` lists), the corpora off
 `models.assets.available_corpora` (what this install has, not what the code knows of), the data root
 off the disk. The example is the API's first example with its calibration source swapped for one this
 server has, so that a form that starts from it submits a job that runs. Torch-free.
@@ -13,6 +14,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from app.core.jobstate import STAGES, STATUSES
 from app.core.schemas import (
     EXAMPLE_DISTILL_SPEC,
     EXAMPLE_SPEC,
@@ -23,6 +25,7 @@ from app.core.schemas import (
 )
 from app.core.settings import Settings
 from app.core.sources import check_name
+from models import jobspec
 from models.affinity_scores import SCORES
 from models.assets import CORPORA, available_corpora
 from models.layouts.names import RANDOM_SEED_BASE
@@ -87,6 +90,33 @@ def _runnable(source: str, sources: list[str]) -> str:
     return source if source in sources or not sources else sources[0]
 
 
+def _json_default(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def declared_fields() -> list[dict[str, Any]]:
+    """Every field of the job spec as models/jobspec.py declares it (what the form draws its inputs,
+    choices, bounds and placeholders from): path, kind, default (absent where required), doc, and the
+    rule's bounds, choices, lengths and item rule where it has them."""
+    out = []
+    for f in jobspec.FIELDS:
+        rule = f.rule
+        entry: dict[str, Any] = {"path": f.path, "kind": rule.kind, "required": f.required, "doc": rule.doc,
+                                 "nullable": rule.nullable}
+        if not f.required:
+            entry["default"] = _json_default(f.default)
+        for key in ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern"):
+            if getattr(rule, key) is not None:
+                entry[key] = getattr(rule, key)
+        if rule.choices:
+            entry["choices"] = list(rule.choices)
+        if rule.item is not None:
+            entry["item"] = {key: getattr(rule.item, key) for key in ("kind", "ge", "le", "min_length", "max_length")
+                             if getattr(rule.item, key) is not None}
+        out.append(entry)
+    return out
+
+
 def spec_info(*, settings: Settings) -> dict[str, Any]:
     sources = _sources(settings)
     names = [s["source"] for s in sources]
@@ -107,4 +137,7 @@ def spec_info(*, settings: Settings) -> dict[str, Any]:
                       for score in SCORES},
         "random_seed_base": RANDOM_SEED_BASE,
         "max_calibration_tokens": settings.max_calibration_tokens,
+        "fields": declared_fields(),
+        "statuses": list(STATUSES),
+        "stages": list(STAGES),
     }

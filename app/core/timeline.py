@@ -10,7 +10,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-FINAL_EVENTS = ("succeeded", "failed", "cancelled")
+from app.core.jobstate import FINISHED
+
+FINAL_EVENTS = FINISHED  # a run's last event is named after the status it leaves the job in
 
 
 def _at(event: dict[str, Any]) -> datetime | None:

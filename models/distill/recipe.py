@@ -7,7 +7,8 @@ step through micro-batches of 4; 1000 steps, evaluated every 100 on 16 blocks of
 
 Each field carries its own rule (type, bounds, one-line doc) as dataclass metadata: `DistillRecipe`
 enforces them, and a request schema can build its fields from `DistillRecipe.rules()` instead of
-mirroring them. Torch-free: the API process imports this module.
+mirroring them; the `dtp-layout distill` flags are the rules' own (the rule is models/fields.py's,
+shared with the job spec, models/jobspec.py). Torch-free: the API process imports this module.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
+
+from models.fields import FieldRule, Flag, Kind  # noqa: F401  (Kind: importable from here as before)
 
 Autocast = Literal["auto", "bf16", "none"]
 LastScale = Literal["sqrt", "one"]  # models.dtp.LastScale, restated here to stay torch-free
@@ -41,52 +44,29 @@ class DistillError(ValueError):
     """A distillation request that cannot run as given (bad recipe, layouts, or run directory)."""
 
 
-Kind = Literal["int", "float", "bool", "choice", "betas"]
+def _int(default: int, doc: str, *, ge: int, le: int, flags: tuple[Flag, ...] = ()) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("int", doc, ge=ge, le=le, flags=flags)})
 
 
-@dataclass(frozen=True)
-class FieldRule:
-    """What one recipe field accepts: integers and floats within bounds, booleans, or one of `choices`.
-
-    Floats must be finite; `gt`/`ge`/`le` bound the value (and, for betas, each of the two).
-    """
-
-    kind: Kind
-    doc: str
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    choices: tuple[str, ...] = ()
-
-    def bounds_text(self) -> str:
-        lower = f"> {_num(self.gt)}" if self.gt is not None else f"≥ {_num(self.ge)}" if self.ge is not None else ""
-        upper = f"< {_num(self.lt)}" if self.lt is not None else f"≤ {_num(self.le)}" if self.le is not None else ""
-        return " and ".join(part for part in (lower, upper) if part)
-
-    def within(self, value: float) -> bool:
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+def _float(default: float, doc: str, *, ge: float | None = None, gt: float | None = None,
+           flags: tuple[Flag, ...] = ()) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("float", doc, ge=ge, gt=gt, flags=flags)})
 
 
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+def _bool(default: bool, doc: str, flags: tuple[Flag, ...] = ()) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("bool", doc, flags=flags)})
 
 
-def _int(default: int, doc: str, *, ge: int, le: int) -> Any:
-    return field(default=default, metadata={"rule": FieldRule("int", doc, ge=ge, le=le)})
+def _choice(default: str, doc: str, choices: tuple[str, ...], flags: tuple[Flag, ...] = ()) -> Any:
+    return field(default=default, metadata={"rule": FieldRule("choice", doc, choices=choices, flags=flags)})
 
 
-def _float(default: float, doc: str, *, ge: float | None = None, gt: float | None = None) -> Any:
-    return field(default=default, metadata={"rule": FieldRule("float", doc, ge=ge, gt=gt)})
-
-
-def _bool(default: bool, doc: str) -> Any:
-    return field(default=default, metadata={"rule": FieldRule("bool", doc)})
-
-
-def _choice(default: str, doc: str, choices: tuple[str, ...]) -> Any:
-    return field(default=default, metadata={"rule": FieldRule("choice", doc, choices=choices)})
+def _distill(*names: str, **kwargs: Any) -> tuple[Flag, ...]:
+    """The flag of `dtp-layout distill` that sets a recipe field (`client submit` generates its own,
+    `--distill-recipe-NAME`, unless `submit` names one)."""
+    submit = kwargs.pop("submit", None)
+    flags = (Flag(names, ("distill",), **kwargs),)
+    return flags + ((Flag((submit,), ("submit",)),) if submit else ())
 
 
 def _is_real(value: Any) -> bool:
@@ -97,31 +77,44 @@ def _is_real(value: Any) -> bool:
 class DistillRecipe:
     """Every number of the training recipe; the defaults are the paper's."""
 
-    steps: int = _int(1000, "optimiser steps per run", ge=1, le=MAX_STEPS)
-    batch_size: int = _int(16, "sequences per optimiser step", ge=1, le=MAX_SEQUENCES)
+    steps: int = _int(1000, "optimiser steps per run", ge=1, le=MAX_STEPS, flags=_distill("--steps"))
+    batch_size: int = _int(16, "sequences per optimiser step", ge=1, le=MAX_SEQUENCES,
+                           flags=_distill("--batch-size"))
     micro_batch_size: int = _int(4, "sequences per forward/backward (gradient accumulation); divides batch_size; "
-                                    f"at most {MAX_FORWARD_TOKENS} tokens are used per forward", ge=1, le=MAX_SEQUENCES)
-    lr: float = _float(5e-5, "peak learning rate", gt=0)
-    min_lr: float = _float(5e-6, "end of the cosine decay; 0 < min_lr ≤ lr", gt=0)
-    warmup_steps: int = _int(100, "linear warm-up steps", ge=0, le=MAX_STEPS)
+                                    f"at most {MAX_FORWARD_TOKENS} tokens are used per forward", ge=1, le=MAX_SEQUENCES,
+                                 flags=_distill("--micro-batch-size"))
+    lr: float = _float(5e-5, "peak learning rate", gt=0, flags=_distill("--lr", submit="--lr"))
+    min_lr: float = _float(5e-6, "end of the cosine decay; 0 < min_lr ≤ lr", gt=0, flags=_distill("--min-lr"))
+    warmup_steps: int = _int(100, "linear warm-up steps", ge=0, le=MAX_STEPS, flags=_distill("--warmup"))
     betas: tuple[float, float] = field(default=(0.9, 0.95), metadata={
-        "rule": FieldRule("betas", "AdamW betas, each in [0, 1)", ge=0, lt=1)})
-    adam_eps: float = _float(1e-8, "AdamW epsilon", gt=0)
-    weight_decay: float = _float(0.0, "AdamW weight decay", ge=0)
-    grad_clip: float = _float(1.0, "max global gradient norm; 0 turns clipping off", ge=0)
-    ce_weight: float = _float(0.1, "loss = KL + ce_weight · CE", ge=0)
+        "rule": FieldRule("betas", "AdamW betas, each in [0, 1)", ge=0, lt=1, flags=(
+            Flag(("--beta1",), ("distill",), help="AdamW beta1, in [0, 1)"),
+            Flag(("--beta2",), ("distill",), help="AdamW beta2, in [0, 1)")))})
+    adam_eps: float = _float(1e-8, "AdamW epsilon", gt=0, flags=_distill("--adam-eps"))
+    weight_decay: float = _float(0.0, "AdamW weight decay", ge=0, flags=_distill("--weight-decay"))
+    grad_clip: float = _float(1.0, "max global gradient norm; 0 turns clipping off", ge=0,
+                              flags=_distill("--grad-clip"))
+    ce_weight: float = _float(0.1, "loss = KL + ce_weight · CE", ge=0, flags=_distill("--ce-weight"))
     freeze_embeddings: bool = _bool(True, "freeze the input embeddings (a tied LM head is the embedding matrix "
-                                          "and is frozen with it)")
-    freeze_lm_head: bool = _bool(False, "also freeze an untied LM head (it trains otherwise)")
-    autocast: Autocast = _choice("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", AUTOCASTS)  # noqa: RUF009
-    gradient_checkpointing: bool = _bool(False, "recompute modules in backward (less memory, same gradients)")
-    logit_chunk: int = _int(256, "tokens per chunk of the loss over the vocabulary", ge=1, le=MAX_LOGIT_CHUNK)
-    eval_every: int = _int(100, "steps between evaluations; also at step 0 and the last", ge=1, le=MAX_STEPS)
+                                          "and is frozen with it)",
+                                    flags=_distill("--train-embeddings", form="off",
+                                                   help="do not freeze the input embeddings"))
+    freeze_lm_head: bool = _bool(False, "also freeze an untied LM head (it trains otherwise)",
+                                 flags=_distill("--freeze-lm-head", form="on"))
+    autocast: Autocast = _choice("auto", "auto: bf16 autocast on CUDA, fp32 on CPU", AUTOCASTS,  # noqa: RUF009
+                                 flags=_distill("--autocast"))
+    gradient_checkpointing: bool = _bool(False, "recompute modules in backward (less memory, same gradients)",
+                                         flags=_distill("--gradient-checkpointing", form="on"))
+    logit_chunk: int = _int(256, "tokens per chunk of the loss over the vocabulary", ge=1, le=MAX_LOGIT_CHUNK,
+                            flags=_distill("--logit-chunk"))
+    eval_every: int = _int(100, "steps between evaluations; also at step 0 and the last", ge=1, le=MAX_STEPS,
+                           flags=_distill("--eval-every", submit="--eval-every"))
     eval_batch_size: int = _int(4, f"evaluation sequences per forward (at most {MAX_FORWARD_TOKENS} tokens are used "
-                                   "per forward)", ge=1, le=MAX_SEQUENCES)
+                                   "per forward)", ge=1, le=MAX_SEQUENCES, flags=_distill("--eval-batch-size"))
     checkpoint_every: int = _int(5, "evaluations between checkpoints (the last step is always checkpointed)",
-                                 ge=1, le=MAX_STEPS)
-    last_scale: LastScale = _choice("sqrt", "DTP last-module scale", LAST_SCALES)  # noqa: RUF009
+                                 ge=1, le=MAX_STEPS, flags=_distill("--checkpoint-every"))
+    last_scale: LastScale = _choice("sqrt", "DTP last-module scale", LAST_SCALES,  # noqa: RUF009
+                                    flags=_distill("--last-scale"))
 
     def __post_init__(self) -> None:
         for name, rule in self.rules().items():

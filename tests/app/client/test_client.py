@@ -567,8 +567,13 @@ def test_submit_flags_for_the_export_dtype_and_overlap():
         return build_spec(build_parser().parse_args(["client", "submit", "--model", "m", "-L", "2", "--calib",
                                                      "corpus:shakespeare", *flags]))
 
-    assert spec("--export-dtype", "bfloat16", "--no-shards")["export"] == {"checkpoint": True, "shards": False,
-                                                                          "dtype": "bfloat16"}
+    from app.core.schemas import JobSpec
+
+    # a flag sends what it says; the server fills in the rest of the block
+    sent = spec("--export-dtype", "bfloat16", "--no-shards")
+    assert sent["export"] == {"shards": False, "dtype": "bfloat16"}
+    assert JobSpec.model_validate(sent).export.model_dump() == {"checkpoint": True, "shards": False,
+                                                                "dtype": "bfloat16"}
     assert spec("--export-dtype", "float32", "--no-export")["export"] is False
     assert "export" not in spec() and "distill" not in spec()
     assert spec("--distill", "optimised", "--allow-overlap")["distill"] == {"layouts": ["optimised"],

@@ -88,6 +88,15 @@ export async function api(path, {method = "GET", params, body, signal} = {}) {
   return response.status === 204 ? null : response.json();
 }
 
+let specRequest = null;
+
+/** GET /v1/spec, asked once per page load (again after a failure): the names the dashboard shows but
+ *  never restates — the job statuses, the stages in their order, the spec's fields and defaults. */
+export function specInfo() {
+  specRequest ??= api("v1/spec").catch((err) => { specRequest = null; throw err; });
+  return specRequest;
+}
+
 async function sha256Hex(blob) {
   if (!(window.crypto && crypto.subtle)) return null; // only in secure contexts (https, localhost)
   const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());

@@ -1,15 +1,17 @@
 // Job detail: status and live progress, stage timeline, layouts table, per-layer co-located
 // fractions (the paper's Figure 9 view), distillation curves, artifacts.
 
-import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl} from "../api.js";
+import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl, specInfo} from "../api.js";
 import {layoutColor, layoutDash, layoutOrder, lineChart, seedDash} from "../charts.js";
 import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, replace, shortId, sig, statusBadge,
         when} from "../dom.js";
 
-const STAGE_COLORS = {
-  queued: "#c9ced6", loading: "#8da0cb", calibration: "#66c2a5", affinity: "#fc8d62", optimising: "#e78ac3",
-  exporting: "#a6d854", distilling: "#ffd92f",
-};
+// A colour per timeline span, in the order a job runs: waiting in the queue, then each stage of the
+// server's list (GET /v1/spec `stages`), so that a new stage gets the next colour.
+const STAGE_PALETTE = ["#c9ced6", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854", "#ffd92f", "#e5c494",
+                       "#b3b3b3"];
+let spans = ["queued"];
+const stageColor = (stage) => STAGE_PALETTE[spans.indexOf(stage)] || "#bbb";
 
 const mean = (xs) => (xs && xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
 
@@ -74,7 +76,7 @@ function timeline(job) {
                            title: `${e.stage}: ${duration(e.seconds)} (${e.state})`},
       (e.seconds || 0) / total > 0.07 ? e.stage : "");
     seg.style.flexGrow = String(Math.max(e.seconds || 0, total * 0.004));
-    seg.style.background = STAGE_COLORS[e.stage] || "#bbb";
+    seg.style.background = stageColor(e.stage);
     bar.append(seg);
   }
   const rows = entries.map((e) => h("tr", {"data-stage": e.stage, "data-state": e.state},
@@ -83,7 +85,7 @@ function timeline(job) {
     h("td", {class: "hide-narrow"}, when(e.started_at)),
     h("td", {class: "num"}, duration(e.seconds), e.state === "running" ? " …" : ""),
     h("td", {}, h("span", {class: ["state", `state-${e.state}`]}, e.state))));
-  for (const dot of rows.map((r) => r.querySelector(".swatch-dot"))) dot.style.background = STAGE_COLORS[dot.dataset.stage] || "#bbb";
+  for (const dot of rows.map((r) => r.querySelector(".swatch-dot"))) dot.style.background = stageColor(dot.dataset.stage);
   const wall = job.finished_at && job.created_at
     ? (new Date(job.finished_at) - new Date(job.created_at)) / 1000 : null;
   return [bar, h("div", {class: "table-wrap"}, h("table", {class: "timeline"},
@@ -312,6 +314,9 @@ export function renderJob(container, {id}) {
       replace(head, h("h1", {}, `Job ${shortId(id)}`), h("p", {class: "error-box", role: "alert"}, err.message));
       if (err.status === 404) finishedAndLoaded = true;
       return;
+    }
+    if (spans.length === 1) {  // the stage order, once the job has answered (with the key)
+      try { spans = ["queued", ...(await specInfo()).stages]; } catch { /* grey spans; the job still shows */ }
     }
     renderHead();
     const key = `${job.status}|${(job.stages_done || []).join(",")}`;

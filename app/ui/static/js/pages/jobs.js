@@ -1,10 +1,9 @@
 // Jobs list: newest first, filters in the URL, refreshes itself while jobs run.
 
-import {api} from "../api.js";
+import {api, specInfo} from "../api.js";
 import {ACTIVE, ago, duration, h, num, poller, progressBar, replace, shortId, statusBadge} from "../dom.js";
 
 const PAGE = 25;
-const STATUSES = ["", "queued", "running", "succeeded", "failed", "cancelled"];
 
 function stageCell(job) {
   if (job.status === "running") {
@@ -56,9 +55,15 @@ function row(job) {
   );
 }
 
+function statusOptions(params, names) {
+  return ["", ...names].map((st) => h("option", {value: st, selected: params.get("status") === st}, st || "any status"));
+}
+
 function filterForm(params, apply) {
+  // the status names are the server's (GET /v1/spec, asked once the list has loaded: with the key);
+  // until they come, the one the URL asks for
   const status = h("select", {name: "status", id: "filter-status"},
-    STATUSES.map((st) => h("option", {value: st, selected: params.get("status") === st}, st || "any status")));
+    statusOptions(params, params.get("status") ? [params.get("status")] : []));
   const model = h("input", {name: "model", id: "filter-model", placeholder: "model id", value: params.get("model") || ""});
   const devices = h("input", {name: "devices", type: "number", min: 1, placeholder: "L", class: "narrow",
                               value: params.get("devices") || ""});
@@ -88,11 +93,13 @@ export function renderJobs(container, {params, navigate}) {
   let anyActive = false;
 
   const apply = (next) => navigate(`./?${next.toString()}`, {replace: true});
+  const filters = filterForm(params, apply);
+  let statusesShown = false;
   container.append(
     h("section", {class: "card"},
       h("div", {class: "card-head"}, h("h1", {}, "Jobs"), info,
         h("a", {href: "submit", "data-link": "", class: "button"}, "New job")),
-      filterForm(params, apply), error,
+      filters, error,
       h("div", {class: "table-wrap"},
         h("table", {class: "jobs", id: "jobs-table"},
           h("thead", {}, h("tr", {},
@@ -118,6 +125,11 @@ export function renderJobs(container, {params, navigate}) {
       return;
     }
     error.hidden = true;
+    if (!statusesShown) {
+      statusesShown = true;
+      specInfo().then((spec) => replace(filters.elements.status, statusOptions(params, spec.statuses)),
+        () => { statusesShown = false; });
+    }
     anyActive = page.items.some((j) => ACTIVE.has(j.status));
     replace(body, page.items.length ? page.items.map(row)
       : h("tr", {}, h("td", {colspan: 11, class: "empty-row"}, params.toString() ? "No job matches these filters."

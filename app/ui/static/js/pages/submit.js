@@ -1,6 +1,7 @@
 // Submit form: every field of the job spec; the API's 422 messages are shown next to their fields.
-// What the form starts from is the server's (GET /v1/spec): the spec's defaults, the corpora and data
-// this server has, and an example job it can run; nothing here restates a default.
+// What the form starts from is the server's (GET /v1/spec): the spec's defaults, each field's choices
+// (dtypes, scores), the random layouts' seed base, the corpora and data this server has, and an example
+// job it can run; nothing here restates a default or a list of names.
 
 import {api, ApiError, apiUrl, getKey} from "../api.js";
 import {copyButton, h, replace} from "../dom.js";
@@ -92,13 +93,14 @@ export function renderSubmit(container, {params, navigate}) {
         "a checkpoint directory or .gguf under the server's model root, or a hub id"),
       field("model.gguf_file", "GGUF file", text({list: "gguf-list", placeholder: "optional"})),
       field("model.revision", "Revision", text({placeholder: "hub models only"})),
-      field("model.dtype", "dtype", select([["float32", "float32"], ["bfloat16", "bfloat16"], ["float16", "float16"]])))),
+      field("model.dtype", "dtype", select([])))),  // the choices: the declared field's, from /v1/spec
     h("fieldset", {}, h("legend", {}, "Layout"), h("div", {class: "grid"},
       field("devices", "Devices L", number({required: true}), "must divide the KV groups and the FFN width"),
       field("delta", "Delay δ", number(), "in modules"),
-      field("score", "Up-edge score", select([["fo", "fo (first order)"], ["add", "add"]])),
-      field("random_layouts", "Random layouts", number(), "baselines random-1000 …"),
-      field("ablations", "Ablations (the paper's seven spread layouts)", check()))),
+      field("score", "Up-edge score", select([])),
+      field("random_layouts", "Random layouts", number(), "random baselines"),
+      field("ablations", "Ablations (the paper's seven spread layouts)", check()),
+      field("stability", "Stability (optimise on each half of the calibration blocks)", check()))),
     h("fieldset", {}, h("legend", {}, "Calibration"), h("div", {class: "grid"},
       field("calibration.source", "Source", sourceSelect,
         "the corpora and data this server has; or other: hf:NAME[:CONFIG[:SPLIT]] or a name under the data root",
@@ -188,6 +190,7 @@ export function renderSubmit(container, {params, navigate}) {
     for (const p of ["delta", "random_layouts", "restarts", "batch_size"]) if (numeric(v(p)) !== undefined) out[p] = numeric(v(p));
     out.score = v("score");
     out.ablations = inputs.ablations.checked;
+    if (inputs.stability.checked) out.stability = true;
     for (const p of ["sequences", "seq_len", "seed"]) {
       const n = numeric(v(`calibration.${p}`));
       if (n !== undefined) out.calibration[p] = n;
@@ -323,6 +326,14 @@ export function renderSubmit(container, {params, navigate}) {
     }
     catalogue = await models;
     defaults = {...flatten(info.defaults), ...flatten(info.distill_defaults, "distill.")};
+    // the selects' options are the declared fields' choices; the hints name what the server names
+    for (const declared of info.fields) {
+      const input = inputs[declared.path];
+      if (input && input.tagName === "SELECT" && declared.choices) {
+        replace(input, declared.choices.map((c) => h("option", {value: c}, c)));
+      }
+    }
+    groups.random_layouts.querySelector(".hint").textContent = `baselines random-${info.random_seed_base} …`;
     defaults["distill.steps"] ??= defaults["distill.recipe.steps"];  // `steps` is the recipe's, given once
     sourceSelect.prepend(...info.sources.map((src) => h("option", {value: src.source},
       src.kind === "corpus" ? `${src.source} (${src.description})` : `${src.source} (data root)`)));
@@ -367,7 +378,7 @@ export function renderSubmit(container, {params, navigate}) {
     const put = (path, value) => { if (value !== undefined && value !== null) values[path] = value; };
     const m = sp.model || {};
     for (const k of ["id", "gguf_file", "revision", "dtype"]) put(`model.${k}`, m[k]);
-    for (const k of ["devices", "delta", "score", "random_layouts", "restarts", "batch_size", "ablations"]) put(k, sp[k]);
+    for (const k of ["devices", "delta", "score", "random_layouts", "restarts", "batch_size", "ablations", "stability"]) put(k, sp[k]);
     for (const k of ["source", "sequences", "seq_len", "seed"]) put(`calibration.${k}`, (sp.calibration || {})[k]);
     if (sp.export !== undefined && sp.export !== null) {
       const ex = sp.export === false ? {checkpoint: false, shards: false} : sp.export;

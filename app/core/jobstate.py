@@ -1,0 +1,16 @@
+"""A job's status names and stage names, each defined once (the stages are models/stage_names.py's, the
+order a run takes). The database, the API's models, the client, /metrics and (through GET /v1/spec) the
+dashboard all read them from here."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from models.stage_names import STAGES, Stage
+
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+STATUSES: tuple[str, ...] = get_args(Status)
+ACTIVE: tuple[str, ...] = ("queued", "running")  # a worker has it, or will: counted against budgets
+FINISHED: tuple[str, ...] = tuple(s for s in STATUSES if s not in ACTIVE)
+
+__all__ = ["ACTIVE", "FINISHED", "STAGES", "STATUSES", "Stage", "Status"]
