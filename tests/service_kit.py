@@ -74,6 +74,15 @@ def provision_text_model(settings: Settings) -> None:
                    max_position_embeddings=1024).save_pretrained(model_dir)
 
 
+def job_history(settings: Settings, job_id: str) -> list[dict[str, Any]]:
+    """The job's events, oldest first, each as one flat dict (`event`: its kind; `at`: ISO 8601 with a Z)."""
+    from app.core.db import database
+    from app.core.events import job_events
+
+    with database(settings.database_url).session() as session:
+        return [event.as_dict() for event in job_events(session, job_id)]
+
+
 def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None) -> tuple[str, bytes]:
     """A succeeded job written straight to the database (no worker), owned by `owner`, with the layouts
     optimised (J 3.5) and contiguous (2.4) and the artifacts report.json and shards/blob.bin (5000
@@ -86,7 +95,7 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     db = database(settings.database_url)
     storage = Storage(settings.storage)
     job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
-              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, history=[], owner=owner,
+              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, owner=owner,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
               summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0,
                        "layouts": {"optimised": 3.5, "contiguous": 2.4}})
@@ -120,6 +129,7 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
     from datetime import timedelta
 
     from app.core.db import Job, database, utcnow
+    from app.core.events import SUBMITTED, record
 
     now = utcnow()
     fields: dict[str, Any] = {
@@ -131,10 +141,11 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
         "cancelled": {"finished_at": now, "error": "cancelled before it started", "cancel_requested": True},
     }[status]
     job = Job(spec=spec(), fingerprint="e" * 64, model_id=model_id, revision=None, devices=2, delta=1, score="fo",
-              status=status, owner=owner, history=[{"event": "submitted"}], enqueued_at=now, **fields)
+              status=status, owner=owner, enqueued_at=now, **fields)
     with database(settings.database_url).transaction() as session:
         session.add(job)
         session.flush()
+        record(session, job.id, SUBMITTED)
         return job.id
 
 

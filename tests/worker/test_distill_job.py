@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from app.api.main import create_app
-from app.core.db import Artifact, Job, Metric, database
-from tests.service_kit import CALIB, TINY_DISTILL, WorkerProcess, spec, wait_for, worker_settings
+from app.core.db import Artifact, Metric, database
+from tests.service_kit import CALIB, TINY_DISTILL, WorkerProcess, job_history, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
@@ -59,8 +59,7 @@ def metric_counts(settings, job_id):
 
 
 def history(settings, job_id):
-    with database(settings.database_url).session() as session:
-        return session.get(Job, job_id).history
+    return job_history(settings, job_id)
 
 
 @pytest.fixture(scope="module")

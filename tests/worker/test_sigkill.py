@@ -76,7 +76,6 @@ def test_sigkill_mid_affinity_then_resume_once(settings):
 
 
 def _history(settings, job_id):
-    from app.core.db import Job
+    from tests.service_kit import job_history
 
-    with database(settings.database_url).session() as session:
-        return session.get(Job, job_id).history
+    return job_history(settings, job_id)

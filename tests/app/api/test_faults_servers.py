@@ -28,7 +28,15 @@ from app.core.db import Job, database
 from app.core.migrate import upgrade
 from tests.conftest import server_unavailable
 from tests.fault_kit import PrivatePostgres, PrivateRedis, forget_database
-from tests.service_kit import WorkerProcess, make_settings, provision, seed_finished_job, spec, wait_for
+from tests.service_kit import (
+    WorkerProcess,
+    job_history,
+    make_settings,
+    provision,
+    seed_finished_job,
+    spec,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 SUBMIT_BOUND_S = 6.0  # "within ~5 s": publish connect/socket timeouts of 2 s, one retry
@@ -85,8 +93,7 @@ def _rows(settings) -> int:
 
 
 def _history(settings, job_id: str) -> list[dict[str, Any]]:
-    with database(settings.database_url).session() as session:
-        return list(session.get(Job, job_id).history)
+    return job_history(settings, job_id)
 
 
 def _refused_submission(client, settings, what: str) -> float:
