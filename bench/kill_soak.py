@@ -48,6 +48,7 @@ from app.core.schemas import JobSpec
 from app.core.services import submit_job
 from app.core.settings import Settings
 from app.core.storage import Storage, sha256_file
+from tests.faults import Faults
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
 
 STAGES = ("loading", "calibration", "affinity", "optimising", "exporting", "distilling")
@@ -177,13 +178,15 @@ def verify(settings: Settings, job_id: str, reference: dict[str, Any], *, cache:
 
 
 def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, targets: tuple[str, ...] = STAGES,
-             say: Any = print) -> dict[str, Any]:
-    """Runs the reference job and `trials` killed jobs, trial i aimed at targets[i mod len(targets)];
-    returns the report (see the module doc)."""
+             say: Any = print, stage_delay_s: float = 0.15) -> dict[str, Any]:
+    """Runs the reference job and `trials` killed jobs, trial i aimed at targets[i mod len(targets)], on
+    workers that sleep `stage_delay_s` per unit of work (tests/faults.py); returns the report (see the
+    module doc)."""
     rng = random.Random(seed)
     db = database(settings.database_url)
     queue = JobQueue(settings)
-    worker = WorkerProcess(settings, log_path, name="soak0").start()
+    slow = Faults(stage_delay_s=stage_delay_s)
+    worker = WorkerProcess(settings, log_path, name="soak0", faults=slow).start()
     results: list[Trial] = []
     restarts: list[float] = []
     try:
@@ -218,7 +221,7 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
             t_kill = time.time()
             worker.kill9()
             t0 = time.monotonic()
-            worker = WorkerProcess(settings, log_path, name=f"soak{i + 1}").start()
+            worker = WorkerProcess(settings, log_path, name=f"soak{i + 1}", faults=slow).start()
             restarts.append(time.monotonic() - t0)
             done = _wait(db, job_id, lambda j: j.status not in ("queued", "running"), 300, "finished")
             history = _history(db, job_id)
@@ -269,7 +272,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stage-delay", type=float, default=0.15,
-                    help="DTP_LAYOUT_STAGE_DELAY_S: a sleep per micro-batch / step and at each stage's start, so "
+                    help="the workers sleep this long per micro-batch / step and at each stage's start, so "
                          "that stages last a while")
     ap.add_argument("--lease", type=float, default=2.0, help="DTP_LAYOUT_LEASE_S (default 2 s)")
     args = ap.parse_args()
@@ -293,10 +296,11 @@ def main() -> int:
         url = make_url(admin).set(database=name).render_as_string(hide_password=False)
         upgrade(url)
         settings = Settings(var_dir=root, database_url=url, broker_url=redis_url, broker_key_prefix=prefix,
-                            device="cpu", lease_s=args.lease, stage_delay_s=args.stage_delay)
+                            device="cpu", lease_s=args.lease)
         provision(settings)
         t0 = time.monotonic()
-        report = run_soak(settings, trials=args.trials, seed=args.seed, log_path=root / "workers.log")
+        report = run_soak(settings, trials=args.trials, seed=args.seed, log_path=root / "workers.log",
+                          stage_delay_s=args.stage_delay)
         report["wall_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(report, indent=1))
         return 0 if report["ok"] == report["trials"] else 1

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.core.settings import Settings
+from tests.faults import Faults
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
@@ -31,6 +32,11 @@ def importable_from_anywhere(env: dict[str, str]) -> dict[str, str]:
 
 
 def make_settings(root: Path, **overrides: Any) -> Settings:
+    # Settings ignores unknown names (a stray variable in a deployment's environment must not stop
+    # it); a test's misspelt or retired setting must not pass silently.
+    unknown = sorted(set(overrides) - set(Settings.model_fields))
+    if unknown:
+        raise TypeError(f"no such settings: {', '.join(unknown)} (faults: tests/faults.py)")
     return Settings(var_dir=root, **overrides)
 
 
@@ -207,15 +213,18 @@ def stop_process(proc: subprocess.Popen[Any] | None, sig: int, *, grace: float, 
 
 
 class WorkerProcess:
-    """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess."""
+    """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess; `faults`:
+    slow or hung stages (tests/faults.py)."""
 
     def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", cwd: Path | None = None,
-                 **env: str) -> None:
+                 faults: Faults | None = None, **env: str) -> None:
         from app.cli.service import worker_command
 
         self.log_path, self.cwd = log_path, cwd
         self.env = {**os.environ, **settings.worker_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                     "TOKENIZERS_PARALLELISM": "false", **env}
+        if faults is not None:
+            self.env.update(faults.env(self.env))
         self.cmd = worker_command(settings, name=name)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -274,11 +283,12 @@ class ServeProcess:
     """`dtp-layout serve` (API + its local worker, none with `no_worker`) in a subprocess on a free port,
     its var dir under `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API
     keys, a Postgres database, a Redis broker, …). `program` is how to run `dtp-layout` (default: this
-    interpreter on this checkout) and `options` (or `serve_args`) more `serve` options."""
+    interpreter on this checkout) and `options` (or `serve_args`) more `serve` options; `faults`: its
+    workers' slow or hung stages (tests/faults.py)."""
 
     def __init__(self, var: Path, *, cwd: Path | None = None, no_worker: bool = False,
                  program: Sequence[str] = (sys.executable, "-m", "app.cli.main"), options: Sequence[str] = (),
-                 serve_args: Sequence[str] = (),
+                 serve_args: Sequence[str] = (), faults: Faults | None = None,
                  **env: str) -> None:
         self.var, self.cwd = var, cwd
         self.program = list(program)
@@ -288,6 +298,8 @@ class ServeProcess:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
         self.env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                         DTP_LAYOUT_DEVICE="cpu", **env)
+        if faults is not None:
+            self.env.update(faults.env(self.env))
         self.output: list[str] = []
         self.proc: subprocess.Popen[str] | None = None
 

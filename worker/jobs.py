@@ -263,11 +263,7 @@ class JobRun:
                                     f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
 
     def should_stop(self) -> bool:
-        """Between micro-batches: the (test-only) stage delay, then the flags the monitor read."""
-        if self.settings.stage_delay_s:
-            time.sleep(self.settings.stage_delay_s)
-        if self.settings.test_hang_stage == self.stage:  # TEST ONLY: stuck where no check can interrupt
-            threading.Event().wait()
+        """Between micro-batches: the flags the monitor read."""
         self.monitor.beat()
         if self.monitor.cancel.is_set():
             return True
@@ -289,8 +285,6 @@ class JobRun:
 
         def target() -> None:
             try:
-                if self.settings.test_hang_stage == self.stage:
-                    threading.Event().wait()  # TEST ONLY: a download that never returns
                 box["value"] = fn()
             except BaseException as exc:  # re-raised in the job's thread
                 box["error"] = exc
@@ -337,8 +331,6 @@ class JobRun:
 
     def enter(self, stage: str, **note: Any) -> None:
         self.check()
-        if self.settings.stage_delay_s:  # TEST ONLY: every stage lasts a while (kill and cancel tests)
-            time.sleep(self.settings.stage_delay_s)
         self.stage, self._stage_t0 = stage, time.perf_counter()
         logs.update(stage=stage)
         self.monitor.start_stage(stage)

@@ -122,13 +122,6 @@ class Settings(BaseSettings):
                                                                       "then (stuck in native code) is failed and its "
                                                                       "worker process killed (`serve`, or the service "
                                                                       "manager, restarts it)")
-    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: the worker sleeps this long between "
-                                                                  "micro-batches and at each stage's start (a job "
-                                                                  "slow on purpose, deterministically)")
-    test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
-                                                        "calibration, optimising, exporting or distilling (its data "
-                                                        "loading) where a cancel can abandon it (a stuck download), "
-                                                        "affinity where only the hard time limit can")
     public_url: str = Field(default="", description="base URL of the links in responses (default: relative links)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "

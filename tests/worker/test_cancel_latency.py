@@ -2,7 +2,7 @@
 (`cancel-requested`, written by the API, to `cancelled`, written by the worker).
 
 Stages that run work the job cannot interrupt (loading weights, reading the calibration set, the
-optimiser, writing the export, reading a distillation's data) hang here (DTP_LAYOUT_TEST_HANG_STAGE)
+optimiser, writing the export, reading a distillation's data) hang here (tests/faults.py)
 and run in-process on Postgres; the stages that ask between units of work (the affinity pass, training
 steps and micro-batches, every evaluation batch) run for real on a Celery worker over Postgres and
 Redis, the evaluation ones on a distillation whose evaluation is long: the dense model's and step 0's
@@ -27,6 +27,7 @@ from app.core.events import job_events
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import cancel_job, submit_job
+from tests.faults import Faults
 from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for, worker_settings
 from worker.jobs import run_job
 
@@ -64,12 +65,13 @@ def distill_spec(**distill) -> dict:
 # ---- stages that cannot ask: abandoned (in-process, Postgres) --------------------------------------------
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising", "exporting", "distilling"])
-def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage):
+def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage, inject_faults):
     """The stage hangs where nothing checks a flag; the job walks away from it within a tick.
     `distilling` hangs in reading its training and evaluation data."""
     url = postgres_server.create_database(f"dtp_cancel_{stage}")
     upgrade(url)
-    settings = make_settings(tmp_path, database_url=url, device="cpu", test_hang_stage=stage)
+    settings = make_settings(tmp_path, database_url=url, device="cpu")
+    inject_faults(hang_stage=stage)
     provision(settings)
     provision_data(settings)
     body = distill_spec(steps=1, eval={"source": EVAL, "sequences": 4, "seq_len": 16},
@@ -104,16 +106,15 @@ def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage):
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory, postgres_server, redis_broker):
-    # The stage delay (test only) sleeps before each unit of work: every stage lasts seconds.
-    s = worker_settings(tmp_path_factory.mktemp("cancel"), postgres_server, redis_broker, "cancel",
-                        stage_delay_s=0.1)
+    s = worker_settings(tmp_path_factory.mktemp("cancel"), postgres_server, redis_broker, "cancel")
     provision_data(s)
     return s
 
 
 @pytest.fixture(scope="module")
 def worker(settings):
-    w = WorkerProcess(settings, settings.var_dir / "worker.log").start()
+    # The stage delay (tests/faults.py) sleeps before each unit of work: every stage lasts seconds.
+    w = WorkerProcess(settings, settings.var_dir / "worker.log", faults=Faults(stage_delay_s=0.1)).start()
     yield w
     w.stop()
 

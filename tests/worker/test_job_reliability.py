@@ -81,9 +81,10 @@ def test_stored_spec_that_no_longer_validates_fails_with_the_reason(tmp_path):
     assert job.error.startswith("the stored job spec no longer validates: ") and "devices" in job.error, job.error
 
 
-def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path):
+def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path, inject_faults):
     """A loading stage that never returns and never reports progress (a hung download)."""
-    settings = sqlite_settings(tmp_path, test_hang_stage="loading", stall_s=1.0, lease_s=3.0, max_attempts=2)
+    inject_faults(hang_stage="loading")
+    settings = sqlite_settings(tmp_path, stall_s=1.0, lease_s=3.0, max_attempts=2)
     db = database(settings.database_url)
     job_id = submit(settings)
     resent: list[str] = []
@@ -103,8 +104,9 @@ def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path):
     assert resent == [job_id]
 
 
-def test_soft_time_limit_fails_the_job(tmp_path):
-    settings = sqlite_settings(tmp_path, test_hang_stage="calibration", time_limit_s=1.5, time_limit_per_mtoken_s=0)
+def test_soft_time_limit_fails_the_job(tmp_path, inject_faults):
+    inject_faults(hang_stage="calibration")
+    settings = sqlite_settings(tmp_path, time_limit_s=1.5, time_limit_per_mtoken_s=0)
     db = database(settings.database_url)
     job_id = submit(settings)
     assert settings.time_limits(8 * 32) == (1.5, 1.5 * 1.1 + 60)
@@ -113,11 +115,11 @@ def test_soft_time_limit_fails_the_job(tmp_path):
     assert job.error_stage == "calibration" and "exceeded its time limit of 1.5 s" in job.error, job.error
 
 
-def test_hard_time_limit_fails_the_job_and_calls_the_kill(tmp_path):
+def test_hard_time_limit_fails_the_job_and_calls_the_kill(tmp_path, inject_faults):
     """A run stuck where no check interrupts it (affinity, in native code say): past the hard limit the
     job is failed with the reason and the kill action runs (the Celery task SIGKILLs its process)."""
-    settings = sqlite_settings(tmp_path, test_hang_stage="affinity", time_limit_s=3.0, time_limit_per_mtoken_s=0,
-                               time_limit_grace_s=0.0)
+    inject_faults(hang_stage="affinity")
+    settings = sqlite_settings(tmp_path, time_limit_s=3.0, time_limit_per_mtoken_s=0, time_limit_grace_s=0.0)
     db = database(settings.database_url)
     job_id = submit(settings)
     killed = threading.Event()
@@ -139,10 +141,11 @@ def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
-def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage):
+def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage, inject_faults):
     from app.core.services import cancel_job
 
-    settings = sqlite_settings(tmp_path, test_hang_stage=stage, lease_s=3.0)
+    inject_faults(hang_stage=stage)
+    settings = sqlite_settings(tmp_path, lease_s=3.0)
     db = database(settings.database_url)
     job_id = submit(settings)
     result: list[str] = []
@@ -342,5 +345,5 @@ def test_worker_sweeper_sends_a_job_whose_message_never_left(tmp_path, postgres_
         worker.stop()
     job = row(settings, job_id)
     assert job.status == "succeeded", (job.status, job.error, worker.log()[-3000:])
-    assert job.requeues >= 1 and events(job)["claimed"] == 1 and events(job)["succeeded"] == 1
+    assert job.requeues >= 1 and events(settings, job_id)["claimed"] == 1 and events(settings, job_id)["succeeded"] == 1
     assert "still queued" in worker.log()

@@ -28,6 +28,7 @@ from app.core.db import Job, database
 from app.core.migrate import upgrade
 from tests.conftest import server_unavailable
 from tests.fault_kit import PrivatePostgres, PrivateRedis, forget_database
+from tests.faults import Faults
 from tests.service_kit import (
     WorkerProcess,
     job_history,
@@ -65,10 +66,10 @@ def stack(tmp_path_factory):
         redis = PrivateRedis(root / "redis").start()
         url = postgres.create_database("dtp_faults")
         upgrade(url)
-        settings = make_settings(root, database_url=url, broker_url=redis.url, device="cpu", lease_s=LEASE_S,
-                                 stage_delay_s=0.15)
+        settings = make_settings(root, database_url=url, broker_url=redis.url, device="cpu", lease_s=LEASE_S)
         provision(settings)
-        worker = WorkerProcess(settings, root / "worker.log", name="faults").start()
+        worker = WorkerProcess(settings, root / "worker.log", name="faults",
+                               faults=Faults(stage_delay_s=0.15)).start()
         yield settings, redis, postgres, worker
     finally:
         if worker is not None:
