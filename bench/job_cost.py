@@ -13,7 +13,7 @@ full scale (65 536 blocks, 10 000 evaluations) the same shape asks for 10¹⁰ e
 2. the job run in this process with the budgets raised until it is accepted (SQLite, CPU): wall time
    and peak RSS (ru_maxrss) before and after the run;
 3. the same job again, cancelled `--cancel-after` s into its distilling stage (in its evaluations):
-   seconds from the cancel request to the job's `cancelled` event, from the job's own history.
+   seconds from the cancel request to the job's `cancelled` event, from the job's own events.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.core.caller import OPEN
 from app.core.db import Job, database
 from app.core.errors import SpecError
+from app.core.events import job_events
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import cancel_job, check_spec, submit_job
@@ -92,8 +93,8 @@ def submitted(settings: Any, body: dict[str, Any]) -> str:
                           enqueue=lambda _jid: None).id
 
 
-def event_time(job: Job, kind: str) -> datetime:
-    return datetime.fromisoformat(next(e["at"] for e in job.history if e["event"] == kind).removesuffix("Z"))
+def event_time(session: Any, job: Job, kind: str) -> datetime:
+    return next(e.at for e in job_events(session, job.id) if e.kind == kind)
 
 
 def main() -> None:
@@ -140,7 +141,8 @@ def main() -> None:
         with db.session() as session:
             job = session.get(Job, job_id)
             assert job is not None
-            latency = (event_time(job, job.status) - event_time(job, "cancel-requested")).total_seconds() \
+            latency = (event_time(session, job, job.status)
+                       - event_time(session, job, "cancel-requested")).total_seconds() \
                 if job.status == "cancelled" else float("nan")
         print(f"cancel {args.cancel_after:g} s into distilling: {outcome[0]} in stage {job.stage}, "
               f"{latency:.2f} s after the request")

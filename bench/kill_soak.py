@@ -42,12 +42,14 @@ from sqlalchemy import func, select
 
 from app.core.caller import OPEN
 from app.core.db import Artifact, Job, LayoutRow, Metric, database
+from app.core.events import job_events
 from app.core.jobstate import STAGES
 from app.core.queue import JobQueue
 from app.core.schemas import JobSpec
 from app.core.services import submit_job
 from app.core.settings import Settings
 from app.core.storage import Storage, sha256_file
+from tests.faults import Faults
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
 
 BODY = spec(random_layouts=0, ablations=False, export={"checkpoint": False, "shards": True}, distill=TINY_DISTILL)
@@ -91,17 +93,23 @@ def _submit(settings: Settings, queue: JobQueue) -> str:
     return job.id
 
 
+def _history(db: Any, job_id: str) -> list[dict[str, Any]]:
+    """The job's events, oldest first, as flat dicts (`event`, `at`, `stage`, …)."""
+    with db.session() as session:
+        return [e.as_dict() for e in job_events(session, job_id)]
+
+
 def _at(entry: dict[str, Any]) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(entry["at"].rstrip("Z")).replace(tzinfo=UTC).timestamp()
 
 
-def stage_windows(job: Job) -> dict[str, tuple[float, float]]:
+def stage_windows(db: Any, job_id: str) -> dict[str, tuple[float, float]]:
     """Seconds after the loading stage started (a fresh worker imports torch first, for a time that
-    varies) at which each stage started and finished, from the job's history."""
-    history = job.history or []
-    t0 = _loading_started(job)
+    varies) at which each stage started and finished, from the job's events."""
+    history = _history(db, job_id)
+    t0 = _loading_started(db, job_id)
     assert t0 is not None
     start = {e["stage"]: _at(e) - t0 for e in history if e["event"] == "stage-start"}
     done = {e["stage"]: _at(e) - t0 for e in history if e["event"] == "stage-done"}
@@ -114,8 +122,8 @@ def _reached(stage: str) -> Any:
     return lambda j: j.status not in ("queued", "running") or (j.stage in STAGES and STAGES.index(j.stage) >= at)
 
 
-def _loading_started(job: Job) -> float | None:
-    return next((_at(e) for e in job.history or [] if e["event"] == "stage-start" and e["stage"] == "loading"),
+def _loading_started(db: Any, job_id: str) -> float | None:
+    return next((_at(e) for e in _history(db, job_id) if e["event"] == "stage-start" and e["stage"] == "loading"),
                 None)
 
 
@@ -137,7 +145,7 @@ def verify(settings: Settings, job_id: str, reference: dict[str, Any], *, cache:
     db = database(settings.database_url)
     job = _job(db, job_id)
     problems = []
-    events = Counter(e["event"] for e in job.history or [])
+    events = Counter(e["event"] for e in _history(db, job_id))
     if job.status != "succeeded" or events["succeeded"] != 1:
         problems.append(f"status {job.status}, {events['succeeded']} succeeded events ({job.error})")
     storage = Storage(settings.storage)
@@ -170,13 +178,15 @@ def verify(settings: Settings, job_id: str, reference: dict[str, Any], *, cache:
 
 
 def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, targets: tuple[str, ...] = STAGES,
-             say: Any = print) -> dict[str, Any]:
-    """Runs the reference job and `trials` killed jobs, trial i aimed at targets[i mod len(targets)];
-    returns the report (see the module doc)."""
+             say: Any = print, stage_delay_s: float = 0.15) -> dict[str, Any]:
+    """Runs the reference job and `trials` killed jobs, trial i aimed at targets[i mod len(targets)], on
+    workers that sleep `stage_delay_s` per unit of work (tests/faults.py); returns the report (see the
+    module doc)."""
     rng = random.Random(seed)
     db = database(settings.database_url)
     queue = JobQueue(settings)
-    worker = WorkerProcess(settings, log_path, name="soak0").start()
+    slow = Faults(stage_delay_s=stage_delay_s)
+    worker = WorkerProcess(settings, log_path, name="soak0", faults=slow).start()
     results: list[Trial] = []
     restarts: list[float] = []
     try:
@@ -184,11 +194,11 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
         ref = _wait(db, ref_id, lambda j: j.status not in ("queued", "running"), 300, "finished")
         if ref.status != "succeeded":
             raise RuntimeError(f"the reference job {ref.status}: {ref.error}\n{worker.log()[-3000:]}")
-        windows = stage_windows(ref)
+        windows = stage_windows(db, ref_id)
         with db.session() as session:  # distilling: up to its last evaluation (the plot after it is slow cold)
             last_eval = session.scalar(select(func.max(Metric.created_at)).where(Metric.job_id == ref_id))
         if last_eval is not None and "distilling" in windows:
-            t0 = _loading_started(ref) or 0.0
+            t0 = _loading_started(db, ref_id) or 0.0
             windows["distilling"] = (windows["distilling"][0], last_eval.replace(tzinfo=UTC).timestamp() - t0)
         with db.session() as session:
             ref_artifacts = sorted(session.scalars(select(Artifact.name).where(Artifact.job_id == ref_id)))
@@ -211,14 +221,15 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
             t_kill = time.time()
             worker.kill9()
             t0 = time.monotonic()
-            worker = WorkerProcess(settings, log_path, name=f"soak{i + 1}").start()
+            worker = WorkerProcess(settings, log_path, name=f"soak{i + 1}", faults=slow).start()
             restarts.append(time.monotonic() - t0)
             done = _wait(db, job_id, lambda j: j.status not in ("queued", "running"), 300, "finished")
-            claims = [_at(e) for e in done.history if e["event"] == "claimed"]
+            history = _history(db, job_id)
+            claims = [_at(e) for e in history if e["event"] == "claimed"]
             later = [t for t in claims if t > t_kill]
             trial.reclaimed_s = later[0] - t_kill if later else None
             if done.status == "succeeded" and not trial.killed_in.startswith("after"):
-                trial.finished_s = _at(next(e for e in reversed(done.history) if e["event"] == "succeeded")) - t_kill
+                trial.finished_s = _at(next(e for e in reversed(history) if e["event"] == "succeeded")) - t_kill
             trial.attempts = done.attempts
             trial.problems = verify(settings, job_id, reference)
             results.append(trial)
@@ -261,7 +272,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stage-delay", type=float, default=0.15,
-                    help="DTP_LAYOUT_STAGE_DELAY_S: a sleep per micro-batch / step and at each stage's start, so "
+                    help="the workers sleep this long per micro-batch / step and at each stage's start, so "
                          "that stages last a while")
     ap.add_argument("--lease", type=float, default=2.0, help="DTP_LAYOUT_LEASE_S (default 2 s)")
     args = ap.parse_args()
@@ -285,10 +296,11 @@ def main() -> int:
         url = make_url(admin).set(database=name).render_as_string(hide_password=False)
         upgrade(url)
         settings = Settings(var_dir=root, database_url=url, broker_url=redis_url, broker_key_prefix=prefix,
-                            device="cpu", lease_s=args.lease, stage_delay_s=args.stage_delay)
+                            device="cpu", lease_s=args.lease)
         provision(settings)
         t0 = time.monotonic()
-        report = run_soak(settings, trials=args.trials, seed=args.seed, log_path=root / "workers.log")
+        report = run_soak(settings, trials=args.trials, seed=args.seed, log_path=root / "workers.log",
+                          stage_delay_s=args.stage_delay)
         report["wall_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(report, indent=1))
         return 0 if report["ok"] == report["trials"] else 1

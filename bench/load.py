@@ -172,6 +172,7 @@ class Server:
         """Per tenant: `jobs_per_tenant` succeeded jobs with two layouts and two artifacts (report.json and a
         1 MiB shards/blob.bin); one key per client."""
         from app.core.db import Artifact, Job, LayoutRow, database, utcnow
+        from app.core.events import SUBMITTED, record
         from app.core.keys import create_key
         from app.core.storage import Storage
 
@@ -190,11 +191,12 @@ class Server:
                               score="fo", status="succeeded", owner=tenant, progress=1.0,
                               stages_done=["loading", "calibration", "affinity", "optimising", "exporting"],
                               timings={"loading": 0.4, "calibration": 1.2, "affinity": 8.5, "optimising": 2.0,
-                                       "exporting": 1.1}, history=[{"event": "submitted"}], cancel_requested=False,
+                                       "exporting": 1.1}, cancel_requested=False,
                               affinity_cached=False, attempts=1, finished_at=utcnow(),
                               summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0})
                     session.add(job)
                     session.flush()
+                    record(session, job.id, SUBMITTED)  # what a listed job's view reads (device, timeline)
                     jobs.setdefault(tenant, []).append(job.id)
                     for name, data in (("report.json", report), ("shards/blob.bin", blob)):
                         key = Storage.artifact_key(job.id, name)

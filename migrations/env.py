@@ -34,13 +34,25 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     url = _url()
+    sqlite = url.startswith("sqlite")
     engine = make_engine(url)
     try:
         with engine.connect() as connection:
-            context.configure(connection=connection, target_metadata=Base.metadata,
-                              render_as_batch=url.startswith("sqlite"))
+            if sqlite:
+                # A batch operation recreates a table (copy, DROP, rename). With foreign keys enforced,
+                # SQLite's DROP TABLE of a parent first deletes its rows, and ON DELETE CASCADE would empty
+                # every child table (metrics, layouts, job_events…). Off for the migration (outside any
+                # transaction, where the pragma takes effect), checked afterwards.
+                connection.connection.driver_connection.execute("PRAGMA foreign_keys=OFF")  # type: ignore[union-attr]
+            context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=sqlite)
             with context.begin_transaction():
                 context.run_migrations()
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+                connection.commit()
+                connection.connection.driver_connection.execute("PRAGMA foreign_keys=ON")  # type: ignore[union-attr]
+                if broken:
+                    raise RuntimeError(f"the migration left rows whose parent is missing: {broken[:5]}")
     finally:
         engine.dispose()
 

@@ -127,6 +127,18 @@ SKIP_SECTIONS = {"server-backed tests skipped": SERVER_MARKERS, "GPU tests skipp
                  "install tests skipped": ("install",)}
 
 
+@pytest.fixture
+def inject_faults():
+    """`inject_faults(stage_delay_s=…, hang_stage=…)`: the worker code run in this process has slow or
+    hung stages (tests/faults.py) until the test ends."""
+    from tests.faults import Faults, install
+
+    undo = []
+    yield lambda **faults: undo.append(install(Faults(**faults)))
+    for restore in reversed(undo):
+        restore()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for title, markers in SKIP_SECTIONS.items():
         skipped = []

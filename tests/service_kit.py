@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from app.core.settings import Settings
+from tests.faults import Faults
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
@@ -31,6 +32,11 @@ def importable_from_anywhere(env: dict[str, str]) -> dict[str, str]:
 
 
 def make_settings(root: Path, **overrides: Any) -> Settings:
+    # Settings ignores unknown names (a stray variable in a deployment's environment must not stop
+    # it); a test's misspelt or retired setting must not pass silently.
+    unknown = sorted(set(overrides) - set(Settings.model_fields))
+    if unknown:
+        raise TypeError(f"no such settings: {', '.join(unknown)} (faults: tests/faults.py)")
     return Settings(var_dir=root, **overrides)
 
 
@@ -74,6 +80,15 @@ def provision_text_model(settings: Settings) -> None:
                    max_position_embeddings=1024).save_pretrained(model_dir)
 
 
+def job_history(settings: Settings, job_id: str) -> list[dict[str, Any]]:
+    """The job's events, oldest first, each as one flat dict (`event`: its kind; `at`: ISO 8601 with a Z)."""
+    from app.core.db import database
+    from app.core.events import job_events
+
+    with database(settings.database_url).session() as session:
+        return [event.as_dict() for event in job_events(session, job_id)]
+
+
 def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None) -> tuple[str, bytes]:
     """A succeeded job written straight to the database (no worker), owned by `owner`, with the layouts
     optimised (J 3.5) and contiguous (2.4) and the artifacts report.json and shards/blob.bin (5000
@@ -86,7 +101,7 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     db = database(settings.database_url)
     storage = Storage(settings.storage)
     job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
-              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, history=[], owner=owner,
+              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, owner=owner,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
               summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0,
                        "layouts": {"optimised": 3.5, "contiguous": 2.4}})
@@ -120,6 +135,7 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
     from datetime import timedelta
 
     from app.core.db import Job, database, utcnow
+    from app.core.events import SUBMITTED, record
 
     now = utcnow()
     fields: dict[str, Any] = {
@@ -131,10 +147,11 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
         "cancelled": {"finished_at": now, "error": "cancelled before it started", "cancel_requested": True},
     }[status]
     job = Job(spec=spec(), fingerprint="e" * 64, model_id=model_id, revision=None, devices=2, delta=1, score="fo",
-              status=status, owner=owner, history=[{"event": "submitted"}], enqueued_at=now, **fields)
+              status=status, owner=owner, enqueued_at=now, **fields)
     with database(settings.database_url).transaction() as session:
         session.add(job)
         session.flush()
+        record(session, job.id, SUBMITTED)
         return job.id
 
 
@@ -196,15 +213,18 @@ def stop_process(proc: subprocess.Popen[Any] | None, sig: int, *, grace: float, 
 
 
 class WorkerProcess:
-    """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess."""
+    """A real Celery worker (`celery -A worker.celery_app worker`, solo pool) in a subprocess; `faults`:
+    slow or hung stages (tests/faults.py)."""
 
     def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", cwd: Path | None = None,
-                 **env: str) -> None:
+                 faults: Faults | None = None, **env: str) -> None:
         from app.cli.service import worker_command
 
         self.log_path, self.cwd = log_path, cwd
         self.env = {**os.environ, **settings.worker_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                     "TOKENIZERS_PARALLELISM": "false", **env}
+        if faults is not None:
+            self.env.update(faults.env(self.env))
         self.cmd = worker_command(settings, name=name)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -263,11 +283,12 @@ class ServeProcess:
     """`dtp-layout serve` (API + its local worker, none with `no_worker`) in a subprocess on a free port,
     its var dir under `var`, run from `cwd` (default: the caller's); `env` adds DTP_LAYOUT_* settings (API
     keys, a Postgres database, a Redis broker, …). `program` is how to run `dtp-layout` (default: this
-    interpreter on this checkout) and `options` (or `serve_args`) more `serve` options."""
+    interpreter on this checkout) and `options` (or `serve_args`) more `serve` options; `faults`: its
+    workers' slow or hung stages (tests/faults.py)."""
 
     def __init__(self, var: Path, *, cwd: Path | None = None, no_worker: bool = False,
                  program: Sequence[str] = (sys.executable, "-m", "app.cli.main"), options: Sequence[str] = (),
-                 serve_args: Sequence[str] = (),
+                 serve_args: Sequence[str] = (), faults: Faults | None = None,
                  **env: str) -> None:
         self.var, self.cwd = var, cwd
         self.program = list(program)
@@ -277,6 +298,8 @@ class ServeProcess:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
         self.env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                         DTP_LAYOUT_DEVICE="cpu", **env)
+        if faults is not None:
+            self.env.update(faults.env(self.env))
         self.output: list[str] = []
         self.proc: subprocess.Popen[str] | None = None
 

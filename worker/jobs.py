@@ -42,11 +42,12 @@ from typing import Any
 from sqlalchemy import insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.core import logs
+from app.core import events, logs
 from app.core.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
 from app.core.hub import prepare_model
+from app.core.lease import Lease, LeaseLost
 from app.core.schemas import METRIC_NAMES, JobSpec
-from app.core.services import DISTILL_SUMMARY, event, job_log_fields
+from app.core.services import DISTILL_SUMMARY, job_log_fields
 from app.core.settings import Settings
 from app.core.sources import SourceError, forget_configs, resolve_data
 from app.core.storage import Storage, sha256_file, tenant_scope
@@ -58,8 +59,7 @@ DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
 _AUTO: Any = object()  # Monitor.report: estimate the ETA from the stage's elapsed time
 
 
-class LeaseLost(RuntimeError):
-    """Another worker took the job over (this one was presumed dead): stop without writing."""
+__all__ = ["Lease", "LeaseLost"]  # re-exported: the fence every write below checks (app/core/lease.py)
 
 
 class JobCancelled(RuntimeError):
@@ -68,28 +68,19 @@ class JobCancelled(RuntimeError):
 
 # ---- claiming and recovery -------------------------------------------------------------------------
 #
-# Leases are compared on the database clock (`db_now`), so that workers whose clocks disagree still
-# agree on which lease expired. `attempts` is the fence: each claim increments it, and every write a
-# run makes (stage rows, layouts, artifacts, metrics, the affinity cache, the lease) checks, in the
-# same transaction, that the job is still at the run's attempt.
+# The lease and its fence (`attempts`) are app/core/lease.py's `Lease`: every write a run makes (stage
+# rows, layouts, artifacts, metrics, the affinity cache, the lease) checks, in the same transaction,
+# that the job is still at the run's attempt.
 
 def claim(db: Database, job_id: str, *, worker: str, lease_s: float) -> Job | None:
     """Atomically take a queued job, or a running one whose lease expired. None: nothing to do."""
     with db.transaction() as session:
-        result = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status.in_(("queued", "running")),
-                   or_(Job.lease_until.is_(None), Job.lease_until < db_now()))
-            .values(status="running", worker=worker, lease_until=db_now(lease_s),
-                    attempts=Job.attempts + 1, updated_at=utcnow())
-            .execution_options(synchronize_session=False)
-        )
-        if result.rowcount != 1:  # type: ignore[attr-defined]
+        lease = Lease.claim(session, job_id, worker=worker, lease_s=lease_s)
+        if lease is None:
             return None
-        job = session.get(Job, job_id, populate_existing=True)
-        assert job is not None
+        job = lease.fence(session)
         job.started_at = job.started_at or utcnow()
-        job.history = [*(job.history or []), event("claimed", worker=worker, attempt=job.attempts)]
+        events.record(session, job_id, events.CLAIMED, attempt=lease.attempt, worker=worker)
     return job
 
 
@@ -104,9 +95,8 @@ def _resend(db: Database, job_id: str, send: Callable[[str], None], *, where: An
             .execution_options(synchronize_session=False))
         if result.rowcount != 1:  # type: ignore[attr-defined]
             return False
-        job = session.get(Job, job_id, populate_existing=True)
-        if job is not None:
-            job.history = [*(job.history or []), event("requeued", reason=reason, requeues=job.requeues)]
+        requeues = session.scalar(select(Job.requeues).where(Job.id == job_id))
+        events.record(session, job_id, events.REQUEUED, reason=reason, requeues=requeues)
     try:
         send(job_id)
     except Exception:
@@ -158,11 +148,11 @@ class Monitor(threading.Thread):
     past the hard limit `on_hard_limit` is called (the Celery task kills its own process: a solo
     pool cannot interrupt a stage that never returns)."""
 
-    def __init__(self, db: Database, job_id: str, worker: str, lease_s: float, *, attempt: int = 0,
-                 stall_s: float = float("inf"), limits: tuple[float, float] = (float("inf"), float("inf")),
+    def __init__(self, db: Database, lease: Lease, lease_s: float, *, stall_s: float = float("inf"),
+                 limits: tuple[float, float] = (float("inf"), float("inf")),
                  on_hard_limit: Callable[[], None] | None = None) -> None:
-        super().__init__(name=f"monitor-{job_id[:8]}", daemon=True)
-        self.db, self.job_id, self.worker, self.lease_s, self.attempt = db, job_id, worker, lease_s, attempt
+        super().__init__(name=f"monitor-{lease.job_id[:8]}", daemon=True)
+        self.db, self.lease, self.job_id, self.lease_s = db, lease, lease.job_id, lease_s
         self.stall_s, self.limits, self.on_hard_limit = stall_s, limits, on_hard_limit
         self.tick = max(0.05, min(1.0, lease_s / 3, stall_s / 4))
         self.cancel = threading.Event()
@@ -207,10 +197,6 @@ class Monitor(threading.Thread):
             eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
         return {"progress": fraction, "eta_s": eta}
 
-    def _mine(self) -> tuple[Any, ...]:
-        return (Job.id == self.job_id, Job.worker == self.worker, Job.status == "running",
-                *((Job.attempts == self.attempt,) if self.attempt else ()))
-
     def flush(self) -> None:
         if not self.stalled.is_set() and self.silent_s() > self.stall_s:
             log.warning("job %s: no progress in %s for %.0f s; the lease is no longer renewed",
@@ -222,13 +208,8 @@ class Monitor(threading.Thread):
         if elapsed > self.limits[1] and self.on_hard_limit is not None:
             self.on_hard_limit()
         with self.db.transaction() as session:
-            if not self.stalled.is_set():
-                result = session.execute(
-                    update(Job).where(*self._mine())
-                    .values(lease_until=db_now(self.lease_s), updated_at=utcnow(), **self._progress())
-                    .execution_options(synchronize_session=False))
-                if result.rowcount != 1:  # type: ignore[attr-defined]
-                    self.lost.set()
+            if not self.stalled.is_set() and not self.lease.renew(session, self.lease_s, **self._progress()):
+                self.lost.set()
             if session.scalar(select(Job.cancel_requested).where(Job.id == self.job_id)):
                 self.cancel.set()
 
@@ -259,6 +240,7 @@ class JobRun:
                  monitor: Monitor) -> None:
         self.db, self.settings, self.worker, self.monitor = db, settings, worker, monitor
         self.job_id, self.attempt, self.spec = job.id, job.attempts, spec
+        self.lease = Lease(job.id, worker, job.attempts)
         self.fingerprint, self.owner = job.fingerprint, job.owner
         self.done: list[str] = list(job.stages_done or [])
         self.storage = Storage(settings.storage)
@@ -281,11 +263,7 @@ class JobRun:
                                     f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
 
     def should_stop(self) -> bool:
-        """Between micro-batches: the (test-only) stage delay, then the flags the monitor read."""
-        if self.settings.stage_delay_s:
-            time.sleep(self.settings.stage_delay_s)
-        if self.settings.test_hang_stage == self.stage:  # TEST ONLY: stuck where no check can interrupt
-            threading.Event().wait()
+        """Between micro-batches: the flags the monitor read."""
         self.monitor.beat()
         if self.monitor.cancel.is_set():
             return True
@@ -307,8 +285,6 @@ class JobRun:
 
         def target() -> None:
             try:
-                if self.settings.test_hang_stage == self.stage:
-                    threading.Event().wait()  # TEST ONLY: a download that never returns
                 box["value"] = fn()
             except BaseException as exc:  # re-raised in the job's thread
                 box["error"] = exc
@@ -324,10 +300,7 @@ class JobRun:
 
     def _owned(self, session: Session) -> Job:
         """The job row, locked, if this run still holds it (the fence: same worker, same attempt)."""
-        job = session.get(Job, self.job_id, with_for_update=True, populate_existing=True)
-        if job is None or job.worker != self.worker or job.status != "running" or job.attempts != self.attempt:
-            raise LeaseLost(f"job {self.job_id}: attempt {self.attempt} no longer holds it")
-        return job
+        return self.lease.fence(session)
 
     def prepare_work(self) -> None:
         """This attempt's work directory, seeded with a copy of the latest earlier attempt's (finished
@@ -358,15 +331,13 @@ class JobRun:
 
     def enter(self, stage: str, **note: Any) -> None:
         self.check()
-        if self.settings.stage_delay_s:  # TEST ONLY: every stage lasts a while (kill and cancel tests)
-            time.sleep(self.settings.stage_delay_s)
         self.stage, self._stage_t0 = stage, time.perf_counter()
         logs.update(stage=stage)
         self.monitor.start_stage(stage)
         with self.db.transaction() as session:
             job = self._owned(session)
             job.stage, job.progress, job.eta_s, job.stage_started_at = stage, 0.0, None, utcnow()
-            job.history = [*(job.history or []), event("stage-start", stage=stage, attempt=job.attempts, **note)]
+            events.record(session, self.job_id, events.STAGE_START, stage=stage, attempt=job.attempts, **note)
         log.info("job %s: %s", self.job_id, stage)
 
     def complete(self, stage: str, also: Callable[[Session, Job], None] | None = None, **note: Any) -> None:
@@ -380,7 +351,8 @@ class JobRun:
                 job.stages_done = [*(job.stages_done or []), stage]
             job.timings = {**(job.timings or {}), stage: round((job.timings or {}).get(stage, 0.0) + seconds, 3)}
             job.progress, job.eta_s, job.updated_at = 1.0, 0.0, utcnow()
-            job.history = [*(job.history or []), event("stage-done", stage=stage, seconds=round(seconds, 3), **note)]
+            events.record(session, self.job_id, events.STAGE_DONE, stage=stage, attempt=job.attempts,
+                          seconds=round(seconds, 3), **note)
         if stage not in self.done:
             self.done.append(stage)
 
@@ -673,7 +645,7 @@ class JobRun:
             now = utcnow()
             job.status, job.stage, job.progress, job.eta_s = "succeeded", None, 1.0, None
             job.finished_at, job.updated_at, job.lease_until = now, now, None
-            job.history = [*(job.history or []), event("succeeded", attempt=job.attempts)]
+            events.record(session, self.job_id, "succeeded", attempt=job.attempts)
         log.info("job %s: succeeded", self.job_id)
 
 
@@ -761,52 +733,42 @@ def _layout_row(job_id: str, lay: Any) -> LayoutRow:
                      shape=asdict(lay.shape), score=score)
 
 
-def _end(db: Database, job_id: str, worker: str, *, status: str, error: str | None, stage: str | None,
-         attempt: int | None = None) -> bool:
-    """Mark the job failed or cancelled, if this worker (at this attempt) still holds it."""
+def _end(db: Database, lease: Lease, *, status: str, error: str | None, stage: str | None) -> bool:
+    """Mark the job failed or cancelled, if this lease still holds it."""
     with db.transaction() as session:
-        job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
-        if job is None or job.worker != worker or job.status != "running" \
-                or (attempt is not None and job.attempts != attempt):
+        job = lease.held(session)
+        if job is None:
             return False
         now = utcnow()
         stage = stage or job.stage
         job.status, job.error, job.error_stage = status, error, stage if status == "failed" else None
         job.stage = stage
         job.finished_at, job.updated_at, job.lease_until, job.eta_s = now, now, None, None
-        job.history = [*(job.history or []), event(status, stage=stage, attempt=job.attempts, error=error)]
+        events.record(session, lease.job_id, status, stage=stage, attempt=job.attempts, error=error)
     return True
 
 
-def _retry(db: Database, job_id: str, worker: str, *, attempt: int, reason: str, stage: str | None,
-           max_attempts: int, enqueue: Callable[[str], None] | None) -> str:
+def _retry(db: Database, lease: Lease, *, reason: str, stage: str | None, max_attempts: int,
+           enqueue: Callable[[str], None] | None) -> str:
     """This run was abandoned (it stalled): back to `queued` and sent again, or `failed` once the job
     has had `max_attempts` runs. A lost message is found by the queued sweeper."""
-    if attempt >= max_attempts:
-        _end(db, job_id, worker, status="failed", stage=stage, attempt=attempt,
-             error=f"gave up after {attempt} attempts: {reason}")
+    if lease.attempt >= max_attempts:
+        _end(db, lease, status="failed", stage=stage, error=f"gave up after {lease.attempt} attempts: {reason}")
         return "failed"
     with db.transaction() as session:
-        job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
-        if job is None or job.worker != worker or job.status != "running" or job.attempts != attempt:
+        job = lease.held(session)
+        if job is None:
             return "lost"
         job.status, job.worker, job.lease_until, job.eta_s = "queued", None, None, None
         job.enqueued_at, job.requeues, job.updated_at = db_now(), (job.requeues or 0) + 1, utcnow()
-        job.history = [*(job.history or []), event("requeued", reason=reason, stage=stage, attempt=attempt,
-                                                   requeues=job.requeues)]
+        events.record(session, lease.job_id, events.REQUEUED, reason=reason, stage=stage, attempt=lease.attempt,
+                      requeues=job.requeues)
     if enqueue is not None:
         try:
-            enqueue(job_id)
+            enqueue(lease.job_id)
         except Exception:
-            log.exception("job %s: could not re-enqueue it; the queued sweeper will", job_id)
+            log.exception("job %s: could not re-enqueue it; the queued sweeper will", lease.job_id)
     return "retried"
-
-
-def _last_reason(job: Job) -> str:
-    for entry in reversed(job.history or []):
-        if entry.get("event") == "requeued" and entry.get("reason"):
-            return str(entry["reason"])
-    return "the worker was lost each time"
 
 
 MAX_ERROR_CHARS = 2000
@@ -845,14 +807,16 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
     if job is None:
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
         return "skipped"
-    attempt = job.attempts
-    logs.update(**job_log_fields(job))
+    lease = Lease(job_id, worker, job.attempts)
+    with db.session() as session:
+        logs.update(**job_log_fields(session, job))
+        last_reason = events.last_requeue_reason(session, job_id) if lease.attempt > settings.max_attempts else None
     if job.cancel_requested:
-        _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=job.stage, attempt=attempt)
+        _end(db, lease, status="cancelled", error="cancelled by request", stage=job.stage)
         return "cancelled"
-    if attempt > settings.max_attempts:
-        _end(db, job_id, worker, status="failed", stage=job.stage, attempt=attempt,
-             error=f"gave up after {settings.max_attempts} attempts: {_last_reason(job)}")
+    if lease.attempt > settings.max_attempts:
+        _end(db, lease, status="failed", stage=job.stage,
+             error=f"gave up after {settings.max_attempts} attempts: {last_reason or 'the worker was lost each time'}")
         return "failed"
     runner: JobRun | None = None
     monitor: Monitor | None = None
@@ -876,14 +840,14 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
             if on_hard_limit is None or monitor.hard_hit.is_set():
                 return
             monitor.hard_hit.set()
-            _end(db, job_id, worker, status="failed", stage=monitor.stage, attempt=attempt,
+            _end(db, lease, status="failed", stage=monitor.stage,
                  error=f"exceeded its hard time limit of {limits[1]:g} s in stage {monitor.stage}; the worker "
                        "process was killed")
             log.error("job %s: hard time limit exceeded in %s", job_id, monitor.stage)
             on_hard_limit()
 
-        monitor = Monitor(db, job_id, worker, settings.lease_s, attempt=attempt, stall_s=settings.stall_s,
-                          limits=limits, on_hard_limit=hard_limit)
+        monitor = Monitor(db, lease, settings.lease_s, stall_s=settings.stall_s, limits=limits,
+                          on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
         monitor.start()
         runner.run()
@@ -894,14 +858,14 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
     except JobStalled as exc:
         stage = runner.stage if runner is not None else job.stage
         log.warning("job %s: %s", job_id, exc)
-        return _retry(db, job_id, worker, attempt=attempt, reason=str(exc), stage=stage,
-                      max_attempts=settings.max_attempts, enqueue=enqueue)
+        return _retry(db, lease, reason=str(exc), stage=stage, max_attempts=settings.max_attempts,
+                      enqueue=enqueue)
     except Exception as exc:
         from models.affinity import Cancelled
 
         stage = runner.stage if runner is not None else job.stage
         if isinstance(exc, JobCancelled | Cancelled):
-            _end(db, job_id, worker, status="cancelled", error="cancelled by request", stage=stage, attempt=attempt)
+            _end(db, lease, status="cancelled", error="cancelled by request", stage=stage)
             return "cancelled"
         if database_unreachable(exc):  # nothing can be recorded: the lease expires, a sweeper retries it
             log.warning("job %s: the database became unreachable during %s; left to be retried when it is back",
@@ -909,8 +873,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
             return "retried"
         if disk_full(exc, settings.storage):
             log.error("job %s: the storage volume is full (%s): %s", job_id, stage, exc)
-            if _end(db, job_id, worker, status="failed", error=no_space_message(stage, settings.storage),
-                    stage=stage, attempt=attempt):
+            if _end(db, lease, status="failed", error=no_space_message(stage, settings.storage), stage=stage):
                 remove_work(Storage(settings.storage).work_dir(job_id))  # once ended by us: no attempt resumes
             return "failed"
         oom = out_of_memory_message(exc, stage=stage)
@@ -922,8 +885,7 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         else:
             message = f"{type(exc).__name__}: {exc}"
             log.error("job %s failed in %s:\n%s", job_id, stage, traceback.format_exc())
-        _end(db, job_id, worker, status="failed", error=public_error(message, job_id=job_id, tenant=job.owner),
-             stage=stage, attempt=attempt)
+        _end(db, lease, status="failed", error=public_error(message, job_id=job_id, tenant=job.owner), stage=stage)
         return "failed"
     finally:
         if monitor is not None:

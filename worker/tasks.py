@@ -45,10 +45,7 @@ def run_job(self: Any, job_id: str) -> str:
     db = database(settings.database_url)
 
     def hard_limit() -> None:
-        from worker.jobs import _end
-
-        _end(db, job_id, worker, status="failed", stage=None,
-             error="exceeded its hard time limit; the worker process was restarted")
+        # `jobs.run_job` has already failed the job with the reason, under its lease, before calling this.
         log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
         os.kill(os.getpid(), signal.SIGKILL)
 

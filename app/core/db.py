@@ -36,6 +36,8 @@ from sqlalchemy.sql.expression import FunctionElement
 from app.core.jobstate import FINISHED, STAGES, STATUSES  # noqa: F401  (importable from here as before)
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
+# A JSON column whose Python None is SQL NULL (not the JSON `null`), so that `IS NULL` finds it.
+NullableJSON = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
 
 
@@ -101,7 +103,6 @@ class Job(Base):
     stage_started_at: Mapped[datetime | None] = mapped_column(DateTime)
     stages_done: Mapped[list[str]] = mapped_column(JSONType, default=list)
     timings: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict)
-    history: Mapped[list[dict[str, Any]]] = mapped_column(JSONType, default=list)
     error: Mapped[str | None] = mapped_column(Text)
     error_stage: Mapped[str | None] = mapped_column(String(16))
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -117,6 +118,37 @@ class Job(Base):
                                                     passive_deletes=True)
     artifacts: Mapped[list[Artifact]] = relationship(back_populates="job", cascade="all, delete-orphan",
                                                      passive_deletes=True)
+
+
+class JobEvent(Base):
+    """One thing that happened to a job (submitted, claimed, stage-start, stage-done, requeued,
+    cancel-requested, succeeded, failed, cancelled), appended with an INSERT: the job's row is never
+    rewritten to log. What is read back has a column (the device an attempt ran on, the request that
+    submitted or cancelled the job, why it was requeued, a stage's seconds); the rest is `detail`.
+    In order of `id` (migration 0005 moved the old `jobs.history` arrays here)."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)  # naive UTC, the writer's clock
+    kind: Mapped[str] = mapped_column(String(32))
+    stage: Mapped[str | None] = mapped_column(String(32))
+    attempt: Mapped[int | None] = mapped_column(Integer)
+    device: Mapped[dict[str, Any] | None] = mapped_column(NullableJSON)
+    request_id: Mapped[str | None] = mapped_column(String(200))
+    reason: Mapped[str | None] = mapped_column(Text)
+    seconds: Mapped[float | None] = mapped_column(Float)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The event as one flat dict, `event` its kind and `at` ISO 8601 with a Z (the shape the old
+        `jobs.history` entries had; for logs, tests and benchmarks), without the columns left empty."""
+        columns = {"stage": self.stage, "attempt": self.attempt, "device": self.device,
+                   "request_id": self.request_id, "reason": self.reason, "seconds": self.seconds}
+        return {"at": self.at.isoformat() + "Z", "event": self.kind, **(self.detail or {}),
+                **{k: v for k, v in columns.items() if v is not None}}
 
 
 class LayoutRow(Base):

@@ -1,7 +1,7 @@
-"""Aggregates over the `jobs` table for /metrics: jobs per status, the age of the oldest queued job,
-retries and requeues, and a histogram of stage durations. Read from the database at scrape time, so
-they count what every worker and API process did, however many there are; aggregates only (no job
-id, tenant or model leaves here). Three queries, each one pass over the table.
+"""Aggregates over the `jobs` and `job_events` tables for /metrics: jobs per status, the age of the
+oldest queued job, retries and requeues, and a histogram of stage durations. Read from the database at
+scrape time, so they count what every worker and API process did, however many there are; aggregates
+only (no job id, tenant or model leaves here). Three queries, each one pass over a table.
 """
 
 from __future__ import annotations
@@ -12,24 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import case, func, select, text
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
+from app.core import events
 from app.core.db import STAGES, STATUSES, Database, Job, utcnow
 
 # Upper bounds (seconds) of the stage-duration buckets: a tiny model's stage takes under a second,
 # a 7B model's affinity pass or distillation hours.
 STAGE_BUCKETS = (0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0)
-
-# The number of `requeued` events in every job's history (the sweeper's re-enqueues), per dialect:
-# one pass over the history arrays in the database, no rows shipped to Python.
-_REQUEUES = {
-    "postgresql": "SELECT count(*) FROM jobs CROSS JOIN LATERAL jsonb_array_elements("
-                  "CASE WHEN jsonb_typeof(jobs.history) = 'array' THEN jobs.history ELSE '[]'::jsonb END) AS e "
-                  "WHERE e->>'event' = 'requeued'",
-    "sqlite": "SELECT count(*) FROM jobs, json_each(CASE WHEN json_valid(jobs.history) THEN jobs.history "
-              "ELSE '[]' END) AS e WHERE json_extract(e.value, '$.event') = 'requeued'",
-}
 
 
 @dataclass
@@ -44,7 +35,7 @@ class JobStats:
     by_status: dict[str, int]
     oldest_queued_age_s: float  # 0 when nothing is queued
     retries: int  # runs beyond each job's first (a worker died, a stalled attempt was retried, …)
-    requeues: int  # `requeued` events in the jobs' histories
+    requeues: int  # `requeued` events of every job (sweeper re-enqueues and retried stalls)
     stages: dict[str, StageHistogram]
 
 
@@ -85,8 +76,7 @@ def job_stats(*, db: Database) -> JobStats:
     with db.session() as session:
         by_status, oldest, retries = _status_rows(session, now)
         stages = _stage_rows(session)
-        query = _REQUEUES.get(session.get_bind().dialect.name)
-        requeues = int(session.execute(text(query)).scalar() or 0) if query else 0
+        requeues = events.count(session, events.REQUEUED)
     return JobStats(by_status=by_status, oldest_queued_age_s=oldest, retries=retries, requeues=requeues,
                     stages=stages)
 

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,21 @@ from typing import Any
 from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
-from app.core import budgets, hub, logs
+from app.core import budgets, events, hub, logs
 from app.core.caller import Caller
-from app.core.db import FINISHED, STATUSES, Artifact, Database, Job, LayoutRow, Metric, utcnow, write_transaction
+from app.core.db import (
+    FINISHED,
+    STATUSES,
+    Artifact,
+    Database,
+    Job,
+    JobEvent,
+    LayoutRow,
+    Metric,
+    new_id,
+    utcnow,
+    write_transaction,
+)
 from app.core.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
 from app.core.model_limits import check_model_config
 from app.core.schemas import METRIC_NAMES, JobSpec
@@ -44,16 +56,10 @@ def _aware(dt: datetime | None) -> datetime | None:
     return None if dt is None else dt.replace(tzinfo=UTC)
 
 
-def event(kind: str, **fields: Any) -> dict[str, Any]:
-    return {"at": utcnow().isoformat() + "Z", "event": kind, **fields}
-
-
-def job_log_fields(job: Job) -> dict[str, str | None]:
+def job_log_fields(session: Session, job: Job) -> dict[str, str | None]:
     """The log context of a job's run on a worker: its tenant, and the id of the request that
-    submitted it (from the history), so that the worker's lines join the API's."""
-    submitted = next((e for e in job.history or [] if isinstance(e, dict) and e.get("event") == "submitted"), {})
-    rid = submitted.get("request_id")
-    return {"tenant": job.owner, "request_id": rid if isinstance(rid, str) else None}
+    submitted it (its `submitted` event), so that the worker's lines join the API's."""
+    return {"tenant": job.owner, "request_id": events.submitted_request_id(session, job.id)}
 
 
 # ---- submit ---------------------------------------------------------------------------------------
@@ -141,17 +147,18 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
                enqueue: Callable[[str], None], request_id: str | None = None) -> Job:
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
     broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
-    request's id goes into the job's history."""
+    request's id goes into the job's `submitted` event."""
     fp, found = check_spec(settings=settings, spec=spec, tenant=caller.tenant)
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
-        job = Job(spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
+        job = Job(id=new_id(), spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
                   revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
                   status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
-                  history=[event("submitted", config_checked=found["config_checked"], key=caller.key_name,
-                                 request_id=request_id)],
                   cancel_requested=False, affinity_cached=False, attempts=0)
         session.add(job)
+        session.flush()  # the job's row before its first event's (the foreign key)
+        events.record(session, job.id, events.SUBMITTED, request_id=request_id,
+                      config_checked=found["config_checked"], key=caller.key_name)
     logs.update(job_id=job.id)
     try:
         enqueue(job.id)
@@ -206,14 +213,6 @@ def list_jobs(*, session: Session, caller: Caller, model: str | None = None, sta
     return list(rows), int(total)
 
 
-def job_device(history: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """The device the job's latest attempt runs (or ran) on, as its worker recorded it."""
-    for entry in reversed(history or []):
-        if isinstance(entry.get("device"), dict):
-            return dict(entry["device"])
-    return None
-
-
 def public_roots(settings: Settings) -> dict[str, str]:
     """The server directories job errors must not show, by the name users see instead."""
     import os
@@ -225,7 +224,10 @@ def public_roots(settings: Settings) -> dict[str, str]:
     return roots
 
 
-def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -> dict[str, Any]:
+def job_view(job: Job, *, history: Sequence[JobEvent], base: str = "",
+             roots: dict[str, str] | None = None) -> dict[str, Any]:
+    """What GET /v1/jobs/{id} answers; `history`: the job's events, oldest first (`events.job_events`,
+    or `events.events_by_job` for a page of jobs)."""
     url = f"{base}/v1/jobs/{job.id}"
     return {
         "id": job.id, "status": job.status, "stage": job.stage, "progress": round(job.progress or 0.0, 4),
@@ -236,8 +238,8 @@ def job_view(job: Job, *, base: str = "", roots: dict[str, str] | None = None) -
         "error_stage": job.error_stage,
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
-        "timings": dict(job.timings or {}), "summary": job.summary, "device": job_device(job.history),
-        "timeline": stage_timeline(job.history or [], status=job.status, created_at=job.created_at),
+        "timings": dict(job.timings or {}), "summary": job.summary, "device": events.device(history),
+        "timeline": stage_timeline(history, status=job.status, created_at=job.created_at),
         "links": {"self": url, "layouts": f"{url}/layouts", "artifacts": f"{url}/artifacts",
                   "metrics": f"{url}/metrics", "cancel": f"{url}/cancel"},
     }
@@ -254,8 +256,7 @@ def cancel_job(*, session: Session, job_id: str, caller: Caller, request_id: str
             job.status, job.finished_at, job.error = "cancelled", now, "cancelled before it started"
         job.cancel_requested = True
         job.updated_at = now
-        job.history = [*(job.history or []), event("cancel-requested", by=caller.key_name,
-                                                       request_id=request_id)]
+        events.record(session, job.id, events.CANCEL_REQUESTED, request_id=request_id, by=caller.key_name)
     return job
 
 

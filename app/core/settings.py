@@ -6,6 +6,7 @@ a SQLite-backed Celery transport, artifacts, model and data roots), no other ser
 
 from __future__ import annotations
 
+import json
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -121,13 +122,6 @@ class Settings(BaseSettings):
                                                                       "then (stuck in native code) is failed and its "
                                                                       "worker process killed (`serve`, or the service "
                                                                       "manager, restarts it)")
-    stage_delay_s: float = Field(default=0.0, ge=0, description="TEST ONLY: the worker sleeps this long between "
-                                                                  "micro-batches and at each stage's start (a job "
-                                                                  "slow on purpose, deterministically)")
-    test_hang_stage: str = Field(default="", description="TEST ONLY: this stage hangs without progress: loading, "
-                                                        "calibration, optimising, exporting or distilling (its data "
-                                                        "loading) where a cancel can abandon it (a stuck download), "
-                                                        "affinity where only the hard time limit can")
     public_url: str = Field(default="", description="base URL of the links in responses (default: relative links)")
     api_threads: int = Field(default=16, ge=1, le=256, description="worker threads per API process for blocking "
                                                                    "work (database, files); its database pool "
@@ -216,37 +210,25 @@ class Settings(BaseSettings):
         return entries
 
     def worker_env(self) -> dict[str, str]:
-        """The settings as environment variables, for a worker subprocess."""
-        env = {
-            "DATABASE_URL": self.database_url,
-            "BROKER_URL": self.broker_url,
-            "BROKER_KEY_PREFIX": self.broker_key_prefix,
-            "STORAGE_ROOT": str(self.storage),
-            "MODEL_ROOT": str(self.models_dir),
-            "DATA_ROOT": str(self.data_dir),
-            "QUEUE": self.queue,
-            "DEVICE": self.device,
-            "VISIBILITY_TIMEOUT_S": str(self.visibility_timeout_s),
-            "LEASE_S": str(self.lease_s),
-            "MAX_ATTEMPTS": str(self.max_attempts),
-            "STAGE_DELAY_S": str(self.stage_delay_s),
-            "TEST_HANG_STAGE": self.test_hang_stage,
-            "REQUEUE_AFTER_S": str(self.requeue_after_s),
-            "STALL_S": str(self.stall_s),
-            "TIME_LIMIT_S": str(self.time_limit_s),
-            "TIME_LIMIT_PER_MTOKEN_S": str(self.time_limit_per_mtoken_s),
-            "TIME_LIMIT_MAX_S": str(self.time_limit_max_s),
-            "TIME_LIMIT_GRACE_S": str(self.time_limit_grace_s),
-            "MAX_MODEL_PARAMS": str(self.max_model_params),
-            "HUB_MODELS": self.hub_models,
-            "HUB_DATASETS": self.hub_datasets,
-            "VAR_DIR": str(self.var_dir),
-            "LOG_FORMAT": self.log_format,
-            "LOG_LEVEL": self.log_level,
-        }
-        if self.cuda_memory_fraction is not None:
-            env["CUDA_MEMORY_FRACTION"] = str(self.cuda_memory_fraction)
-        return {f"DTP_LAYOUT_{k}": v for k, v in env.items()}
+        """Every setting as its DTP_LAYOUT_* environment variable, for a worker subprocess: derived from
+        the fields, so a new setting reaches the workers with nothing to keep in step (unset ones, None,
+        are left out: the worker's default is the same None)."""
+        env = {}
+        for name, value in self.model_dump(mode="json").items():
+            if value is not None:
+                env[f"{self.model_config.get('env_prefix', '')}{name.upper()}"] = _env_text(value)
+        return env
+
+
+def _env_text(value: object) -> str:
+    """A setting's value as pydantic-settings reads it back from the environment."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return repr(value)  # the shortest text that reads back as the same number
+    return json.dumps(value)  # lists and dicts: pydantic-settings parses complex values as JSON
 
 
 @lru_cache(maxsize=1)

@@ -1,29 +1,24 @@
-"""A job's stage timeline, read off its history events (what the dashboard draws as a Gantt bar).
+"""A job's stage timeline, read off its events (what the dashboard draws as a Gantt bar).
 
-The worker appends `claimed`, `stage-start`, `stage-done`, `requeued` and a final `succeeded` /
-`failed` / `cancelled` event to `jobs.history`; a stage interrupted by a dead worker shows as an
-`interrupted` segment followed by the resumed attempt's segment. Torch-free.
+The worker records `claimed`, `stage-start`, `stage-done`, `requeued` and a final `succeeded` /
+`failed` / `cancelled` event in `job_events` (app/core/events.py); a stage interrupted by a dead
+worker shows as an `interrupted` segment followed by the resumed attempt's segment. Torch-free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from app.core.db import JobEvent
 from app.core.jobstate import FINISHED
 
 FINAL_EVENTS = FINISHED  # a run's last event is named after the status it leaves the job in
 
 
-def _at(event: dict[str, Any]) -> datetime | None:
-    text = event.get("at")
-    if not isinstance(text, str):
-        return None
-    try:
-        stamp = datetime.fromisoformat(text.removesuffix("Z"))
-    except ValueError:
-        return None
-    return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp.astimezone(UTC)
+def _at(event: JobEvent) -> datetime | None:
+    return None if event.at is None else event.at.replace(tzinfo=UTC)
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
@@ -32,7 +27,7 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return round(max(0.0, (end - start).total_seconds()), 3)
 
 
-def stage_timeline(history: list[dict[str, Any]], *, status: str, created_at: datetime | None,
+def stage_timeline(events: Sequence[JobEvent], *, status: str, created_at: datetime | None,
                    now: datetime | None = None) -> list[dict[str, Any]]:
     """One entry per time span: `queued` (waiting for a worker) and then each stage attempt, with
     `started_at`, `finished_at` (null while running), `seconds` (so far, while running) and `state`
@@ -51,22 +46,21 @@ def stage_timeline(history: list[dict[str, Any]], *, status: str, created_at: da
         current["seconds"] = seconds if seconds is not None else _seconds(current["started_at"], at)
         current = None
 
-    first_claim = next((_at(e) for e in history if e.get("event") == "claimed"), None)
+    first_claim = next((_at(e) for e in events if e.kind == "claimed"), None)
     if created is not None:
-        queued_until = first_claim or (None if status == "queued" else _at(history[-1]) if history else None)
+        queued_until = first_claim or (None if status == "queued" else _at(events[-1]) if events else None)
         entries.append({"stage": "queued", "attempt": 0, "started_at": created, "finished_at": queued_until,
                         "seconds": _seconds(created, queued_until or now),
                         "state": "running" if status == "queued" else "done"})
-    for event in history:
-        kind, at = event.get("event"), _at(event)
+    for event in events:
+        kind, at = event.kind, _at(event)
         if kind == "stage-start":
             close(at, "interrupted")
-            current = {"stage": str(event.get("stage")), "attempt": int(event.get("attempt") or 1),
+            current = {"stage": str(event.stage), "attempt": int(event.attempt or 1),
                        "started_at": at, "finished_at": None, "seconds": None, "state": "running"}
             entries.append(current)
-        elif kind == "stage-done" and current is not None and current["stage"] == event.get("stage"):
-            seconds = event.get("seconds")
-            close(at, "done", float(seconds) if isinstance(seconds, int | float) else None)
+        elif kind == "stage-done" and current is not None and current["stage"] == event.stage:
+            close(at, "done", event.seconds)
         elif kind in ("claimed", "requeued"):
             close(at, "interrupted")
         elif kind in FINAL_EVENTS:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.faults import Faults
 from tests.service_kit import ServeProcess, make_settings, provision
 
 # Two tenants (the key's name is the owner of the jobs it submits).
 API_KEYS = {"ci": "ci-key-0123456789abcdef", "alice": "alice-key-0123456789abcdef"}
-# The worker sleeps this long between micro-batches and before each distillation step: a job is
-# slow enough to be cancelled while it runs, and still finishes in seconds.
-STAGE_DELAY_S = "0.1"
+# The worker sleeps this long between micro-batches and before each distillation step (tests/faults.py):
+# a job is slow enough to be cancelled while it runs, and still finishes in seconds.
+STAGE_DELAY_S = 0.1
 
 
 def api_keys_setting(keys: dict[str, str]) -> str:
@@ -25,7 +26,8 @@ def api_keys_setting(keys: dict[str, str]) -> str:
 def keyed_service(tmp_path_factory):
     var = tmp_path_factory.mktemp("keyed-service") / "var"
     provision(make_settings(var))
-    serve = ServeProcess(var, DTP_LAYOUT_API_KEYS=api_keys_setting(API_KEYS), DTP_LAYOUT_STAGE_DELAY_S=STAGE_DELAY_S)
+    serve = ServeProcess(var, faults=Faults(stage_delay_s=STAGE_DELAY_S),
+                         DTP_LAYOUT_API_KEYS=api_keys_setting(API_KEYS))
     serve.start()
     yield serve
     serve.stop()

@@ -2,7 +2,7 @@
 (`cancel-requested`, written by the API, to `cancelled`, written by the worker).
 
 Stages that run work the job cannot interrupt (loading weights, reading the calibration set, the
-optimiser, writing the export, reading a distillation's data) hang here (DTP_LAYOUT_TEST_HANG_STAGE)
+optimiser, writing the export, reading a distillation's data) hang here (tests/faults.py)
 and run in-process on Postgres; the stages that ask between units of work (the affinity pass, training
 steps and micro-batches, every evaluation batch) run for real on a Celery worker over Postgres and
 Redis, the evaluation ones on a distillation whose evaluation is long: the dense model's and step 0's
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime
 
 import numpy as np
 import pytest
@@ -24,9 +23,11 @@ from sqlalchemy import select
 from app.api.main import create_app
 from app.core.caller import OPEN
 from app.core.db import Job, Metric, database
+from app.core.events import job_events
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import cancel_job, submit_job
+from tests.faults import Faults
 from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for, worker_settings
 from worker.jobs import run_job
 
@@ -40,12 +41,11 @@ TRAIN, EVAL, CALIB_BIG = "cost/train.npy", "cost/eval.npy", "cost/calib.npy"
 LONG_EVAL = {"source": EVAL, "sequences": 4096, "seq_len": 64}
 
 
-def latency_s(job: Job) -> float:
-    """Seconds from the cancel request to the job's `cancelled` event, both from the job's history."""
-    def at(kind: str) -> datetime:
-        return datetime.fromisoformat(next(e["at"] for e in job.history if e["event"] == kind).removesuffix("Z"))
-
-    return (at("cancelled") - at("cancel-requested")).total_seconds()
+def latency_s(settings, job: Job) -> float:
+    """Seconds from the cancel request to the job's `cancelled` event, both from the job's events."""
+    with database(settings.database_url).session() as session:
+        at = {e.kind: e.at for e in job_events(session, job.id)}
+    return (at["cancelled"] - at["cancel-requested"]).total_seconds()
 
 
 def provision_data(settings) -> None:
@@ -65,12 +65,13 @@ def distill_spec(**distill) -> dict:
 # ---- stages that cannot ask: abandoned (in-process, Postgres) --------------------------------------------
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising", "exporting", "distilling"])
-def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage):
+def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage, inject_faults):
     """The stage hangs where nothing checks a flag; the job walks away from it within a tick.
     `distilling` hangs in reading its training and evaluation data."""
     url = postgres_server.create_database(f"dtp_cancel_{stage}")
     upgrade(url)
-    settings = make_settings(tmp_path, database_url=url, device="cpu", test_hang_stage=stage)
+    settings = make_settings(tmp_path, database_url=url, device="cpu")
+    inject_faults(hang_stage=stage)
     provision(settings)
     provision_data(settings)
     body = distill_spec(steps=1, eval={"source": EVAL, "sequences": 4, "seq_len": 16},
@@ -97,24 +98,23 @@ def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage):
     with db.session() as session:
         job = session.get(Job, job_id)
     assert result == ["cancelled"] and job.status == "cancelled" and job.stage == stage, (result, job.error)
-    print(f"cancel in {stage} (hung): {latency_s(job):.2f} s")
-    assert latency_s(job) < LATENCY_S
+    print(f"cancel in {stage} (hung): {latency_s(settings, job):.2f} s")
+    assert latency_s(settings, job) < LATENCY_S
 
 
 # ---- stages that ask between units of work: a real worker ---------------------------------------------
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory, postgres_server, redis_broker):
-    # The stage delay (test only) sleeps before each unit of work: every stage lasts seconds.
-    s = worker_settings(tmp_path_factory.mktemp("cancel"), postgres_server, redis_broker, "cancel",
-                        stage_delay_s=0.1)
+    s = worker_settings(tmp_path_factory.mktemp("cancel"), postgres_server, redis_broker, "cancel")
     provision_data(s)
     return s
 
 
 @pytest.fixture(scope="module")
 def worker(settings):
-    w = WorkerProcess(settings, settings.var_dir / "worker.log").start()
+    # The stage delay (tests/faults.py) sleeps before each unit of work: every stage lasts seconds.
+    w = WorkerProcess(settings, settings.var_dir / "worker.log", faults=Faults(stage_delay_s=0.1)).start()
     yield w
     w.stop()
 
@@ -137,7 +137,7 @@ def cancel_when(client, settings, worker, body, until, stage, what):
     with database(settings.database_url).session() as session:
         job = session.get(Job, job_id)
         steps = sorted(set(session.scalars(select(Metric.step).where(Metric.job_id == job_id))))
-    print(f"cancel in {what}: {latency_s(job):.2f} s")
+    print(f"cancel in {what}: {latency_s(settings, job):.2f} s")
     return job, steps
 
 
@@ -148,7 +148,7 @@ def test_cancel_in_the_affinity_pass(client, settings, worker):
                 calibration={"source": CALIB_BIG, "sequences": 64, "seq_len": 256})
     job, _ = cancel_when(client, settings, worker, body, lambda j: j["stage"] == "affinity" and j["progress"] > 0,
                          "affinity", "affinity")
-    assert latency_s(job) < LATENCY_S
+    assert latency_s(settings, job) < LATENCY_S
 
 
 @pytest.mark.redis
@@ -160,7 +160,7 @@ def test_cancel_while_training(client, settings, worker):
                              lambda j: j["stage"] == "distilling" and j["progress"] > 0, "distilling",
                              "distilling (training)")
     assert steps == [0]  # step 0 was evaluated, then training was under way
-    assert latency_s(job) < LATENCY_S
+    assert latency_s(settings, job) < LATENCY_S
 
 
 @pytest.mark.redis
@@ -179,7 +179,7 @@ def test_cancel_in_the_evaluation_at_the_start_of_distilling(client, settings, w
     job, steps = cancel_when(client, settings, worker, body, a_second_in, "distilling",
                              "distilling (evaluation at the start)")
     assert steps == []  # no evaluation finished
-    assert latency_s(job) < LATENCY_S
+    assert latency_s(settings, job) < LATENCY_S
 
 
 @pytest.mark.redis
@@ -192,4 +192,4 @@ def test_cancel_in_the_evaluation_at_the_end_of_distilling(client, settings, wor
                              lambda j: j["stage"] == "distilling" and j["progress"] >= 1.0, "distilling",
                              "distilling (evaluation at the end)")
     assert steps == [0]  # the last evaluation (step 1) never finished
-    assert latency_s(job) < LATENCY_S
+    assert latency_s(settings, job) < LATENCY_S

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from app.core.caller import OPEN
-from app.core.db import Job, database
+from app.core.db import Job, JobEvent, database
+from app.core.events import device as job_device
+from app.core.events import job_events
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
-from app.core.services import job_device, job_view, submit_job
+from app.core.services import job_view, submit_job
 from models.loading import ModelLoadError
 from tests.service_kit import make_settings, provision, spec
 from worker import device as D
@@ -81,11 +83,11 @@ def test_prepare_device_on_a_machine_without_cuda(monkeypatch):
 
 
 def test_job_device_is_the_latest_attempts():
-    history = [{"event": "submitted"}, {"event": "stage-start", "stage": "loading", "device": {"device": "cuda:1"}},
-               {"event": "requeued"}, {"event": "stage-start", "stage": "loading", "device": {"device": "cuda:0"}},
-               {"event": "stage-done", "stage": "loading"}]
+    history = [JobEvent(kind="submitted"), JobEvent(kind="stage-start", stage="loading", device={"device": "cuda:1"}),
+               JobEvent(kind="requeued"), JobEvent(kind="stage-start", stage="loading", device={"device": "cuda:0"}),
+               JobEvent(kind="stage-done", stage="loading")]
     assert job_device(history) == {"device": "cuda:0"}
-    assert job_device([{"event": "submitted"}]) is None and job_device(None) is None
+    assert job_device([JobEvent(kind="submitted")]) is None and job_device([]) is None
 
 
 @pytest.fixture
@@ -116,7 +118,7 @@ def test_out_of_memory_fails_the_job_with_the_sizes_then_the_next_job_runs(embed
     assert run_job(first, settings=settings, db=db, worker="test:1") == "failed"
     with db.session() as session:
         job = session.get(Job, first)
-        view = job_view(job)
+        view = job_view(job, history=job_events(session, first))
     assert view["status"] == "failed" and view["error_stage"] == "affinity" and view["stage"] == "affinity"
     assert view["error"].startswith("out of GPU memory in stage affinity: needed at least 138.70 GiB")
     assert view["device"]["device"] == "cpu"
@@ -127,6 +129,6 @@ def test_out_of_memory_fails_the_job_with_the_sizes_then_the_next_job_runs(embed
     second = submit(settings, db, calibration={"seed": 1})
     assert run_job(second, settings=settings, db=db, worker="test:1") == "succeeded"
     with db.session() as session:
-        view = job_view(session.get(Job, second))
+        view = job_view(session.get(Job, second), history=job_events(session, second))
     assert view["status"] == "succeeded" and view["device"] == {
         "device": "cpu", "name": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads()}

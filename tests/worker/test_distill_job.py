@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from app.api.main import create_app
-from app.core.db import Artifact, Job, Metric, database
-from tests.service_kit import CALIB, TINY_DISTILL, WorkerProcess, spec, wait_for, worker_settings
+from app.core.db import Artifact, Metric, database
+from tests.faults import Faults
+from tests.service_kit import CALIB, TINY_DISTILL, WorkerProcess, job_history, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
@@ -32,15 +33,19 @@ ROWS_PER_LAYOUT = 3 * 3 + 2
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory, postgres_server, redis_broker):
-    # A short lease: a killed worker's job is re-enqueued within seconds. The (test-only) stage delay
-    # sleeps before every training step, so that the distilling stage is reliably caught mid-way.
+    # A short lease: a killed worker's job is re-enqueued within seconds.
     return worker_settings(tmp_path_factory.mktemp("distill"), postgres_server, redis_broker, "distill",
-                           lease_s=2.0, stage_delay_s=0.4)
+                           lease_s=2.0)
+
+
+# A sleep before every training step (tests/faults.py), so that the distilling stage is reliably caught
+# mid-way.
+SLOW = Faults(stage_delay_s=0.4)
 
 
 @pytest.fixture(scope="module")
 def first_worker(settings):
-    w = WorkerProcess(settings, settings.var_dir / "workers.log", name="first").start()
+    w = WorkerProcess(settings, settings.var_dir / "workers.log", name="first", faults=SLOW).start()
     yield w
     w.stop()
 
@@ -59,8 +64,7 @@ def metric_counts(settings, job_id):
 
 
 def history(settings, job_id):
-    with database(settings.database_url).session() as session:
-        return session.get(Job, job_id).history
+    return job_history(settings, job_id)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +157,7 @@ def test_redelivered_job_resumes_distilling_onto_the_same_curve(client, settings
     else:
         left_at = int(torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"])
 
-    second = WorkerProcess(settings, settings.var_dir / "workers.log", name="second").start()
+    second = WorkerProcess(settings, settings.var_dir / "workers.log", name="second", faults=SLOW).start()
     try:
         done = wait_for(client, job_id, timeout=60, worker=second)
     finally:

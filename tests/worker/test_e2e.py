@@ -15,6 +15,7 @@ from app.api.main import create_app
 from models.export import load_rank_shards
 from models.layouts.layout import from_json_dict
 from models.layouts.set import ablation_names
+from tests.faults import Faults
 from tests.service_kit import TINY_MODEL, WorkerProcess, spec, wait_for, worker_settings
 from tests.tiny import tokens
 
@@ -23,12 +24,12 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory, postgres_server, redis_broker):
-    return worker_settings(tmp_path_factory.mktemp("e2e"), postgres_server, redis_broker, "e2e", stage_delay_s=0.2)
+    return worker_settings(tmp_path_factory.mktemp("e2e"), postgres_server, redis_broker, "e2e")
 
 
 @pytest.fixture(scope="module")
 def worker(settings):
-    w = WorkerProcess(settings, settings.var_dir / "worker.log").start()
+    w = WorkerProcess(settings, settings.var_dir / "worker.log", faults=Faults(stage_delay_s=0.2)).start()
     yield w
     w.stop()
 

@@ -18,9 +18,19 @@ from app.core.db import Job, LayoutRow, Metric, database, db_now
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import submit_job
-from tests.service_kit import make_settings, provision, spec
+from tests.service_kit import job_history, make_settings, provision, spec
 from worker import jobs
-from worker.jobs import JobRun, LeaseLost, Monitor, claim, requeue_queued, requeue_stale, run_job, upsert_metrics
+from worker.jobs import (
+    JobRun,
+    Lease,
+    LeaseLost,
+    Monitor,
+    claim,
+    requeue_queued,
+    requeue_stale,
+    run_job,
+    upsert_metrics,
+)
 
 
 def sqlite_settings(root, **overrides):
@@ -54,8 +64,8 @@ def row(settings, job_id):
         return session.get(Job, job_id)
 
 
-def events(job):
-    return Counter(e["event"] for e in job.history)
+def events(settings, job_id):
+    return Counter(e["event"] for e in job_history(settings, job_id))
 
 
 def test_stored_spec_that_no_longer_validates_fails_with_the_reason(tmp_path):
@@ -71,9 +81,10 @@ def test_stored_spec_that_no_longer_validates_fails_with_the_reason(tmp_path):
     assert job.error.startswith("the stored job spec no longer validates: ") and "devices" in job.error, job.error
 
 
-def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path):
+def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path, inject_faults):
     """A loading stage that never returns and never reports progress (a hung download)."""
-    settings = sqlite_settings(tmp_path, test_hang_stage="loading", stall_s=1.0, lease_s=3.0, max_attempts=2)
+    inject_faults(hang_stage="loading")
+    settings = sqlite_settings(tmp_path, stall_s=1.0, lease_s=3.0, max_attempts=2)
     db = database(settings.database_url)
     job_id = submit(settings)
     resent: list[str] = []
@@ -83,7 +94,7 @@ def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path):
     job = row(settings, job_id)
     assert resent == [job_id] and job.status == "queued" and job.worker is None and job.lease_until is None
     assert job.requeues == 1 and job.attempts == 1
-    requeued = [e for e in job.history if e["event"] == "requeued"]
+    requeued = [e for e in job_history(settings, job_id) if e["event"] == "requeued"]
     assert requeued[-1]["reason"].startswith("stalled in stage loading for 1 s"), requeued
 
     assert run_job(job_id, settings=settings, db=db, worker="w:2", enqueue=resent.append) == "failed"
@@ -93,8 +104,9 @@ def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path):
     assert resent == [job_id]
 
 
-def test_soft_time_limit_fails_the_job(tmp_path):
-    settings = sqlite_settings(tmp_path, test_hang_stage="calibration", time_limit_s=1.5, time_limit_per_mtoken_s=0)
+def test_soft_time_limit_fails_the_job(tmp_path, inject_faults):
+    inject_faults(hang_stage="calibration")
+    settings = sqlite_settings(tmp_path, time_limit_s=1.5, time_limit_per_mtoken_s=0)
     db = database(settings.database_url)
     job_id = submit(settings)
     assert settings.time_limits(8 * 32) == (1.5, 1.5 * 1.1 + 60)
@@ -103,11 +115,11 @@ def test_soft_time_limit_fails_the_job(tmp_path):
     assert job.error_stage == "calibration" and "exceeded its time limit of 1.5 s" in job.error, job.error
 
 
-def test_hard_time_limit_fails_the_job_and_calls_the_kill(tmp_path):
+def test_hard_time_limit_fails_the_job_and_calls_the_kill(tmp_path, inject_faults):
     """A run stuck where no check interrupts it (affinity, in native code say): past the hard limit the
     job is failed with the reason and the kill action runs (the Celery task SIGKILLs its process)."""
-    settings = sqlite_settings(tmp_path, test_hang_stage="affinity", time_limit_s=3.0, time_limit_per_mtoken_s=0,
-                               time_limit_grace_s=0.0)
+    inject_faults(hang_stage="affinity")
+    settings = sqlite_settings(tmp_path, time_limit_s=3.0, time_limit_per_mtoken_s=0, time_limit_grace_s=0.0)
     db = database(settings.database_url)
     job_id = submit(settings)
     killed = threading.Event()
@@ -129,10 +141,11 @@ def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
-def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage):
+def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage, inject_faults):
     from app.core.services import cancel_job
 
-    settings = sqlite_settings(tmp_path, test_hang_stage=stage, lease_s=3.0)
+    inject_faults(hang_stage=stage)
+    settings = sqlite_settings(tmp_path, lease_s=3.0)
     db = database(settings.database_url)
     job_id = submit(settings)
     result: list[str] = []
@@ -172,7 +185,7 @@ def test_fencing_by_attempt_and_leases_on_the_database_clock(tmp_path, postgres_
     assert second is not None and second.attempts == 2
 
     stale = JobRun(db=db, settings=settings, job=first, spec=JobSpec.model_validate(first.spec), worker="same:1",
-                   monitor=Monitor(db, job_id, "same:1", 30, attempt=1))
+                   monitor=Monitor(db, Lease(job_id, "same:1", 1), 30))
     assert stale.attempt == 1
     with pytest.raises(LeaseLost):
         stale.write_metrics([{"layout": "optimised", "seed": 0, "step": 0, "kl": 1.0}])
@@ -182,7 +195,7 @@ def test_fencing_by_attempt_and_leases_on_the_database_clock(tmp_path, postgres_
         stale.enter("affinity")
     stale.monitor.flush()
     assert stale.monitor.lost.is_set()
-    live = Monitor(db, job_id, "same:1", 30, attempt=2)
+    live = Monitor(db, Lease(job_id, "same:1", 2), 30)
     live.flush()
     assert not live.lost.is_set()
     with db.session() as session:
@@ -231,7 +244,7 @@ def test_queued_sweeper_resends_lost_messages_once_per_period(tmp_path, postgres
     assert requeue_queued(db, lambda jid: enqueue(celery, settings, jid), after_s=0.5) == [job_id]
     assert client.llen(queue_key) == 1
     job = row(settings, job_id)
-    assert job.status == "queued" and job.requeues == 2 and events(job)["requeued"] == 2
+    assert job.status == "queued" and job.requeues == 2 and events(settings, job_id)["requeued"] == 2
     # A duplicate message is harmless: the first claim runs the job, the second finds nothing to do.
     assert claim(db, job_id, worker="w:1", lease_s=30) is not None
     assert claim(db, job_id, worker="w:2", lease_s=30) is None
@@ -244,7 +257,7 @@ def test_each_attempt_has_its_own_work_directory(tmp_path):
     job_id = submit(settings)
     job = claim(db, job_id, worker="w:1", lease_s=30)
     first = JobRun(db=db, settings=settings, job=job, spec=JobSpec.model_validate(job.spec), worker="w:1",
-                   monitor=Monitor(db, job_id, "w:1", 30, attempt=1))
+                   monitor=Monitor(db, Lease(job_id, "w:1", 1), 30))
     first.prepare_work()
     (first.work / "blocks.npy").write_bytes(b"blocks")
     (first.work / "shards").mkdir()
@@ -253,7 +266,7 @@ def test_each_attempt_has_its_own_work_directory(tmp_path):
         session.execute(update(Job).where(Job.id == job_id).values(lease_until=db_now(-1)))
     job = claim(db, job_id, worker="w:2", lease_s=30)
     second = JobRun(db=db, settings=settings, job=job, spec=JobSpec.model_validate(job.spec), worker="w:2",
-                    monitor=Monitor(db, job_id, "w:2", 30, attempt=2))
+                    monitor=Monitor(db, Lease(job_id, "w:2", 2), 30))
     second.prepare_work()
     assert second.work != first.work and second.work.name == "2"
     assert (second.work / "blocks.npy").read_bytes() == b"blocks"
@@ -272,7 +285,7 @@ def test_a_job_from_before_per_attempt_directories_resumes_from_its_files(tmp_pa
     (legacy / "checkpoint").mkdir()
     job = claim(db, job_id, worker="w:1", lease_s=30)
     run = JobRun(db=db, settings=settings, job=job, spec=JobSpec.model_validate(job.spec), worker="w:1",
-                 monitor=Monitor(db, job_id, "w:1", 30, attempt=1))
+                 monitor=Monitor(db, Lease(job_id, "w:1", 1), 30))
     run.prepare_work()
     assert run.work == legacy / "1" and (run.work / "blocks.npy").read_bytes() == b"blocks"
     assert (run.work / "layouts" / "optimised.json").is_file() and not (run.work / "checkpoint").exists()
@@ -301,7 +314,7 @@ def test_stall_stops_the_lease_renewal(tmp_path):
     db = database(settings.database_url)
     job_id = submit(settings)
     claim(db, job_id, worker="w:1", lease_s=30)
-    monitor = Monitor(db, job_id, "w:1", 30, attempt=1, stall_s=0.3)
+    monitor = Monitor(db, Lease(job_id, "w:1", 1), 30, stall_s=0.3)
     monitor.flush()
     renewed = row(settings, job_id).lease_until
     time.sleep(0.4)
@@ -332,5 +345,5 @@ def test_worker_sweeper_sends_a_job_whose_message_never_left(tmp_path, postgres_
         worker.stop()
     job = row(settings, job_id)
     assert job.status == "succeeded", (job.status, job.error, worker.log()[-3000:])
-    assert job.requeues >= 1 and events(job)["claimed"] == 1 and events(job)["succeeded"] == 1
+    assert job.requeues >= 1 and events(settings, job_id)["claimed"] == 1 and events(settings, job_id)["succeeded"] == 1
     assert "still queued" in worker.log()

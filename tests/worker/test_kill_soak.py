@@ -13,9 +13,9 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 
 def test_kill_soak_short(tmp_path, postgres_server, redis_broker):
-    settings = worker_settings(tmp_path, postgres_server, redis_broker, "soak", lease_s=2.0, stage_delay_s=0.1)
+    settings = worker_settings(tmp_path, postgres_server, redis_broker, "soak", lease_s=2.0)
     lines: list[str] = []
-    report = run_soak(settings, trials=2, seed=1, log_path=tmp_path / "workers.log",
+    report = run_soak(settings, trials=2, seed=1, log_path=tmp_path / "workers.log", stage_delay_s=0.1,
                       targets=("affinity", "distilling"), say=lines.append)
     assert report["trials"] == 2 and report["ok"] == 2, (report, lines)
     assert report["problems"] == {} and report["worst_curve_difference"] <= 1e-6

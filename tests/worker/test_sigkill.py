@@ -13,6 +13,7 @@ from sqlalchemy import select
 from app.api.main import create_app
 from app.core.db import Artifact, LayoutRow, database
 from app.core.storage import Storage, sha256_file
+from tests.faults import Faults
 from tests.service_kit import WorkerProcess, spec, wait_for, worker_settings
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
@@ -20,14 +21,17 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 @pytest.fixture
 def settings(tmp_path, postgres_server, redis_broker):
-    # A short lease so that the dead worker's job is re-enqueued within seconds; a stage delay (test-only)
-    # so that the affinity stage is reliably in progress when the worker is killed.
-    return worker_settings(tmp_path, postgres_server, redis_broker, "kill", lease_s=2.0, stage_delay_s=0.3)
+    # A short lease so that the dead worker's job is re-enqueued within seconds.
+    return worker_settings(tmp_path, postgres_server, redis_broker, "kill", lease_s=2.0)
+
+
+# A stage delay (tests/faults.py) so that the affinity stage is reliably in progress when the worker is killed.
+SLOW = Faults(stage_delay_s=0.3)
 
 
 def test_sigkill_mid_affinity_then_resume_once(settings):
     log = settings.var_dir / "workers.log"
-    first = WorkerProcess(settings, log, name="first").start()
+    first = WorkerProcess(settings, log, name="first", faults=SLOW).start()
     second = None
     try:
         with TestClient(create_app(settings)) as client:
@@ -40,7 +44,7 @@ def test_sigkill_mid_affinity_then_resume_once(settings):
             assert mid["status"] == "running" and mid["stages_done"] == ["loading", "calibration"], mid
             first.kill9()
 
-            second = WorkerProcess(settings, log, name="second").start()
+            second = WorkerProcess(settings, log, name="second", faults=SLOW).start()
             done = wait_for(client, job_id, timeout=90, worker=second)
             assert done["status"] == "succeeded", done
             time.sleep(2.5)  # nothing runs it again
@@ -76,7 +80,6 @@ def test_sigkill_mid_affinity_then_resume_once(settings):
 
 
 def _history(settings, job_id):
-    from app.core.db import Job
+    from tests.service_kit import job_history
 
-    with database(settings.database_url).session() as session:
-        return session.get(Job, job_id).history
+    return job_history(settings, job_id)

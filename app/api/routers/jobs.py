@@ -21,7 +21,8 @@ from app.api.deps import (
     releases_session,
 )
 from app.api.errors import responses
-from app.core import services
+from app.core import events, services
+from app.core.db import JobEvent
 from app.core.errors import SpecError
 from app.core.schemas import (
     EXAMPLE_DISTILL_SPEC,
@@ -53,8 +54,11 @@ _JOB_LINKS = {f"{op}": {"operationId": op, "parameters": {"job_id": "$response.b
               for op in ("get_job", "cancel_job", "job_metrics", "list_layouts", "list_artifacts")}
 
 
-def job_out(request: Request, job: Any, base: str) -> dict[str, Any]:
-    return services.job_view(job, base=base, roots=services.public_roots(request.app.state.settings))
+def job_out(request: Request, session: Session, job: Any, base: str,
+            history: list[JobEvent] | None = None) -> dict[str, Any]:
+    """The job's view; `history`: its events when already read (a page of jobs reads them in one query)."""
+    return services.job_view(job, history=events.job_events(session, job.id) if history is None else history,
+                             base=base, roots=services.public_roots(request.app.state.settings))
 
 
 @router.post("", status_code=202, response_model=JobOut, operation_id="submit_job", summary="Submit a layout job",
@@ -73,7 +77,7 @@ def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: 
         metrics.rejected.inc()
         raise
     metrics.submitted.inc()
-    body = JobOut.model_validate(job_out(request, job, base)).model_dump(mode="json")
+    body = JobOut.model_validate(job_out(request, session, job, base)).model_dump(mode="json")
     return JSONResponse(status_code=202, content=body, headers={"Location": body["links"]["self"]})
 
 
@@ -90,7 +94,8 @@ async def list_jobs(request: Request, db: DbDep, caller: CallerDep, base: BaseUr
     def read(session: Session) -> tuple[list[dict[str, Any]], int]:
         rows, total = services.list_jobs(session=session, caller=caller, model=model, status=status, devices=devices,
                                          delta=delta, owner=owner, limit=limit, offset=offset)
-        return [job_out(request, r, base) for r in rows], total
+        history = events.events_by_job(session, [r.id for r in rows])
+        return [job_out(request, session, r, base, history[r.id]) for r in rows], total
 
     items, total = await db.run(read)
     nxt = None
@@ -104,7 +109,8 @@ async def list_jobs(request: Request, db: DbDep, caller: CallerDep, base: BaseUr
 @router.get("/{job_id}", response_model=JobOut, operation_id="get_job", summary="A job: status, stage, progress, ETA",
             responses=responses(404))
 async def get_job(request: Request, job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    return await db.run(lambda s: job_out(request, services.get_job(session=s, job_id=job_id, caller=caller), base))
+    return await db.run(lambda s: job_out(request, s, services.get_job(session=s, job_id=job_id, caller=caller),
+                                          base))
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut, operation_id="cancel_job",
@@ -112,8 +118,8 @@ async def get_job(request: Request, job_id: JobId, db: DbDep, caller: CallerDep,
 @releases_session
 def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl,
            rid: RequestIdDep) -> dict[str, Any]:
-    return job_out(request, services.cancel_job(session=session, job_id=job_id, caller=caller, request_id=rid),
-                   base)
+    job = services.cancel_job(session=session, job_id=job_id, caller=caller, request_id=rid)
+    return job_out(request, session, job, base)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut, operation_id="job_metrics",

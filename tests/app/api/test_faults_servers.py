@@ -28,7 +28,16 @@ from app.core.db import Job, database
 from app.core.migrate import upgrade
 from tests.conftest import server_unavailable
 from tests.fault_kit import PrivatePostgres, PrivateRedis, forget_database
-from tests.service_kit import WorkerProcess, make_settings, provision, seed_finished_job, spec, wait_for
+from tests.faults import Faults
+from tests.service_kit import (
+    WorkerProcess,
+    job_history,
+    make_settings,
+    provision,
+    seed_finished_job,
+    spec,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 SUBMIT_BOUND_S = 6.0  # "within ~5 s": publish connect/socket timeouts of 2 s, one retry
@@ -57,10 +66,10 @@ def stack(tmp_path_factory):
         redis = PrivateRedis(root / "redis").start()
         url = postgres.create_database("dtp_faults")
         upgrade(url)
-        settings = make_settings(root, database_url=url, broker_url=redis.url, device="cpu", lease_s=LEASE_S,
-                                 stage_delay_s=0.15)
+        settings = make_settings(root, database_url=url, broker_url=redis.url, device="cpu", lease_s=LEASE_S)
         provision(settings)
-        worker = WorkerProcess(settings, root / "worker.log", name="faults").start()
+        worker = WorkerProcess(settings, root / "worker.log", name="faults",
+                               faults=Faults(stage_delay_s=0.15)).start()
         yield settings, redis, postgres, worker
     finally:
         if worker is not None:
@@ -85,8 +94,7 @@ def _rows(settings) -> int:
 
 
 def _history(settings, job_id: str) -> list[dict[str, Any]]:
-    with database(settings.database_url).session() as session:
-        return list(session.get(Job, job_id).history)
+    return job_history(settings, job_id)
 
 
 def _refused_submission(client, settings, what: str) -> float:

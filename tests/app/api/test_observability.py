@@ -17,7 +17,9 @@ from app.api.main import create_app
 from app.core import logs
 from app.core.db import Job, database, utcnow
 from app.core.errors import ServiceUnavailable
+from app.core.events import CLAIMED, REQUEUED, SUBMITTED, job_events, record
 from app.core.migrate import upgrade
+from app.core.services import job_log_fields
 from tests.app.conftest import api_keys_setting
 from tests.service_kit import make_settings, provision, seed_finished_job, spec
 
@@ -104,7 +106,7 @@ def test_every_answer_carries_a_distinct_request_id(keyed):
     assert bug.json()["error"] == "internal_error" and ids[6] in bug.json()["detail"]
 
 
-def test_submission_and_cancel_record_their_request_ids_in_the_history(keyed):
+def test_submission_and_cancel_record_their_request_ids_in_their_events(keyed):
     settings, client = keyed
     key = {"X-API-Key": KEYS["obs-a"]}
     job = client.post("/v1/jobs", json=spec(), headers={**key, "X-Request-ID": "submit-req-1"})
@@ -113,10 +115,10 @@ def test_submission_and_cancel_record_their_request_ids_in_the_history(keyed):
     cancel = client.post(f"/v1/jobs/{job_id}/cancel", headers=key)  # no id sent: a generated one is recorded
     assert cancel.status_code == 202
     with database(settings.database_url).session() as session:
-        history = session.get(Job, job_id).history
-    by_event = {e["event"]: e for e in history}
-    assert by_event["submitted"]["request_id"] == "submit-req-1"
-    assert by_event["cancel-requested"]["request_id"] == cancel.headers["x-request-id"]
+        by_kind = {e.kind: e for e in job_events(session, job_id)}
+        assert job_log_fields(session, session.get(Job, job_id)) == {"tenant": "obs-a", "request_id": "submit-req-1"}
+    assert by_kind["submitted"].request_id == "submit-req-1"
+    assert by_kind["cancel-requested"].request_id == cancel.headers["x-request-id"]
     assert HEX32.fullmatch(cancel.headers["x-request-id"])
 
 
@@ -216,11 +218,14 @@ def _seed_stats_jobs(settings) -> dict:
     db = database(settings.database_url)
     with db.transaction() as session:
         for status, attempts, requeues, timings, age in rows:
-            history = [{"event": "submitted"}] + [{"event": "claimed"}, {"event": "requeued"}] * requeues
-            session.add(Job(spec=spec(), fingerprint="f" * 64, model_id="tiny", devices=2, delta=1, score="fo",
-                            status=status, owner="secret-tenant", progress=0.0, stages_done=list(timings),
-                            timings=timings, history=history, cancel_requested=False, affinity_cached=False,
-                            attempts=attempts, created_at=now - timedelta(seconds=age)))
+            job = Job(spec=spec(), fingerprint="f" * 64, model_id="tiny", devices=2, delta=1, score="fo",
+                      status=status, owner="secret-tenant", progress=0.0, stages_done=list(timings),
+                      timings=timings, cancel_requested=False, affinity_cached=False,
+                      attempts=attempts, created_at=now - timedelta(seconds=age))
+            session.add(job)
+            session.flush()
+            for kind in [SUBMITTED] + [CLAIMED, REQUEUED] * requeues:
+                record(session, job.id, kind)
     stages: dict[str, list[float]] = {}
     for *_, timings, _age in rows:
         for stage, seconds in timings.items():

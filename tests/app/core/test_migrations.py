@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from app.core.db import Base
 from app.core.migrate import REPO_ROOT, downgrade, upgrade
 
-TABLES = {"jobs", "layouts", "artifacts", "metrics", "api_keys"}
+TABLES = {"jobs", "job_events", "layouts", "artifacts", "metrics", "api_keys"}
 
 
 def _tables(url: str) -> set[str]:
@@ -117,6 +117,102 @@ def test_postgres_api_keys_migration_up_and_down(postgres_server):
 
 def test_sqlite_api_keys_migration_up_and_down(tmp_path):
     _api_keys_0003_up_and_down(f"sqlite:///{tmp_path / 'db.sqlite'}")
+
+
+# Two jobs' histories as 0004 stored them: what the worker and the API appended, and oddities (an
+# entry that is not an object, one without `at`, an unreadable `at`, a non-array history).
+HISTORY_A = [
+    {"at": "2026-01-01T00:00:00.5Z", "event": "submitted", "config_checked": True, "key": "ci", "request_id": "req-1"},
+    {"at": "2026-01-01T00:00:01Z", "event": "claimed", "worker": "w:1", "attempt": 1},
+    {"at": "2026-01-01T00:00:01Z", "event": "stage-start", "stage": "loading", "attempt": 1,
+     "device": {"device": "cpu", "name": "cpu", "threads": 2}},
+    {"at": "2026-01-01T00:00:03Z", "event": "stage-done", "stage": "loading", "seconds": 2.0, "weights": True},
+    {"at": "2026-01-01T00:00:09Z", "event": "requeued", "reason": "lease expired", "requeues": 1},
+    "not an object",
+    {"event": "cancel-requested", "by": None, "request_id": "req-2"},
+    {"at": "yesterday", "event": "cancelled", "stage": "loading", "attempt": 2, "error": "cancelled by request"},
+]
+
+
+def _insert_job(conn, job_id: str, history: object) -> None:
+    import json
+
+    conn.execute(text(
+        "INSERT INTO jobs (id, created_at, updated_at, spec, fingerprint, model_id, devices, delta, score, status, "
+        "progress, stages_done, timings, history, cancel_requested, affinity_cached, attempts) VALUES (:id, "
+        "'2026-01-01 00:00:00', '2026-01-01', '{}', 'f', 'm', 2, 1, 'fo', 'cancelled', 0, '[]', '{}', :history, "
+        "false, false, 2)"), {"id": job_id, "history": json.dumps(history)})
+
+
+def _job_events_0005_up_and_down(url: str) -> None:
+    """0004 → 0005 moves every history entry into job_events, in order, the facts in their columns; the
+    job view reads the same device and timeline from them; down to 0004 rebuilds the arrays."""
+    from datetime import datetime
+
+    from sqlalchemy.orm import Session
+
+    from app.core.events import job_events
+    from app.core.services import job_view
+
+    upgrade(url, "0004")
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            _insert_job(conn, "a" * 32, HISTORY_A)
+            _insert_job(conn, "b" * 32, {"not": "an array"})
+            _insert_job(conn, "c" * 32, [])
+        upgrade(url, "0005")
+        assert "history" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+        with Session(engine) as session:
+            from app.core.db import Job
+
+            rows = job_events(session, "a" * 32)
+            assert [e.kind for e in rows] == ["submitted", "claimed", "stage-start", "stage-done", "requeued",
+                                             "cancel-requested", "cancelled"]
+            submitted, claimed, start, done, requeued, cancel, cancelled = rows
+            assert submitted.request_id == "req-1" and submitted.detail == {"config_checked": True, "key": "ci"}
+            assert submitted.at == datetime(2026, 1, 1, 0, 0, 0, 500000)
+            assert claimed.attempt == 1 and claimed.detail == {"worker": "w:1"}
+            assert start.stage == "loading" and start.device == {"device": "cpu", "name": "cpu", "threads": 2}
+            assert done.seconds == 2.0 and done.detail == {"weights": True} and done.device is None
+            assert requeued.reason == "lease expired" and requeued.detail == {"requeues": 1}
+            assert cancel.request_id == "req-2" and cancel.at == datetime(2026, 1, 1)  # no `at`: created_at
+            assert cancelled.at == datetime(2026, 1, 1) and cancelled.detail == {"error": "cancelled by request"}
+            assert job_events(session, "b" * 32) == [] and job_events(session, "c" * 32) == []
+            view = job_view(session.get(Job, "a" * 32), history=rows)
+            assert view["device"] == {"device": "cpu", "name": "cpu", "threads": 2}
+            assert [(t["stage"], t["state"], t["seconds"]) for t in view["timeline"]] == [
+                ("queued", "done", 1.0), ("loading", "done", 2.0)]
+        downgrade(url, "0004")
+        assert "job_events" not in inspect(engine).get_table_names()
+        with engine.begin() as conn:
+            histories = dict(conn.execute(text("SELECT id, history FROM jobs")).all())
+        import json
+
+        def loaded(value: object) -> object:
+            return json.loads(value) if isinstance(value, str) else value
+
+        rebuilt = loaded(histories["a" * 32])
+        expected = [e for e in HISTORY_A if isinstance(e, dict)]
+        assert [e["event"] for e in rebuilt] == [e["event"] for e in expected]
+        for back, before in zip(rebuilt, expected, strict=True):  # every fact kept (empty ones dropped)
+            assert {k: v for k, v in back.items() if k != "at"} == \
+                {k: v for k, v in before.items() if k != "at" and v is not None}
+        assert rebuilt[0]["at"] == "2026-01-01T00:00:00.500000Z"
+        assert loaded(histories["b" * 32]) == [] and loaded(histories["c" * 32]) == []
+        upgrade(url)
+        assert _diff(url) == []
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_job_events_migration_up_and_down(postgres_server):
+    _job_events_0005_up_and_down(postgres_server.create_database("dtp_migrate"))
+
+
+def test_sqlite_job_events_migration_up_and_down(tmp_path):
+    _job_events_0005_up_and_down(f"sqlite:///{tmp_path / 'db.sqlite'}")
 
 
 @pytest.mark.postgres

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -177,6 +178,57 @@ def test_settings_from_environment(monkeypatch, tmp_path):
         monkeypatch.setenv("DTP_LAYOUT_API_KEYS", bad)
         with pytest.raises(ValueError, match=r"NAME:sha256:HEX|unknown flag"):
             Settings()
+
+
+# String settings with a format of their own: a value each accepts that is not its default.
+FORMATTED = {"api_keys": f"ci:sha256:{'c' * 64}:admin:tenant=team", "corpora": "kjv"}
+
+
+def _not_default(name: str, field: Any, tmp_path) -> Any:
+    """A value for the setting that differs from its default and passes its bounds, from its type."""
+    import types
+    import typing
+    from pathlib import Path
+
+    if name in FORMATTED:
+        return FORMATTED[name]
+    kind, default = field.annotation, field.default
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: X
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if typing.get_origin(kind) is typing.Literal:
+        return next(option for option in typing.get_args(kind) if option != default)
+    if kind is bool:
+        return not default
+    if kind is Path:
+        return tmp_path / name
+    if kind is str:
+        return f"{name}-{default}-x"
+    if kind in (int, float):
+        upper = min((m.le for m in field.metadata if hasattr(m, "le")), default=None)
+        value = (default or 0) + (1 if kind is int else 0.25)
+        return value if upper is None or value <= upper else (default or 0) - 1
+    raise AssertionError(f"setting {name}: no test value for its type {field.annotation!r}; add it here")
+
+
+def test_worker_env_carries_every_setting_to_the_worker(tmp_path):
+    """worker_env is derived from the fields: every setting, set to something other than its default,
+    reads back the same in a fresh process started with only that environment (as a worker is)."""
+    import json
+    import os
+
+    values = {name: _not_default(name, field, tmp_path) for name, field in Settings.model_fields.items()}
+    settings = Settings(**values)
+    expected = settings.model_dump(mode="json")
+    for name, field in Settings.model_fields.items():
+        assert getattr(settings, name) != field.default, name
+    env = settings.worker_env()
+    assert set(env) == {f"DTP_LAYOUT_{name.upper()}" for name in Settings.model_fields}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
+    out = subprocess.run([sys.executable, "-c", "from app.core.settings import Settings; "
+                                               "print(Settings().model_dump_json())"],
+                         env={**clean, **env}, capture_output=True, text=True, check=True, cwd=tmp_path,
+                         timeout=60).stdout
+    assert json.loads(out) == expected
 
 
 def test_api_process_never_imports_torch(tmp_path):

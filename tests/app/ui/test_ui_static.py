@@ -15,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
+from app.core.db import JobEvent
 from app.core.migrate import upgrade
 from app.core.timeline import stage_timeline
 from app.ui.router import CSP, model_catalogue, static_assets
@@ -136,9 +137,9 @@ def test_model_catalogue_needs_the_key_when_keys_are_on(settings):
 T0 = datetime(2026, 11, 30, 10, 0, 0, tzinfo=UTC)
 
 
-def ev(at: float, kind: str, **fields) -> dict:
-    """A history event `at` seconds after T0, as the worker writes it (naive UTC with a Z)."""
-    return {"at": (T0 + timedelta(seconds=at)).replace(tzinfo=None).isoformat() + "Z", "event": kind, **fields}
+def ev(at: float, kind: str, **columns) -> JobEvent:
+    """A job event `at` seconds after T0, as the worker records it (naive UTC)."""
+    return JobEvent(job_id="j" * 32, at=(T0 + timedelta(seconds=at)).replace(tzinfo=None), kind=kind, **columns)
 
 
 def test_timeline_of_a_job_that_ran_through():
