@@ -4,8 +4,8 @@ A `Stage` names what it reads and writes under the run directory (`inputs`, `out
 applies to this run, how its work is done (`run`, which returns what to record with it) and how its
 outputs come back into memory when a later stage needs them (`restore`). Who runs the stages (the
 `dtp-layout optimise` command, a worker's job) supplies the `Hooks`: where completion is recorded and
-read back (`is_done`, `after`), what happens around each stage (`before`, `skipped`, `work`), progress
-and the stop check. The stage list itself is in `models.stages`. Torch-free.
+read back (`is_done`, `after`), what happens around each stage (`before`, `skipped`, `execute`),
+progress and the stop check. The stage list itself is in `models.stages`. Torch-free.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -62,7 +63,7 @@ class Hooks:
     def before(self, stage: Stage[Any]) -> None:
         """The stage starts (the worker: the lease and cancel checks, the stage row)."""
 
-    def work(self, stage: Stage[Any], fn: Callable[[], Note | None]) -> Note | None:
+    def execute(self, stage: Stage[Any], fn: Callable[[], Note | None]) -> Note | None:
         """Run the stage's work (the worker: in a thread it can walk away from, unless it checks_stop)."""
         return fn()
 
@@ -119,7 +120,7 @@ def run_stages(stages: Sequence[Stage[C]], ctx: C, hooks: Hooks, *, keep: Sequen
             continue
         hooks.before(stage)
         t0 = time.perf_counter()
-        note = hooks.work(stage, lambda stage=stage: stage.run(ctx, hooks)) or {}  # type: ignore[misc]
+        note = hooks.execute(stage, partial(stage.run, ctx, hooks)) or {}
         seconds[stage.name] = round(time.perf_counter() - t0, 3)
         hooks.after(stage, note, seconds[stage.name])
         ran.append(stage.name)

@@ -118,6 +118,12 @@ def _affinity_there(ctx: RunContext) -> bool:
     return ctx.affinity is not None and ctx.affinity.lookup() is not None
 
 
+def _blocks_needed(ctx: RunContext) -> bool:
+    """Whether a stage still to run reads the calibration blocks (the affinity pass does not when its
+    result is there already)."""
+    return "stability" in ctx.pending or ("affinity" in ctx.pending and not _affinity_there(ctx))
+
+
 def needs_weights(ctx: RunContext) -> bool:
     """Whether a stage still to run needs the model's weights (not when the affinity is there already
     and nothing after it runs the model)."""
@@ -149,7 +155,7 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
 def _calibrate(ctx: RunContext, _hooks: Hooks) -> Note:
     from models import pipeline
 
-    if _affinity_there(ctx) and "stability" not in ctx.pending:
+    if not _blocks_needed(ctx):
         return {"skipped": "affinity cached"}
     state = ctx.run_state()
     pipeline.stage_calibration(state, model=ctx.model, tokenizer=ctx.tokenizer, calibration=ctx.calibration)
@@ -169,6 +175,8 @@ def _restore_blocks(ctx: RunContext) -> None:
     import numpy as np
     import torch
 
+    if not _blocks_needed(ctx):  # recorded as skipped: the affinity was cached
+        return
     ctx.run_state().blocks = torch.from_numpy(np.load(ctx.run_dir / BLOCKS_FILE))
 
 
@@ -290,12 +298,12 @@ STAGE_NAMES = tuple(stage.name for stage in STAGES)
 REPORT_INPUTS = (AFFINITY_FILE, LAYOUTS_DIR, STABILITY_FILE, *EXPORT_DIRS)
 
 
-def build_report(ctx: RunContext, *, seconds: dict[str, float], calibration_identity: str | None = None,
+def build_report(ctx: RunContext, *, seconds: dict[str, float] | None = None, calibration_identity: str | None = None,
                  data: dict[str, Any] | None = None) -> dict[str, Any]:
     """report.json of the run (models.pipeline.build_report) with the stages' wall seconds."""
     from models import pipeline
 
     state = ctx.run_state()
-    state.seconds = dict(seconds)
+    state.seconds = dict(seconds or {})
     return pipeline.build_report(state, spec=ctx.optimise, model_name=ctx.model_id, calibration=ctx.calibration_shown,
                                  calibration_identity=calibration_identity, data=data)

@@ -33,12 +33,14 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 from sqlalchemy.sql.expression import FunctionElement
 
+from models.stages import STAGE_NAMES
+
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER keys only
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED = ("succeeded", "failed", "cancelled")
-STAGES = ("loading", "calibration", "affinity", "optimising", "exporting", "distilling")
+STAGES = STAGE_NAMES  # declared with the stages themselves (models.stages)
 
 
 def utcnow() -> datetime:

@@ -28,7 +28,7 @@ from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-Stage = Literal["loading", "calibration", "affinity", "optimising", "exporting", "distilling"]
+Stage = Literal["loading", "calibration", "affinity", "optimising", "stability", "exporting", "distilling"]
 MetricName = Literal["kl", "ppl", "loss", "lr"]
 METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
 
@@ -318,6 +318,10 @@ class JobSpec(_Strict):
     restarts: StrictInt = Field(default=4, ge=0, le=64,
                                 description="extra optimiser starts from random head assignments (0 is the "
                                             "paper's procedure: one start from the contiguous KV groups)")
+
+    stability: StrictBool = Field(default=False, description="also run the affinity pass and the optimiser on "
+                                  "each half of the calibration blocks and report how each half's layout scores "
+                                  "on the other half (stage `stability`; report.json and the summary's `stability`)")
 
     @field_validator("export", mode="before")
     @classmethod

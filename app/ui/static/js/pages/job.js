@@ -8,7 +8,7 @@ import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, r
 
 const STAGE_COLORS = {
   queued: "#c9ced6", loading: "#8da0cb", calibration: "#66c2a5", affinity: "#fc8d62", optimising: "#e78ac3",
-  exporting: "#a6d854", distilling: "#ffd92f",
+  stability: "#e5c494", exporting: "#a6d854", distilling: "#ffd92f",
 };
 
 const mean = (xs) => (xs && xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
