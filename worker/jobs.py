@@ -1,4 +1,5 @@
-"""Running one job: the stages of `models/pipeline.py`, resumable, idempotent and cancellable.
+"""Running one job: the stages of `models/stages.py` through `models.runner`, resumable, idempotent
+and cancellable; `JobRun` is the runner's hooks (lease, cancel checks, fencing, database recording).
 
 A job is leased by the worker that claims it (`worker`, `lease_until`); a monitor thread renews the
 lease about every second, writes progress and reads the cancel flag. A worker that dies stops
@@ -9,8 +10,10 @@ stage recorded in `stages_done`:
 - calibration  token blocks → work/blocks.npy;
 - affinity     → STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors, shared by the
                tenant's jobs with the same fingerprint (a later one reuses it: `affinity_cached`), never
-               by another tenant's;
+               by another tenant's (`CachedAffinity`);
 - optimising   layouts → work/layouts/*.json and the `layouts` rows, in one transaction with the stage;
+- stability    when the spec asks: the halves' passes → work/stability.json, in report.json and the
+               job's summary;
 - exporting    the optimised layout's checkpoint and/or rank shards, published as artifacts (files
                renamed into place; rows and the stage recorded in one transaction);
 - distilling   when the spec has `distill`: `models.distill.run_distill` over work/layouts into
@@ -35,7 +38,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +52,8 @@ from app.core.services import DISTILL_SUMMARY, event, job_log_fields
 from app.core.settings import Settings
 from app.core.sources import SourceError, forget_configs, resolve_data
 from app.core.storage import Storage, sha256_file, tenant_scope
-from models.runner import Hooks
-from models.stages import AffinityStore
+from models.runner import Hooks, run_stages
+from models.stages import REPORT_INPUTS, STAGES, AffinityStore
 from models.stages import build_report as stages_report
 from worker.device import out_of_memory_message, prepare_device
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
@@ -250,13 +252,6 @@ class Monitor(threading.Thread):
 
 # ---- running the stages -----------------------------------------------------------------------------
 
-@dataclass
-class Loaded:
-    config: Any = None
-    model: Any = None
-    tokenizer: Any = None
-
-
 class CachedAffinity(AffinityStore):
     """The affinity stage's result in the per-tenant cache (STORAGE_ROOT/affinity/<tenant>/<fingerprint>/),
     shared by the tenant's jobs with the same fingerprint, never by another tenant's; written under the
@@ -452,8 +447,6 @@ class JobRun(Hooks):
 
     def run(self) -> None:
         from models.heldout import source_identity
-        from models.runner import run_stages
-        from models.stages import REPORT_INPUTS, STAGES
 
         self.prepare_work()
         ctx = self.context()
@@ -729,14 +722,6 @@ def _upsert_metric_batch(session: Session, job_id: str, rows: list[dict[str, Any
         session.execute(insert(Metric), list(inserts.values()))
     if updates:
         session.execute(update(Metric), [{"id": i, "value": v} for i, v in updates.items()])
-
-
-def _save_npy(path: Path, blocks: Any) -> None:
-    import numpy as np
-
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, blocks.numpy())
-    tmp.replace(path)
 
 
 def _layout_row(job_id: str, lay: Any) -> LayoutRow:
