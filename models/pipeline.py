@@ -1,7 +1,7 @@
-"""The optimise run end to end: calibration → affinity pass → layouts → export.
+"""The work of the optimise run's stages: calibration → affinity pass → layouts (→ stability) → export.
 
-Each stage is its own function over an output directory, so a caller (the CLI, or a worker that
-must resume after a crash) can run them in order and skip the ones whose outputs exist.
+Each stage is its own function over a run directory; `models.stages` declares them as the stage list
+that `models.runner` runs in order, resumably, for the CLI and the worker alike.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from models.layouts.layout import Layout
 from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts
 from models.layouts.stability import HALVES, half_layouts, stability_report
 from models.progress import Progress, ShouldStop
+from models.run_files import AFFINITY_FILE, REPORT_FILE
 
-AFFINITY_FILE = "affinity.safetensors"
-REPORT_FILE = "report.json"
 # The paper's seven spread layouts (§5.4) for an FO run; models.layouts.set defines them.
 ABLATIONS = tuple(ablation_names("fo"))
 

@@ -1,4 +1,5 @@
-"""Running one job: the stages of `models/pipeline.py`, resumable, idempotent and cancellable.
+"""Running one job: the stages of `models/stages.py` through `models.runner`, resumable, idempotent
+and cancellable; `JobRun` is the runner's hooks (lease, cancel checks, fencing, database recording).
 
 A job is leased by the worker that claims it (`worker`, `lease_until`); a monitor thread renews the
 lease about every second, writes progress and reads the cancel flag. A worker that dies stops
@@ -9,8 +10,10 @@ stage recorded in `stages_done`:
 - calibration  token blocks → work/blocks.npy;
 - affinity     → STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors, shared by the
                tenant's jobs with the same fingerprint (a later one reuses it: `affinity_cached`), never
-               by another tenant's;
+               by another tenant's (`CachedAffinity`);
 - optimising   layouts → work/layouts/*.json and the `layouts` rows, in one transaction with the stage;
+- stability    when the spec asks: the halves' passes → work/stability.json, in report.json and the
+               job's summary;
 - exporting    the optimised layout's checkpoint and/or rank shards, published as artifacts (files
                renamed into place; rows and the stage recorded in one transaction);
 - distilling   when the spec has `distill`: `models.distill.run_distill` over work/layouts into
@@ -35,7 +38,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,9 @@ from app.core.services import DISTILL_SUMMARY, job_log_fields
 from app.core.settings import Settings
 from app.core.sources import SourceError, forget_configs, resolve_data
 from app.core.storage import Storage, sha256_file, tenant_scope
+from models.runner import Hooks, run_stages
+from models.stages import REPORT_INPUTS, STAGES, AffinityStore
+from models.stages import build_report as stages_report
 from worker.device import out_of_memory_message, prepare_device
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
@@ -228,14 +233,36 @@ class Monitor(threading.Thread):
 
 # ---- running the stages -----------------------------------------------------------------------------
 
-@dataclass
-class Loaded:
-    config: Any = None
-    model: Any = None
-    tokenizer: Any = None
+class CachedAffinity(AffinityStore):
+    """The affinity stage's result in the per-tenant cache (STORAGE_ROOT/affinity/<tenant>/<fingerprint>/),
+    shared by the tenant's jobs with the same fingerprint, never by another tenant's; written under the
+    fence (a run that lost the job leaves it alone)."""
+
+    def __init__(self, run: JobRun) -> None:
+        self.run = run
+        self.path = run.storage.path(Storage.affinity_key(run.fingerprint, tenant=run.owner))
+        self.computed_here = run.work / "affinity.computed"  # survives a crash between caching and recording
+
+    def lookup(self) -> bool | None:
+        if not self.path.is_file():
+            return None
+        return not self.computed_here.exists()
+
+    def publish(self, produced: Path) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.computed_here.touch()
+        with self.run.db.transaction() as session:
+            self.run._owned(session)
+            if self.path.is_file():  # another job with the same fingerprint finished first
+                produced.unlink()
+            else:
+                produced.replace(self.path)
 
 
-class JobRun:
+class JobRun(Hooks):
+    """One attempt at a job: the stages of models.stages, with this worker's lease, cancel checks,
+    fencing and database recording as the runner's hooks."""
+
     def __init__(self, *, db: Database, settings: Settings, job: Job, spec: JobSpec, worker: str,
                  monitor: Monitor) -> None:
         self.db, self.settings, self.worker, self.monitor = db, settings, worker, monitor
@@ -246,7 +273,8 @@ class JobRun:
         self.storage = Storage(settings.storage)
         self.work = self.storage.work_dir(job.id) / str(self.attempt)
         self.stage: str | None = None
-        self._stage_t0 = 0.0
+        self._stage_t0 = self._stage_mono = 0.0
+        self._trained = self._total_steps = 0  # the distilling stage's steps, for its ETA
 
     # -- bookkeeping --
 
@@ -271,6 +299,12 @@ class JobRun:
         return False
 
     def progress(self, _name: str, fraction: float) -> None:
+        if self.stage == "distilling":
+            # Steps trained in this attempt set the pace: a resumed stage starts part-way.
+            elapsed = time.monotonic() - self._stage_mono
+            self.monitor.report(fraction, eta_s=elapsed / self._trained * self._total_steps * (1 - fraction)
+                                if self._trained else None)
+            return
         self.monitor.report(fraction)
         if self.stage == "exporting":
             self.check()
@@ -381,207 +415,76 @@ class JobRun:
             self._owned(session)
             upsert_metrics(session, self.job_id, rows)
 
-    # -- the stages --
+    # -- the stages: models.stages, run by models.runner with this run's hooks --
 
     def run(self) -> None:
+        from models.heldout import source_identity
+
+        self.prepare_work()
+        ctx = self.context()
+        run_stages(STAGES, ctx, self, keep=REPORT_INPUTS)
+        self.check()
+        self.stage = None
+        summary_file = self.work / "distill" / "summary.json"
+        held_out = json.loads(summary_file.read_text()).get("data") if ctx.distill and summary_file.is_file() else None
+        self._finish(stages_report(ctx, calibration_identity=source_identity(ctx.calibration.source,
+                                                                             ctx.calibration.text_field),
+                                   data=held_out))
+
+    def context(self) -> Any:
+        """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
         from models import pipeline
-        from models.affinity import AffinityResult
         from models.calibration import CalibrationSpec
-        from models.export import dtype_name, export_dtype
-        from models.families import model_shape
-        from models.layouts.layout import check_delta, check_devices
-        from models.loading import DTYPES, ModelSource, load_config, load_model, load_tokenizer
+        from models.loading import ModelSource
+        from models.stages import RunContext
 
         spec = self.spec
-        self.prepare_work()
-        cache_key = Storage.affinity_key(self.fingerprint, tenant=self.owner)
-        cache_path = self.storage.path(cache_key)
-        have_affinity = "affinity" in self.done or cache_path.is_file()
-        need_export = spec.export.any and "exporting" not in self.done
-        need_distill = spec.distill is not None and "distilling" not in self.done
-        calibration_shown = CalibrationSpec(**spec.calibration.model_dump())
+        shown = CalibrationSpec(**spec.calibration.model_dump())
         calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
                                          "source": resolve_data(self.settings.data_dir, spec.calibration.source)})
-        if spec.distill is not None:  # its sources refused now, not after the affinity pass
-            for part, fields in zip(("train", "eval"), spec.distill.data_specs(spec.calibration), strict=True):
-                resolve_data(self.settings.data_dir, fields["source"], field=f"distill.{part}.source")
-        ospec = pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, score=spec.score,
-                                      random_layouts=spec.random_layouts, ablations=spec.ablations,
-                                      export=spec.export.any, batch_size=spec.batch_size, restarts=spec.restarts)
-        state = pipeline.RunState(out_dir=self.work)
+        distill = self.distill_plan(calibration) if spec.distill is not None else None
 
-        # loading: the config is always checked; weights only when a later stage needs them. The device
-        # this attempt runs on is recorded with the stage (the job view's `device`).
-        self.enter("loading", device=prepare_device(self.settings.device, self.settings.cuda_memory_fraction))
-
-        def load() -> Loaded:
+        def source() -> ModelSource:
             # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
             location = prepare_model(settings=self.settings, spec=spec)
             if location.path is None or not location.path.is_absolute():
                 # Loaded by absolute path only: a name would be resolved against the working directory.
                 raise SourceError("model.id", f"model {spec.model.id!r} did not resolve to a file under the "
                                               "model root or the hub cache")
-            source = ModelSource(**location.loader_args())
-            config = load_config(source)
-            shape = model_shape(config)
-            check_devices(shape, spec.devices)
-            check_delta(shape, spec.delta)
-            self.monitor.report(0.05)
-            loaded = Loaded(config=config)
-            if not have_affinity or need_export or need_distill:
-                loaded.model = load_model(source, dtype=spec.model.dtype, device=self.settings.device)
-                self.monitor.report(0.9)
-                loaded.tokenizer = load_tokenizer(source)
-            return loaded
+            return ModelSource(**location.loader_args())
 
-        loaded: Loaded = self.abandonable(load)
-        config = loaded.config
-        self.complete("loading", weights=loaded.model is not None)
+        return RunContext(
+            run_dir=self.work, model_id=spec.model.id, source=source, dtype=spec.model.dtype,
+            device=self.settings.device, devices=spec.devices, delta=spec.delta,
+            optimise=pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, score=spec.score,
+                                           random_layouts=spec.random_layouts, ablations=spec.ablations,
+                                           export=spec.export.any, batch_size=spec.batch_size,
+                                           restarts=spec.restarts, stability=spec.stability),
+            calibration=calibration, calibration_shown=shown, checkpoint=spec.export.checkpoint,
+            shards=spec.export.shards, export_dtype=spec.export.dtype, distill=distill,
+            affinity=CachedAffinity(self))
 
-        # calibration
-        blocks_file = self.work / "blocks.npy"
-        if "calibration" not in self.done:
-            self.enter("calibration")
-            if have_affinity:
-                self.complete("calibration", skipped="affinity cached")
-            else:
-                self.abandonable(lambda: pipeline.stage_calibration(
-                    state, model=loaded.model, tokenizer=loaded.tokenizer, calibration=calibration))
-                self.check()
-                _save_npy(blocks_file, state.blocks)
-                self.complete("calibration", tokens=int(state.blocks.numel()) if state.blocks is not None else 0)
-        elif not have_affinity:
-            import numpy as np
-            import torch
-
-            state.blocks = torch.from_numpy(np.load(blocks_file))
-
-        # affinity
-        if "affinity" not in self.done:
-            self.enter("affinity")
-            computed_here = self.work / "affinity.computed"  # survives a crash between caching and recording
-            cached = cache_path.is_file() and not computed_here.exists()
-            if not cache_path.is_file():
-                pipeline.stage_affinity(state, model=loaded.model, spec=ospec, model_name=spec.model.id,
-                                        calibration=calibration_shown, progress=self.progress,
-                                        should_stop=self.should_stop)
-                produced = self.work / pipeline.AFFINITY_FILE
-                cache_path.parent.mkdir(parents=True, exist_ok=True)
-                computed_here.touch()
-                # The shared cache is written under the fence: a run that lost the job leaves it alone.
-                with self.db.transaction() as session:
-                    self._owned(session)
-                    if cache_path.is_file():  # another job with the same fingerprint finished first
-                        produced.unlink()
-                    else:
-                        produced.replace(cache_path)
-            state.affinity = AffinityResult.load(cache_path)
-
-            cache_size, cache_digest = cache_path.stat().st_size, sha256_file(cache_path)
-
-            def record_affinity(session: Session, job: Job) -> None:
-                job.affinity_cached = cached
-                have = session.scalars(select(Artifact.id).where(Artifact.job_id == self.job_id,
-                                                                 Artifact.name == pipeline.AFFINITY_FILE)).first()
-                if have is None:
-                    session.add(Artifact(job_id=self.job_id, name=pipeline.AFFINITY_FILE, kind="affinity",
-                                         size=cache_size, sha256=cache_digest,
-                                         storage_key=cache_key))
-
-            self.complete("affinity", record_affinity, cached=cached)
-        else:
-            state.affinity = AffinityResult.load(cache_path)
-
-        # optimising
-        layouts_dir = self.work / "layouts"
-        if "optimising" not in self.done:
-            self.enter("optimising")
-            shutil.rmtree(layouts_dir, ignore_errors=True)
-            self.abandonable(lambda: pipeline.stage_layouts(state, spec=ospec))  # no progress callback: cancel
-
-            def record_layouts(session: Session, _job: Job) -> None:
-                have = set(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == self.job_id)).all())
-                for name, lay in state.layouts.items():
-                    if name not in have:
-                        session.add(_layout_row(self.job_id, lay))
-
-            self.complete("optimising", record_layouts, layouts=len(state.layouts))
-        else:
-            from models.layouts.layout import load as load_layout
-
-            state.layouts = {p.stem: load_layout(p) for p in sorted(layouts_dir.glob("*.json"))}
-
-        # exporting
-        if need_export:
-            self.enter("exporting")
-            for sub in ("checkpoint", "shards"):
-                shutil.rmtree(self.work / sub, ignore_errors=True)
-            # The checkpoint is written first, then the shards rank by rank (those report progress). In a
-            # thread a cancel walks away from: writing a large checkpoint reports nothing for minutes.
-            offset = 0.5 if spec.export.checkpoint else 0.0
-            self.abandonable(lambda: pipeline.stage_export(
-                state, model=loaded.model, tokenizer=loaded.tokenizer,
-                progress=lambda name, f: self.progress(name, offset + (1 - offset) * f),
-                overwrite=True, checkpoint=spec.export.checkpoint, shards=spec.export.shards,
-                dtype=export_dtype(spec.export.dtype, config=config, compute=DTYPES[spec.model.dtype])))
-            self.check()
-            files = [(f"{sub}/{p.name}", sub, p) for sub in ("checkpoint", "shards")
-                     for p in sorted((self.work / sub).glob("*")) if p.is_file()]
-            published = self.digests(files)
-            self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
-                          files=len(files))
-
-        # distilling
-        if need_distill:
-            self.distil(loaded, layouts_dir)
-
-        # the report, and done
-        self.check()
-        self.stage = None
-        from models.heldout import source_identity
-
-        if spec.export.any and state.export_dtypes is None:  # exported by an earlier attempt
-            state.export_dtypes = {"dtype": dtype_name(export_dtype(spec.export.dtype, config=config,
-                                                                    compute=DTYPES[spec.model.dtype])),
-                                   "compute_dtype": spec.model.dtype}
-
-        summary_file = self.work / "distill" / "summary.json"
-        held_out = json.loads(summary_file.read_text()).get("data") if spec.distill and summary_file.is_file() else None
-        report = pipeline.build_report(state, spec=ospec, model_name=spec.model.id, calibration=calibration_shown,
-                                       calibration_identity=source_identity(calibration.source, calibration.text_field),
-                                       data=held_out)
-        self._finish(report)
-
-    def distil(self, loaded: Loaded, layouts_dir: Path) -> None:
-        """The distilling stage: every (layout, seed) run of the spec's `distill`, resumable."""
+    def distill_plan(self, calibration: Any) -> Any:
+        """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
+        evaluation written to the metrics table as it is produced."""
         from models import distill as D
         from models.calibration import CalibrationSpec
+        from models.stages import DistillPlan
 
         spec = self.spec.distill
         assert spec is not None
         out_dir = self.work / "distill"
-        shown = dict(zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True))
         data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
                                                                           field=f"distill.{part}.source")})
-                for part, fields in shown.items()}
-        calibration = CalibrationSpec(**{**self.spec.calibration.model_dump(),
-                                         "source": resolve_data(self.settings.data_dir, self.spec.calibration.source)})
+                for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
                               recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
                               allow_overlap=spec.allow_overlap)
-        total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
-        self.enter("distilling")
-        t0, trained = time.monotonic(), 0
+        self._total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
 
         def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:
-            nonlocal trained
-            trained += 1
-
-        def progress(_stage: str, fraction: float) -> None:
-            # Steps trained in this attempt set the pace: a resumed stage starts part-way.
-            eta = (time.monotonic() - t0) / trained * total_steps * (1 - fraction) if trained else None
-            self.monitor.report(fraction, eta_s=eta)
+            self._trained += 1
 
         def on_eval(record: Any) -> None:
             self.write_metrics([record.as_dict()])
@@ -590,12 +493,92 @@ class JobRun:
             # Evaluations read back from earlier attempts (finished runs, checkpoints) are in metrics.csv.
             self.write_metrics(read_metrics_csv(out_dir / "metrics.csv"))
 
-        D.run_distill(dspec, teacher=loaded.model, tokenizer=loaded.tokenizer, out_dir=out_dir,
-                      layouts_dir=layouts_dir, model_id=self.spec.model.id, progress=progress,
-                      should_stop=self.should_stop, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start,
-                      plot=True, keep_checkpoints=False, abandonable=self.abandonable)
+        return DistillPlan(spec=dspec, out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True,
+                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
+
+    # -- the hooks (models.runner.Hooks) --
+
+    def is_done(self, stage: Any) -> bool:
+        return stage.name in self.done
+
+    def skipped(self, stage: Any) -> None:
+        log.info("job %s: %s was done by an earlier attempt", self.job_id, stage.name)
+
+    def before(self, stage: Any) -> None:
+        # The device this attempt runs on is recorded with its first stage (the job view's `device`).
+        note = ({"device": prepare_device(self.settings.device, self.settings.cuda_memory_fraction)}
+                if stage.name == "loading" else {})
+        self.enter(stage.name, **note)
+        self._trained, self._stage_mono = 0, time.monotonic()
+
+    def execute(self, stage: Any, fn: Callable[[], Any]) -> Any:
+        """A stage that polls should_stop runs here; any other in a thread a cancel walks away from
+        (loading weights, reading a calibration set or writing a large checkpoint report nothing for minutes)."""
+        note = fn() if stage.checks_stop else self.abandonable(fn)
         self.check()
-        # The data specs as submitted (names, not the server's paths), in the published summary.
+        return note
+
+    def after(self, stage: Any, note: dict[str, Any], seconds: float) -> None:
+        record = {"affinity": self._record_affinity, "optimising": self._record_layouts,
+                  "stability": self._record_stability, "exporting": self._record_export,
+                  "distilling": self._record_distill}.get(stage.name)
+        if record is None:
+            self.complete(stage.name, **note)
+        else:
+            record(note)
+
+    def _record_affinity(self, note: dict[str, Any]) -> None:
+        from models.run_files import AFFINITY_FILE
+
+        cache_key = Storage.affinity_key(self.fingerprint, tenant=self.owner)
+        cache_path = self.storage.path(cache_key)
+        cache_size, cache_digest = cache_path.stat().st_size, sha256_file(cache_path)
+
+        def record(session: Session, job: Job) -> None:
+            job.affinity_cached = note["cached"]
+            have = session.scalars(select(Artifact.id).where(Artifact.job_id == self.job_id,
+                                                             Artifact.name == AFFINITY_FILE)).first()
+            if have is None:
+                session.add(Artifact(job_id=self.job_id, name=AFFINITY_FILE, kind="affinity", size=cache_size,
+                                     sha256=cache_digest, storage_key=cache_key))
+
+        self.complete("affinity", record, **note)
+
+    def _record_layouts(self, note: dict[str, Any]) -> None:
+        from models.layouts.layout import load
+
+        layouts = [load(p) for p in sorted((self.work / "layouts").glob("*.json"))]
+
+        def record(session: Session, _job: Job) -> None:
+            have = set(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == self.job_id)).all())
+            for lay in layouts:
+                if lay.name not in have:
+                    session.add(_layout_row(self.job_id, lay))
+
+        self.complete("optimising", record, **note)
+
+    def _record_stability(self, note: dict[str, Any]) -> None:
+        from models.run_files import STABILITY_FILE
+
+        # Published once the job succeeds, inside report.json (and the job's summary).
+        assert (self.work / STABILITY_FILE).is_file()
+        self.complete("stability", **note)
+
+    def _record_export(self, note: dict[str, Any]) -> None:
+        from models.run_files import EXPORT_DIRS
+
+        files = [(f"{sub}/{p.name}", sub, p) for sub in EXPORT_DIRS
+                 for p in sorted((self.work / sub).glob("*")) if p.is_file()]
+        published = self.digests(files)
+        self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
+                      **note, files=len(files))
+
+    def _record_distill(self, note: dict[str, Any]) -> None:
+        """summary.json with the data specs as submitted, then the files published and the metrics
+        upserted with the stage."""
+        out_dir = self.work / "distill"
+        assert self.spec.distill is not None
+        shown = dict(zip(("train", "eval"), self.spec.distill.data_specs(self.spec.calibration), strict=True))
         summary_file = out_dir / "summary.json"
         summary = json.loads(summary_file.read_text())
         for part, fields in shown.items():
@@ -617,8 +600,7 @@ class JobRun:
             self._artifact_rows(session, published)
 
         # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
-        self.complete("distilling", record, runs=len(dspec.layouts) * len(dspec.seeds), steps_trained=trained,
-                      total_steps=total_steps)
+        self.complete("distilling", record, **note, steps_trained=self._trained)
         shutil.rmtree(staging, ignore_errors=True)
 
     def _finish(self, report: dict[str, Any]) -> None:
@@ -637,6 +619,8 @@ class JobRun:
             job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
                                                              "upper_bound_exact", "notes")}
             job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
+            if "stability" in report:
+                job.summary["stability"] = report["stability"]
             distilled = self.work / "distill" / "summary.json"
             if self.spec.distill is not None and distilled.is_file():
                 doc = json.loads(distilled.read_text())
@@ -710,14 +694,6 @@ def _upsert_metric_batch(session: Session, job_id: str, rows: list[dict[str, Any
         session.execute(insert(Metric), list(inserts.values()))
     if updates:
         session.execute(update(Metric), [{"id": i, "value": v} for i, v in updates.items()])
-
-
-def _save_npy(path: Path, blocks: Any) -> None:
-    import numpy as np
-
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, blocks.numpy())
-    tmp.replace(path)
 
 
 def _layout_row(job_id: str, lay: Any) -> LayoutRow:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import needs_worker_extra
-from app.cli.main import _add_model_args, _calibration_of, _layouts_dir, _load
+from app.cli.main import _add_model_args, _calibration_of, _check_layout_numbers, _layouts_dir
+from app.cli.run import CliHooks
 from app.cli.spec_flags import spec_values
 from models.distill.recipe import DistillRecipe  # torch-free
 
@@ -78,24 +79,22 @@ class _Bars:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from models import distill
+    from models import distill, stages
     from models.families import model_shape
-    from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config
+    from models.runner import run_stages
 
     spec = _spec(args)
-    config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
-    shape = model_shape(config)
-    check_devices(shape, spec.devices)  # fail before loading weights
-    check_delta(shape, spec.delta)
+    source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
+    config = load_config(source)
+    _check_layout_numbers(config, spec.devices, spec.delta)  # fail before loading weights
     layouts_dir = _layouts_dir(args)
-    distill.resolve_layouts(spec.layouts, shape=shape, devices=spec.devices, delta=spec.delta,
+    distill.resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
                             layouts_dir=layouts_dir)  # name errors before the weights load
     out = Path(args.out)
     if args.overwrite:
         distill.remove_runs(out)
     t0 = time.perf_counter()
-    model, tokenizer = _load(args)
     bars = _Bars(spec.recipe.steps)
 
     def on_eval(record: Any) -> None:
@@ -103,12 +102,19 @@ def cmd_distill(args: argparse.Namespace) -> int:
             bars.bar.write(f"{record.layout} seed {record.seed} step {record.step}: KL {record.kl:.4f} "
                            f"ppl {record.ppl:.3f}", file=sys.stderr)
 
+    # The stages of models.stages that apply without an optimise spec: loading, then distilling (which
+    # resumes every run from its checkpoints in --out by itself).
+    ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
+                            device=args.device, devices=spec.devices, delta=spec.delta,
+                            distill=stages.DistillPlan(spec=spec, out_dir=out, layouts_dir=layouts_dir,
+                                                       keep_checkpoints=not args.no_checkpoints_kept,
+                                                       on_eval=on_eval, on_step=bars.step, on_run_start=bars.start))
     try:
-        summary = distill.run_distill(spec, teacher=model, tokenizer=tokenizer, out_dir=out, layouts_dir=layouts_dir,
-                                      model_id=args.model, on_eval=on_eval, on_step=bars.step,
-                                      on_run_start=bars.start, keep_checkpoints=not args.no_checkpoints_kept)
+        run_stages(stages.STAGES, ctx, CliHooks("distill", model=args.model))
     finally:
         bars.close()
+    summary = ctx.distill_summary
+    assert summary is not None
     print(distill.summary_table(summary))
     from models.heldout import describe_dict
 

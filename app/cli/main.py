@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
+from app.cli.run import CliHooks
 from app.cli.spec_flags import add_spec_flags
 from models.affinity_scores import SCORES
 from models.layouts.format import LAYOUT_FORMAT
@@ -117,15 +118,21 @@ def _layout(args: argparse.Namespace, config: Any) -> Any:
                           layouts_dir=_layouts_dir(args))
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from models.export import export_checkpoint, export_copy, export_rank_shards
+def _check_layout_numbers(config: Any, devices: int, delta: int) -> None:
+    """L and δ checked against the model's config (before any weights load)."""
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
+
+    check_devices(model_shape(config), devices)
+    check_delta(model_shape(config), delta)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from models.export import export_checkpoint, export_copy, export_rank_shards
     from models.loading import ModelSource, load_config
 
     config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
-    check_devices(model_shape(config), args.devices)  # fail before loading weights
-    check_delta(model_shape(config), args.delta)
+    _check_layout_numbers(config, args.devices, args.delta)  # fail before loading weights
     layout = _layout(args, config)
     dtype = _export_dtype(args, config)
     model, tokenizer = _load(args)
@@ -208,47 +215,74 @@ def _calibration_spec(args: argparse.Namespace) -> Any:
                            seed=args.calib_seed, text_field=args.text_field, skip_blocks=args.calib_skip_blocks)
 
 
+def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str, Any]:
+    """What the outputs of `optimise` depend on: a rerun in the same --out resumes only when they are equal."""
+    from dataclasses import asdict
+
+    return {"model": args.model, "revision": args.revision, "gguf_file": args.gguf_file, "dtype": args.dtype,
+            "devices": args.devices, "delta": args.delta, "calibration": asdict(calibration), "score": args.score,
+            "random": args.random, "ablations": args.ablations, "stability": args.stability,
+            "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
+            "restarts": args.restarts}
+
+
+def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any]) -> Any:
+    """The run record of --out: an earlier run's with the same parameters (resumed), or a new one. A run
+    with other parameters is refused, naming them, unless --overwrite (which starts again)."""
+    from models.runner import RunRecord
+
+    record = RunRecord(out, parameters)
+    if args.overwrite:
+        return record
+    try:
+        earlier = RunRecord.read(out)
+    except ValueError as exc:
+        raise CliError(f"{exc} (pass --overwrite to start again, or another --out)") from exc
+    if earlier is None:
+        if not args.no_export and ((out / "checkpoint").exists() or (out / "shards").exists()):
+            raise CliError(f"{out}/checkpoint or {out}/shards already exists (pass --overwrite or --no-export)")
+        return record
+    if changed := record.differences(earlier):
+        said = "; ".join(f"{name} was {json.dumps(before)}, now {json.dumps(now)}" for name, before, now in changed)
+        raise CliError(f"{out} holds a run with other parameters ({said}): pass the same ones to resume it, "
+                       "--overwrite to start again, or another --out")
+    record.resume(earlier)
+    return record
+
+
 def cmd_optimise(args: argparse.Namespace) -> int:
-    from models import pipeline
-    from models.families import model_shape
-    from models.layouts.layout import check_delta, check_devices
+    from models import pipeline, stages
     from models.loading import ModelSource, load_config
+    from models.runner import run_stages
 
     spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
                                  random_layouts=args.random, ablations=args.ablations, export=not args.no_export,
                                  batch_size=args.batch_size, restarts=args.restarts, stability=args.stability)
     calibration = _calibration_spec(args)
-    t0 = time.perf_counter()
-    config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
-    check_devices(model_shape(config), args.devices)  # fail before loading weights
-    check_delta(model_shape(config), args.delta)
+    source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
+    _check_layout_numbers(load_config(source), args.devices, args.delta)  # fail before loading weights
     out = Path(args.out)
-    if spec.export and not args.overwrite and ((out / "checkpoint").exists() or (out / "shards").exists()):
-        raise CliError(f"{out}/checkpoint or {out}/shards already exists (pass --overwrite or --no-export)")
+    record = _run_record(args, out, _optimise_parameters(args, calibration))
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = _load(args)
-    state = pipeline.RunState(out_dir=out)
-    state.timed("load", t0)
-    progress = _progress_bar()
-    pipeline.stage_calibration(state, model=model, tokenizer=tokenizer, calibration=calibration)
-    pipeline.stage_affinity(state, model=model, spec=spec, model_name=args.model, calibration=calibration,
-                            progress=progress)
-    pipeline.stage_layouts(state, spec=spec)
-    if spec.stability:
-        pipeline.stage_stability(state, model=model, spec=spec, progress=progress)
-    if spec.export:
-        pipeline.stage_export(state, model=model, tokenizer=tokenizer, progress=progress, overwrite=args.overwrite,
-                              dtype=_export_dtype(args, config))
-    report = pipeline.build_report(state, spec=spec, model_name=args.model, calibration=calibration)
-    pipeline.write_report(state, report)
+    record.save()
+    ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
+                            device=args.device, devices=args.devices, delta=args.delta, optimise=spec,
+                            calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
+                            shards=spec.export, export_dtype=args.export_dtype)
+    outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
+                                                       progress=_progress_bar()), keep=stages.REPORT_INPUTS)
+    seconds = {"loading": outcome.seconds["loading"], **record.seconds()}
+    report = stages.build_report(ctx, seconds=seconds)
+    pipeline.write_report(ctx.run_state(), report)
     print(pipeline.summary_table(report))
-    if state.stability is not None:
-        print(pipeline.stability_text(state.stability))
+    if ctx.run_state().stability is not None:
+        print(pipeline.stability_text(ctx.run_state().stability))
     for note in report["notes"]:
         print(f"note: {note}")
-    stages = ", ".join(f"{k} {v:.1f}s" for k, v in state.seconds.items())
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+    resumed = f"; resumed: {', '.join(outcome.skipped)} done by an earlier run" if outcome.skipped else ""
     print(f"wrote {out}/affinity.safetensors, {out}/layouts/*.json, {out}/report.json"
-          + ("" if not spec.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({stages})")
+          + ("" if not spec.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({times}{resumed})")
     return 0
 
 
@@ -333,8 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
     _add_model_args(p, "optimise")  # and the calibration, the layouts scored, the export: the job spec's flags
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint/shards")
+    p.add_argument("--out", required=True,
+                   help="output directory; rerunning with the same parameters and --out resumes: the stages an "
+                        "earlier run finished (recorded in DIR/run.json) are skipped")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start again: redo every stage and replace what an earlier run left in --out (its "
+                        "checkpoint/shards too), whatever its parameters were")
     p.set_defaults(func=cmd_optimise)
     needs_worker_extra(p)
 

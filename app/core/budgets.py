@@ -3,12 +3,14 @@
 
 Every unit of work a spec can ask for is counted at submit, in work tokens (`job_work`):
 
-- calibration: `sequences × seq_len` (the affinity pass);
+- calibration: `sequences × seq_len` (the affinity pass), twice with `stability` (one more pass, over
+  the two halves of the blocks);
 - distillation training: `steps × batch_size × seq_len × layouts × seeds`;
 - distillation evaluation: `(runs × evaluations per run + 1) × eval sequences × eval seq_len`, every
   evaluation of every run (at step 0, every eval_every and the last) and the dense model's once;
-- layout work: each optimiser start (the optimised layout and each ablation, 1 + restarts each)
-  charged as LAYOUT_START_TOKENS and each layout scored (random, contiguous, …) as LAYOUT_SCORE_TOKENS.
+- layout work: each optimiser start (the optimised layout and each ablation, 1 + restarts each; with
+  `stability` the optimised layout of each half too) charged as LAYOUT_START_TOKENS and each layout
+  scored (random, contiguous, …; with `stability` each half's layout on each half) as LAYOUT_SCORE_TOKENS.
 
 Per job, each part is held under its setting, and so are the data a job loads (training and
 evaluation blocks), the blocks it skips and the number of evaluations (each writes four metric
@@ -48,7 +50,7 @@ LAYOUT_SCORE_TOKENS = 1 << 10
 class JobWork:
     """What one job asks the worker to do; `tokens` is its work-token count."""
 
-    calibration: int  # calibration sequences × seq_len
+    calibration: int  # calibration sequences × seq_len (twice with stability)
     training: int  # steps × batch_size × seq_len × runs
     evaluation: int  # (evaluations + 1) × eval sequences × eval seq_len
     optimiser_starts: int
@@ -96,8 +98,10 @@ def job_work(spec: JobSpec) -> JobWork:
     # As models.layouts.set.build_layouts: each optimised variant starts 1 + restarts_used times.
     variants = [Variant("optimised"), *(ablation_variants(spec.score, spec.restarts) if spec.ablations else [])]
     starts = sum(1 + restarts_used(v, spec.restarts) for v in variants)
-    work = JobWork(calibration=spec.calibration.sequences * spec.calibration.seq_len, training=0, evaluation=0,
-                   optimiser_starts=starts, layouts_scored=len(spec.layout_names()))
+    calibration, scored = spec.calibration.sequences * spec.calibration.seq_len, len(spec.layout_names())
+    if spec.stability:  # models.layouts.stability: a pass over the two halves, each half optimised and cross-scored
+        calibration, starts, scored = 2 * calibration, starts + 2 * (1 + spec.restarts), scored + 4
+    work = JobWork(calibration=calibration, training=0, evaluation=0, optimiser_starts=starts, layouts_scored=scored)
     if spec.distill is None:
         return work
     d = _distill_numbers(spec)

@@ -109,3 +109,107 @@ def test_optimise_refuses_bad_devices_before_loading(checkpoint, calib, tmp_path
                  str(tmp_path / "r"), "--device", "cpu"]) == 2
     assert "valid L for this model: 1, 2, 4" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+RUN_ARGS = ["--devices", "2", "--calib-sequences", "6", "--calib-seq-len", "32", "--random", "2", "--ablations",
+            "--stability", "--device", "cpu", "--batch-size", "2"]
+
+
+def _files(out, *, across_runs=False):
+    """Every file under out → its bytes; report.json without its timing field (`seconds`), run.json
+    without each stage's wall seconds. across_runs (files of two runs that each computed a stage): a
+    .safetensors header with its keys sorted and without the pass's seconds, and the shards manifest
+    without the files' digests (safetensors writes its header map in no fixed order)."""
+    files = {}
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        if path.name == "report.json":
+            doc = json.loads(data)
+            doc.pop("seconds")
+            data = json.dumps(doc).encode()
+        elif path.name == "run.json":
+            doc = json.loads(data)
+            for entry in doc["stages"].values():
+                entry.pop("seconds")
+            data = json.dumps(doc).encode()
+        elif across_runs and path.suffix == ".safetensors":
+            size = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + size])
+            header.get("__metadata__", {}).pop("seconds", None)
+            data = json.dumps(header, sort_keys=True).encode() + data[8 + size:]
+        elif across_runs and path.name == "manifest.json":
+            doc = json.loads(data)
+            for entry in doc.get("files", []):
+                entry.pop("sha256")
+            data = json.dumps(doc).encode()
+        files[str(path.relative_to(out))] = data
+    return files
+
+
+def test_rerun_in_the_same_out_skips_every_finished_stage(checkpoint, calib, tmp_path, capsys):
+    import time
+
+    out = tmp_path / "run"
+    argv = ["optimise", str(checkpoint), "--calib", str(calib), *RUN_ARGS, "--out", str(out)]
+    t0 = time.perf_counter()
+    assert main(argv) == 0
+    first_s = time.perf_counter() - t0
+    first = _files(out)
+    assert {"run.json", "blocks.npy", "stability.json", "affinity.safetensors", "layouts/optimised.json",
+            "checkpoint/dtp_layout.json"} <= set(first)
+    capsys.readouterr()
+
+    t0 = time.perf_counter()
+    assert main(argv) == 0
+    second_s = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    for stage in ("calibration", "affinity", "optimising", "stability", "exporting"):
+        assert f"optimise: {stage}: done by an earlier run in {out}; skipped" in err
+    assert "config only" in err  # no stage left needed the weights
+    assert _files(out) == first
+    print(f"optimise: first run {first_s:.2f} s, rerun {second_s:.2f} s")
+    assert second_s < first_s / 3
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(checkpoint, calib, tmp_path, capsys, monkeypatch):
+    from models import pipeline
+
+    whole = tmp_path / "whole"
+    assert main(["optimise", str(checkpoint), "--calib", str(calib), *RUN_ARGS, "--out", str(whole)]) == 0
+
+    out = tmp_path / "run"
+    argv = ["optimise", str(checkpoint), "--calib", str(calib), *RUN_ARGS, "--out", str(out)]
+    real_export = pipeline.stage_export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of the export
+
+    monkeypatch.setattr(pipeline, "stage_export", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert set(json.loads((out / "run.json").read_text())["stages"]) == {"calibration", "affinity", "optimising",
+                                                                          "stability"}
+    monkeypatch.setattr(pipeline, "stage_export", real_export)
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "optimise: stability: done by an earlier run" in err and "exporting: done" not in err
+    assert _files(out, across_runs=True) == _files(whole, across_runs=True)
+
+
+def test_a_rerun_with_other_parameters_is_refused_unless_overwrite(checkpoint, calib, tmp_path, capsys):
+    out = tmp_path / "run"
+    base = ["optimise", str(checkpoint), "--calib", str(calib), "--devices", "2", "--calib-sequences", "2",
+            "--calib-seq-len", "32", "--no-export", "--device", "cpu", "--out", str(out)]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main([*base, "--restarts", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "restarts was 4, now 0" in err and "--overwrite" in err
+    assert json.loads((out / "report.json").read_text())["restarts"] == 4  # untouched
+    assert main([*base, "--restarts", "0", "--overwrite"]) == 0
+    assert "skipped" not in capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["restarts"] == 0
+    (out / "run.json").write_text("[]")
+    assert main(base) == 2
+    assert "not a dtp-layout-run/1 run record" in capsys.readouterr().err

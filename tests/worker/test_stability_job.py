@@ -1,0 +1,78 @@
+"""The `stability` stage as a job stage (run in process on SQLite, as a worker runs it): the report of
+each half's layout on the other half is recorded in report.json and the job's summary, and a second
+job that finds the affinity cached still reads the blocks the stage needs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import select
+
+from app.core.caller import OPEN
+from app.core.db import Artifact, Job, LayoutRow, database
+from app.core.migrate import upgrade
+from app.core.schemas import JobSpec
+from app.core.services import job_view, submit_job
+from app.core.storage import Storage
+from tests.service_kit import make_settings, provision, spec
+from worker.jobs import run_job
+
+
+@pytest.fixture
+def embedded(tmp_path):
+    settings = make_settings(tmp_path, device="cpu")
+    upgrade(settings.database_url)
+    provision(settings)
+    return settings, database(settings.database_url)
+
+
+def submit(settings, db, **overrides) -> str:
+    body = JobSpec.model_validate(spec(random_layouts=0, ablations=False, export=False, **overrides))
+    with db.session() as session:
+        return submit_job(session=session, settings=settings, spec=body, caller=OPEN, enqueue=lambda _job_id: None).id
+
+
+def finished(settings, db, job_id):
+    with db.session() as session:
+        job = session.get(Job, job_id)
+        report_row = session.scalars(select(Artifact).where(Artifact.job_id == job_id,
+                                                            Artifact.name == "report.json")).one()
+        layouts = sorted(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == job_id)))
+        return job_view(job), job.history, json.loads(Storage(settings.storage).path(report_row.storage_key)
+                                                      .read_text()), layouts
+
+
+def test_a_stability_job_records_the_stability_report(embedded):
+    settings, db = embedded
+    first = submit(settings, db, stability=True, restarts=0)
+    assert run_job(first, settings=settings, db=db, worker="test:1") == "succeeded"
+    view, history, report, layouts = finished(settings, db, first)
+    assert view["stages_done"] == ["loading", "calibration", "affinity", "optimising", "stability"]
+    assert view["timings"]["stability"] > 0
+    stability = report["stability"]
+    assert stability["halves"]["first"]["blocks"] == stability["halves"]["second"]["blocks"] == 4  # 8 blocks
+    assert set(stability["J"]) == {"first_on_first", "second_on_first", "first_on_second", "second_on_second"}
+    assert 0 < stability["agreement"]["neurons"] <= 1
+    assert view["summary"]["stability"] == stability
+    assert layouts == ["contiguous", "optimised"]  # the halves' layouts are the stage's own, not the job's
+    done = next(e for e in history if e["event"] == "stage-done" and e["stage"] == "stability")
+    assert done["transfer"] == stability["transfer"]
+
+    # Same inputs: the affinity comes from the cache, but the stability stage reads the blocks, so the
+    # calibration stage loads them (it is not skipped as it is for a job without stability).
+    second = submit(settings, db, stability=True, restarts=0)
+    assert run_job(second, settings=settings, db=db, worker="test:1") == "succeeded"
+    view2, history2, report2, _ = finished(settings, db, second)
+    calibration = next(e for e in history2 if e["event"] == "stage-done" and e["stage"] == "calibration")
+    assert calibration["tokens"] == 8 * 32 and "skipped" not in calibration
+    assert "stability" in view2["stages_done"]
+    assert report2["job"]["affinity_cached"] is True and report2["stability"] == stability
+
+    third = submit(settings, db)  # without stability: no stage reads the blocks, none are read
+    assert run_job(third, settings=settings, db=db, worker="test:1") == "succeeded"
+    view3, history3, report3, _ = finished(settings, db, third)
+    calibration = next(e for e in history3 if e["event"] == "stage-done" and e["stage"] == "calibration")
+    assert calibration["skipped"] == "affinity cached"
+    assert "stability" not in view3["stages_done"] and "stability" not in report3
+    assert "stability" not in (view3["summary"] or {})
