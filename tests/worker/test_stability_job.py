@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from app.core.caller import OPEN
 from app.core.db import Artifact, Job, LayoutRow, database
+from app.core.events import job_events
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import job_view, submit_job
@@ -39,8 +40,10 @@ def finished(settings, db, job_id):
         report_row = session.scalars(select(Artifact).where(Artifact.job_id == job_id,
                                                             Artifact.name == "report.json")).one()
         layouts = sorted(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == job_id)))
-        return job_view(job), job.history, json.loads(Storage(settings.storage).path(report_row.storage_key)
-                                                      .read_text()), layouts
+        events = job_events(session, job_id)
+        history = [{"event": e.kind, "stage": e.stage, **(e.detail or {})} for e in events]
+        return job_view(job, history=events), history, json.loads(
+            Storage(settings.storage).path(report_row.storage_key).read_text()), layouts
 
 
 def test_a_stability_job_records_the_stability_report(embedded):
