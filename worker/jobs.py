@@ -796,7 +796,6 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
         return "failed"
     runner: JobRun | None = None
     monitor: Monitor | None = None
-    _forget_earlier_reads()
     try:
         # The stored spec is validated again before anything runs (the schema may have changed since
         # it was accepted); one that no longer validates fails the job, with the reason.
@@ -826,6 +825,9 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
                           on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
         monitor.start()
+        # After the monitor renews the lease: forgetting imports models.heldout (and so torch), which
+        # can take longer than a short lease on a loaded machine, and a sweeper would requeue the job.
+        _forget_earlier_reads()
         runner.run()
         return "succeeded"
     except LeaseLost:

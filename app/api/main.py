@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         freeze_startup_heap()
         yield
 
-    # /docs and /redoc come from this package (app/ui_docs), not from FastAPI's CDN pages.
+    # /docs and /redoc come from this package (app/ui/docs), not from FastAPI's CDN pages.
     app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None,
                   openapi_tags=[{"name": "jobs"}, {"name": "layouts"}, {"name": "artifacts"}, {"name": "scores"},

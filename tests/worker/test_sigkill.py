@@ -72,7 +72,7 @@ def test_sigkill_mid_affinity_then_resume_once(settings):
         artifact_dir = storage.job_dir(job_id) / "artifacts"
         on_disk = sorted(str(p.relative_to(artifact_dir)) for p in artifact_dir.rglob("*") if p.is_file())
         assert on_disk == sorted(n for n in names if n != "affinity.safetensors")
-        assert len(list((settings.storage / "affinity").glob("*/affinity.safetensors"))) == 1
+        assert len(list((settings.storage / "affinity").rglob("affinity.safetensors"))) == 1
     finally:
         first.stop()
         if second is not None:

@@ -20,7 +20,7 @@ from tests import browser_kit
 from tests.app.conftest import API_KEYS, api_keys_setting
 from tests.service_kit import ServeProcess
 
-DOCS = Path(__file__).resolve().parents[3] / "app" / "ui_docs"
+DOCS = Path(__file__).resolve().parents[3] / "app" / "ui" / "docs"
 
 
 @pytest.fixture(scope="module")
