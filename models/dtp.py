@@ -1,8 +1,13 @@
-"""The Delayed Tensor Parallelism forward (§2 of the paper) for L virtual devices on one machine.
+"""The Delayed Tensor Parallelism forward (§2 of the paper) for L virtual devices on one machine, under
+any communication schedule (`models.schedules`: tp, dtp:δ, dtp:δ@K, ladder, spd:B, pt:D).
 
 Modules are numbered n = 0 .. 2N-1 (attention of layer i is 2i, its FFN 2i+1). Device l keeps its
-own residual stream X_l and, after module n, adds its own partial o_n^l at once and the other
-devices' partials of module n-δ:
+own residual stream X_l. Before module t it holds
+
+    X_l = X^(0) + Σ_{b_n ≤ t} s_n · o_n^l + Σ_{a_n ≤ t} Σ_{j≠l} o_n^j
+
+(b_n, s_n, a_n: the schedule's own arrival, own scale and others' arrival of module n). At dtp:δ,
+the paper's equations, after module n:
 
     n < δ:              X_l += √L · o_n^l                                  (1)
     δ ≤ n < 2N-δ:       X_l += o_n^l + Σ_{j≠l} o_{n-δ}^j                   (2)
@@ -11,15 +16,14 @@ devices' partials of module n-δ:
 The final norm is applied per device and the L outputs are averaged. The model must already be
 permuted (`models.permute.permute_`) so that device l's shard is the l-th contiguous slice; the
 shards are views of the model's own parameters, so autograd trains the wrapped model. The module
-math is `models.partials` (shared with the multi-process runtime, `models.runtime`) and the
-recurrence's schedule is `DTPSchedule` (also shared).
+math is `models.partials` (shared with the multi-process runtime, `models.runtime`); the runtime
+reads the dtp schedule through `DTPSchedule`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,41 +32,65 @@ from torch.utils.checkpoint import checkpoint
 from models.families import family_for_config, model_shape
 from models.layouts.layout import check_delta, check_devices
 from models.partials import DTPCache, ModelWeights, ShardedDecoder, rms_norm
+from models.schedules import LastScale, Schedule, ScheduleError, ScheduleSpec, dtp_spec, resolve_schedule
 
 __all__ = ["DTPCache", "DTPModel", "DTPSchedule", "LastScale", "rms_norm"]
-
-LastScale = Literal["sqrt", "one"]
 
 
 @dataclass(frozen=True)
 class DTPSchedule:
-    """When each partial is added: equations (1)-(3) as a schedule over modules n = 0 .. 2N-1."""
+    """The runtime's view of `dtp:δ` (one late module per step): equations (1)-(3), read from the table."""
 
     devices: int
     delta: int
     num_modules: int
     last_scale: LastScale = "sqrt"
+    table: Schedule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.last_scale not in ("sqrt", "one"):
             raise ValueError(f"last_scale must be 'sqrt' or 'one', got {self.last_scale!r}")
+        table = dtp_spec(self.delta).resolve(self.num_modules // 2, self.devices, self.last_scale)
+        object.__setattr__(self, "table", table)
 
     def own_scale(self, n: int) -> float:
         """√L on the first δ modules and (unless last_scale='one') on the last δ, else 1."""
-        root = math.sqrt(self.devices)
-        if n < self.delta:
-            return root
-        if n >= self.num_modules - self.delta and self.last_scale == "sqrt":
-            return root
-        return 1.0
+        return self.table.own_scale[n]
 
     def late(self, n: int) -> int | None:
         """The module whose other-device partials are added right after module n (n - δ), if any."""
-        return n - self.delta if n >= self.delta else None
+        arriving = self.table.others_arriving(n + 1)
+        return arriving[0] if arriving else None
 
     def exchanged(self, m: int) -> bool:
         """Whether module m's partial is ever added on the other devices (the last δ ones never are)."""
-        return m < self.num_modules - self.delta
+        return self.table.exchanged(m)
+
+
+# One step of the recurrence before module t: add module m's own partial (scaled), the other devices'
+# partials, or both at once when they arrive together unscaled (the full sum, what an all-reduce gives).
+_OWN, _OTHERS, _ALL = "own", "others", "all"
+
+
+def _arrival_plan(schedule: Schedule) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per t = 1 .. M (index t-1): the additions before module t, own partials first then the others'
+    (the order today's dtp recurrence adds them in, so that dtp:δ's float sums are unchanged)."""
+    plan = []
+    for t in range(1, schedule.num_modules + 1):
+        others = schedule.others_arriving(t)
+        steps = []
+        for m in schedule.own_arriving(t):
+            together = m in others and schedule.own_scale[m] == 1.0
+            steps.append((_ALL if together else _OWN, m))
+        steps += [(_OTHERS, m) for m in others if (_ALL, m) not in steps]
+        plan.append(tuple(steps))
+    return tuple(plan)
+
+
+def _last_use(schedule: Schedule) -> tuple[int, ...]:
+    """Per module: the arrival point after which its partial is no longer needed."""
+    pairs = zip(schedule.own_arrival, schedule.other_arrival, strict=True)
+    return tuple(max(b, a if a is not None else b) for b, a in pairs)
 
 
 class DTPModel(nn.Module):
@@ -70,18 +98,27 @@ class DTPModel(nn.Module):
 
     model: Any  # a transformers causal LM (duck-typed: model.model.layers, lm_head, config)
 
-    def __init__(self, model: Any, *, devices: int, delta: int, last_scale: LastScale = "sqrt",
+    def __init__(self, model: Any, *, devices: int, delta: int | None = None,
+                 schedule: str | ScheduleSpec | None = None, last_scale: LastScale = "sqrt",
                  gradient_checkpointing: bool = False) -> None:
+        """Give `schedule` (a string such as 'pt:2', or a parsed spec) or `delta` (short for dtp:δ)."""
         super().__init__()
         config = model.config
         self.family = family_for_config(config)
         self.shape = model_shape(config)
         check_devices(self.shape, devices)
-        check_delta(self.shape, delta)
-        self.schedule = DTPSchedule(devices, delta, 2 * self.shape.num_layers, last_scale)
+        if (delta is None) == (schedule is None):
+            raise ScheduleError("give the schedule or delta (short for dtp:δ), exactly one of them")
+        if delta is not None:
+            check_delta(self.shape, delta)
+            schedule = dtp_spec(delta)
+        assert schedule is not None
+        self.schedule: Schedule = resolve_schedule(schedule, self.shape.num_layers, devices, last_scale)
+        self._plan = _arrival_plan(self.schedule)
+        self._last_use = _last_use(self.schedule)
         self.model = model
         self.devices = devices
-        self.delta = delta
+        self.delta = delta  # None unless given as the shorthand
         self.last_scale = last_scale
         self.gradient_checkpointing = gradient_checkpointing
         self.eps = float(config.rms_norm_eps)
@@ -113,7 +150,7 @@ class DTPModel(nn.Module):
     # ---- the DTP recurrence -----------------------------------------------------------------
     def own_scale(self, n: int) -> float:
         """√L on the first δ modules and (unless last_scale='one') on the last δ, else 1."""
-        return self.schedule.own_scale(n)
+        return self.schedule.own_scale[n]
 
     def _module(self, n: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: DTPCache | None) -> torch.Tensor:
@@ -135,17 +172,21 @@ class DTPModel(nn.Module):
         emb = inner.embed_tokens(input_ids)  # [B, S, D]
         cos, sin = self.rotary(input_ids, emb, cache.length if cache is not None else 0)  # [B, S, hd]
         x = emb.unsqueeze(0).expand(self.devices, *emb.shape)  # [L, B, S, D]
-        own: dict[int, torch.Tensor] = {}  # partials waiting to be added on the other devices, [L, B, S, D]
+        held: dict[int, torch.Tensor] = {}  # partials not yet added everywhere they go, [L, B, S, D]
         for n in range(self.num_modules):
-            partial = self._module(n, x, cos, sin, cache)
-            scale = self.schedule.own_scale(n)
-            x = x + (partial * scale if scale != 1.0 else partial)
-            if self.schedule.exchanged(n):
-                own[n] = partial
-            late = self.schedule.late(n)
-            if late is not None:
-                o = own.pop(late)  # module n-δ, arriving now from the other devices
-                x = x + (o.sum(0, keepdim=True) - o)
+            held[n] = self._module(n, x, cos, sin, cache)
+            t = n + 1  # the arrivals before module t (t = M: before the final norm)
+            for kind, m in self._plan[n]:
+                o = held[m]
+                if kind == _OWN:
+                    scale = self.schedule.own_scale[m]
+                    x = x + (o * scale if scale != 1.0 else o)
+                elif kind == _OTHERS:
+                    x = x + (o.sum(0, keepdim=True) - o)
+                else:
+                    x = x + o.sum(0, keepdim=True)
+            for m in [m for m in held if self._last_use[m] <= t]:
+                del held[m]
         h = rms_norm(x, inner.norm.weight, self.eps)  # [L, B, S, D]
         return h.mean(0)
 

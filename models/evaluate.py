@@ -13,6 +13,7 @@ from models.dtp import DTPModel, LastScale
 from models.export import permuted_copy
 from models.layouts.layout import Layout
 from models.progress import Progress
+from models.schedules import ScheduleSpec, dtp_spec, parse_schedule
 
 LOGIT_CHUNK = 512  # tokens per chunk of the statistics over the vocabulary
 
@@ -26,8 +27,10 @@ class EvalResult:
     blocks: int
     seq_len: int
     devices: int
-    delta: int
+    delta: int  # the layout's δ
     layout: str
+    schedule: str  # the canonical schedule evaluated (dtp:δ of the layout unless another was asked for)
+    layout_independent: bool  # the schedule computes the same function under every layout (tp, ladder)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -35,10 +38,17 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: Any, layout: Layout, blocks: torch.Tensor, *, batch_size: int = 1,
-             last_scale: LastScale = "sqrt", progress: Progress | None = None) -> EvalResult:
-    """Dense perplexity, DTP perplexity and mean per-token KL(dense ‖ DTP) over `blocks` [n, S]."""
+             last_scale: LastScale = "sqrt", schedule: str | ScheduleSpec | None = None,
+             progress: Progress | None = None) -> EvalResult:
+    """Dense perplexity, DTP perplexity and mean per-token KL(dense ‖ DTP) over `blocks` [n, S].
+
+    `schedule` (a string such as 'pt:2', or a parsed spec) is the communication schedule simulated;
+    None is the layout's own dtp:δ.
+    """
+    spec = dtp_spec(layout.delta) if schedule is None else (
+        parse_schedule(schedule) if isinstance(schedule, str) else schedule)
     device = next(model.parameters()).device
-    dtp = DTPModel(permuted_copy(model, layout), devices=layout.devices, delta=layout.delta,
+    dtp = DTPModel(permuted_copy(model, layout), devices=layout.devices, schedule=spec,
                    last_scale=last_scale).eval()
     lm_head = model.lm_head
     n, seq_len = blocks.shape
@@ -63,4 +73,6 @@ def evaluate(model: Any, layout: Layout, blocks: torch.Tensor, *, batch_size: in
         devices=layout.devices,
         delta=layout.delta,
         layout=layout.name,
+        schedule=dtp.schedule.name,
+        layout_independent=dtp.schedule.layout_independent,
     )

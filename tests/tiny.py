@@ -68,6 +68,23 @@ def fresh(case: str) -> PreTrainedModel:
     return copy.deepcopy(_cached_tiny_model(case))
 
 
+# L = 3 needs a KV-group count that 3 divides (the FFN width, 96, already is): 6 query heads, 3 KV groups.
+THREE_WAY: dict[str, Any] = dict(num_attention_heads=6, num_key_value_heads=3)
+
+
+@functools.cache
+def _cached_three_way(case: str) -> PreTrainedModel:
+    return tiny_model(case, **THREE_WAY)
+
+
+def fresh_for_devices(case: str, devices: int) -> PreTrainedModel:
+    """A private copy of a seed-0 tiny model of the case that L = `devices` can shard: the case's own
+    (4 KV groups) for L ∈ {1, 2, 4}, its THREE_WAY variant (3 KV groups) for L = 3."""
+    if devices == 3:
+        return copy.deepcopy(_cached_three_way(case))
+    return fresh(case)
+
+
 def byte_tokenizer() -> Any:
     """A tokenizer for any text without training one: byte-level, one token per byte (ids 0-255), no merges,
     and `</s>` (256) as EOS, so a tiny model with vocab_size 257 can read the corpora."""
