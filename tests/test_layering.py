@@ -144,3 +144,14 @@ def test_the_api_never_reaches_torch_through_module_level_imports():
 def test_each_layer_has_modules(layer):
     # a renamed package must not make its rules check nothing
     assert any(_within(m, layer) for m in all_modules()), layer
+
+
+def test_app_and_worker_import_graphs_are_acyclic():
+    # As models/ (tests/models/test_import_graph.py): no circle, lazy imports included (the old
+    # app/cli keys ↔ service circle is what this catches).
+    from tests.models.test_import_graph import circles, import_graph
+
+    for package in ("app", "worker"):
+        graph = import_graph(ROOT, package)
+        assert len(graph) > 5, package
+        assert circles(graph) == [], package

@@ -15,9 +15,9 @@ from typing import Any
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from app.cli.service import _settings as service_settings
+    from app.core.settings import settings_for_var_dir
 
-    return service_settings(args)
+    return settings_for_var_dir(getattr(args, "var_dir", None))
 
 
 def _database(settings: Any) -> Any:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from app.cli.extras import missing_worker_packages, needs_worker_extra, worker_extra_message
@@ -26,12 +25,9 @@ PACKAGED_MODEL = "smollm2-135m"
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from app.core.settings import Settings
+    from app.core.settings import settings_for_var_dir
 
-    overrides: dict[str, Any] = {}
-    if getattr(args, "var_dir", None):
-        overrides["var_dir"] = Path(args.var_dir)
-    return Settings(**overrides)
+    return settings_for_var_dir(getattr(args, "var_dir", None))
 
 
 def worker_command(settings: Any, *, name: str, loglevel: str = "INFO") -> list[str]:

@@ -234,3 +234,9 @@ def _env_text(value: object) -> str:
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+def settings_for_var_dir(var_dir: str | Path | None) -> Settings:
+    """The settings from the environment, with `--var-dir` (the commands' option) over them when given:
+    `serve`, `worker` and `keys` read the same service this way."""
+    return Settings(**({"var_dir": Path(var_dir)} if var_dir else {}))

@@ -160,3 +160,4 @@ def test_type_checking_imports_and_a_lazy_init_are_not_circles(tmp_path: Path):
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.file"] == {"pkg.shapes", "pkg.shapes.shape"} and graph["pkg.shapes"] == set()
     assert circles(graph) == []
+
