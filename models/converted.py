@@ -158,12 +158,16 @@ class ConvertedCache:
     def converted_source(self, source: ModelSource, *, dtype: str = "float32") -> ModelSource:
         """The source to load instead of `source`: its converted copy (made now if there is none), or
         `source` itself when it needs no conversion."""
-        key = self.key(source, dtype)
-        if key is None:
-            return source
-        entry = self.directory / self.entry_name(key)
-        if not (entry / MANIFEST).is_file():
-            self._convert(source, key, entry)
+        try:
+            key = self.key(source, dtype)
+            if key is None:
+                return source
+            entry = self.directory / self.entry_name(key)
+            if not (entry / MANIFEST).is_file():
+                self._convert(source, key, entry)
+        except OSError as exc:  # a full disk, an unwritable root: said, not hidden by a direct load
+            raise ModelLoadError(f"model {source.path_or_id!r}: converted-model cache {self.directory}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
         return ModelSource(str(entry))
 
     def _convert(self, source: ModelSource, key: dict[str, Any], entry: Path) -> None:

@@ -146,6 +146,13 @@ def test_a_lost_race_discards_its_copy_and_a_killed_conversion_is_cleaned(tmp_pa
     assert not left_by_killed.exists() and (entry / MANIFEST).is_file()
 
 
+def test_an_unwritable_cache_is_a_load_error_naming_it(tmp_path, gguf_file):
+    (tmp_path / "not-a-directory").write_text("")
+    cache = ConvertedCache(tmp_path / "not-a-directory")
+    with pytest.raises(ModelLoadError, match=r"converted-model cache .*not-a-directory"):
+        load_model(ModelSource(str(gguf_file)), cache=cache)
+
+
 CONVERT = """
 import sys, json
 from models.converted import ConvertedCache
