@@ -9,13 +9,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from models.families import family_for_config
 from models.ids import DTYPE_NAMES, GGUF_FILE, HUB_ID, REVISION
+
+if TYPE_CHECKING:
+    from models.converted import ConvertedCache
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}  # "float32" → torch.float32
 
@@ -83,9 +86,15 @@ def _check_safetensors(where: str) -> None:
         raise ModelLoadError(f"model directory {path} has no *.safetensors file (only safetensors are loaded)")
 
 
-def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
+def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cpu",
+               cache: ConvertedCache | None = None) -> PreTrainedModel:
+    """The model in `dtype` on `device`. With `cache`, a GGUF source is loaded from its converted
+    safetensors copy (made on the first load: models.converted); to read its config and tokenizer from
+    the copy too, load `cache.converted_source(source, dtype=...)` instead."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if cache is not None:
+        source = cache.converted_source(source, dtype=dtype)
     load_config(source)
     where, gguf = source.resolved()
     if not gguf:

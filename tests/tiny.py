@@ -97,3 +97,52 @@ def byte_tokenizer() -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>")
+
+
+# Q4_1 (the packaged SmolLM2's type) packs rows in blocks of 32: the widths are multiples of it.
+GGUF_TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=96)
+
+
+def tiny_gguf(path: Any, *, seed: int = 0, quantization: str = "Q4_1") -> PreTrainedModel:
+    """Write a tiny llama as a GGUF file the way llama.cpp's converter does (its tensor names, q/k rows
+    permuted for its rotary layout, 2-D weights quantised, norms in F32, no tokenizer) and return the
+    model it was made from. Loading the file dequantises it: equal to the model up to the quantisation
+    error (exactly equal with quantization="F32")."""
+    import gguf
+    import numpy as np
+
+    model = tiny_model("llama", seed=seed, **GGUF_TINY)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    qtype = gguf.GGMLQuantizationType[quantization]
+
+    def rotary_rows(w: Any, heads: int) -> Any:  # llama.cpp's permute: per head, halves → interleaved pairs
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for name, tensor in model.state_dict().items():
+        w = tensor.numpy()
+        if name.endswith("q_proj.weight"):
+            w = rotary_rows(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = rotary_rows(w, config.num_key_value_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
