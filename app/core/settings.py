@@ -239,4 +239,4 @@ def get_settings() -> Settings:
 def settings_for_var_dir(var_dir: str | Path | None) -> Settings:
     """The settings from the environment, with `--var-dir` (the commands' option) over them when given:
     `serve`, `worker` and `keys` read the same service this way."""
-    return Settings(**({"var_dir": Path(var_dir)} if var_dir else {}))
+    return Settings(var_dir=Path(var_dir)) if var_dir else Settings()
