@@ -150,8 +150,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[Any, dict[str, Any] | None]:
-    """The evaluation, and the held-out placement against the `--from` run's calibration (or None)."""
+def _eval_schedule(args: argparse.Namespace) -> Any:
+    """`eval --schedule S` parsed (None: the layout's own dtp:δ), before any weights load; sets args.delta
+    (None where --delta was not given: the schedule's δ for a dtp schedule, else the spec's default)."""
+    from models.schedules import parse_schedule
+
+    default_delta = args.delta_default
+    text = getattr(args, "schedule", None)
+    if text is None:
+        args.delta = default_delta if args.delta is None else args.delta
+        return None
+    spec = parse_schedule(text)  # a ScheduleError (a ValueError) names what is accepted: exit 2
+    if not spec.resolvable:
+        raise CliError(f"--schedule {spec}: spd:auto:K chooses its K layers by the sensitivity pass (the KL each "
+                       f"layer's dropped attention sync costs on calibration data), which is not available yet; "
+                       f"give the layers yourself as spd:B (e.g. spd:1,3)")
+    if spec.kind == "dtp":
+        if args.delta is not None and args.delta != spec.delta:
+            raise CliError(f"--delta {args.delta} and --schedule {spec} disagree (the schedule's δ is {spec.delta}): "
+                           f"give one of them, or the same δ in both")
+        args.delta = spec.delta
+    elif args.delta is None:  # tp, ladder, spd, pt: --delta only names the layout's δ (recorded, not simulated)
+        args.delta = default_delta
+    return spec
+
+
+def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule: Any = None
+                 ) -> tuple[Any, dict[str, Any] | None]:
+    """The evaluation under `schedule` (None: the layout's dtp:δ), and the held-out placement against the
+    `--from` run's calibration (or None)."""
     from models.calibration import CalibrationSpec, load_blocks
     from models.evaluate import evaluate
     from models.heldout import place
@@ -167,15 +194,21 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any) -> tuple[
         spec = placement.eval
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
     result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
-                      progress=_progress_bar())
+                      schedule=schedule, progress=_progress_bar())
     return result, placement.as_dict() if placement is not None else None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from models.families import model_shape
+    from models.schedules import resolve_schedule
+
+    schedule = _eval_schedule(args)  # a bad --schedule fails before the weights load
     model, tokenizer = _load(args)
-    result, data = _eval_result(args, model, tokenizer)
+    result, data = _eval_result(args, model, tokenizer, schedule)
+    syncs = resolve_schedule(result.schedule, model_shape(model.config).num_layers, result.devices,
+                             args.last_scale).syncs_per_token
     if args.json:
-        print(json.dumps({**result.as_dict(), **({"data": data} if data else {})}))
+        print(json.dumps({**result.as_dict(), "syncs_per_token": syncs, **({"data": data} if data else {})}))
     else:
         from models.heldout import describe_dict
 
@@ -183,6 +216,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             print(f"data: {line}")
         print(f"layout {result.layout}  L={result.devices} δ={result.delta}  "
               f"{result.blocks} blocks × {result.seq_len} tokens")
+        print(f"schedule {result.schedule}  {syncs} syncs per token")
+        if result.layout_independent:
+            print(f"  schedule {result.schedule} is layout-independent (every device's stream holds the full sum): "
+                  f"the layout does not change the result")
         print(f"  dense perplexity   {result.dense_ppl:10.3f}")
         print(f"  DTP perplexity     {result.dtp_ppl:10.3f}")
         print(f"  KL(dense ‖ DTP)    {result.kl:10.4f} nats/token")
@@ -361,8 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-overlap", action="store_true",
                    help="with --from: evaluate the blocks as given even where they are the calibration blocks the "
                         "layout was optimised on (by default, on the same text, evaluation starts after them)")
+    p.add_argument("--schedule", metavar="S",
+                   help="communication schedule simulated: tp | dtp:δ | dtp:δ@K | ladder | spd:B | pt:D "
+                        "(default: dtp:δ of --delta; docs/cli.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_eval)
+    # --delta unset is told apart from --delta 1, so that a dtp --schedule gives the layout's δ (a conflict is
+    # refused); _eval_schedule fills in the flag's declared default
+    p.set_defaults(func=cmd_eval, delta_default=p.get_default("delta"), delta=None)
     needs_worker_extra(p)
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
