@@ -2,7 +2,8 @@
 all run this list through `models.runner.run_stages`; each supplies only its hooks and its context.
 
   loading      config (always; the device count and δ checked), weights and tokenizer when a stage
-               still to run needs them (re-done on every run: they live in memory)
+               still to run needs them (re-done on every run: they live in memory), a GGUF's from its
+               converted copy when the caller gives a `models.converted.ConvertedCache`
   calibration  token blocks → blocks.npy (not read when the affinity is already there and no stage
                still to run reads the blocks)
   affinity     blocks.npy → affinity.safetensors (where `AffinityStore` keeps it: the run directory,
@@ -83,6 +84,9 @@ class RunContext(StageContext):
     export_dtype: str = "auto"
     distill: DistillPlan | None = None
     affinity: AffinityStore | None = None
+    # models.converted.ConvertedCache: a GGUF source's weights are loaded from its converted copy (made
+    # by the first run that needs them); None: dequantised from the GGUF on every load
+    converted: Any = None
     # made by the stages
     config: Any = None
     model: Any = None
@@ -146,11 +150,21 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     check_devices(shape, ctx.devices)
     check_delta(shape, ctx.delta)
     hooks.progress("loading", 0.05)
+    note: dict[str, Any] = {}
     if needs_weights(ctx):
+        if ctx.converted is not None:
+            # Converted only when the weights are needed (a run whose affinity is cached converts nothing).
+            # The config is read again from the copy: what the model is built from.
+            made = ctx.converted.lookup(source, dtype=ctx.dtype) is None
+            converted = ctx.converted.converted_source(source, dtype=ctx.dtype)
+            if converted != source:
+                note["converted"] = "made" if made else "reused"
+                source = converted
+                ctx.config = load_config(source)
         ctx.model = load_model(source, dtype=ctx.dtype, device=ctx.device)
         hooks.progress("loading", 0.9)
         ctx.tokenizer = load_tokenizer(source)
-    return {"weights": ctx.model is not None}
+    return {"weights": ctx.model is not None, **note}
 
 
 def _calibrate(ctx: RunContext, _hooks: Hooks) -> Note:
