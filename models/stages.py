@@ -142,25 +142,25 @@ def needs_weights(ctx: RunContext) -> bool:
 def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
-    from models.loading import load_config, load_model, load_tokenizer
+    from models.loading import ModelSource, load_config, load_model, load_tokenizer
 
     source = ctx.source()
-    ctx.config = load_config(source)
+    # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
+    # tokenizer's vocabulary included) is seconds of its own (docs/benchmarks.md). The copy's config.json
+    # names its dtype, the compute dtype (its key): what an `auto` export of a GGUF follows anyway.
+    copy = ctx.converted.lookup(source, dtype=ctx.dtype) if ctx.converted is not None else None
+    ctx.config = load_config(ModelSource(str(copy)) if copy is not None else source)
     shape = model_shape(ctx.config)
     check_devices(shape, ctx.devices)
     check_delta(shape, ctx.delta)
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
     if needs_weights(ctx):
-        if ctx.converted is not None:
-            # Converted only when the weights are needed (a run whose affinity is cached converts nothing).
-            # The config is read again from the copy: what the model is built from.
-            made = ctx.converted.lookup(source, dtype=ctx.dtype) is None
+        if ctx.converted is not None:  # converted only when the weights are needed
             converted = ctx.converted.converted_source(source, dtype=ctx.dtype)
             if converted != source:
-                note["converted"] = "made" if made else "reused"
+                note["converted"] = "reused" if copy is not None else "made"
                 source = converted
-                ctx.config = load_config(source)
         ctx.model = load_model(source, dtype=ctx.dtype, device=ctx.device)
         hooks.progress("loading", 0.9)
         ctx.tokenizer = load_tokenizer(source)
