@@ -2,7 +2,8 @@
 all run this list through `models.runner.run_stages`; each supplies only its hooks and its context.
 
   loading      config (always; the device count and δ checked), weights and tokenizer when a stage
-               still to run needs them (re-done on every run: they live in memory)
+               still to run needs them (re-done on every run: they live in memory), a GGUF's from its
+               converted copy when the caller gives a `models.converted.ConvertedCache`
   calibration  token blocks → blocks.npy (not read when the affinity is already there and no stage
                still to run reads the blocks)
   affinity     blocks.npy → affinity.safetensors (where `AffinityStore` keeps it: the run directory,
@@ -83,6 +84,9 @@ class RunContext(StageContext):
     export_dtype: str = "auto"
     distill: DistillPlan | None = None
     affinity: AffinityStore | None = None
+    # models.converted.ConvertedCache: a GGUF source's weights are loaded from its converted copy (made
+    # by the first run that needs them); None: dequantised from the GGUF on every load
+    converted: Any = None
     # made by the stages
     config: Any = None
     model: Any = None
@@ -138,19 +142,29 @@ def needs_weights(ctx: RunContext) -> bool:
 def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
-    from models.loading import load_config, load_model, load_tokenizer
+    from models.loading import ModelSource, load_config, load_model, load_tokenizer
 
     source = ctx.source()
-    ctx.config = load_config(source)
+    # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
+    # tokenizer's vocabulary included) is seconds of its own (docs/benchmarks.md). The copy's config.json
+    # names its dtype, the compute dtype (its key): what an `auto` export of a GGUF follows anyway.
+    copy = ctx.converted.lookup(source, dtype=ctx.dtype) if ctx.converted is not None else None
+    ctx.config = load_config(ModelSource(str(copy)) if copy is not None else source)
     shape = model_shape(ctx.config)
     check_devices(shape, ctx.devices)
     check_delta(shape, ctx.delta)
     hooks.progress("loading", 0.05)
+    note: dict[str, Any] = {}
     if needs_weights(ctx):
+        if ctx.converted is not None:  # converted only when the weights are needed
+            converted = ctx.converted.converted_source(source, dtype=ctx.dtype)
+            if converted != source:
+                note["converted"] = "reused" if copy is not None else "made"
+                source = converted
         ctx.model = load_model(source, dtype=ctx.dtype, device=ctx.device)
         hooks.progress("loading", 0.9)
         ctx.tokenizer = load_tokenizer(source)
-    return {"weights": ctx.model is not None}
+    return {"weights": ctx.model is not None, **note}
 
 
 def _calibrate(ctx: RunContext, _hooks: Hooks) -> Note:

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# The model commands keep converted GGUF copies (models.converted) and the concatenated corpus under
+# $DTP_LAYOUT_CACHE_DIR: this session's, and the processes it starts, go to a directory of its own, never
+# into the user's cache (set here, at import, so that every subprocess inherits it).
+TEST_CACHE_DIR = tempfile.mkdtemp(prefix="dtp-layout-test-cache-")
+os.environ["DTP_LAYOUT_CACHE_DIR"] = TEST_CACHE_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(TEST_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

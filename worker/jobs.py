@@ -6,7 +6,9 @@ lease about every second, writes progress and reads the cancel flag. A worker th
 renewing; any worker's sweeper then re-enqueues the job, and the next run resumes after the last
 stage recorded in `stages_done`:
 
-- loading      model and tokenizer (re-done on resume: they live in memory);
+- loading      model and tokenizer (re-done on resume: they live in memory); a GGUF model is loaded from
+               its converted copy, STORAGE_ROOT/converted/<tenant>/<entry>/ (`models.converted`), made by
+               the tenant's first job that loads it and reused by the later ones, never by another tenant's;
 - calibration  token blocks → work/blocks.npy;
 - affinity     → STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors, shared by the
                tenant's jobs with the same fingerprint (a later one reuses it: `affinity_cached`), never
@@ -435,6 +437,7 @@ class JobRun(Hooks):
         """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
         from models import pipeline
         from models.calibration import CalibrationSpec
+        from models.converted import ConvertedCache
         from models.loading import ModelSource
         from models.stages import RunContext
 
@@ -462,7 +465,10 @@ class JobRun(Hooks):
                                            restarts=spec.restarts, stability=spec.stability),
             calibration=calibration, calibration_shown=shown, checkpoint=spec.export.checkpoint,
             shards=spec.export.shards, export_dtype=spec.export.dtype, distill=distill,
-            affinity=CachedAffinity(self))
+            affinity=CachedAffinity(self),
+            # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
+            # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
+            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner)))
 
     def distill_plan(self, calibration: Any) -> Any:
         """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
@@ -749,7 +755,7 @@ def _retry(db: Database, lease: Lease, *, reason: str, stage: str | None, max_at
 
 MAX_ERROR_CHARS = 2000
 _JOB_DIR = re.compile(r"jobs/([0-9a-f]{32})")
-_AFFINITY_DIR = re.compile(r"affinity/([^/\s'\"]+)/")
+_CACHE_DIR = re.compile(r"(affinity|converted)/([^/\s'\"]+)/")  # the per-tenant caches
 
 
 def public_error(message: str, *, job_id: str, tenant: str | None) -> str:
@@ -758,7 +764,7 @@ def public_error(message: str, *, job_id: str, tenant: str | None) -> str:
     goes to the worker's log when anything was cut."""
     shown = _JOB_DIR.sub(lambda m: m.group(0) if m.group(1) == job_id else "jobs/…", message)
     own = tenant_scope(tenant)
-    shown = _AFFINITY_DIR.sub(lambda m: m.group(0) if m.group(1) == own else "affinity/…/", shown)
+    shown = _CACHE_DIR.sub(lambda m: m.group(0) if m.group(2) == own else f"{m.group(1)}/…/", shown)
     if len(shown) > MAX_ERROR_CHARS:
         shown = shown[:MAX_ERROR_CHARS] + " … (cut: the rest is in the worker's log)"
     if shown != message:

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import needs_worker_extra
-from app.cli.main import _add_model_args, _calibration_of, _check_layout_numbers, _layouts_dir
+from app.cli.main import (
+    _add_model_args,
+    _calibration_of,
+    _check_layout_numbers,
+    _converted_cache,
+    _layouts_dir,
+    _model_config,
+)
 from app.cli.run import CliHooks
 from app.cli.spec_flags import spec_values
 from models.distill.recipe import DistillRecipe  # torch-free
@@ -81,12 +88,12 @@ class _Bars:
 def cmd_distill(args: argparse.Namespace) -> int:
     from models import distill, stages
     from models.families import model_shape
-    from models.loading import ModelSource, load_config
+    from models.loading import ModelSource
     from models.runner import run_stages
 
     spec = _spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    config = load_config(source)
+    config = _model_config(args, source)
     _check_layout_numbers(config, spec.devices, spec.delta)  # fail before loading weights
     layouts_dir = _layouts_dir(args)
     distill.resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
@@ -106,6 +113,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     # resumes every run from its checkpoints in --out by itself).
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
                             device=args.device, devices=spec.devices, delta=spec.delta,
+                            converted=_converted_cache(args),
                             distill=stages.DistillPlan(spec=spec, out_dir=out, layouts_dir=layouts_dir,
                                                        keep_checkpoints=not args.no_checkpoints_kept,
                                                        on_eval=on_eval, on_step=bars.step, on_run_start=bars.start))

