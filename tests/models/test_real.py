@@ -71,7 +71,7 @@ def test_smollm2_optimise_end_to_end(smollm2, tmp_path, capsys):
     assert scores["optimised"] > max(randoms)
     assert scores["optimised"] <= report["upper_bound"] + 1e-9
     assert report["tokens"] == 16 * 256
-    assert set(report["seconds"]) == {"load", "calibration", "affinity", "optimise", "export"}
+    assert set(report["seconds"]) == {"loading", "calibration", "affinity", "optimising", "exporting"}
 
     affinity = affinity_for(AffinityResult.load(out / "affinity.safetensors"), "fo")
     best = load(out / "layouts" / "optimised.json")
