@@ -5,6 +5,7 @@ field's path. Torch-free: the command lines are parsed, not run; the API is the 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from app.cli.spec_flags import command_flags, spec_values
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from models.jobspec import FIELDS, GROUPS, SpecField, command_default
-from tests.service_kit import make_settings, provision
+from tests import browser_kit
+from tests.service_kit import ServeProcess, make_settings, provision
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_ARGV = {
@@ -244,3 +246,63 @@ def test_the_form_lays_out_only_declared_fields():
     script = (ROOT / "app" / "ui" / "static" / "js" / "pages" / "submit.js").read_text()
     laid_out = set(re.findall(r'field\("([\w.]+)"', script)) - {"distill"}  # `distill`: the block's own switch
     assert laid_out and laid_out <= {f.path for f in FIELDS}, laid_out - {f.path for f in FIELDS}
+
+
+# ---- the form in a browser ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`dtp-layout serve --no-worker` (open, no keys): a refused job needs no worker."""
+    serve = ServeProcess(tmp_path_factory.mktemp("one-spec-serve") / "var", no_worker=True)
+    serve.start()
+    yield serve
+    serve.stop()
+
+
+@pytest.fixture(scope="module")
+def form_page(served):
+    reason = browser_kit.unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {reason}", pytrace=False)
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright, browser_kit.browser_context(playwright) as context:
+        page = context.new_page()
+        page.goto(f"{served.url}/ui/submit")
+        page.wait_for_selector("#submit-form #submit-job:enabled")  # GET /v1/spec has come
+        yield page
+
+
+@pytest.mark.browser
+def test_the_form_draws_every_declared_field_once(form_page):
+    drawn = form_page.eval_on_selector_all("[data-field]", "els => els.map(e => e.dataset.field)")
+    assert len(drawn) == len(set(drawn)), drawn
+    assert set(drawn) - {"distill"} == {f.path for f in FIELDS}  # `distill`: the block's own switch
+    # a generated one by its kind: a choice is a select of its choices, left at the declared default
+    [export_dtype] = [f for f in FIELDS if f.path == "export.dtype"]
+    options = form_page.eval_on_selector_all("#f-export-dtype option", "os => os.map(o => o.value)")
+    assert options == list(export_dtype.rule.choices)
+    assert form_page.input_value("#f-export-dtype") == export_dtype.default
+
+
+@pytest.mark.browser
+def test_a_generated_field_is_sent_at_its_path_and_its_422_lands_next_to_it(form_page):
+    posted: list[dict[str, Any]] = []
+    form_page.on("request", lambda r: r.method == "POST" and r.url.endswith("/v1/jobs")
+                 and posted.append(r.post_data_json))
+    form_page.click("#more-fields summary")
+    form_page.fill("#f-calibration-text_field", "body")
+    form_page.check("#f-distill")
+    form_page.click("#more-distill-fields summary")
+    form_page.fill("#f-distill-recipe-adam_eps", "-1")  # the declared rule: > 0
+    form_page.click("#submit-job")
+    error = form_page.wait_for_selector("[data-error-for='distill.recipe.adam_eps']:not(:empty)")
+    assert "greater than 0" in error.inner_text()
+    assert form_page.text_content("[data-error-for='calibration.text_field']") == ""
+    [body] = posted
+    assert body["calibration"]["text_field"] == "body" and body["distill"]["recipe"]["adam_eps"] == -1
+    # untouched generated fields are not sent: the server fills in their defaults
+    assert "skip_blocks" not in body["calibration"] and "dtype" not in body["export"]
+    assert "allow_overlap" not in body["distill"] and "autocast" not in body["distill"]["recipe"]

@@ -27,6 +27,33 @@ function numeric(text) {
   return Number.isFinite(n) ? n : t;
 }
 
+/** The value at a dotted path of a spec (undefined where a part is missing or not an object). */
+function valueAt(obj, path) {
+  let node = obj;
+  for (const part of path.split(".")) {
+    if (node === null || typeof node !== "object" || Array.isArray(node)) return undefined;
+    node = node[part];
+  }
+  return node;
+}
+
+/** Sets obj's dotted path, making the objects on the way. */
+function setPath(obj, path, value) {
+  const parts = path.split(".");
+  let node = obj;
+  for (const part of parts.slice(0, -1)) {
+    if (node[part] === null || typeof node[part] !== "object" || Array.isArray(node[part])) node[part] = {};
+    node = node[part];
+  }
+  node[parts[parts.length - 1]] = value;
+}
+
+/** "≥ 1, ≤ 64" from a declared field's bounds ("" when it has none). */
+function boundsText(declared) {
+  const marks = [["ge", "≥"], ["gt", ">"], ["le", "≤"], ["lt", "<"]];
+  return marks.filter(([k]) => declared[k] !== undefined).map(([k, mark]) => `${mark} ${declared[k]}`).join(", ");
+}
+
 export function renderSubmit(container, {params, navigate}) {
   document.title = "Submit · dtp-layout";
   const inputs = {};
@@ -68,6 +95,14 @@ export function renderSubmit(container, {params, navigate}) {
   const submitButton = h("button", {type: "submit", id: "submit-job", disabled: true}, "Submit job");
 
   const distillToggle = check();
+  // The declared fields not laid out here by hand: drawn from GET /v1/spec's `fields` once it has come,
+  // by their kind, grouped by their parent path; the distillation's inside its section (sent only with it).
+  const moreFields = h("details", {class: "more", id: "more-fields", hidden: true}, h("summary", {}, "More fields"));
+  const moreDistill = h("details", {class: "more", id: "more-distill-fields", hidden: true},
+    h("summary", {}, "More distillation fields"));
+  const generated = {};  // path → its declared field (GET /v1/spec `fields`), for the fields drawn from it
+  const touched = new Set();  // generated checkboxes and selects the user (or the prefilled spec) set
+
   const distillSection = h("div", {class: "grid", id: "distill-fields"},
     groups["distill.layouts"],
     field("distill.seeds", "Training seeds", text(), "comma-separated; each (layout, seed) is one run"),
@@ -81,7 +116,8 @@ export function renderSubmit(container, {params, navigate}) {
     field("distill.recipe.warmup_steps", "Warm-up steps", number()),
     field("distill.recipe.batch_size", "Batch (sequences)", number()),
     field("distill.recipe.micro_batch_size", "Micro-batch", number()),
-    field("distill.recipe.eval_every", "Evaluate every", number(), "steps; also at step 0 and the last"));
+    field("distill.recipe.eval_every", "Evaluate every", number(), "steps; also at step 0 and the last"),
+    moreDistill);
   const distillFieldset = h("fieldset", {class: "distill"},
     h("legend", {}, "Distillation"),
     field("distill", "Distil the DTP model of some layouts after the export (stage distilling)", distillToggle),
@@ -113,6 +149,7 @@ export function renderSubmit(container, {params, navigate}) {
       field("export.shards", "Per-rank shards (shards/)", check()),
       field("restarts", "Optimiser restarts", number()),
       field("batch_size", "Calibration micro-batch", number()))),
+    moreFields,
     distillFieldset,
     general,
     h("div", {class: "actions"}, submitButton),
@@ -121,6 +158,61 @@ export function renderSubmit(container, {params, navigate}) {
     modelList, ggufList, sourceList);
 
   container.append(h("section", {class: "card"}, h("div", {class: "card-head"}, h("h1", {}, "Submit a job")), form));
+
+  /** An input for a declared field by its kind: a list (and the betas pair) is comma-separated text. */
+  function declaredInput(declared) {
+    if (declared.kind === "bool") return check();
+    if (declared.kind === "choice") return select((declared.choices || []).map((c) => [c, c]));
+    if (declared.kind === "int" || declared.kind === "float") return number();
+    return text();
+  }
+
+  /** Draws every declared field the form does not already have, each group under its parent path. */
+  function drawGenerated(fields) {
+    const byGroup = new Map();
+    for (const declared of fields) {
+      if (inputs[declared.path] || errors[declared.path]) continue;  // laid out by hand above
+      generated[declared.path] = declared;
+      const group = declared.path.includes(".") ? declared.path.slice(0, declared.path.lastIndexOf(".")) : "";
+      const list = declared.kind === "list" || declared.kind === "betas" ? "comma-separated" : "";
+      const hint = [declared.doc, boundsText(declared), list].filter(Boolean).join(" · ");
+      const leaf = declared.path.slice(group ? group.length + 1 : 0);
+      if (!byGroup.has(group)) byGroup.set(group, []);
+      byGroup.get(group).push(field(declared.path, leaf, declaredInput(declared), hint));
+    }
+    for (const [group, drawn] of byGroup) {
+      const host = group === "distill" || group.startsWith("distill.") ? moreDistill : moreFields;
+      host.append(h("fieldset", {class: "group", "data-group": group},
+        h("legend", {}, group || "job"), h("div", {class: "grid"}, drawn)));
+    }
+    moreFields.hidden = !moreFields.querySelector("fieldset");
+    moreDistill.hidden = !moreDistill.querySelector("fieldset");
+  }
+
+  /** A generated field's value to send: undefined when left untouched (the server fills in its default). */
+  function declaredValue(declared) {
+    const input = inputs[declared.path];
+    if (declared.kind === "bool") return touched.has(declared.path) ? input.checked : undefined;
+    if (declared.kind === "choice") return touched.has(declared.path) ? input.value : undefined;
+    const t = input.value.trim();
+    if (t === "") return undefined;
+    if (declared.kind === "int" || declared.kind === "float") return numeric(t);
+    if (declared.kind === "list" || declared.kind === "betas") {
+      const items = t.split(",").map((x) => x.trim()).filter(Boolean);
+      const itemKind = declared.kind === "betas" ? "float" : (declared.item || {}).kind;
+      return itemKind === "int" || itemKind === "float" ? items.map((x) => numeric(x)) : items;
+    }
+    return t;
+  }
+
+  /** The touched generated fields under `prefix` into obj, at their paths less the prefix. */
+  function putGenerated(obj, prefix, inside) {
+    for (const [path, declared] of Object.entries(generated)) {
+      if (path.startsWith(prefix) !== inside) continue;
+      const value = declaredValue(declared);
+      if (value !== undefined) setPath(obj, inside ? path.slice(prefix.length) : path, value);
+    }
+  }
 
   // GET /v1/spec: defaults, sources, the example job and the layout names (null until it has come).
   let info = null;
@@ -146,6 +238,7 @@ export function renderSubmit(container, {params, navigate}) {
   /** Every field to its default: checkboxes and selects take it, a blank text field shows it as its
    *  placeholder (left blank, the server applies it). */
   function showDefaults() {
+    touched.clear();
     for (const [path, input] of Object.entries(inputs)) {
       const d = defaults[path];
       if (d === undefined || d === null) continue;
@@ -196,14 +289,16 @@ export function renderSubmit(container, {params, navigate}) {
       if (n !== undefined) out.calibration[p] = n;
     }
     out.export = {checkpoint: inputs["export.checkpoint"].checked, shards: inputs["export.shards"].checked};
+    putGenerated(out, "distill.", false);
     if (inputs.distill.checked) {
       const names = layoutNames().filter((n) => chosenLayouts.has(n));
       const d = {layouts: names};
+      putGenerated(d, "distill.", true);
       const seeds = v("distill.seeds");
       if (seeds) d.seeds = seeds.split(",").map((x) => x.trim()).filter(Boolean).map((x) => numeric(x));
       if (numeric(v("distill.steps")) !== undefined) d.steps = numeric(v("distill.steps"));
       for (const part of ["train", "eval"]) {
-        const data = {};
+        const data = {...(d[part] || {})};
         if (v(`distill.${part}.source`)) data.source = v(`distill.${part}.source`);
         for (const k of ["seq_len", "sequences"]) {
           const p = `distill.${part}.${k}`;
@@ -215,7 +310,7 @@ export function renderSubmit(container, {params, navigate}) {
           d[part] = data;
         }
       }
-      const recipe = {};
+      const recipe = {...(d.recipe || {})};
       for (const k of ["lr", "min_lr", "warmup_steps", "batch_size", "micro_batch_size", "eval_every"]) {
         const n = numeric(v(`distill.recipe.${k}`));
         if (n !== undefined) recipe[k] = n;
@@ -263,6 +358,8 @@ export function renderSubmit(container, {params, navigate}) {
       const existing = errors[t].textContent;
       errors[t].textContent = (existing ? `${existing} ` : "") + messages.map((m) => prefix + m).join(" ");
       groups[t].classList.add("has-error");
+      const more = groups[t].closest("details.more");
+      if (more) more.open = true;  // a generated field's message: its section opens to show it
       if (!groups[t].closest("[hidden]")) first = first || groups[t];
     }
     const count = Object.values(err.fields).reduce((a, m) => a + m.length, 0);
@@ -274,6 +371,7 @@ export function renderSubmit(container, {params, navigate}) {
   }
 
   form.addEventListener("input", (ev) => {
+    if (generated[ev.target.name]) touched.add(ev.target.name);
     if ([inputs.random_layouts, inputs.ablations, inputs.score, inputs.restarts].includes(ev.target)) drawLayoutChecks();
     if (ev.target === inputs["model.id"]) fillGguf();
     if (ev.target === sourceSelect) {
@@ -282,7 +380,10 @@ export function renderSubmit(container, {params, navigate}) {
     }
     update();
   });
-  form.addEventListener("change", update);
+  form.addEventListener("change", (ev) => {
+    if (generated[ev.target.name]) touched.add(ev.target.name);
+    update();
+  });
   form.addEventListener("submit", async (ev) => {
     ev.preventDefault();
     clearErrors();
@@ -326,6 +427,8 @@ export function renderSubmit(container, {params, navigate}) {
     }
     catalogue = await models;
     defaults = {...flatten(info.defaults), ...flatten(info.distill_defaults, "distill.")};
+    drawGenerated(info.fields);
+    for (const [path, declared] of Object.entries(generated)) defaults[path] ??= declared.default;
     // the selects' options are the declared fields' choices; the hints name what the server names
     for (const declared of info.fields) {
       const input = inputs[declared.path];
@@ -399,6 +502,13 @@ export function renderSubmit(container, {params, navigate}) {
       for (const k of ["lr", "min_lr", "warmup_steps", "batch_size", "micro_batch_size", "eval_every"]) {
         values[`distill.recipe.${k}`] = (d.recipe && d.recipe[k]) ?? "";
       }
+    }
+    // The generated fields: the spec's value where it has one (a distillation's: its own, else the example's).
+    for (const path of Object.keys(generated)) {
+      if (path === "distill.recipe.steps") { delete values[path]; continue; }  // shown as distill.steps: given once
+      const own = !path.startsWith("distill.") ? valueAt(sp, path) : d ? valueAt(d, path.slice(8)) : values[path];
+      if (own === undefined || own === null) delete values[path];
+      else { values[path] = own; touched.add(path); }
     }
     // A distillation source that is the one it defaults to (training: the calibration's, evaluation: the
     // training's) is left blank, so that it follows the calibration source when that is changed.
