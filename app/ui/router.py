@@ -87,15 +87,20 @@ def home(request: Request) -> RedirectResponse:
     return RedirectResponse(f"{_root(request)}/ui/", status_code=307)
 
 
-@router.api_route("/ui/static/{name:path}", methods=["GET", "HEAD"])
-def static(request: Request, name: str) -> Response:
-    asset = static_assets().get(name)
+def asset_response(request: Request, asset: Asset | None, *, name: str, what: str) -> Response:
+    """A packaged static file (the dashboard's, the API docs'): 404 naming it when absent, 304 when the
+    client's ETag matches, else the bytes; always under the security headers."""
     if asset is None:
-        raise HTTPException(status_code=404, detail=f"no dashboard file {name!r}")
+        raise HTTPException(status_code=404, detail=f"no {what} file {name!r}")
     headers = {**SECURITY_HEADERS, "ETag": asset.etag, "Cache-Control": "no-cache"}
     if request.headers.get("if-none-match") == asset.etag:
         return Response(status_code=304, headers=headers)
     return Response(asset.body, media_type=asset.media_type, headers=headers)
+
+
+@router.api_route("/ui/static/{name:path}", methods=["GET", "HEAD"])
+def static(request: Request, name: str) -> Response:
+    return asset_response(request, static_assets().get(name), name=name, what="dashboard")
 
 
 def _gguf_files(directory: Path) -> list[str]:

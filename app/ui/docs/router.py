@@ -13,26 +13,18 @@ from __future__ import annotations
 import hashlib
 import html
 import secrets
-from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.ui.router import CSP, MEDIA_TYPES, SECURITY_HEADERS
+from app.ui.router import CSP, MEDIA_TYPES, SECURITY_HEADERS, Asset, asset_response
 
 router = APIRouter(include_in_schema=False)
 
 STATIC = "/docs/static"
-
-
-@dataclass(frozen=True)
-class Asset:
-    body: bytes
-    media_type: str
-    etag: str
 
 
 @lru_cache(maxsize=1)
@@ -100,10 +92,4 @@ def redoc(request: Request) -> Response:
 
 @router.api_route(STATIC + "/{name:path}", methods=["GET", "HEAD"])
 def static(request: Request, name: str) -> Response:
-    asset = assets().get(name)
-    if asset is None:
-        raise HTTPException(status_code=404, detail=f"no API docs file {name!r}")
-    headers = {**SECURITY_HEADERS, "ETag": asset.etag, "Cache-Control": "no-cache"}
-    if request.headers.get("if-none-match") == asset.etag:
-        return Response(status_code=304, headers=headers)
-    return Response(asset.body, media_type=asset.media_type, headers=headers)
+    return asset_response(request, assets().get(name), name=name, what="API docs")
