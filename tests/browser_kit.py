@@ -49,3 +49,19 @@ def browser_context(playwright: Any, *, width: int = 1280, height: int = 800, **
     finally:
         context.close()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@contextmanager
+def playwright_or_skip() -> Iterator[Any]:
+    """Playwright's sync API, or the test skipped (failed when CI=true) naming what is missing."""
+    import pytest
+
+    reason = unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {reason}", pytrace=False)
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        yield playwright

@@ -5,7 +5,6 @@ field's path. Torch-free: the command lines are parsed, not run; the API is the 
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -261,14 +260,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def form_page(served):
-    reason = browser_kit.unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: {reason}", pytrace=False)
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright, browser_kit.browser_context(playwright) as context:
+    with browser_kit.playwright_or_skip() as playwright, browser_kit.browser_context(playwright) as context:
         page = context.new_page()
         page.goto(f"{served.url}/ui/submit")
         page.wait_for_selector("#submit-form #submit-job:enabled")  # GET /v1/spec has come

@@ -7,7 +7,6 @@ error (a CSP violation is one). The vendored files are the ones app/ui/docs/VEND
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import time
 from pathlib import Path
@@ -34,14 +33,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def playwright():
-    reason = browser_kit.unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: {reason}", pytrace=False)
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
+    with browser_kit.playwright_or_skip() as p:
         yield p
 
 

@@ -31,14 +31,7 @@ LAYOUTS = {"optimised", *ablation_names("fo", restarts=4), "contiguous", "random
 
 @pytest.fixture(scope="module")
 def playwright():
-    reason = browser_kit.unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: {reason}", pytrace=False)
-        pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
+    with browser_kit.playwright_or_skip() as p:
         yield p
 
 
