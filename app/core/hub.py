@@ -43,7 +43,7 @@ def model_problem(settings: Settings, hub_id: str) -> str | None:
 
 
 def dataset_problem(settings: Settings, source: str) -> str | None:
-    """For `hf:NAME[:CONFIG[:SPLIT]]` sources; None for everything else."""
+    """For `hf:OWNER/NAME[:CONFIG[:SPLIT]]` sources; None for everything else."""
     if not source.startswith("hf:"):
         return None
     name = source[3:].split(":", 1)[0]

@@ -447,7 +447,7 @@ class SpecInfo(BaseModel):
     required: list[str] = Field(description="the fields a job must give, as dotted paths")
     sources: list[SourceOut] = Field(description="the corpora this install has (`corpus:NAME`), then the data "
                                                  "root's files (.txt, .jsonl, .npy) and directories of .txt; "
-                                                 "hf:NAME[:CONFIG[:SPLIT]] is also accepted where the hub is")
+                                                 "hf:OWNER/NAME[:CONFIG[:SPLIT]] is also accepted where the hub is")
     example: dict[str, Any] = Field(description="a small job (the API's first example) on a source from `sources`: "
                                                 "what the dashboard's form starts from")
     distill_example: dict[str, Any] = Field(description="a short distillation (the `distill` block of the API's "

@@ -82,7 +82,7 @@ export function renderSubmit(container, {params, navigate}) {
   // The calibration source: what this server has, or another one typed in (hf:…, a data-root name).
   const sourceSelect = h("select", {}, h("option", {value: OTHER_SOURCE}, "other (type it below)"));
   const sourceOther = text({id: "f-calibration-source-other", "aria-label": "Other calibration source",
-                            placeholder: "hf:NAME[:CONFIG[:SPLIT]] or a name under the data root"});
+                            placeholder: "hf:OWNER/NAME[:CONFIG[:SPLIT]] or a name under the data root"});
   const layoutBox = h("div", {class: "checks", id: "distill-layouts"});
   const layoutError = h("p", {class: "field-error", "data-error-for": "distill.layouts", role: "alert"});
   errors["distill.layouts"] = layoutError;
@@ -139,7 +139,7 @@ export function renderSubmit(container, {params, navigate}) {
       field("stability", "Stability (optimise on each half of the calibration blocks)", check()))),
     h("fieldset", {}, h("legend", {}, "Calibration"), h("div", {class: "grid"},
       field("calibration.source", "Source", sourceSelect,
-        "the corpora and data this server has; or other: hf:NAME[:CONFIG[:SPLIT]] or a name under the data root",
+        "the corpora and data this server has; or other: hf:OWNER/NAME[:CONFIG[:SPLIT]] or a name under the data root",
         sourceOther),
       field("calibration.sequences", "Sequences", number()),
       field("calibration.seq_len", "Tokens per sequence", number()),
