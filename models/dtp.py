@@ -34,7 +34,25 @@ from models.layouts.layout import check_delta, check_devices
 from models.partials import DTPCache, ModelWeights, ShardedDecoder, rms_norm
 from models.schedules import LastScale, Schedule, ScheduleError, ScheduleSpec, dtp_spec, resolve_schedule
 
-__all__ = ["DTPCache", "DTPModel", "DTPSchedule", "LastScale", "rms_norm"]
+__all__ = ["GATHERED", "DTPCache", "DTPModel", "DTPSchedule", "LastScale", "gathered", "rms_norm"]
+
+# The method through which the simulator reads a module's weights outside its `forward()`: under FSDP2
+# (`models.distill.sharding`) it is registered with `register_fsdp_forward_method`, so that the module's
+# sharded parameters are all-gathered before the call (and resharded, and their gradients
+# reduce-scattered, as after a forward); unsharded, a module has no such method and `gathered` calls
+# straight through.
+GATHERED = "gathered"
+
+
+def gathered(module: nn.Module, fn: Any, *args: Any) -> Any:
+    """fn(*args) with `module`'s parameters whole: through its registered FSDP method where it has one."""
+    gate = getattr(module, GATHERED, None)
+    return gate(fn, *args) if gate is not None else fn(*args)
+
+
+def call_through(fn: Any, *args: Any) -> Any:
+    """The body of a `GATHERED` method: the FSDP hooks around it do the gathering."""
+    return fn(*args)
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,7 @@ class DTPModel(nn.Module):
         self._plan = _arrival_plan(self.schedule)
         self._last_use = _last_use(self.schedule)
         self.model = model
+        self.layers: list[nn.Module] = list(model.model.layers)  # a plain list: not registered twice
         self.devices = devices
         self.delta = delta  # None unless given as the shorthand
         self.last_scale = last_scale
@@ -127,6 +146,10 @@ class DTPModel(nn.Module):
         self.decoder = ShardedDecoder(ModelWeights(model, self.family.plan, devices), head_dim=self.shape.head_dim,
                                       eps=self.eps, qk_norm=self.family.qk_norm,
                                       rotary_emb=model.model.rotary_emb)
+
+    def gathered(self, fn: Any, *args: Any) -> Any:
+        """fn(*args): the root's `GATHERED` method (embeddings, final norm, LM head whole under FSDP2)."""
+        return fn(*args)
 
     # ---- module partials (models.partials) ------------------------------------------------------
     def attention_partials(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -154,6 +177,12 @@ class DTPModel(nn.Module):
 
     def _module(self, n: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: DTPCache | None) -> torch.Tensor:
+        """Module n's partials, read through its decoder layer's `GATHERED` method (FSDP2 unit)."""
+        out: torch.Tensor = gathered(self.layers[n // 2], self._module_partials, n, x, cos, sin, cache)
+        return out
+
+    def _module_partials(self, n: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         cache: DTPCache | None) -> torch.Tensor:
         layer_idx = n // 2
         if n % 2 == 0:
             if self.gradient_checkpointing and self.training and cache is None:

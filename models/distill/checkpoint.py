@@ -1,28 +1,38 @@
 """Checkpoints of a run: trainable weights, optimizer state, step, RNG state and the records so far.
 
-Written atomically (a reader never sees half a checkpoint) and read with `weights_only=True`: a
-checkpoint is data, never code, since the service may resume a redelivered job. A checkpoint is
-resumed only under the fingerprint it was made with.
+A checkpoint is a torch.distributed.checkpoint (DCP) directory, `checkpoint/`: the trainable weights
+and the AdamW state (`get_state_dict`, frozen parameters left out: they are the teacher's, permuted)
+as `.distcp` shards plus DCP's `.metadata`, and `run_state.json` (format, fingerprint, step, the
+records and step statistics so far, elapsed time, RNG state). DCP records every tensor's global shape,
+so a checkpoint saved by W ranks is loaded by any W (resharding: `set_state_dict`), and by one
+process with no process group. It is data, never code (no pickles): the service may resume a
+redelivered job. Written to `checkpoint.partial/` and renamed over the old one once complete (a
+crash between the two renames leaves `checkpoint.old/`, which is then read). A checkpoint is resumed
+only under the fingerprint it was made with.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.atomic import atomic_write
+from models.atomic import atomic_write_json
 from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.records import EvalRecord, RunState
-from models.distill.student import trainable_parameters
+from models.distill.sharding import Ranks
 from models.distill.train import StepStats
 from models.dtp import DTPModel
 from models.layouts.layout import Layout
 
-CHECKPOINT_FORMAT = "dtp-layout-distill-checkpoint/1"
+CHECKPOINT_FORMAT = "dtp-layout-distill-checkpoint/2"
+CHECKPOINT_DIR = "checkpoint"
+RUN_STATE = "run_state.json"
 
 
 def tensor_fingerprint(t: torch.Tensor) -> str:
@@ -41,60 +51,100 @@ def run_fingerprint(*, layout: Layout, seed: int, recipe: DistillRecipe, train_b
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen parameters are the teacher's (permuted): not saved, so not expected back (strict=False);
+    # a trainable one missing from the checkpoint still fails in dcp.load.
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def _state_dicts(student: DTPModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(student, optimizer, options=_options())
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def _set_rng_state(text: str) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+def _siblings(directory: Path) -> tuple[Path, Path]:
+    return directory.with_name(directory.name + ".partial"), directory.with_name(directory.name + ".old")
+
+
+def checkpoint_to_read(directory: Path) -> Path | None:
+    """The complete checkpoint directory of a run, if any (`checkpoint/`, else a left-over `checkpoint.old/`)."""
+    _, old = _siblings(directory)
+    for candidate in (directory, old):
+        if (candidate / RUN_STATE).is_file():
+            return candidate
+    return None
+
+
+def save_checkpoint(directory: Path, *, student: DTPModel, optimizer: torch.optim.Optimizer, state: RunState,
+                    fingerprint: str, seed: int, recipe: DistillRecipe, ranks: Ranks) -> None:
+    """Every rank writes its shards (DCP) to `checkpoint.partial/`; rank 0 then adds run_state.json
+    and renames it over `directory`."""
+    import torch.distributed.checkpoint as dcp
+
+    partial, old = _siblings(directory)
+    if ranks.writer:
+        shutil.rmtree(partial, ignore_errors=True)
+    ranks.barrier()
+    dcp.save(_state_dicts(student, optimizer), checkpoint_id=str(partial), no_dist=not ranks.sharded)
+    if ranks.writer:
+        atomic_write_json(partial / RUN_STATE, {
+            "format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "step": state.step,
+            "world_size": ranks.world_size,
+            "schedule": {"step": state.step},  # the lr is a pure function of the step (learning_rate)
+            "data": {"seed": seed, "next_sequence": state.step * recipe.batch_size},
+            "rng": {"torch": _rng_state()},
+            "records": [r.as_dict() for r in state.records], "steps": [s.as_dict() for s in state.steps],
+            "elapsed": state.elapsed})
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            directory.rename(old)
+        partial.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    ranks.barrier()
+
+
+def remove_checkpoint(directory: Path) -> None:
+    for path in (directory, *_siblings(directory)):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_run_state(directory: Path) -> dict[str, Any]:
+    """run_state.json of a checkpoint directory, checked for its format."""
+    path = directory / RUN_STATE
     try:
-        data: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         raise DistillError(f"{path}: cannot read distillation checkpoint: {exc}") from exc
-    if data.get("format") != CHECKPOINT_FORMAT:
-        raise DistillError(f"{path}: format must be {CHECKPOINT_FORMAT!r}, got {data.get('format')!r}")
+    if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
+        got = data.get("format") if isinstance(data, dict) else None
+        raise DistillError(f"{path}: format must be {CHECKPOINT_FORMAT!r}, got {got!r}")
     return data
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def restore(directory: Path, data: dict[str, Any], student: DTPModel, optimizer: torch.optim.Optimizer) -> RunState:
+    """Load a checkpoint's weights and optimizer state (resharded to this run's ranks) and RNG state; its RunState."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def checkpoint_payload(student: DTPModel, optimizer: torch.optim.Optimizer, state: RunState, fingerprint: str,
-                       seed: int, recipe: DistillRecipe) -> dict[str, Any]:
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "fingerprint": fingerprint,
-        "step": state.step,
-        "trainable": {name: p.detach().cpu() for name, p in trainable_parameters(student)},
-        "optimizer": optimizer.state_dict(),
-        "schedule": {"step": state.step},  # the lr is a pure function of the step (learning_rate)
-        "data": {"seed": seed, "next_sequence": state.step * recipe.batch_size},
-        "rng": _rng_state(),
-        "records": [r.as_dict() for r in state.records],
-        "steps": [s.as_dict() for s in state.steps],
-        "elapsed": state.elapsed,
-    }
-
-
-def restore(data: dict[str, Any], student: DTPModel, optimizer: torch.optim.Optimizer) -> RunState:
-    """Load a checkpoint's weights, optimizer and RNG state into the run; its RunState."""
-    params = dict(trainable_parameters(student))
-    missing = set(params) ^ set(data["trainable"])
-    if missing:
-        raise DistillError(f"checkpoint does not match the student's trainable parameters: {sorted(missing)[:3]}")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(data["trainable"][name])
-    optimizer.load_state_dict(data["optimizer"])
-    _set_rng_state(data["rng"])
+    state = _state_dicts(student, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not torch.distributed.is_initialized())
+    except Exception as exc:  # DCP's CheckpointException carries every rank's failure
+        raise DistillError(f"{directory}: checkpoint does not match the student: {exc}") from exc
+    set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options())
+    _set_rng_state(data["rng"]["torch"])
     return RunState(step=int(data["step"]), records=[EvalRecord(**r) for r in data["records"]],
                     steps=[StepStats(**s) for s in data["steps"]], elapsed=float(data["elapsed"]))

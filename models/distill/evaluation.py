@@ -19,7 +19,7 @@ from torch import nn
 from models.distill.loss import chunked_kl_nll, chunked_nll, next_token_targets
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
-from models.dtp import DTPModel
+from models.dtp import DTPModel, gathered
 from models.progress import Cancelled, ShouldStop
 
 
@@ -54,7 +54,7 @@ def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseRefe
     was_training = student.training
     student.eval()
     device = reference.blocks.device
-    head_s, head_t = lm_head(student.model), lm_head(teacher)
+    head_t = lm_head(teacher)
     kl = nll = 0.0
     n, s = reference.blocks.shape
     try:
@@ -62,14 +62,19 @@ def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseRefe
             for ids in _micro_batches(reference.blocks, recipe, should_stop, "an evaluation"):  # [b, S]
                 flat_t = _teacher_hidden(teacher, ids)
                 flat_t = flat_t.reshape(-1, flat_t.shape[-1])  # [T, D]
-                flat_s = student.hidden_states(ids).reshape(flat_t.shape)  # [T, D]
-                _, nll_s, kl_sum = chunked_kl_nll(flat_t, flat_s, head_t, head_s, next_token_targets(ids),
-                                                  recipe.logit_chunk)
+                _, nll_s, kl_sum = gathered(student, _student_sums, student, ids, flat_t, head_t, recipe.logit_chunk)
                 kl += kl_sum
                 nll += nll_s
     finally:
         student.train(was_training)
     return kl / (n * s), math.exp(nll / (n * (s - 1)))
+
+
+def _student_sums(student: DTPModel, ids: torch.Tensor, flat_t: torch.Tensor, head_t: nn.Module,
+                  chunk: int) -> tuple[float, float, float]:
+    """(teacher NLL, student NLL, KL) sums of one batch; runs inside `student.gathered` (whole weights)."""
+    flat_s = student.hidden_states(ids).reshape(flat_t.shape)  # [T, D]
+    return chunked_kl_nll(flat_t, flat_s, head_t, lm_head(student.model), next_token_targets(ids), chunk)
 
 
 def _teacher_hidden(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
-from models.dtp import DTPModel
+from models.dtp import DTPModel, gathered
 
 IGNORE = -100  # target of a position with no next token: counted in KL, not in CE
 
@@ -116,23 +116,61 @@ def loss_and_backward(student: DTPModel, teacher: nn.Module, ids: torch.Tensor, 
                       kl_norm: int, ce_norm: int) -> LossSums:
     """Forward both models on ids [b, S], accumulate d(loss)/d(params) into the student's .grad.
 
-    loss = Σ KL / kl_norm + ce_weight · Σ CE / ce_norm, so that micro-batches with the step's total
-    token counts as norms add up to the step's per-token mean.
+    loss = Σ KL / kl_norm + ce_weight · Σ CE / ce_norm, so that micro-batches (and ranks) with the
+    step's total token counts as norms add up to the step's per-token mean. The student's part runs
+    inside its `gathered` method (its embeddings, norm and LM head whole under FSDP2); the backward
+    is one autograd pass from the hand-formed gradients (`_HandFormedLoss`).
     """
     device = ids.device
     b, s = ids.shape
     teacher_any: Any = teacher
     with torch.no_grad(), autocast(recipe, device):
         hidden_t = teacher_any.model(ids).last_hidden_state.reshape(b * s, -1)  # [T, D]
+    sums = LossSums()
+    loss: torch.Tensor = gathered(student, _student_loss, student, ids, hidden_t, lm_head(teacher), recipe,
+                                  (kl_norm, ce_norm), sums)
+    loss.backward()
+    return sums
+
+
+class _HandFormedLoss(torch.autograd.Function):
+    """A scalar whose backward hands out gradients formed by hand: d/d(hidden) and d/d(head weight).
+
+    It ties the hand-formed gradients into one autograd pass, so the LM head's gradient reaches its
+    parameter as any other does (FSDP2 reduce-scatters it with the rest)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, head_weight: torch.Tensor, value: torch.Tensor,
+                grad_hidden: torch.Tensor, grad_head: torch.Tensor | None) -> torch.Tensor:
+        ctx.grads = (grad_hidden, grad_head)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_head = ctx.grads
+        scale = float(grad_out)
+        hidden = grad_hidden if scale == 1.0 else grad_hidden * scale
+        head = None if grad_head is None else (grad_head if scale == 1.0 else grad_head * scale)
+        return hidden, head, None, None, None
+
+
+def _student_loss(student: DTPModel, ids: torch.Tensor, hidden_t: torch.Tensor, head_t: nn.Module,
+                  recipe: DistillRecipe, norms: tuple[int, int], sums: LossSums) -> torch.Tensor:
+    """The student's forward and the chunked loss of one micro-batch (run inside `student.gathered`);
+    adds the sums to `sums`, returns the loss as a scalar whose backward trains the student."""
+    kl_norm, ce_norm = norms
+    device = ids.device
+    b, s = ids.shape
     with autocast(recipe, device):
         hidden_s = student.hidden_states(ids)  # [b, S, D]
     flat_s = hidden_s.detach().reshape(b * s, -1)  # [T, D]
     targets = next_token_targets(ids)  # [T]
-    head_s, head_t = lm_head(student.model), lm_head(teacher)
+    head_s = lm_head(student.model)
     train_head = head_s.weight.requires_grad
     grad_hidden = torch.empty_like(flat_s, dtype=torch.float32)  # [T, D]
     grad_head = torch.zeros_like(head_s.weight, dtype=torch.float32) if train_head else None  # [V, D]
-    sums = LossSums(kl_tokens=b * s, ce_tokens=int((targets != IGNORE).sum()))
+    sums.add(LossSums(kl_tokens=b * s, ce_tokens=int((targets != IGNORE).sum())))
+    kl = ce = 0.0
     scales = (1.0 / kl_norm, recipe.ce_weight / ce_norm)
     for start in range(0, b * s, recipe.logit_chunk):
         sl = slice(start, start + recipe.logit_chunk)
@@ -142,13 +180,15 @@ def loss_and_backward(student: DTPModel, teacher: nn.Module, ids: torch.Tensor, 
         del logits_s, logits_t
         grad_logits = stats.grad
         assert grad_logits is not None
-        sums.kl += stats.kl
-        sums.ce += stats.ce
+        kl += stats.kl
+        ce += stats.ce
         with torch.no_grad(), autocast(recipe, device):
             grad_hidden[sl] = grad_logits.to(head_s.weight.dtype) @ head_s.weight  # [t, D]
             if grad_head is not None:
                 grad_head += grad_logits.t().to(flat_s.dtype) @ flat_s[sl]  # [V, D]
-    hidden_s.backward(grad_hidden.view(b, s, -1).to(hidden_s.dtype))
-    if grad_head is not None:
-        head_s.weight.grad = grad_head if head_s.weight.grad is None else head_s.weight.grad + grad_head
-    return sums
+    sums.kl += kl
+    sums.ce += ce
+    value = torch.tensor(kl * scales[0] + ce * scales[1], device=device)  # this micro-batch's share of the loss
+    loss: torch.Tensor = _HandFormedLoss.apply(hidden_s, head_s.weight, value,
+                                               grad_hidden.view(b, s, -1).to(hidden_s.dtype), grad_head)
+    return loss

@@ -8,21 +8,43 @@ is a pure function of (seed, step), so a resumed run follows the uninterrupted c
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from models.distill.checkpoint import checkpoint_payload, load_checkpoint, restore, run_fingerprint, save_checkpoint
+from models.distill.checkpoint import (
+    CHECKPOINT_DIR,
+    checkpoint_to_read,
+    read_run_state,
+    remove_checkpoint,
+    restore,
+    run_fingerprint,
+    save_checkpoint,
+)
 from models.distill.data import batch_indices
 from models.distill.evaluation import DenseReference, evaluate_student
 from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.records import EvalRecord, RunState, read_complete, write_logs
 from models.distill.schedule import learning_rate
+from models.distill.sharding import (
+    BACKEND_TIMEOUT,
+    Ranks,
+    backend_for,
+    die_with_parent,
+    init_from_env,
+    rank_device,
+    run_children,
+    shard_student,
+    torchrun_world,
+)
 from models.distill.student import make_student
 from models.distill.train import StepStats, make_optimizer, train_step
 from models.layouts.layout import Layout
@@ -72,27 +94,31 @@ class _Run:
 
     def __init__(self, *, teacher: nn.Module, layout: Layout, seed: int, recipe: DistillRecipe,
                  train_blocks: torch.Tensor, reference: DenseReference, run_dir: Path, fingerprint: str,
-                 hooks: RunHooks, keep_checkpoint: bool) -> None:
+                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks) -> None:
         self.teacher, self.layout, self.seed, self.recipe = teacher, layout, seed, recipe
         self.train_blocks, self.reference, self.run_dir = train_blocks, reference, run_dir
         self.fingerprint, self.hooks, self.keep_checkpoint = fingerprint, hooks, keep_checkpoint
+        self.ranks = ranks
         self.device = next(teacher.parameters()).device
         self.student = make_student(teacher, layout, recipe).to(self.device)
+        if ranks.sharded:
+            shard_student(self.student, self.device)
         self.optimizer = make_optimizer(self.student, recipe)
-        self.ckpt_path = run_dir / "checkpoint.pt"
+        self.ckpt_path = run_dir / CHECKPOINT_DIR
         self.state = RunState()
         self.evals = eval_steps(recipe)
         self.clock_start = time.perf_counter()
 
     def restore(self) -> int | None:
         """Load the checkpoint if there is one; the step it was taken at."""
-        if not self.ckpt_path.exists():
+        found = checkpoint_to_read(self.ckpt_path)
+        if found is None:
             return None
-        data = load_checkpoint(self.ckpt_path)
+        data = read_run_state(found)
         if data["fingerprint"] != self.fingerprint:
             raise DistillError(f"{self.ckpt_path} was made by a different configuration (layout, seed, recipe or "
                                "data); use another output directory or remove it (--overwrite)")
-        self.state = restore(data, self.student, self.optimizer)
+        self.state = restore(found, data, self.student, self.optimizer)
         self.clock_start = time.perf_counter() - self.state.elapsed  # elapsed_s counts across resumes
         if self.hooks.on_restore:
             self.hooks.on_restore(list(self.state.records))
@@ -105,7 +131,7 @@ class _Run:
     def evaluate(self) -> EvalRecord:
         state, recipe = self.state, self.recipe
         kl, ppl = evaluate_student(self.student, self.teacher, self.reference, recipe=recipe,
-                                   should_stop=self.hooks.should_stop)
+                                   should_stop=None if self.ranks.sharded else self.hooks.should_stop)
         previous = max((e for e in self.evals if e < state.step), default=0)
         state.elapsed = time.perf_counter() - self.clock_start
         return EvalRecord(layout=self.layout.name, seed=self.seed, step=state.step, kl=kl, ppl=ppl,
@@ -115,16 +141,18 @@ class _Run:
                           elapsed_s=state.elapsed)
 
     def write_logs(self, complete: bool) -> None:
+        if not self.ranks.writer:
+            return
         write_logs(self.run_dir, layout=self.layout, seed=self.seed, fingerprint=self.fingerprint,
                     recipe=self.recipe, state=self.state, complete=complete, dense_ppl=self.reference.dense_ppl)
 
     def save(self, complete: bool) -> None:
         if not complete or self.keep_checkpoint:
-            save_checkpoint(self.ckpt_path, checkpoint_payload(self.student, self.optimizer, self.state,
-                                                                 self.fingerprint, self.seed, self.recipe))
+            save_checkpoint(self.ckpt_path, student=self.student, optimizer=self.optimizer, state=self.state,
+                            fingerprint=self.fingerprint, seed=self.seed, recipe=self.recipe, ranks=self.ranks)
         self.write_logs(complete)
-        if complete and not self.keep_checkpoint:
-            self.ckpt_path.unlink(missing_ok=True)  # only once the logs say the run is complete
+        if complete and not self.keep_checkpoint and self.ranks.writer:
+            remove_checkpoint(self.ckpt_path)  # only once the logs say the run is complete
 
     def eval_and_log(self) -> None:
         record = self.evaluate()
@@ -139,13 +167,13 @@ class _Run:
 
     def train_one_step(self) -> None:
         state, recipe = self.state, self.recipe
-        if self.hooks.should_stop is not None and self.hooks.should_stop():
+        if self.ranks.any(self.hooks.should_stop is not None and self.hooks.should_stop()):
             raise Cancelled(f"distillation of {self.layout.name} (seed {self.seed}) cancelled at step {state.step}")
         index = batch_indices(state.step, batch_size=recipe.batch_size, num_blocks=len(self.train_blocks),
                               seed=self.seed)
         batch = self.train_blocks[torch.from_numpy(index)].to(self.device)  # [batch_size, S]
         stats = train_step(self.student, self.teacher, batch, self.optimizer, step=state.step, recipe=recipe,
-                           should_stop=self.hooks.should_stop)
+                           should_stop=self.hooks.should_stop, ranks=self.ranks)
         if not math.isfinite(stats.loss):
             raise DistillError(f"{self.layout.name} (seed {self.seed}): loss is {stats.loss} at step {state.step}; "
                                "lower the learning rate or check the data")
@@ -171,7 +199,7 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                 on_eval: Callable[[EvalRecord], None] | None = None,
                 on_step: Callable[[StepStats, EvalRecord | None], None] | None = None,
                 on_restore: Callable[[list[EvalRecord]], None] | None = None,
-                keep_checkpoint: bool = True) -> RunResult:
+                keep_checkpoint: bool = True, world_size: int = 1) -> RunResult:
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
 
     train_blocks: [n, S] token ids; each step reads batch_size of them (see `batch_indices`).
@@ -179,6 +207,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
     (the last checkpoint stays).
     on_restore gets the evaluations read back from a finished run or a checkpoint; evaluations past
     the checkpoint are recomputed and passed to on_eval again (same layout, seed and step).
+    world_size W > 1 trains on W ranks (`models.distill.sharding`): this process is rank 0 (hooks and
+    logs) and starts ranks 1 .. W-1, unless torchrun started it or a process group already exists.
     """
     t_start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -194,12 +224,96 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
         return RunResult(layout.name, seed, done, [], run_dir, recipe.steps, 0.0)
     if len(train_blocks) < recipe.batch_size:
         raise DistillError(f"{len(train_blocks)} training blocks, fewer than batch_size={recipe.batch_size}")
+    if recipe.batch_size % world_size:
+        raise DistillError(f"world_size={world_size} must divide recipe.batch_size={recipe.batch_size} (each rank "
+                           "takes an equal share of every batch)")
     hooks = RunHooks(progress=progress, should_stop=should_stop, on_eval=on_eval, on_step=on_step,
                      on_restore=on_restore)
-    run = _Run(teacher=teacher, layout=layout, seed=seed, recipe=recipe, train_blocks=train_blocks,
-               reference=reference, run_dir=run_dir, fingerprint=fingerprint, hooks=hooks,
-               keep_checkpoint=keep_checkpoint)
-    resumed_from = run.restore()
-    run.run()
+    payload: dict[str, Any] = {
+        "teacher": teacher, "layout": layout, "seed": seed, "recipe": recipe, "train_blocks": train_blocks,
+               "reference": reference, "run_dir": run_dir, "fingerprint": fingerprint,
+               "keep_checkpoint": keep_checkpoint}
+    with rank_group(world_size, payload) as ranks:
+        run = _Run(**payload, hooks=hooks, ranks=ranks)
+        resumed_from = run.restore()
+        run.run()
     return RunResult(layout.name, seed, run.state.records, run.state.steps, run_dir, resumed_from,
                      time.perf_counter() - t_start)
+
+
+@contextlib.contextmanager
+def rank_group(world_size: int, payload: dict[str, Any]) -> Iterator[Ranks]:
+    """This process's ranks for a run of `world_size`: W = 1 alone; an existing process group or
+    torchrun's; else a new group with ranks 1 .. W-1 spawned here (each runs `_rank_main` on payload)."""
+    if world_size == 1:
+        yield Ranks.single()
+        return
+    device = next(payload["teacher"].parameters()).device
+    if dist.is_initialized():
+        ranks = Ranks.current()
+        if ranks.world_size != world_size:
+            raise DistillError(f"world_size={world_size}, but this process group has {ranks.world_size} ranks")
+        yield ranks
+        return
+    started = torchrun_world()
+    if started is not None:
+        if started != world_size:
+            raise DistillError(f"world_size={world_size}, but torchrun started {started} ranks (WORLD_SIZE)")
+        ranks = init_from_env(device)
+        try:
+            yield ranks
+        finally:
+            dist.destroy_process_group()
+        return
+    children, env = run_children(world_size, _rank_main, payload)
+    ok = False
+    try:
+        ranks = _join(env, device)
+        yield ranks
+        ok = True
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        failed = _reap(children)
+    if ok and failed:
+        raise DistillError(f"distillation rank(s) {failed} failed; see their output above")
+
+
+def _join(env: dict[str, str], device: torch.device) -> Ranks:
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    dev = rank_device(device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
+                            rank=rank, world_size=world_size, timeout=BACKEND_TIMEOUT)
+    return Ranks.current()
+
+
+def _reap(children: list[Any], grace_s: float = 60.0) -> list[int]:
+    """Wait for the spawned ranks (killing any still alive after grace_s); the ranks that failed."""
+    failed = []
+    for rank, proc in enumerate(children, start=1):
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        if proc.exitcode != 0:
+            failed.append(rank)
+    return failed
+
+
+def _rank_main(env: dict[str, str], payload: dict[str, Any]) -> None:
+    """A spawned rank > 0: the same run with no hooks and no logs; exits with its rank's outcome."""
+    die_with_parent()
+    device = rank_device(next(payload["teacher"].parameters()).device, int(env["RANK"]))
+    payload = {**payload, "teacher": payload["teacher"].to(device)}
+    payload["reference"].blocks = payload["reference"].blocks.to(device)
+    ranks = _join(env, device)
+    try:
+        run = _Run(**payload, hooks=RunHooks(), ranks=ranks)
+        run.restore()
+        run.run()
+    except Cancelled:
+        pass  # rank 0 agreed to stop too and says so
+    finally:
+        dist.destroy_process_group()

@@ -107,4 +107,4 @@ def test_smollm2_distillation_reduces_the_kl(smollm2, tmp_path):
     assert curve["kl"][1] < 0.9 * curve["kl"][0]
     assert curve["ppl"][1] < curve["ppl"][0]
     assert 1.0 < summary["dense_ppl"] < 200.0
-    assert not (tmp_path / "runs" / "contiguous" / "seed-0" / "checkpoint.pt").exists()
+    assert not (tmp_path / "runs" / "contiguous" / "seed-0" / "checkpoint").exists()

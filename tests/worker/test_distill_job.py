@@ -155,7 +155,7 @@ def test_redelivered_job_resumes_distilling_onto_the_same_curve(client, settings
     if json.loads((run_dir / "metrics.json").read_text())["complete"]:
         left_at = 4
     else:
-        left_at = int(torch.load(run_dir / "checkpoint.pt", weights_only=True)["step"])
+        left_at = int(json.loads((run_dir / "checkpoint" / "run_state.json").read_text())["step"])
 
     second = WorkerProcess(settings, settings.var_dir / "workers.log", name="second", faults=SLOW).start()
     try:

@@ -62,4 +62,4 @@ def test_run_distill_compares_layouts_and_writes_the_summary(tmp_path):
     assert head["reference"] == "contiguous" and len(head["multipliers"]) == 2
     assert "dense perplexity" in D.summary_table(summary)
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["contiguous", "optimised"]
-    assert (out / "runs" / "optimised" / "seed-1" / "checkpoint.pt").exists()
+    assert (out / "runs" / "optimised" / "seed-1" / "checkpoint" / "run_state.json").exists()

@@ -1,0 +1,189 @@
+"""Sharded distillation: W ranks of torch.distributed, the student sharded with FSDP2, data parallel.
+
+Every rank builds the same student, then `shard_student` applies `fully_shard` to each decoder
+layer and then to the root, as torchtitan does. The simulator reads weights outside `forward()`
+(`models.dtp.gathered`): each layer and the root get a `gathered` method registered with
+`register_fsdp_forward_method`, so the parameters are all-gathered around it and the gradients
+reduce-scattered after its backward. Gradients are reduce-scattered as sums (divide factor 1): each
+rank's loss is already normalised by the global batch's token counts, so the sum over ranks is the
+W = 1 gradient.
+
+Each rank takes rows [r·B/W, (r+1)·B/W) of the global batch (same batch, same order as W = 1); every
+rank evaluates every held-out block (the FSDP collectives need every rank in every forward), so the
+evaluation is the W = 1 one. The frozen teacher is replicated on each rank (forward only: no
+gradients nor optimiser state). Rank 0 writes the logs and owns the hooks; the stop request is agreed
+by all ranks at each step.
+
+`Ranks.single()` is W = 1 in one process with no process group: every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.dtp import GATHERED, DTPModel, call_through
+
+BACKEND_TIMEOUT = timedelta(minutes=10)  # a rank that died leaves the others waiting at most this long
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the W ranks of a distillation."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def single(cls) -> Ranks:
+        return cls()
+
+    @classmethod
+    def current(cls) -> Ranks:
+        """The initialised default process group's rank and size (W = 1 when there is none)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return cls()
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes the run's logs and the checkpoint's metadata (rank 0)."""
+        return self.rank == 0
+
+    def local_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the global batch [B, S]: [B/W, S], in order."""
+        share = batch.shape[0] // self.world_size
+        return batch[self.rank * share : (self.rank + 1) * share]
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the ranks (float64)."""
+        if not self.sharded:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [float(v) for v in t.cpu()]
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank says yes (every rank gets the same answer)."""
+        if not self.sharded:
+            return flag
+        return self.sum([1.0 if flag else 0.0])[0] > 0
+
+    def barrier(self) -> None:
+        if self.sharded:
+            dist.barrier()
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL on GPUs, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r (of the GPUs this process sees) on GPUs, the CPU otherwise."""
+    return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def shard_student(student: DTPModel, device: torch.device) -> DTPModel:
+    """FSDP2 over the default process group: `fully_shard` on every decoder layer, then on the root;
+    each gets its `GATHERED` method registered; gradients reduce-scattered as sums."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    units: list[nn.Module] = []
+    for layer in student.layers:
+        setattr(layer, GATHERED, call_through.__get__(layer))  # a method of this layer alone
+        fully_shard(layer, mesh=mesh)
+        register_fsdp_forward_method(layer, GATHERED)
+        units.append(layer)
+    fully_shard(student, mesh=mesh)
+    register_fsdp_forward_method(student, GATHERED)
+    units.append(student)
+    for unit in units:
+        assert isinstance(unit, FSDPModule)
+        unit.set_gradient_divide_factor(1.0)  # sums: each rank's loss is normalised by the global batch
+    return student
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of (possibly sharded) gradients, as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+def init_from_env(device: torch.device) -> Ranks:
+    """Join the process group torchrun (or `launch`) described in RANK/WORLD_SIZE/MASTER_ADDR/PORT."""
+    rank = int(os.environ["RANK"])
+    dev = rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend_for(device), rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=BACKEND_TIMEOUT)
+    return Ranks.current()
+
+
+def torchrun_world() -> int | None:
+    """WORLD_SIZE when this process was started by torchrun (RANK and WORLD_SIZE set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a killed launcher leaves no rank behind)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def run_children(world_size: int, target: Any, payload: dict[str, Any]) -> tuple[list[Any], dict[str, str]]:
+    """Start ranks 1 .. W-1 as spawned processes running target(env, payload); the env of rank 0."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    children = []
+    for rank in range(1, world_size):
+        proc = ctx.Process(target=target, args=(rank_env(rank, world_size, port), payload), daemon=False)
+        proc.start()
+        children.append(proc)
+    return children, rank_env(0, world_size, port)
