@@ -50,8 +50,8 @@ def gathered(module: nn.Module, fn: Any, *args: Any) -> Any:
     return gate(fn, *args) if gate is not None else fn(*args)
 
 
-def call_through(fn: Any, *args: Any) -> Any:
-    """The body of a `GATHERED` method: the FSDP hooks around it do the gathering."""
+def call_through(module: nn.Module, fn: Any, *args: Any) -> Any:
+    """The body of a `GATHERED` method of `module`: the FSDP hooks around it do the gathering."""
     return fn(*args)
 
 
@@ -149,7 +149,7 @@ class DTPModel(nn.Module):
 
     def gathered(self, fn: Any, *args: Any) -> Any:
         """fn(*args): the root's `GATHERED` method (embeddings, final norm, LM head whole under FSDP2)."""
-        return fn(*args)
+        return call_through(self, fn, *args)
 
     # ---- module partials (models.partials) ------------------------------------------------------
     def attention_partials(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -4,9 +4,9 @@ Every rank builds the same student, then `shard_student` applies `fully_shard` t
 layer and then to the root, as torchtitan does. The simulator reads weights outside `forward()`
 (`models.dtp.gathered`): each layer and the root get a `gathered` method registered with
 `register_fsdp_forward_method`, so the parameters are all-gathered around it and the gradients
-reduce-scattered after its backward. Gradients are reduce-scattered as sums (divide factor 1): each
-rank's loss is already normalised by the global batch's token counts, so the sum over ranks is the
-W = 1 gradient.
+reduce-scattered after its backward. FSDP2 averages the gradients over the ranks (a custom divide
+factor would need PREMUL_SUM, which gloo lacks), so each rank normalises its loss by its own share of
+the global batch's tokens (B·S / W, B divisible by W): the mean over ranks is the W = 1 gradient.
 
 Each rank takes rows [r·B/W, (r+1)·B/W) of the global batch (same batch, same order as W = 1); every
 rank evaluates every held-out block (the FSDP collectives need every rank in every forward), so the
@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from models.dtp import GATHERED, DTPModel, call_through
 
@@ -102,23 +101,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def shard_student(student: DTPModel, device: torch.device) -> DTPModel:
     """FSDP2 over the default process group: `fully_shard` on every decoder layer, then on the root;
-    each gets its `GATHERED` method registered; gradients reduce-scattered as sums."""
+    each gets its `GATHERED` method registered (gradients are averaged over the ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    units: list[nn.Module] = []
     for layer in student.layers:
         setattr(layer, GATHERED, call_through.__get__(layer))  # a method of this layer alone
         fully_shard(layer, mesh=mesh)
         register_fsdp_forward_method(layer, GATHERED)
-        units.append(layer)
     fully_shard(student, mesh=mesh)
     register_fsdp_forward_method(student, GATHERED)
-    units.append(student)
-    for unit in units:
-        assert isinstance(unit, FSDPModule)
-        unit.set_gradient_divide_factor(1.0)  # sums: each rank's loss is normalised by the global batch
     return student
 
 

@@ -43,8 +43,8 @@ def train_step(student: DTPModel, teacher: nn.Module, batch: torch.Tensor, optim
 
     A micro-batch is micro_batch_size sequences within MAX_FORWARD_TOKENS (`recipe.train_rows`): the
     gradient is the same however the batch is cut. With W ranks (`models.distill.sharding`), each
-    rank forwards its B/W rows; the losses are normalised by the global batch's token counts, so the
-    gradients summed over ranks (FSDP2's reduce-scatter) are the W = 1 ones. Raises `Cancelled`
+    rank forwards its B/W rows and normalises by its share of the tokens (B·S / W), so the gradients
+    averaged over ranks (FSDP2's reduce-scatter) are the W = 1 ones. Raises `Cancelled`
     between micro-batches when should_stop() is true (the optimiser has not stepped: the step is
     simply not taken); with W > 1 the stop is agreed at step boundaries only (`_Run`)."""
     ranks = ranks or Ranks.single()
@@ -62,7 +62,8 @@ def train_step(student: DTPModel, teacher: nn.Module, batch: torch.Tensor, optim
             optimizer.zero_grad(set_to_none=True)
             raise Cancelled(f"training step {step} cancelled at sequence {start} of {b}")
         micro = local[start : start + rows]
-        sums.add(loss_and_backward(student, teacher, micro, recipe=recipe, kl_norm=kl_norm, ce_norm=ce_norm))
+        sums.add(loss_and_backward(student, teacher, micro, recipe=recipe, kl_norm=kl_norm // ranks.world_size,
+                                   ce_norm=ce_norm // ranks.world_size))
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = recipe.grad_clip if recipe.grad_clip > 0 else math.inf
     norm = total_norm([p.grad for p in params if p.grad is not None])

@@ -12,7 +12,6 @@ import json
 from collections import Counter
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
