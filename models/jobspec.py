@@ -25,6 +25,7 @@ REQUIRED: Any = object()  # a SpecField's default when a request must give the f
 INT32_MAX = 2**31 - 1  # seeds are stored in Integer columns (metrics.seed)
 MAX_SKIP_BLOCKS = 1_000_000
 MAX_SEQ_LEN = 1_048_576
+MAX_WORLD_SIZE = 64  # ranks of a sharded distillation (a worker setting caps it lower: the GPUs any worker owns)
 
 LOCAL = ("optimise", "distill", "export", "eval")  # every local command that loads a model
 MODEL_COMMANDS = (*LOCAL, "submit")
@@ -209,6 +210,10 @@ FIELDS: tuple[SpecField, ...] = (
            sequences_flags=(_on(("--eval-blocks",), "distill", default=EVAL_SEQUENCES),),
            seq_len_flags=(_on(("--eval-seq-len",), "distill"),),
            skip_flags=()),
+    _f("distill.world_size", "int", "ranks (processes; one GPU each where there are GPUs) the distillation trains on: "
+       "the student sharded with FSDP2, each rank a 1/W share of every batch, the same curve as 1 (recipe.batch_size "
+       "must be a multiple). A job waits for a worker with at least this many GPUs (CPU workers: gloo processes)",
+       1, _on(("--world-size",), "distill", "submit", metavar="W"), ge=1, le=MAX_WORLD_SIZE),
     _f("distill.allow_overlap", "bool", "read train and eval as given even where they overlap the calibration or "
        "each other (the overlap is reported in summary.json and report.json under `data`)", False,
        _on(("--allow-overlap",), "distill", "submit", form="on")),

@@ -486,7 +486,7 @@ class JobRun(Hooks):
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
                               recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
-                              allow_overlap=spec.allow_overlap)
+                              allow_overlap=spec.allow_overlap, world_size=spec.world_size)
         self._total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
 
         def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:

@@ -26,6 +26,7 @@ from celery.signals import worker_ready
 
 from app.core import logs
 from app.core.db import database
+from app.core.queue import world_size_of
 from app.core.settings import get_settings
 from worker.celery_app import TASK_NAME, app, enqueue
 
@@ -51,7 +52,18 @@ def run_job(self: Any, job_id: str) -> str:
 
     with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/core/logs.py)
         return jobs.run_job(job_id, settings=settings, db=db, worker=worker,
-                            enqueue=lambda jid: enqueue(app, settings, jid), on_hard_limit=hard_limit)
+                            enqueue=lambda jid: send_job(db, jid), on_hard_limit=hard_limit)
+
+
+def send_job(db: Any, job_id: str) -> None:
+    """Enqueue a job again on its world size's queue (read from its stored spec)."""
+    from sqlalchemy import select
+
+    from app.core.db import Job
+
+    with db.transaction() as session:
+        spec = session.scalar(select(Job.spec).where(Job.id == job_id))
+    enqueue(app, get_settings(), job_id, world_size=world_size_of(spec))
 
 
 def sweep_once() -> list[str]:
@@ -61,7 +73,7 @@ def sweep_once() -> list[str]:
     db = database(settings.database_url)
 
     def send(jid: str) -> None:
-        enqueue(app, settings, jid)
+        send_job(db, jid)
 
     sent = []
     for job_id in requeue_stale(db, send):

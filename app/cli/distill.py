@@ -50,7 +50,8 @@ def _spec(args: argparse.Namespace) -> Any:
     return DistillSpec(layouts=tuple(given["distill.layouts"]), train=train, eval=evaluation,
                        devices=given["devices"], delta=given["delta"], seeds=tuple(given["distill.seeds"]),
                        recipe=recipe, reference=args.reference, candidate=args.candidate, calibration=calibration,
-                       calibration_identity=identity, allow_overlap=given["distill.allow_overlap"])
+                       calibration_identity=identity, allow_overlap=given["distill.allow_overlap"],
+                       world_size=given["distill.world_size"])
 
 
 class _Bars:

@@ -20,6 +20,7 @@ from typing import Any
 
 from app.cli.extras import missing_worker_packages, needs_worker_extra, worker_extra_message
 from app.cli.supervisor import WorkerSupervisor
+from models.jobspec import MAX_WORLD_SIZE
 
 PACKAGED_MODEL = "smollm2-135m"
 
@@ -32,8 +33,12 @@ def _settings(args: argparse.Namespace) -> Any:
 
 def worker_command(settings: Any, *, name: str, loglevel: str = "INFO") -> list[str]:
     """One Celery worker process: solo pool (the job runs in this process; nothing else touches its
-    device), one message at a time, on the service's queue."""
-    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", settings.queue,
+    device), one message at a time, on the service's queues of every world size up to the GPUs it owns
+    (DTP_LAYOUT_WORKER_GPUS)."""
+    from app.core.queue import queues_served
+
+    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q",
+            ",".join(queues_served(settings)),
             "--pool", "solo", "--concurrency", "1", "--prefetch-multiplier", "1", "-n", f"{name}@%h",
             "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
 
@@ -163,18 +168,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def worker_groups(gpus: list[str], per_worker: int) -> list[list[str]]:
+    """The GPU ids cut into workers of `per_worker` devices each (the last may own fewer)."""
+    return [gpus[i : i + per_worker] for i in range(0, len(gpus), per_worker)]
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    if args.gpus_per_worker is not None:
+        settings = settings.model_copy(update={"worker_gpus": args.gpus_per_worker})
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else []
     if not gpus:
         # One worker: replace this process, so that signals (and SIGKILL) reach the worker itself.
         cmd = worker_command(settings, name=args.name, loglevel=args.loglevel)
         os.execve(sys.executable, cmd, {**os.environ, **settings.worker_env()})
     procs = []
-    for gpu in gpus:
-        # The parent never touches CUDA; each child sees exactly one device.
-        env = {**os.environ, **settings.worker_env(), "CUDA_VISIBLE_DEVICES": gpu}
-        procs.append(subprocess.Popen(worker_command(settings, name=f"{args.name}-gpu{gpu}",
+    for group in worker_groups(gpus, settings.worker_gpus):
+        # The parent never touches CUDA; each child sees exactly its devices and takes jobs up to their count.
+        own = settings.model_copy(update={"worker_gpus": len(group)})
+        env = {**os.environ, **own.worker_env(), "CUDA_VISIBLE_DEVICES": ",".join(group)}
+        procs.append(subprocess.Popen(worker_command(own, name=f"{args.name}-gpu{'-'.join(group)}",
                                                      loglevel=args.loglevel), env=env))
 
     def forward(signum: int, _frame: Any) -> None:
@@ -221,10 +234,15 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("worker", help="a Celery worker for the job queue (one process per GPU)",
                        description="Consumes the job queue (DTP_LAYOUT_QUEUE, default gpu) with one job at a time. "
-                                   "With --gpus 0,1 it starts one worker process per device, each with its own "
-                                   "CUDA_VISIBLE_DEVICES; this parent process never touches CUDA.")
+                                   "With --gpus 0,1 it starts one worker process per device (per --gpus-per-worker "
+                                   "devices), each with its own CUDA_VISIBLE_DEVICES; this parent process never "
+                                   "touches CUDA.")
     p.add_argument("--gpus", help="comma-separated CUDA device ids, one worker process each (default: one worker, "
                                   "CUDA_VISIBLE_DEVICES as set)")
+    p.add_argument("--gpus-per-worker", type=int, metavar="N", choices=range(1, MAX_WORLD_SIZE + 1),
+                   help="GPUs each worker process owns (DTP_LAYOUT_WORKER_GPUS, default 1): with --gpus 0,1,2,3 and "
+                        "2, two workers of two GPUs each; a worker takes the jobs whose distill.world_size is at most "
+                        "its GPUs (without --gpus: the gloo rank processes a CPU worker may start)")
     p.add_argument("--name", default="worker", help="Celery node name prefix (default: worker)")
     p.add_argument("--var-dir", help="base directory of the embedded defaults (DTP_LAYOUT_VAR_DIR)")
     p.add_argument("--loglevel", default="INFO")

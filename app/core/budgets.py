@@ -136,6 +136,9 @@ def job_problems(spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
                                                "the most a tenant may have in flight: it could never start"))
     if spec.distill is None:
         return problems
+    if spec.distill.world_size > settings.max_world_size:  # no worker owns that many GPUs: it could never start
+        problems.append(("distill.world_size", f"distill.world_size = {spec.distill.world_size} is over the most "
+                         f"GPUs any worker of this server owns, {settings.max_world_size} (DTP_LAYOUT_MAX_WORLD_SIZE)"))
     d = _distill_numbers(spec)
     if d["training_tokens"] > settings.max_distill_tokens:
         problems.append(_over("distill.steps", "distillation steps × batch_size × seq_len × layouts × seeds",

@@ -56,17 +56,36 @@ def celery_config(settings: Settings, *, publisher: bool = False) -> dict[str, A
     }
 
 
+def queue_for(settings: Settings, world_size: int) -> str:
+    """The Celery queue of a job on `world_size` ranks: the service's queue for 1, `QUEUE-wW` beyond, so
+    that only a worker with at least W GPUs (DTP_LAYOUT_WORKER_GPUS) takes it."""
+    return settings.queue if world_size <= 1 else f"{settings.queue}-w{world_size}"
+
+
+def queues_served(settings: Settings) -> list[str]:
+    """The queues a worker consumes: those of every world size up to the GPUs it owns."""
+    return [queue_for(settings, w) for w in range(1, settings.worker_gpus + 1)]
+
+
+def world_size_of(spec: dict[str, Any] | None) -> int:
+    """A stored job spec's distill.world_size (1 without a distillation)."""
+    distill = (spec or {}).get("distill") or {}
+    value = distill.get("world_size", 1)
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
 def make_celery(settings: Settings, *, include: tuple[str, ...] = (), publisher: bool = False) -> Celery:
     app = Celery("dtp_layout", include=list(include))
     app.conf.update(celery_config(settings, publisher=publisher))
     return app
 
 
-def enqueue(celery: Celery, settings: Settings, job_id: str, *, options: dict[str, Any] | None = None) -> None:
-    """Send the job to the queue by task name (the sender never imports the task's code); `options`
-    go to `send_task` (e.g. time limits)."""
-    celery.send_task(TASK_NAME, args=[job_id], queue=settings.queue, retry=True, retry_policy=PUBLISH_RETRY,
-                     **(options or {}))
+def enqueue(celery: Celery, settings: Settings, job_id: str, *, options: dict[str, Any] | None = None,
+            world_size: int = 1) -> None:
+    """Send the job to its world size's queue by task name (the sender never imports the task's code);
+    `options` go to `send_task` (e.g. time limits)."""
+    celery.send_task(TASK_NAME, args=[job_id], queue=queue_for(settings, world_size), retry=True,
+                     retry_policy=PUBLISH_RETRY, **(options or {}))
 
 
 class JobQueue:
@@ -84,8 +103,8 @@ class JobQueue:
                 self._celery = make_celery(self.settings, publisher=True)
             return self._celery
 
-    def enqueue(self, job_id: str, options: dict[str, Any] | None = None) -> None:
-        enqueue(self.celery, self.settings, job_id, options=options)
+    def enqueue(self, job_id: str, options: dict[str, Any] | None = None, world_size: int = 1) -> None:
+        enqueue(self.celery, self.settings, job_id, options=options, world_size=world_size)
 
     def ping(self) -> None:
         """Raises when the broker cannot be reached within a few seconds."""

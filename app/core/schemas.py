@@ -249,6 +249,7 @@ class DistillJobSpec(_Strict):
     train: DistillDataIn | None = Field(default=None, description=_group("distill.train"))
     eval: DistillDataIn | None = Field(default=None, description=_group("distill.eval"))
     allow_overlap: StrictBool = _spec("distill.allow_overlap")
+    world_size: StrictInt = _spec("distill.world_size")
     recipe: DistillRecipeIn = Field(default_factory=lambda: DistillRecipeIn(), description=_group("distill.recipe"))
 
     @field_validator("layouts")
@@ -264,6 +265,14 @@ class DistillJobSpec(_Strict):
         if len(set(value)) != len(value) or any(s < 0 for s in value):
             raise ValueError(f"seeds must be distinct integers ≥ 0, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _batch_splits(self) -> DistillJobSpec:
+        batch = self.recipe.given().get("batch_size", jobspec.BY_PATH["distill.recipe.batch_size"].default)
+        if batch % self.world_size:
+            raise ValueError(f"world_size={self.world_size} must divide recipe.batch_size={batch} (each rank takes "
+                             "an equal share of every batch)")
+        return self
 
     @model_validator(mode="after")
     def _steps_once(self) -> DistillJobSpec:

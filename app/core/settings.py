@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.jobspec import MAX_WORLD_SIZE
+
 # Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -87,6 +89,14 @@ class Settings(BaseSettings):
                                                      "a machine, as `dtp-layout serve` does) or the comma-separated "
                                                      "names the workers have (an API whose workers run elsewhere)")
     device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
+    worker_gpus: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE,
+                             description="GPUs a worker process owns (`dtp-layout worker --gpus-per-worker`; on a "
+                                         "CPU worker: the gloo rank processes it may start); it takes the jobs whose "
+                                         "distill.world_size is at most this (one Celery queue per world size)")
+    max_world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE,
+                                description="the largest distill.world_size a job may ask: the most GPUs any worker "
+                                            "owns (DTP_LAYOUT_WORKER_GPUS); more is 422 at submit (it could never "
+                                            "start)")
     cuda_memory_fraction: float | None = Field(
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
                                               "workers on one GPU); a job that needs more fails with the sizes")

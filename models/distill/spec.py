@@ -30,6 +30,7 @@ class DistillSpec:
     calibration: CalibrationSpec | None = None
     calibration_identity: str | None = None
     allow_overlap: bool = False
+    world_size: int = 1  # ranks each run trains on (models.distill.sharding); the curves do not depend on it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layouts", tuple(self.layouts))
@@ -38,5 +39,8 @@ class DistillSpec:
             raise DistillError("layouts: give at least one layout")
         if len(set(self.layouts)) != len(self.layouts):
             raise DistillError(f"layouts: duplicates in {', '.join(self.layouts)}")
+        if self.world_size < 1 or self.recipe.batch_size % self.world_size:
+            raise DistillError(f"world_size must be a positive divisor of recipe.batch_size={self.recipe.batch_size} "
+                               f"(each rank takes an equal share of every batch), got {self.world_size}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise DistillError(f"seeds: give distinct integers, got {list(self.seeds)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -72,7 +73,9 @@ def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: 
     metrics = request.app.state.metrics
     try:
         job = services.submit_job(session=session, settings=settings, spec=spec, caller=caller,
-                                  enqueue=queue.enqueue, request_id=rid)
+                                  enqueue=functools.partial(queue.enqueue, world_size=spec.distill.world_size
+                                                            if spec.distill else 1),
+                                  request_id=rid)
     except SpecError:
         metrics.rejected.inc()
         raise

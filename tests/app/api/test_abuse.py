@@ -186,6 +186,10 @@ def test_per_job_budgets_are_422_naming_the_field(base):
          "MAX_CALIBRATION_TOKENS"),
         ({"distill": {"train": {"source": "corpus:kjv", "seq_len": 4096}}}, "distill.train.seq_len",
          "max_position_embeddings"),
+        # no worker owns more GPUs than DTP_LAYOUT_MAX_WORLD_SIZE (1 by default): it could never start
+        ({"distill": {"world_size": 2}}, "distill.world_size", "DTP_LAYOUT_MAX_WORLD_SIZE"),
+        ({"distill": {"world_size": 65}}, "distill.world_size", "less than or equal"),
+        ({"distill": {"world_size": 3}}, "distill", "must divide recipe.batch_size=16"),
     ]
     with app_with(base) as client:
         for overrides, field, text in cases:
