@@ -136,6 +136,9 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
             artifacts = {a["name"]: a for a in api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]}
         assert job["status"] == "succeeded" and job["owner"] == "ci"
         assert job["spec"]["distill"]["layouts"] == ["optimised", "contiguous", "random-1000"]
+        meta = dict(zip((dt.text_content() for dt in page.query_selector_all("#job-header dl.meta dt")),
+                        (dd.text_content() for dd in page.query_selector_all("#job-header dl.meta dd")), strict=True))
+        assert meta["Distillation ranks W"] == str(job["spec"]["distill"]["world_size"]) == "1"
 
         # Stage timeline, every stage done, in order.
         rows = page.query_selector_all("table.timeline tbody tr")

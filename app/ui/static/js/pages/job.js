@@ -29,6 +29,7 @@ function header(job, {onCancel}) {
     ["Model", [model.id, model.gguf_file ? ` (${model.gguf_file})` : "", model.revision ? ` @ ${model.revision}` : ""].join("")],
     ["Devices L · delay δ", `${spec.devices} · ${spec.delta ?? 1}`],
     ["Score", spec.score || "fo"],
+    ["Distillation ranks W", spec.distill ? String(spec.distill.world_size ?? 1) : "— (no distillation)"],
     ["Calibration", `${cal.source} · ${cal.sequences ?? 64} × ${cal.seq_len ?? 1024} tokens`],
     ["Owner", job.owner || "—"],
     ["Submitted", `${when(job.created_at)} (${ago(job.created_at)})`],
