@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -427,6 +428,67 @@ def stage_distill(check: Check, model: Any, layouts: dict[str, Any] | None, rec:
     rec["projected_1000_steps_s"] = round(1000 * rec["step_s"] + evaluations * rec["eval_s"] + rec["reference_s"], 1)
 
 
+def sharded_world_size(device: torch.device, requested: int | None, gpus: int) -> tuple[int, str | None]:
+    """The W of the sharded-distillation stage and, when it does not apply, why: it runs on W > 1 GPUs
+    (all of them unless --world-size says fewer); --world-size on the CPU runs gloo ranks (the tests)."""
+    if device.type != "cuda":
+        if requested and requested > 1:
+            return requested, None
+        return 0, "no GPU: the W-GPU distillation needs at least 2 (--world-size W runs gloo ranks on the CPU)"
+    world = requested or gpus
+    if gpus < 2 or world < 2:
+        return 0, f"{gpus} GPU(s) visible: the W-GPU distillation needs at least 2"
+    if world > gpus:
+        return 0, f"--world-size {world} but only {gpus} GPU(s) visible"
+    return world, None
+
+
+def stage_distill_sharded(check: Check, model: Any, world_size: int, rec: dict[str, Any]) -> None:
+    """The same few distillation steps at W = 1 and on W ranks (FSDP2; NCCL on GPUs): step times, and the
+    largest loss difference (the W-rank curve must be the W = 1 one)."""
+    import tempfile
+
+    from models import distill as D
+    from models.families import model_shape
+    from models.layouts import layout as lay
+
+    s = check.sizes
+    batch = max(world_size, s.recipe.get("batch_size", 16) // world_size * world_size)
+    micro = min(batch // world_size, s.recipe.get("micro_batch_size", 4))
+    recipe = D.DistillRecipe(**{**s.recipe, "batch_size": batch, "micro_batch_size": micro,
+                                "steps": s.distill_steps + 1, "eval_every": s.distill_steps + 1,
+                                "warmup_steps": 1})
+    vocab = model.config.vocab_size
+    train = random_blocks(recipe.steps * batch, s.seq_len, vocab, seed=3).to(check.device)  # [steps·B, S]
+    reference = D.DenseReference.compute(model, random_blocks(2, s.seq_len, vocab, seed=4).to(check.device),
+                                         recipe=recipe)
+    layout = lay.contiguous(model_shape(model.config), s.devices, s.delta)
+    runs: dict[int, dict[str, Any]] = {}
+    for w in (1, world_size):
+        stamps: list[float] = []
+        losses: list[float] = []
+
+        def on_step(stats: Any, _last: Any, stamps: list[float] = stamps, losses: list[float] = losses) -> None:
+            check.sync()
+            stamps.append(time.perf_counter())
+            losses.append(stats.loss)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            seconds, _ = check.timed(functools.partial(
+                D.distill_run, teacher=model, layout=layout, seed=0, recipe=recipe, train_blocks=train,
+                reference=reference, run_dir=Path(tmp) / "run", on_step=on_step, world_size=w))
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        runs[w] = {"seconds": round(seconds, 3), "step_s": round(statistics.median(gaps), 4) if gaps else None,
+                   "losses": [round(v, 6) for v in losses]}
+    diff = max(abs(a - b) for a, b in zip(runs[1]["losses"], runs[world_size]["losses"], strict=True))
+    rec.update(world_size=world_size, batch_size=batch, steps=recipe.steps, runs={str(k): v for k, v in runs.items()},
+               max_loss_diff=diff)
+    if runs[1]["step_s"] and runs[world_size]["step_s"]:
+        rec["step_ratio_vs_w1"] = round(runs[world_size]["step_s"] / runs[1]["step_s"], 3)
+    if not diff <= 1e-3:  # bf16 autocast on GPUs: the ranks' micro-batches round differently, not this much
+        raise RuntimeError(f"W={world_size} losses differ from W=1 by {diff}")
+
+
 def stage_tests(check: Check, rec: dict[str, Any]) -> None:
     """`pytest -m gpu tests/gpu` in a subprocess, with what is left of the budget."""
     timeout = check.remaining() - 25  # pytest gets 20 s to tear down after an interrupt, inside the budget
@@ -490,6 +552,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=380.0, help="seconds for the whole run (default 380)")
     ap.add_argument("--grace-s", type=float, default=20.0, help="past budget + grace the watchdog stops the run")
     ap.add_argument("--skip-tests", action="store_true", help="do not run the gpu tests")
+    ap.add_argument("--world-size", type=int, metavar="W",
+                    help="ranks of the sharded-distillation stage (default: every visible GPU; it runs only with "
+                         "2 or more; on the CPU, W gloo ranks)")
     ap.add_argument("--hang-in", help=argparse.SUPPRESS)  # tests: hang in this stage (the watchdog's test)
     return ap.parse_args(argv)
 
@@ -566,6 +631,15 @@ def run_check(check: Check, args: argparse.Namespace) -> int:
                     needs=10, after=("model",))
     check.run_stage("distill", step("distill", lambda rec: stage_distill(check, model, layouts, rec)),
                     needs=30, after=("model",))
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    world_size, not_applicable = sharded_world_size(device, args.world_size, gpus)
+    if not_applicable is None:
+        check.run_stage("distill-sharded",
+                        step("distill-sharded", lambda rec: stage_distill_sharded(check, model, world_size, rec)),
+                        needs=60, after=("model",))
+    else:
+        check.results["not_applicable"] = {"distill-sharded": not_applicable}
+        log(f"distill-sharded: not applicable ({not_applicable})")
     model = affinity = layouts = None  # the GPU memory goes to the tests' processes
     if device.type == "cuda":
         torch.cuda.empty_cache()

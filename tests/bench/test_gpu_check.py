@@ -36,6 +36,7 @@ def test_tiny_run_goes_through_every_stage_and_the_gpu_tests(tmp_path, capsys):
     assert res["format"] == gpu_check.FORMAT and res["mode"] == "tiny" and res["status"] == "ok"
     stages = res["stages"]
     assert [name for name in stages] == [*STAGES, "tests"]
+    assert "distill-sharded" in res["not_applicable"]  # no GPU here: not a skipped stage
     assert all(stages[name]["status"] == "ok" for name in stages), stages
     sizes = gpu_check.TINY
     assert stages["model"]["layers"] == sizes.layers and stages["model"]["dtype"] == "bfloat16"
@@ -88,3 +89,25 @@ def test_the_full_size_refuses_to_run_without_cuda(tmp_path, monkeypatch):
     assert gpu_check.main(["--out", str(tmp_path)]) == gpu_check.EXIT_NO_CUDA
     res = results(tmp_path)
     assert res["status"] == "no CUDA" and "--tiny" in res["error"] and res["stages"] == {}
+
+
+def test_the_w_gpu_distillation_applies_only_with_two_gpus_or_more():
+    cpu, cuda = __import__("torch").device("cpu"), __import__("torch").device("cuda", 0)
+    for gpus in (0, 1):
+        world, why = gpu_check.sharded_world_size(cuda, None, gpus)
+        assert world == 0 and "needs at least 2" in why
+    assert gpu_check.sharded_world_size(cpu, None, 0)[0] == 0  # no GPU: not applicable, not a skipped stage
+    assert gpu_check.sharded_world_size(cuda, None, 4) == (4, None)  # every visible GPU
+    assert gpu_check.sharded_world_size(cuda, 2, 4) == (2, None)
+    assert "only 4 GPU(s)" in gpu_check.sharded_world_size(cuda, 8, 4)[1]
+    assert gpu_check.sharded_world_size(cpu, 2, 0) == (2, None)  # gloo ranks on the CPU (the test below)
+    assert gpu_check.parse_args(["--out", "x", "--world-size", "2"]).world_size == 2
+
+
+def test_tiny_run_with_two_gloo_ranks_runs_the_sharded_distillation(tmp_path, capsys):
+    code = gpu_check.main(["--tiny", "--out", str(tmp_path), "--device", "cpu", "--skip-tests", "--world-size", "2",
+                           "--budget-s", "600"])
+    assert code == gpu_check.EXIT_OK, capsys.readouterr().out[-3000:]
+    stage = results(tmp_path)["stages"]["distill-sharded"]
+    assert stage["status"] == "ok" and stage["world_size"] == 2, stage
+    assert stage["max_loss_diff"] <= 1e-5 and len(stage["runs"]["2"]["losses"]) == stage["steps"]
