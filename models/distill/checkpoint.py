@@ -14,9 +14,12 @@ only under the fingerprint it was made with.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,14 @@ def _state_dicts(student: DTPModel, optimizer: torch.optim.Optimizer) -> dict[st
     return {"model": model_sd, "optim": optim_sd}
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: W = 1 is exactly that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _rng_state() -> str:
     return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
@@ -97,7 +108,8 @@ def save_checkpoint(directory: Path, *, student: DTPModel, optimizer: torch.opti
     if ranks.writer:
         shutil.rmtree(partial, ignore_errors=True)
     ranks.barrier()
-    dcp.save(_state_dicts(student, optimizer), checkpoint_id=str(partial), no_dist=not ranks.sharded)
+    with _one_process_quietly():
+        dcp.save(_state_dicts(student, optimizer), checkpoint_id=str(partial), no_dist=not ranks.sharded)
     if ranks.writer:
         atomic_write_json(partial / RUN_STATE, {
             "format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "step": state.step,
@@ -140,7 +152,8 @@ def restore(directory: Path, data: dict[str, Any], student: DTPModel, optimizer:
 
     state = _state_dicts(student, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(directory), no_dist=not torch.distributed.is_initialized())
+        with _one_process_quietly():
+            dcp.load(state, checkpoint_id=str(directory), no_dist=not torch.distributed.is_initialized())
     except Exception as exc:  # DCP's CheckpointException carries every rank's failure
         raise DistillError(f"{directory}: checkpoint does not match the student: {exc}") from exc
     set_state_dict(student, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],

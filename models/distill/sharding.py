@@ -20,6 +20,7 @@ by all ranks at each step.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -105,6 +106,9 @@ def shard_student(student: DTPModel, device: torch.device) -> DTPModel:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    # The partials are views ([P, B·S, D] -> [P, B, S, D]); the recurrence only adds them out of place
+    # (x = x + o), which keeps FSDP's pre-backward hook, so its warning about in-place ops does not apply.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in student.layers:
         setattr(layer, GATHERED, call_through.__get__(layer))  # a method of this layer alone
