@@ -53,8 +53,9 @@ from app.core.lease import Lease, LeaseLost
 from app.core.schemas import METRIC_NAMES, JobSpec
 from app.core.services import DISTILL_SUMMARY, job_log_fields
 from app.core.settings import Settings
-from app.core.sources import SourceError, forget_configs, resolve_data
+from app.core.sources import ModelLocation, SourceError, forget_configs, resolve_data
 from app.core.storage import Storage, sha256_file, tenant_scope
+from app.core.upload_store import UploadStore
 from models.runner import Hooks, run_stages
 from models.stages import REPORT_INPUTS, STAGES, AffinityStore
 from models.stages import build_report as stages_report
@@ -422,6 +423,7 @@ class JobRun(Hooks):
     def run(self) -> None:
         from models.heldout import source_identity
 
+        self.check_quota()
         self.prepare_work()
         ctx = self.context()
         run_stages(STAGES, ctx, self, keep=REPORT_INPUTS)
@@ -432,6 +434,48 @@ class JobRun(Hooks):
         self._finish(stages_report(ctx, calibration_identity=source_identity(ctx.calibration.source,
                                                                              ctx.calibration.text_field),
                                    data=held_out))
+
+    def check_quota(self) -> None:
+        """Before the job writes anything: its tenant must be under its storage quota (checked at submit
+        too; other jobs may have filled it since). Over it, the job fails naming the quota."""
+        from app.core.errors import ApiError
+        from app.core.usage import check_quota
+
+        with self.db.session() as session:
+            try:
+                check_quota(session, settings=self.settings, tenant=self.owner, asked=0,
+                            what="this job (its artifacts)")
+            except ApiError as exc:
+                raise ValueError(exc.detail) from None
+
+    def upload_path(self, ref: str, *, kind: str, field: str) -> Path:
+        """A local copy of the job's tenant's upload (the store's own files on a local store): the file of a
+        one-file upload, else the directory."""
+        from app.core.uploads import local_path
+
+        return local_path(db=self.db, store=UploadStore(self.storage), ref=ref, tenant=self.owner, kind=kind,
+                          field=field, cache=self.storage.root / "cache" / "uploads")
+
+    def data_source(self, source: str, field: str) -> str:
+        """What models.calibration reads for a spec's data source: an upload's local copy, a corpus, a hub
+        dataset, or a name under the data root as its absolute path."""
+        if source.startswith("upload:"):
+            return str(self.upload_path(source, kind="data", field=field))
+        return resolve_data(self.settings.data_dir, source, field=field)
+
+    def model_location(self) -> ModelLocation:
+        """Where the model is loaded from: an upload (its config checked again), else `prepare_model`."""
+        spec = self.spec
+        if not spec.model.id.startswith("upload:"):
+            return prepare_model(settings=self.settings, spec=spec)
+        from app.core.model_limits import check_model_config
+        from app.core.sources import read_config
+
+        location = ModelLocation(path=self.upload_path(spec.model.id, kind="model", field="model.id"))
+        config = read_config(location)
+        if config is not None and (problems := check_model_config(config, spec=spec, settings=self.settings)):
+            raise SourceError(problems[0][0], "; ".join(f"{field}: {message}" for field, message in problems))
+        return location
 
     def context(self) -> Any:
         """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
@@ -444,12 +488,12 @@ class JobRun(Hooks):
         spec = self.spec
         shown = CalibrationSpec(**spec.calibration.model_dump())
         calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
-                                         "source": resolve_data(self.settings.data_dir, spec.calibration.source)})
+                                         "source": self.data_source(spec.calibration.source, "calibration.source")})
         distill = self.distill_plan(calibration) if spec.distill is not None else None
 
         def source() -> ModelSource:
             # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
-            location = prepare_model(settings=self.settings, spec=spec)
+            location = self.model_location()
             if location.path is None or not location.path.is_absolute():
                 # Loaded by absolute path only: a name would be resolved against the working directory.
                 raise SourceError("model.id", f"model {spec.model.id!r} did not resolve to a file under the "
@@ -480,8 +524,8 @@ class JobRun(Hooks):
         spec = self.spec.distill
         assert spec is not None
         out_dir = self.work / "distill"
-        data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
-                                                                          field=f"distill.{part}.source")})
+        data = {part: CalibrationSpec(**{**fields, "source": self.data_source(fields["source"],
+                                                                              f"distill.{part}.source")})
                 for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),

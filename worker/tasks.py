@@ -3,7 +3,9 @@
 Every worker also runs a sweeper thread (at start, then every lease/2 seconds, at most 30 s apart)
 that re-enqueues jobs nobody holds: running jobs whose worker died or stalled (their lease expired),
 so a job killed mid-stage resumes on another worker after its last finished stage, and jobs still
-queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost).
+queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost). With
+DTP_LAYOUT_RETENTION_DAYS set, it also removes the artifacts of jobs finished longer ago than that
+(app.core.usage.expire_finished: the rows stay, marked expired).
 
 Time limits: the solo pool cannot interrupt a task, so Celery's time limits would be ignored; the
 job's monitor enforces them instead (`Settings.time_limits`, from the job's work tokens): past the
@@ -71,6 +73,11 @@ def sweep_once() -> list[str]:
         log.warning("job %s: still queued %.0f s after it was sent (message lost); re-enqueued", job_id,
                     settings.requeue_after_s)
         sent.append(job_id)
+    if settings.retention_days > 0:
+        from app.core.storage import Storage
+        from app.core.usage import expire_finished
+
+        expire_finished(db, Storage(settings.storage), days=settings.retention_days)
     return sent
 
 

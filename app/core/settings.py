@@ -86,6 +86,28 @@ class Settings(BaseSettings):
                                                      "process can read: right where the API and its workers share "
                                                      "a machine, as `dtp-layout serve` does) or the comma-separated "
                                                      "names the workers have (an API whose workers run elsewhere)")
+    upload_part_bytes: int = Field(default=16 << 20, ge=1 << 20, le=1 << 30,
+                                   description="the part size of uploads (PUT /v1/uploads/{id}/files/{path}/parts/{n}; "
+                                               "every part but a file's last is this long); an S3 store needs at "
+                                               "least 5 MiB")
+    upload_max_bytes: int = Field(default=64 << 30, ge=1, description="the most bytes one upload may declare (all its "
+                                                                      "files); more is 413")
+    upload_part_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="an upload part's body must arrive "
+                                                                                   "within this (instead of "
+                                                                                   "BODY_TIMEOUT_S); else 408")
+    storage_quota_bytes: int = Field(default=100 << 30, ge=0, description="bytes a tenant may keep in the store: its "
+                                                                          "uploads (declared sizes, open ones too) "
+                                                                          "and its jobs' artifacts; an upload past it "
+                                                                          "is 429 (413 when it alone is larger), a "
+                                                                          "job submitted at or past it is 429; 0: no "
+                                                                          "quota")
+    storage_quotas: str = Field(default="", description="per-tenant quotas over STORAGE_QUOTA_BYTES, comma-separated "
+                                                        "TENANT=BYTES entries (0: no quota for that tenant)")
+    retention_days: float = Field(default=0.0, ge=0, le=36500, description="finished jobs' artifacts are removed "
+                                                                          "from the store this many days after the "
+                                                                          "job finished, by the workers' sweeper "
+                                                                          "(the job row, layouts and scores stay, "
+                                                                          "marked expired); 0 keeps them forever")
     device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
     cuda_memory_fraction: float | None = Field(
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
@@ -146,6 +168,12 @@ class Settings(BaseSettings):
                              f"got {value!r}")
         return value
 
+    @field_validator("storage_quotas")
+    @classmethod
+    def _quotas(cls, value: str) -> str:
+        quota_entries(value)
+        return value
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _case(cls, value: object, info: ValidationInfo) -> object:
@@ -187,6 +215,10 @@ class Settings(BaseSettings):
         assert self.data_root is not None
         return self.data_root
 
+    def quota_of(self, tenant: str | None) -> int:
+        """The tenant's storage quota in bytes (0: none): its STORAGE_QUOTAS entry, else STORAGE_QUOTA_BYTES."""
+        return quota_entries(self.storage_quotas).get(tenant or "", self.storage_quota_bytes)
+
     def key_entries(self) -> list[tuple[str, str, bool, str]]:
         """(name, sha256 hex digest, admin, tenant) of every DTP_LAYOUT_API_KEYS entry. Raises ValueError
         for a malformed entry, or a plain key (only digests are accepted: a leaked settings file leaks no key)."""
@@ -218,6 +250,17 @@ class Settings(BaseSettings):
             if value is not None:
                 env[f"{self.model_config.get('env_prefix', '')}{name.upper()}"] = _env_text(value)
         return env
+
+
+def quota_entries(value: str) -> dict[str, int]:
+    """DTP_LAYOUT_STORAGE_QUOTAS as tenant → bytes; ValueError naming a malformed entry."""
+    quotas = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        tenant, _, number = item.partition("=")
+        if not KEY_NAME.fullmatch(tenant.strip()) or not number.strip().isdigit():
+            raise ValueError(f"DTP_LAYOUT_STORAGE_QUOTAS entry {item[:120]!r} is not TENANT=BYTES")
+        quotas[tenant.strip()] = int(number.strip())
+    return quotas
 
 
 def _env_text(value: object) -> str:

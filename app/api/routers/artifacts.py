@@ -20,7 +20,7 @@ from app.api.errors import responses
 from app.api.metrics import Metrics
 from app.core import services
 from app.core.db import Artifact
-from app.core.errors import ArtifactDamaged, NotFound, RangeNotSatisfiable
+from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable
 from app.core.schemas import ArtifactList, ArtifactOut
 from app.core.storage import CHUNK, DamagedFile, Storage
 
@@ -114,13 +114,17 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
                        206: {"description": "a byte range",
                              "content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA_TYPES}},
                        304: {"description": "not modified"},
-                       **responses(404, 416, _404="no such job or artifact",
+                       **responses(404, 410, 416, _404="no such job or artifact",
                                    _503="the database is unreachable, or the stored file is damaged (never served: "
                                         "`artifact_damaged`)")})
 @releases_session
 def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_length=255, description="artifact name")],
              session: SessionDep, storage: StorageDep, caller: CallerDep) -> Response:
     art = services.get_artifact(session=session, job_id=job_id, name=name, caller=caller)
+    if art.job.expired_at is not None:
+        why = "deleted" if art.job.expired_reason == "deleted" else "past the retention period"
+        raise Gone(f"artifact {art.name!r} of job {job_id!r} was removed from the store on "
+                   f"{art.job.expired_at.isoformat(timespec='seconds')}Z ({why}); the job's layouts and scores stay")
     session.close()  # the row is read: end the read transaction before the (maybe long) transfer
     f = _open_checked(request, storage, art, job_id)
     size, filename = art.size, PurePosixPath(art.name).name
