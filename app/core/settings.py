@@ -32,6 +32,22 @@ class Settings(BaseSettings):
     storage_root: Path | None = Field(default=None, description="artifacts, per-job work directories and the affinity "
                                                                 "cache (a volume the API and workers share); default "
                                                                 "VAR_DIR/storage")
+    storage_url: str = Field(default="", max_length=1024,
+                             description="s3://BUCKET/PREFIX: artifacts, the affinity cache, converted models and "
+                                         "uploads live in this S3-compatible store (endpoint and credentials from "
+                                         "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION); "
+                                         "empty: the STORAGE_ROOT directory, shared by the API and its workers "
+                                         "(app/core/object_store.py)")
+    storage_redirect: bool = Field(default=False, description="S3 store only: artifact downloads answer 307 to a "
+                                                              "presigned URL of the object (expiring after "
+                                                              "PRESIGN_EXPIRY_S) instead of streaming it through "
+                                                              "the API")
+    presign_expiry_s: int = Field(default=300, ge=10, le=3600, description="lifetime of a presigned download URL "
+                                                                           "(STORAGE_REDIRECT)")
+    multipart_stale_s: float = Field(default=86400.0, ge=60, description="the workers' sweeper aborts multipart "
+                                                                         "uploads begun longer ago than this (and "
+                                                                         "removes a job's objects no artifact row "
+                                                                         "lists once the job has ended)")
     model_root: Path | None = Field(default=None, description="the models a job may name (directories or .gguf "
                                                               "files); default VAR_DIR/models")
     data_root: Path | None = Field(default=None, description="the calibration files a job may name; default "
@@ -144,6 +160,17 @@ class Settings(BaseSettings):
         if value.strip().lower() not in ("", "auto") and any(n not in CORPORA for n in names):
             raise ValueError(f"DTP_LAYOUT_CORPORA must be auto or comma-separated names among {', '.join(CORPORA)}, "
                              f"got {value!r}")
+        return value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url(cls, value: str) -> str:
+        """A malformed s3:// URL stops the process at start, naming the accepted form."""
+        from app.core.object_store import parse_url
+
+        value = value.strip()
+        if value:
+            parse_url(value)
         return value
 
     @field_validator("log_format", "log_level", mode="before")
