@@ -144,8 +144,9 @@ class ObjectStore(Protocol):
 
     url: str  # where it is, for logs and docs: a directory or s3://bucket/prefix
 
-    def put_file(self, path: Path, key: str) -> ObjectInfo:
-        """Upload a local file under `key` (replacing any object there); its size, etag and sha256."""
+    def put_file(self, path: Path, key: str, *, sha256: str | None = None) -> ObjectInfo:
+        """Upload a local file under `key` (replacing any object there); its size, etag and sha256
+        (`sha256`: the caller's digest of the file, which then is not hashed again)."""
         ...
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -245,7 +246,7 @@ class LocalStore:
 
     # objects
 
-    def put_file(self, path: Path, key: str) -> ObjectInfo:
+    def put_file(self, path: Path, key: str, *, sha256: str | None = None) -> ObjectInfo:
         check_key(key)
         out, tmp = self._tmp()
         try:
@@ -257,11 +258,22 @@ class LocalStore:
             raise
         return self._info(key, dest, digest)
 
-    def move_in(self, path: Path, key: str, *, sha256: str) -> ObjectInfo:
-        """put_file without the copy: `path` (on the root's filesystem, e.g. a work directory) is renamed
-        to the key. The worker's publish uses it when the store is this directory (no doubled disk)."""
-        dest = self._install(path, check_key(key))
-        return self._info(key, dest, sha256)
+    def link_in(self, path: Path, key: str) -> ObjectInfo:
+        """put_file without a copy when `path` is on the root's filesystem (a worker's work directory): a
+        hard link renamed into place (the work file stays for a resumed attempt; removing the work
+        directory later leaves the object). Another filesystem: copied."""
+        check_key(key)
+        tmp = self._staging("tmp") / f"link-{uuid.uuid4().hex}"
+        try:
+            os.link(path, tmp)
+        except OSError:
+            return self.put_file(path, key)
+        try:
+            dest = self._install(tmp, key)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return self._info(key, dest)
 
     def head(self, key: str) -> ObjectInfo | None:
         path = self.local_path(key)
@@ -491,8 +503,8 @@ class S3Store:
     def local_path(self, key: str) -> Path | None:
         return None
 
-    def put_file(self, path: Path, key: str) -> ObjectInfo:
-        digest = _sha256_path(path)  # read once to hash, once to send: the metadata goes with the PUT
+    def put_file(self, path: Path, key: str, *, sha256: str | None = None) -> ObjectInfo:
+        digest = sha256 or _sha256_path(path)  # the metadata goes with the PUT: hashed before sending
         self.client.upload_file(str(path), self.bucket, self._k(key), Config=self.transfer,
                                 ExtraArgs={"Metadata": {"sha256": digest}})
         info = self.head(key)
