@@ -59,6 +59,7 @@ from app.core.upload_store import UploadStore
 from models.runner import Hooks, run_stages
 from models.stages import REPORT_INPUTS, STAGES, AffinityStore
 from models.stages import build_report as stages_report
+from worker.converted_mirror import StoreMirror
 from worker.device import out_of_memory_message, prepare_device
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
@@ -236,30 +237,35 @@ class Monitor(threading.Thread):
 
 # ---- running the stages -----------------------------------------------------------------------------
 
+AFFINITY_COPY = "affinity.cached.safetensors"  # the work directory's copy of the cache entry the stages read
+
+
 class CachedAffinity(AffinityStore):
-    """The affinity stage's result in the per-tenant cache (STORAGE_ROOT/affinity/<tenant>/<fingerprint>/),
-    shared by the tenant's jobs with the same fingerprint, never by another tenant's; written under the
-    fence (a run that lost the job leaves it alone)."""
+    """The affinity stage's result in the per-tenant cache (the store's affinity/<tenant>/<fingerprint>/),
+    shared by the tenant's jobs with the same fingerprint, never by another tenant's. The stages read a
+    copy in the work directory (fetched from the store on a hit); the job's `affinity.safetensors`
+    artifact is that copy, published under the job's own key (deleting another job never takes it)."""
 
     def __init__(self, run: JobRun) -> None:
         self.run = run
-        self.path = run.storage.path(Storage.affinity_key(run.fingerprint, tenant=run.owner))
+        self.key = Storage.affinity_key(run.fingerprint, tenant=run.owner)
+        self.path = run.work / AFFINITY_COPY
         self.computed_here = run.work / "affinity.computed"  # survives a crash between caching and recording
 
     def lookup(self) -> bool | None:
         if not self.path.is_file():
-            return None
+            if self.run.storage.objects.head(self.key) is None:
+                return None
+            self.run.storage.objects.fetch(self.key, self.path)
         return not self.computed_here.exists()
 
     def publish(self, produced: Path) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.computed_here.touch()
+        produced.replace(self.path)
         with self.run.db.transaction() as session:
-            self.run._owned(session)
-            if self.path.is_file():  # another job with the same fingerprint finished first
-                produced.unlink()
-            else:
-                produced.replace(self.path)
+            self.run._owned(session)  # a run that lost the job leaves the cache alone
+        if self.run.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
+            self.run.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
 
 
 class JobRun(Hooks):
@@ -273,7 +279,7 @@ class JobRun(Hooks):
         self.lease = Lease(job.id, worker, job.attempts)
         self.fingerprint, self.owner = job.fingerprint, job.owner
         self.done: list[str] = list(job.stages_done or [])
-        self.storage = Storage(settings.storage)
+        self.storage = Storage.from_settings(settings)
         self.work = self.storage.work_dir(job.id) / str(self.attempt)
         self.stage: str | None = None
         self._stage_t0 = self._stage_mono = 0.0
@@ -393,21 +399,32 @@ class JobRun(Hooks):
         if stage not in self.done:
             self.done.append(stage)
 
-    @staticmethod
-    def digests(files: list[tuple[str, str, Path]]) -> list[tuple[str, str, Path, int, str]]:
-        """(name, kind, path, size, sha256) of files about to be published: hashed before the
-        transaction that installs them, so that the job row is not held locked while hashing."""
-        return [(name, kind, path, path.stat().st_size, sha256_file(path)) for name, kind, path in files]
-
-    def _artifact_rows(self, session: Session, files: list[tuple[str, str, Path, int, str]]) -> None:
-        """Install files as artifacts (skipping names already recorded) and add their rows; called
-        inside `complete`, after `_owned`: a run that lost the job installs nothing."""
-        have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
-        for name, kind, path, size, digest in files:
+    def upload(self, files: list[tuple[str, str, Path]]) -> list[tuple[str, str, str, int, str]]:
+        """(name, kind, key, size, sha256) of files about to be published: hashed and put in the store
+        before the transaction that records their rows (the job row is not held locked while hashing or
+        uploading, and a row is never visible before its object is whole). Each goes to this attempt's
+        key (Storage.artifact_key): a run that lost the job can upload, but never over the winner's
+        objects, and never records a row; what no row lists is swept."""
+        with self.db.session() as session:
+            have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        out = []
+        for name, kind, path in files:
             if name in have:
                 continue
-            key = Storage.artifact_key(self.job_id, name)
-            self.storage.install(path, key)
+            self.check()
+            size, digest = path.stat().st_size, sha256_file(path)
+            key = Storage.artifact_key(self.job_id, name, self.attempt)
+            self.storage.publish(path, key, sha256=digest)
+            out.append((name, kind, key, size, digest))
+        return out
+
+    def _artifact_rows(self, session: Session, files: list[tuple[str, str, str, int, str]]) -> None:
+        """Add the rows of uploaded files (skipping names already recorded); called inside `complete`,
+        after `_owned`: a run that lost the job records nothing."""
+        have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        for name, kind, key, size, digest in files:
+            if name in have:
+                continue
             session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=size, sha256=digest,
                                  storage_key=key))
 
@@ -512,7 +529,9 @@ class JobRun(Hooks):
             affinity=CachedAffinity(self),
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
-            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner)))
+            # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
+            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
+                                     mirror=None if self.storage.local else StoreMirror(self.storage.objects)))
 
     def distill_plan(self, calibration: Any) -> Any:
         """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
@@ -580,17 +599,11 @@ class JobRun(Hooks):
     def _record_affinity(self, note: dict[str, Any]) -> None:
         from models.run_files import AFFINITY_FILE
 
-        cache_key = Storage.affinity_key(self.fingerprint, tenant=self.owner)
-        cache_path = self.storage.path(cache_key)
-        cache_size, cache_digest = cache_path.stat().st_size, sha256_file(cache_path)
+        published = self.upload([(AFFINITY_FILE, "affinity", self.work / AFFINITY_COPY)])
 
         def record(session: Session, job: Job) -> None:
             job.affinity_cached = note["cached"]
-            have = session.scalars(select(Artifact.id).where(Artifact.job_id == self.job_id,
-                                                             Artifact.name == AFFINITY_FILE)).first()
-            if have is None:
-                session.add(Artifact(job_id=self.job_id, name=AFFINITY_FILE, kind="affinity", size=cache_size,
-                                     sha256=cache_digest, storage_key=cache_key))
+            self._artifact_rows(session, published)
 
         self.complete("affinity", record, **note)
 
@@ -619,7 +632,7 @@ class JobRun(Hooks):
 
         files = [(f"{sub}/{p.name}", sub, p) for sub in EXPORT_DIRS
                  for p in sorted((self.work / sub).glob("*")) if p.is_file()]
-        published = self.digests(files)
+        published = self.upload(files)
         self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
                       **note, files=len(files))
 
@@ -643,7 +656,7 @@ class JobRun(Hooks):
             shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
             files.append((f"distill/{name}", "distill", staging / name))
 
-        published = self.digests(files)
+        published = self.upload(files)
 
         def record(session: Session, _job: Job) -> None:
             upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
@@ -662,7 +675,7 @@ class JobRun(Hooks):
             report["job"] = {"id": self.job_id, "fingerprint": self.fingerprint,
                              "affinity_cached": bool(job.affinity_cached)}
         _write_json(report_file, report)
-        published = self.digests([("report.json", "report", report_file)])
+        published = self.upload([("report.json", "report", report_file)])
         with self.db.transaction() as session:
             job = self._owned(session)
             self._artifact_rows(session, published)

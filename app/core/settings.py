@@ -32,6 +32,22 @@ class Settings(BaseSettings):
     storage_root: Path | None = Field(default=None, description="artifacts, per-job work directories and the affinity "
                                                                 "cache (a volume the API and workers share); default "
                                                                 "VAR_DIR/storage")
+    storage_url: str = Field(default="", max_length=1024,
+                             description="s3://BUCKET/PREFIX: artifacts, the affinity cache, converted models and "
+                                         "uploads live in this S3-compatible store (endpoint and credentials from "
+                                         "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION); "
+                                         "empty: the STORAGE_ROOT directory, shared by the API and its workers "
+                                         "(app/core/object_store.py)")
+    storage_redirect: bool = Field(default=False, description="S3 store only: artifact downloads answer 307 to a "
+                                                              "presigned URL of the object (expiring after "
+                                                              "PRESIGN_EXPIRY_S) instead of streaming it through "
+                                                              "the API")
+    presign_expiry_s: int = Field(default=300, ge=10, le=3600, description="lifetime of a presigned download URL "
+                                                                           "(STORAGE_REDIRECT)")
+    multipart_stale_s: float = Field(default=86400.0, ge=60, description="the workers' sweeper aborts multipart "
+                                                                         "uploads begun longer ago than this (and "
+                                                                         "removes a job's objects no artifact row "
+                                                                         "lists once the job has ended)")
     model_root: Path | None = Field(default=None, description="the models a job may name (directories or .gguf "
                                                               "files); default VAR_DIR/models")
     data_root: Path | None = Field(default=None, description="the calibration files a job may name; default "
@@ -86,10 +102,10 @@ class Settings(BaseSettings):
                                                      "process can read: right where the API and its workers share "
                                                      "a machine, as `dtp-layout serve` does) or the comma-separated "
                                                      "names the workers have (an API whose workers run elsewhere)")
-    upload_part_bytes: int = Field(default=16 << 20, ge=1 << 20, le=1 << 30,
+    upload_part_bytes: int = Field(default=16 << 20, ge=5 << 20, le=1 << 30,
                                    description="the part size of uploads (PUT /v1/uploads/{id}/files/{path}/parts/{n}; "
-                                               "every part but a file's last is this long); an S3 store needs at "
-                                               "least 5 MiB")
+                                               "every part but a file's last is this long; at least 5 MiB, S3's "
+                                               "floor)")
     upload_max_bytes: int = Field(default=64 << 30, ge=1, description="the most bytes one upload may declare (all its "
                                                                       "files); more is 413")
     upload_part_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="an upload part's body must arrive "
@@ -172,6 +188,17 @@ class Settings(BaseSettings):
     @classmethod
     def _quotas(cls, value: str) -> str:
         quota_entries(value)
+        return value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url(cls, value: str) -> str:
+        """A malformed s3:// URL stops the process at start, naming the accepted form."""
+        from app.core.object_store import parse_url
+
+        value = value.strip()
+        if value:
+            parse_url(value)
         return value
 
     @field_validator("log_format", "log_level", mode="before")

@@ -1,28 +1,40 @@
-"""Upload bytes in the store: parts in, files assembled and verified, objects removed, and a local copy
-for the worker to load.
+"""Upload bytes in the object store (app.core.object_store: the storage root, or S3): each declared file
+is one multipart upload, begun when the upload is declared; its parts arrive in any order, from any API
+process, and a part sent again replaces the earlier one; completing assembles the object.
 
-    STORAGE/uploads/<tenant scope>/<upload id>/parts/<file index>/<n>   a part that arrived whole
-    STORAGE/uploads/<tenant scope>/<upload id>/files/<name>             an assembled, verified file
+    uploads/<tenant scope>/<upload id>/files/<name>      an assembled file (its sha256 verified)
 
-A part is spooled to a temporary file while its sha256 is computed (never held in memory), then moved
-into the store; a file is assembled from its parts once they are all in, hashed as it is written, and
-kept only when the digest is the one the client declared.
+A part is spooled to a temporary file of the API while its sha256 is computed and its length checked
+(never held in memory), then streamed into the store. On completion the file's sha256 comes from the
+store's own pass where it makes one (the local store hashes as it concatenates) or from reading the
+object back (S3 keeps no digest of a multipart object); a file that is not the declared one is deleted.
+The workers' store sweep aborts multipart uploads older than DTP_LAYOUT_MULTIPART_STALE_S: an open
+upload's parts then start again (`put_part` begins a new multipart upload and says so).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import uuid
+import tempfile
 from pathlib import Path
 
-from app.core.storage import CHUNK, Storage, tenant_scope
+from app.core.object_store import ObjectMissing, ObjectStore, Part
+from app.core.storage import Storage, tenant_scope
+
+
+class PartsExpired(Exception):
+    """The file's multipart upload is gone from the store (swept as stale): its parts must be sent again."""
+
+    def __init__(self, multipart: str) -> None:
+        super().__init__(multipart)
+        self.multipart = multipart
 
 
 class UploadStore:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
+        self.objects: ObjectStore = storage.objects
 
     @staticmethod
     def prefix(upload_id: str, *, tenant: str | None) -> str:
@@ -32,56 +44,82 @@ class UploadStore:
     def file_key(prefix: str, name: str) -> str:
         return f"{prefix}/files/{name}"
 
-    @staticmethod
-    def part_key(prefix: str, index: int, number: int) -> str:
-        return f"{prefix}/parts/{index}/{number}"
-
     def spool_dir(self) -> Path:
         path = self.storage.root / "tmp" / "upload-parts"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def put_part(self, prefix: str, index: int, number: int, spooled: Path) -> str | None:
-        """Move a spooled, checked part into the store; its tag (None for a local store)."""
-        self.storage.install(spooled, self.part_key(prefix, index, number))
-        return None
+    def begin_file(self, prefix: str, index: int, name: str) -> str:
+        """The multipart upload a file's parts go to."""
+        return self.objects.begin_multipart(self.file_key(prefix, name))
 
-    def begin_file(self, prefix: str, index: int, name: str) -> str | None:
-        """Whatever the store needs before a file's parts arrive (an S3 multipart upload id); None here."""
-        return None
+    def put_part(self, prefix: str, name: str, multipart: str, number: int, spooled: Path) -> Part:
+        """A spooled, checked part into the file's multipart upload; PartsExpired (carrying a new multipart
+        upload id) when the old one was swept."""
+        key = self.file_key(prefix, name)
+        size = spooled.stat().st_size
+        try:
+            with open(spooled, "rb") as f:
+                return self.objects.put_part(key, multipart, number, f, size)
+        except ObjectMissing:
+            raise PartsExpired(self.objects.begin_multipart(key)) from None
 
-    def assemble(self, prefix: str, index: int, name: str, *, parts: int, multipart: str | None,
-                 etags: list[str | None] | None = None) -> tuple[int, str]:
-        """The file from its parts 1…`parts`, written to its key: (size, sha256) of what was written."""
-        dest = self.storage.path(self.file_key(prefix, name))
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.assembling")  # two completes never share it
+    def assemble(self, prefix: str, name: str, *, multipart: str, parts: list[Part]) -> tuple[int, str]:
+        """The file from its parts (ascending): (size, sha256) of the object now under its key."""
+        key = self.file_key(prefix, name)
+        info = self.objects.complete_multipart(key, multipart, parts)
+        if info.sha256 is not None:
+            return info.size, info.sha256
         digest, size = hashlib.sha256(), 0
-        with open(tmp, "wb") as out:
-            for number in range(1, parts + 1):
-                with open(self.storage.path(self.part_key(prefix, index, number)), "rb") as part:
-                    while block := part.read(CHUNK):
-                        digest.update(block)
-                        size += len(block)
-                        out.write(block)
-        os.replace(tmp, dest)
+        for block in self.objects.read(key, etag=info.etag):
+            digest.update(block)
+            size += len(block)
         return size, digest.hexdigest()
 
-    def drop_parts(self, prefix: str, index: int, *, multipart: str | None = None) -> None:
-        shutil.rmtree(self.storage.path(f"{prefix}/parts/{index}"), ignore_errors=True)
+    def abort(self, prefix: str, name: str, multipart: str | None) -> None:
+        if multipart:
+            self.objects.abort_multipart(self.file_key(prefix, name), multipart)
 
     def drop_file(self, prefix: str, name: str) -> None:
-        self.storage.path(self.file_key(prefix, name)).unlink(missing_ok=True)
+        self.objects.delete(self.file_key(prefix, name))
 
     def delete(self, prefix: str) -> None:
-        """Every object of the upload (parts and files)."""
-        shutil.rmtree(self.storage.path(prefix), ignore_errors=True)
+        """Every assembled file of the upload (abort its open multipart uploads first: `abort`)."""
+        self.objects.delete_prefix(prefix + "/")
 
     def read_head(self, key: str, limit: int) -> bytes:
-        """At most `limit` bytes from the start of an object (a config, a .npy header)."""
-        with open(self.storage.path(key), "rb") as f:
-            return f.read(limit)
+        """At most `limit` bytes from the start of an object (a config, a header)."""
+        info = self.objects.head(key)
+        if info is None:
+            raise ObjectMissing(key)
+        return b"".join(self.objects.read(key, 0, min(limit, info.size), etag=info.etag)) if info.size else b""
 
-    def local_dir(self, prefix: str, names: list[str], *, cache: Path | None = None) -> Path:
-        """A local directory holding the upload's files, for a loader: the store's own on a local store."""
-        return self.storage.path(f"{prefix}/files")
+    def local_dir(self, prefix: str, names: list[str], *, cache: Path) -> Path:
+        """A local directory holding the upload's files for a loader: the store's own directory on a local
+        store; else `cache`, each file fetched once (an upload never changes once complete)."""
+        first = self.objects.local_path(self.file_key(prefix, names[0]))
+        if first is not None:
+            return first.parent
+        cache.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            dest = cache / name
+            info = self.objects.head(self.file_key(prefix, name))
+            if info is None:
+                raise ObjectMissing(self.file_key(prefix, name))
+            if not dest.is_file() or dest.stat().st_size != info.size:
+                self.objects.fetch(self.file_key(prefix, name), dest)
+        return cache
+
+    def scratch_copy(self, prefix: str, name: str) -> tuple[Path, Path | None]:
+        """A local file of one object for a reader that needs a path (GGUF metadata): the store's own file,
+        or a temporary copy (and the directory to remove after)."""
+        path = self.objects.local_path(self.file_key(prefix, name))
+        if path is not None:
+            return path, None
+        tmp = Path(tempfile.mkdtemp(dir=self.spool_dir()))
+        try:
+            self.objects.fetch(self.file_key(prefix, name), tmp / name)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp / name, tmp

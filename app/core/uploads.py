@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from app.core.caller import Caller
 from app.core.db import Database, Job, Upload, UploadFile, UploadPart, new_id, utcnow, write_transaction
 from app.core.errors import Conflict, NotFound, SpecError
 from app.core.model_limits import upload_config_problems
+from app.core.object_store import BadPart, ObjectMissing, Part
 from app.core.settings import Settings
 from app.core.sources import MAX_CONFIG_BYTES, SourceError
 from app.core.upload_files import (
@@ -73,15 +76,24 @@ def create_upload(*, session: Session, settings: Settings, store: UploadStore, c
                               f"{settings.upload_max_bytes} per upload (DTP_LAYOUT_UPLOAD_MAX_BYTES)", field="files")
     upload_id = new_id()
     prefix = UploadStore.prefix(upload_id, tenant=caller.tenant)
-    with write_transaction(session):
+    with write_transaction(session):  # fails fast, before the store is asked for anything
         check_quota(session, settings=settings, tenant=caller.tenant, asked=total, what=f"an upload of {total} bytes")
-        upload = Upload(id=upload_id, owner=caller.tenant, kind=body.kind, name=body.name, status="open",
-                        part_size=part_size, size=total, storage_prefix=prefix, created_at=utcnow())
-        session.add(upload)
-        session.flush()
-        for i, f in enumerate(body.files):
-            session.add(UploadFile(upload_id=upload_id, index=i, path=f.path, size=f.size, sha256=f.sha256,
-                                   multipart=store.begin_file(prefix, i, f.path), done=False))
+    multiparts = [store.begin_file(prefix, i, f.path) for i, f in enumerate(body.files)]
+    try:
+        with write_transaction(session):  # again, with the rows: two uploads at once cannot both pass
+            check_quota(session, settings=settings, tenant=caller.tenant, asked=total,
+                        what=f"an upload of {total} bytes")
+            upload = Upload(id=upload_id, owner=caller.tenant, kind=body.kind, name=body.name, status="open",
+                            part_size=part_size, size=total, storage_prefix=prefix, created_at=utcnow())
+            session.add(upload)
+            session.flush()
+            for i, f in enumerate(body.files):
+                session.add(UploadFile(upload_id=upload_id, index=i, path=f.path, size=f.size, sha256=f.sha256,
+                                       multipart=multiparts[i], done=False))
+    except BaseException:
+        for f, multipart in zip(body.files, multiparts, strict=True):
+            store.abort(prefix, f.path, multipart)
+        raise
     return upload
 
 
@@ -144,9 +156,20 @@ def list_uploads(*, session: Session, caller: Caller, base: str = "", limit: int
 
 # ---- parts ---------------------------------------------------------------------------------------------
 
-def part_target(*, session: Session, upload_id: str, caller: Caller, path: str, number: int) -> tuple[Upload, int, int]:
-    """(upload, file index, the part's exact length) for a part about to be sent; 404 for an unknown upload
-    or file, 409 once the upload or the file is complete, 422 for a part number outside the file's."""
+@dataclass(frozen=True)
+class PartTarget:
+    """Where a part goes: the upload's prefix, the file (index, name, multipart upload), its exact length."""
+
+    prefix: str
+    index: int
+    name: str
+    multipart: str
+    length: int
+
+
+def part_target(*, session: Session, upload_id: str, caller: Caller, path: str, number: int) -> PartTarget:
+    """Where a part about to be sent goes; 404 for an unknown upload or file, 409 once the upload or the
+    file is complete, 422 for a part number outside the file's."""
     upload = get_upload(session=session, upload_id=upload_id, caller=caller)
     if upload.status != "open":
         raise Conflict(f"upload {upload_id!r} is complete; its files can no longer change", field="upload_id")
@@ -160,7 +183,17 @@ def part_target(*, session: Session, upload_id: str, caller: Caller, path: str, 
     if not 1 <= number <= parts:
         raise SpecError([("n", f"file {path!r} has parts 1 to {parts} ({f.size} bytes in parts of "
                                f"{upload.part_size}); got {number}")])
-    return upload, f.index, part_length(f.size, upload.part_size, number)
+    return PartTarget(prefix=upload.storage_prefix, index=f.index, name=f.path, multipart=str(f.multipart),
+                      length=part_length(f.size, upload.part_size, number))
+
+
+def restart_file(*, session: Session, upload_id: str, index: int, multipart: str) -> None:
+    """The file's multipart upload was swept: its part rows go, the new multipart upload is recorded."""
+    with write_transaction(session):
+        session.execute(delete(UploadPart).where(UploadPart.upload_id == upload_id, UploadPart.file_index == index))
+        row = session.get(UploadFile, (upload_id, index))
+        if row is not None:
+            row.multipart = multipart
 
 
 def record_part(*, session: Session, upload_id: str, index: int, number: int, size: int, sha256: str,
@@ -188,7 +221,7 @@ def complete_upload(*, session: Session, settings: Settings, store: UploadStore,
     # What the checks need, read once: the transaction ends before the (long) assembling.
     uid, prefix, kind, part_size = upload.id, upload.storage_prefix, upload.kind, upload.part_size
     files = [(f.index, f.path, f.size, f.sha256, f.multipart, f.done) for f in upload.files]
-    etags = {key: [p.etag for p in have] for key, have in parts.items()}
+    sent = {key: [Part(number=p.number, etag=p.etag or "", size=p.size) for p in have] for key, have in parts.items()}
     received = {key: {p.number for p in have} for key, have in parts.items()}
     session.rollback()
     missing = []
@@ -205,25 +238,25 @@ def complete_upload(*, session: Session, settings: Settings, store: UploadStore,
     for index, path, size, sha256, multipart, done in files:
         if done:
             continue
-        got, digest = store.assemble(prefix, index, path, parts=part_count(size, part_size), multipart=multipart,
-                                     etags=etags.get((uid, index), []))
+        try:
+            got, digest = store.assemble(prefix, path, multipart=str(multipart), parts=sent.get((uid, index), []))
+        except (ObjectMissing, BadPart) as exc:  # swept as stale, or the store lost a part: send the file again
+            restart_file(session=session, upload_id=uid, index=index, multipart=store.begin_file(prefix, index, path))
+            problems.append((f"files.{index}", f"{path!r}: its parts are no longer in the store ({exc}); send them "
+                                               "again"))
+            continue
         if got != size or digest != sha256:
             store.drop_file(prefix, path)
-            store.drop_parts(prefix, index, multipart=multipart)
-            with write_transaction(session):
-                session.execute(delete(UploadPart).where(UploadPart.upload_id == uid, UploadPart.file_index == index))
-                row = session.get(UploadFile, (uid, index))
-                if row is not None:
-                    row.multipart = store.begin_file(prefix, index, path)
+            restart_file(session=session, upload_id=uid, index=index, multipart=store.begin_file(prefix, index, path))
             problems.append((f"files.{index}.sha256", f"{path!r}: the bytes received ({got} bytes, sha256 {digest}) "
                                                       f"are not the declared file ({size} bytes, sha256 {sha256}); its "
                                                       "parts were dropped: send it again"))
             continue
-        store.drop_parts(prefix, index, multipart=None)
         with write_transaction(session):
             row = session.get(UploadFile, (uid, index))
             if row is not None:
                 row.done, row.multipart = True, None
+            session.execute(delete(UploadPart).where(UploadPart.upload_id == uid, UploadPart.file_index == index))
     if problems:
         raise SpecError(problems)
     try:
@@ -253,8 +286,12 @@ def content_check(*, settings: Settings, store: UploadStore, kind: str, prefix: 
     if names[0].endswith(".gguf"):
         from app.core.sources import _read_gguf_config
 
-        path = store.local_dir(prefix, names) / names[0]
-        config = _read_gguf_config(path)
+        path, scratch = store.scratch_copy(prefix, names[0])
+        try:
+            config = _read_gguf_config(path)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         if config is None:
             raise SpecError([("files.0.path", f"{names[0]!r}: cannot read its GGUF metadata (not a GGUF file, or the "
                                               "gguf package is missing on the server)")])
@@ -326,10 +363,10 @@ def remove_upload(*, session: Session, store: UploadStore, upload_id: str) -> No
     if row is None:
         session.rollback()
         return
-    prefix, open_files = row.storage_prefix, [(f.index, f.multipart) for f in row.files if f.multipart]
+    prefix, open_files = row.storage_prefix, [(f.path, f.multipart) for f in row.files if f.multipart]
     session.rollback()
-    for index, multipart in open_files:
-        store.drop_parts(prefix, index, multipart=multipart)
+    for name, multipart in open_files:
+        store.abort(prefix, name, multipart)
     store.delete(prefix)
     with write_transaction(session):
         session.execute(delete(UploadPart).where(UploadPart.upload_id == upload_id))

@@ -75,7 +75,8 @@ def usage(*, session: Session, settings: Settings, caller: Caller) -> dict[str, 
 # ---- removing a job's artifacts -----------------------------------------------------------------------
 
 def remove_job_files(storage: Storage, job_id: str) -> None:
-    """Every object of the job in the store: its artifacts and its work directory."""
+    """Every object of the job in the store (its artifacts of every attempt), and its local work directory."""
+    storage.objects.delete_prefix(Storage.job_prefix(job_id))
     shutil.rmtree(storage.job_dir(job_id), ignore_errors=True)
 
 

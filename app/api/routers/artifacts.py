@@ -1,6 +1,10 @@
 """/v1/jobs/{job_id}/artifacts: a job's files, listed and downloaded (Range, ETag / If-None-Match, Digest).
 
-Names are looked up in the database, never joined onto a path; the file is streamed in chunks."""
+Names are looked up in the database, never joined onto a path; the object is verified against its row
+(app.core.storage.Storage.open_verified) and streamed in chunks from the store (the local directory or
+S3). With DTP_LAYOUT_STORAGE_REDIRECT and the S3 store, a verified GET answers 307 to a presigned URL of
+the object instead (expiring after PRESIGN_EXPIRY_S; the client and browsers follow it, sending their
+Range again)."""
 
 from __future__ import annotations
 
@@ -10,10 +14,10 @@ import mimetypes
 import re
 from collections.abc import Iterator
 from pathlib import PurePosixPath
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 
 from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, StorageDep, releases_session
 from app.api.errors import responses
@@ -21,8 +25,9 @@ from app.api.metrics import Metrics
 from app.core import services
 from app.core.db import Artifact
 from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable
+from app.core.object_store import ObjectChanged
 from app.core.schemas import ArtifactList, ArtifactOut
-from app.core.storage import CHUNK, DamagedFile, Storage
+from app.core.storage import DamagedFile, Storage, VerifiedObject
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
@@ -49,18 +54,15 @@ def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
     return start, end
 
 
-def iter_file(f: BinaryIO, start: int, length: int, metrics: Metrics) -> Iterator[bytes]:
-    """`length` bytes of the open (verified) file from `start`; closes it."""
-    with f:
-        f.seek(start)
-        remaining = length
-        while remaining > 0:
-            block = f.read(min(CHUNK, remaining))
-            if not block:
-                break
-            remaining -= len(block)
+def iter_object(obj: VerifiedObject, start: int, length: int, metrics: Metrics) -> Iterator[bytes]:
+    """`length` bytes of the verified object from `start`; closes it. An object replaced after it was
+    verified (S3: If-Match fails) ends the body short: the client's length and sha256 checks see it."""
+    try:
+        for block in obj.chunks(start, length):
             metrics.bytes_served.inc(len(block))
             yield block
+    except ObjectChanged:
+        log.error("artifact object %s was replaced while it was served: the response is cut short", obj.key)
 
 
 @router.get("", response_model=ArtifactList, operation_id="list_artifacts",
@@ -86,7 +88,7 @@ def _not_modified(request: Request, etag: str) -> bool:
     return inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]
 
 
-def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str) -> BinaryIO:
+def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str) -> VerifiedObject:
     """The artifact's file, verified (size on every download, sha256 when the file changed since it last
     verified): a missing or damaged file is refused, logged and counted, never served as valid."""
     metrics: Metrics = request.app.state.metrics
@@ -102,7 +104,7 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
         log.error("job %s: artifact %r is damaged on disk (%s): not served", job_id, art.name, exc)
         what = {"size": "its size no longer matches the one recorded when the job published it",
                 "sha256": "its sha256 no longer matches the one recorded when the job published it"}.get(
-                    reason, "the file cannot be read")
+                    reason, "the file cannot be read from the store")
         raise ArtifactDamaged(f"artifact {art.name!r} of job {job_id!r} is damaged on the server ({what}) and is not "
                               "served; the operator must restore it, or submit the job again") from None
 
@@ -145,10 +147,18 @@ def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_leng
         if isinstance(parsed, tuple):
             start, end, status = parsed[0], parsed[1], 206
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    settings = request.app.state.settings
+    if settings.storage_redirect and request.method == "GET":
+        url = storage.objects.presign_get(art.storage_key, expires_s=settings.presign_expiry_s, filename=filename)
+        if url is not None:  # verified above; the client's Range goes to the store with it
+            f.close()
+            return RedirectResponse(url, status_code=307, headers={
+                k: v for k, v in headers.items() if k in ("ETag", "Digest", "Repr-Digest", "X-Checksum-SHA256",
+                                                          "Cache-Control")})
     length = max(0, end - start + 1)
     headers["Content-Length"] = str(length)
     if request.method == "HEAD":
         f.close()
         return Response(status_code=status, headers=headers, media_type=media)
-    return StreamingResponse(iter_file(f, start, length, request.app.state.metrics), status_code=status,
+    return StreamingResponse(iter_object(f, start, length, request.app.state.metrics), status_code=status,
                              headers=headers, media_type=media)

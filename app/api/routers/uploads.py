@@ -31,7 +31,7 @@ from app.core import uploads
 from app.core.errors import SpecError
 from app.core.storage import Storage
 from app.core.upload_schemas import UploadIn, UploadList, UploadOut
-from app.core.upload_store import UploadStore
+from app.core.upload_store import PartsExpired, UploadStore
 
 router = APIRouter(prefix="/uploads", tags=["uploads"])
 
@@ -78,16 +78,23 @@ async def get(upload_id: UploadId, db: DbDep, caller: CallerDep, base: BaseUrl) 
                 "schema": {"type": "string", "format": "binary"}}}}})
 async def put_part(request: Request, upload_id: UploadId, path: FilePath, n: PartNumber, db: DbDep,
                    storage: StorageDep, caller: CallerDep) -> Response:
-    upload, index, expected = await db.run(lambda s: uploads.part_target(session=s, upload_id=upload_id,
-                                                                         caller=caller, path=path, number=n))
+    target = await db.run(lambda s: uploads.part_target(session=s, upload_id=upload_id, caller=caller, path=path,
+                                                        number=n))
     store = store_of(storage)
-    spooled, size, digest = await _spool(request, store.spool_dir(), expected)
+    spooled, size, digest = await _spool(request, store.spool_dir(), target.length)
     try:
-        if size != expected:
-            raise SpecError([("body", f"part {n} of {path!r} must be exactly {expected} bytes; {size} arrived")])
-        etag = await anyio.to_thread.run_sync(store.put_part, upload.storage_prefix, index, n, spooled)
-        await db.run(lambda s: uploads.record_part(session=s, upload_id=upload_id, index=index, number=n, size=size,
-                                                   sha256=digest, etag=etag))
+        if size != target.length:
+            raise SpecError([("body", f"part {n} of {path!r} must be exactly {target.length} bytes; {size} arrived")])
+        try:
+            part = await anyio.to_thread.run_sync(store.put_part, target.prefix, target.name, target.multipart, n,
+                                                  spooled)
+        except PartsExpired as expired:  # the sweep aborted the file's multipart upload: start it again
+            fresh = expired.multipart
+            await db.run(lambda s: uploads.restart_file(session=s, upload_id=upload_id, index=target.index,
+                                                        multipart=fresh))
+            part = await anyio.to_thread.run_sync(store.put_part, target.prefix, target.name, fresh, n, spooled)
+        await db.run(lambda s: uploads.record_part(session=s, upload_id=upload_id, index=target.index, number=n,
+                                                   size=size, sha256=digest, etag=part.etag))
     finally:
         spooled.unlink(missing_ok=True)
     return Response(status_code=204, headers={"X-Part-SHA256": digest})

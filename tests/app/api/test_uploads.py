@@ -24,25 +24,72 @@ from app.core.storage import Storage
 from app.core.usage import expire_finished
 from tests.service_kit import make_settings, provision, seed_finished_job, seed_job, spec
 
-BACKENDS = [pytest.param("postgres", marks=[pytest.mark.postgres]), "sqlite"]
-PART = 1 << 20  # the smallest part size the settings take: multi-part files stay small
+# (database, store): the store is the storage root, or an S3 bucket on moto's ThreadedMotoServer
+BACKENDS = [pytest.param(("postgres", "local"), marks=[pytest.mark.postgres], id="postgres-local"),
+            pytest.param(("sqlite", "local"), id="sqlite-local"), pytest.param(("sqlite", "s3"), id="sqlite-s3")]
+PART = 5 << 20  # the smallest part size the settings take (S3's floor): multi-part files stay small
+
+
+class Objects:
+    """The store's objects as the test sees them, not through the code under test: the files under the
+    storage root, or the bucket's keys listed with boto3."""
+
+    def __init__(self, root: Path, s3=None, bucket: str | None = None) -> None:
+        self.root, self.s3, self.bucket = root, s3, bucket
+
+    def of(self, upload_id: str) -> dict[str, bytes]:
+        """name → bytes of every stored object of the upload (multipart parts in progress excluded)."""
+        if self.s3 is None:
+            return {p.name: p.read_bytes() for p in sorted((self.root / "uploads").rglob("*"))
+                    if p.is_file() and upload_id in str(p)}
+        client = self.s3.client()
+        return {k.rsplit("/", 1)[-1]: client.get_object(Bucket=self.bucket, Key=k)["Body"].read()
+                for k in self.s3.keys(self.bucket) if upload_id in k}
+
+    def pending(self, upload_id: str) -> int:
+        """Multipart uploads still open for the upload's files."""
+        if self.s3 is None:
+            staging = self.root / ".staging" / "multipart"
+            return sum(1 for d in staging.iterdir() if upload_id in (d / "key").read_text()) if staging.is_dir() else 0
+        answer = self.s3.client().list_multipart_uploads(Bucket=self.bucket)
+        return sum(1 for u in answer.get("Uploads", []) if upload_id in u["Key"])
+
+    def job(self, job_id: str) -> list[str]:
+        if self.s3 is None:
+            return [str(p) for p in (self.root / "jobs" / job_id).rglob("*") if p.is_file()]
+        return [k for k in self.s3.keys(self.bucket) if f"jobs/{job_id}/" in k]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def world(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"uploads-{request.param}")
+    database_kind, store = request.param
+    root = tmp_path_factory.mktemp(f"uploads-{database_kind}-{store}")
     overrides = {}
-    if request.param == "postgres":
+    if database_kind == "postgres":
         server = request.getfixturevalue("postgres_server")
         overrides = {"database_url": server.create_database("dtp_uploads")}
+    saved = os.environ.get("AWS_ENDPOINT_URL")
+    objects = Objects(root / "storage")
+    if store == "s3":
+        s3 = request.getfixturevalue("s3_server")
+        bucket = s3.create_bucket()
+        os.environ["AWS_ENDPOINT_URL"] = s3.endpoint  # boto3 in this process (the app's store)
+        overrides["storage_url"] = f"s3://{bucket}/dtp"
+        objects = Objects(root / "storage", s3, bucket)
     settings = make_settings(root, key_cache_s=0, max_active_jobs=50, upload_part_bytes=PART,
                              upload_max_bytes=64 << 20, **overrides)
     upgrade(settings.database_url)
     provision(settings)
     db = database(settings.database_url)
     keys = {"alice": create_key(db, name="alice", tenant="team-a"), "bob": create_key(db, name="bob", tenant="team-b")}
-    with TestClient(create_app(settings)) as client:
-        yield settings, client, keys
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield settings, client, keys, objects
+    finally:
+        if saved is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +145,16 @@ def npy_bytes(arr) -> bytes:
     return buf.getvalue()
 
 
-def stored(settings, up) -> list[Path]:
-    prefix = Storage(settings.storage).path("uploads")
-    return sorted(p for p in prefix.rglob("*") if p.is_file() and up["id"] in str(p))
-
-
 # ---- the happy path, and resume --------------------------------------------------------------------------
 
 def test_a_model_directory_and_data_upload_complete_and_a_job_names_them(world, tiny_dir):
-    settings, client, keys = world
+    _settings, client, keys, objects = world
     files = model_files(tiny_dir)
     model = upload(client, as_(keys, "alice"), "model", files, name="tiny")
     assert model["status"] == "complete" and model["ref"] == f"upload:{model['id']}"
     assert model["config"]["num_key_value_heads"] == 4 and model["received_bytes"] == sum(map(len, files.values()))
-    for name, data in files.items():  # the assembled files are the bytes sent
-        found = [p for p in stored(settings, model) if p.name == name]
-        assert len(found) == 1 and found[0].read_bytes() == data, name
-    assert not [p for p in stored(settings, model) if "/parts/" in str(p)]  # parts gone once assembled
+    assert objects.of(model["id"]) == files  # the assembled files are the bytes sent
+    assert objects.pending(model["id"]) == 0  # no multipart upload left open
     data = upload(client, as_(keys, "alice"), "data",
                   {"ids.npy": npy_bytes(np.random.default_rng(0).integers(0, 97, 4096))})
     r = client.post("/v1/jobs", json=spec(model={"id": model["ref"]}, calibration={"source": data["ref"]}),
@@ -129,12 +169,12 @@ def test_a_model_directory_and_data_upload_complete_and_a_job_names_them(world, 
     assert r.status_code == 409 and r.json()["field"] == "upload_id" and job_id in r.json()["detail"]
     assert client.post(f"/v1/jobs/{job_id}/cancel", headers=as_(keys, "alice")).status_code == 202
     assert client.delete(f"/v1/uploads/{model['id']}", headers=as_(keys, "alice")).status_code == 204
-    assert stored(settings, model) == []
+    assert objects.of(model["id"]) == {}
     assert client.get(f"/v1/uploads/{model['id']}", headers=as_(keys, "alice")).status_code == 404
 
 
 def test_a_multi_part_file_resumes_from_the_parts_the_server_has(world):
-    settings, client, keys = world
+    _settings, client, keys, objects = world
     data = os.urandom(2 * PART + 12345)  # 3 parts
     files = {"big.txt": data}
     r = declare(client, as_(keys, "alice"), "data", files)
@@ -151,7 +191,7 @@ def test_a_multi_part_file_resumes_from_the_parts_the_server_has(world):
     assert put(client, as_(keys, "alice"), up["id"], "big.txt", 2, data[PART:2 * PART]).status_code == 204
     done = client.post(f"/v1/uploads/{up['id']}/complete", headers=as_(keys, "alice")).json()
     assert done["status"] == "complete" and done["files"][0]["done"]
-    assert [p.read_bytes() for p in stored(settings, done)] == [data]
+    assert objects.of(done["id"]) == {"big.txt": data} and objects.pending(done["id"]) == 0
     again = put(client, as_(keys, "alice"), up["id"], "big.txt", 1, data[:PART])
     assert again.status_code == 409  # complete: immutable
 
@@ -166,7 +206,7 @@ def test_a_multi_part_file_resumes_from_the_parts_the_server_has(world):
     ("model", "x" * 201 + ".json", "200 characters"),
 ])
 def test_bad_names_and_kinds_are_422_naming_the_file(world, kind, path, words):
-    _settings, client, keys = world
+    _settings, client, keys, _objects = world
     files = {"config.json": b"{}", "model.safetensors": b"x", path: b"payload"} if kind == "model" else {path: b"x"}
     r = declare(client, as_(keys, "alice"), kind, files)
     assert r.status_code == 422, r.text
@@ -174,7 +214,7 @@ def test_bad_names_and_kinds_are_422_naming_the_file(world, kind, path, words):
 
 
 def test_declarations_out_of_bounds_are_refused(world):
-    settings, client, keys = world
+    settings, client, keys, _objects = world
     h = as_(keys, "alice")
     sha = "0" * 64
     cases = [
@@ -205,7 +245,7 @@ def test_declarations_out_of_bounds_are_refused(world):
 
 
 def test_bad_parts_are_refused_and_nothing_of_them_is_kept(world):
-    settings, client, keys = world
+    settings, client, keys, objects = world
     h = as_(keys, "alice")
     data = os.urandom(PART + 10)
     up = declare(client, h, "data", {"a.txt": data}).json()
@@ -223,13 +263,13 @@ def test_bad_parts_are_refused_and_nothing_of_them_is_kept(world):
     assert put(client, h, uuid.uuid4().hex, "a.txt", 1, b"x").status_code == 404
     assert put(client, h, "not-an-id", "a.txt", 1, b"x").status_code == 404
     assert client.get(f"/v1/uploads/{up['id']}", headers=h).json()["files"][0]["parts_received"] == []
-    assert stored(settings, up) == []
+    assert objects.of(up["id"]) == {}
     spool = Storage(settings.storage).root / "tmp" / "upload-parts"
     assert not list(spool.iterdir())
 
 
 def test_a_wrong_sha256_is_422_at_completion_and_the_file_can_be_sent_again(world):
-    settings, client, keys = world
+    _settings, client, keys, objects = world
     h = as_(keys, "alice")
     data = os.urandom(PART + 100)
     up = declare(client, h, "data", {"a.txt": data}).json()
@@ -240,13 +280,13 @@ def test_a_wrong_sha256_is_422_at_completion_and_the_file_can_be_sent_again(worl
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "files.0.sha256"
     assert hashlib.sha256(bytes(tampered)).hexdigest() in r.json()["message"]
     seen = client.get(f"/v1/uploads/{up['id']}", headers=h).json()
-    assert seen["status"] == "open" and seen["files"][0]["parts_received"] == [] and stored(settings, up) == []
+    assert seen["status"] == "open" and seen["files"][0]["parts_received"] == [] and objects.of(up["id"]) == {}
     send_all(client, h, up, {"a.txt": data})
     assert client.post(f"/v1/uploads/{up['id']}/complete", headers=h).json()["status"] == "complete"
 
 
 def test_model_contents_are_checked_at_completion_and_a_refused_model_is_removed(world, tiny_dir):
-    settings, client, keys = world
+    _settings, client, keys, objects = world
     h = as_(keys, "alice")
     files = model_files(tiny_dir)
     import json
@@ -262,7 +302,7 @@ def test_model_contents_are_checked_at_completion_and_a_refused_model_is_removed
         r = client.post(f"/v1/uploads/{up['id']}/complete", headers=h)
         assert r.status_code == 422 and words in r.json()["message"], r.text
         assert client.get(f"/v1/uploads/{up['id']}", headers=h).status_code == 404
-        assert stored(settings, up) == []
+        assert objects.of(up["id"]) == {} and objects.pending(up["id"]) == 0
     import io
 
     head = io.BytesIO()  # the header of a pickled object array (its body would be a pickle)
@@ -278,7 +318,7 @@ def test_model_contents_are_checked_at_completion_and_a_refused_model_is_removed
 # ---- tenants -----------------------------------------------------------------------------------------------
 
 def test_another_tenant_gets_404_on_the_api_and_422_in_a_job_spec(world):
-    _settings, client, keys = world
+    _settings, client, keys, _objects = world
     up = upload(client, as_(keys, "alice"), "data", {"ids.npy": npy_bytes(np.arange(300) % 97)})
     missing = uuid.uuid4().hex
     for method, path in (("get", "/v1/uploads/{}"), ("delete", "/v1/uploads/{}"), ("post", "/v1/uploads/{}/complete"),
@@ -308,7 +348,7 @@ def test_another_tenant_gets_404_on_the_api_and_422_in_a_job_spec(world):
 # ---- quotas, usage, delete, retention ----------------------------------------------------------------------
 
 def test_quota_413_and_429_name_the_quota_used_and_asked(world):
-    settings, _client, _keys = world
+    settings, _client, _keys, _objects = world
     tight = settings.model_copy(update={"storage_quotas": "team-q=3000"})
     db = database(settings.database_url)
     key = create_key(db, name=f"q{uuid.uuid4().hex[:8]}", tenant="team-q")
@@ -339,7 +379,7 @@ def test_quota_413_and_429_name_the_quota_used_and_asked(world):
 
 
 def test_delete_job_removes_its_artifacts_and_downloads_are_410(world):
-    settings, client, keys = world
+    settings, client, keys, objects = world
     h = as_(keys, "alice")
     running = seed_job(settings, status="running", owner="team-a")
     queued = seed_job(settings, status="queued", owner="team-a")
@@ -348,11 +388,10 @@ def test_delete_job_removes_its_artifacts_and_downloads_are_410(world):
         assert r.status_code == 409 and status in r.json()["detail"]
     job_id, _ = seed_finished_job(settings, model_id="del-model", owner="team-a")
     assert client.delete(f"/v1/jobs/{job_id}", headers=as_(keys, "bob")).status_code == 404
-    files = Storage(settings.storage).job_dir(job_id)
-    assert files.is_dir()
+    assert len(objects.job(job_id)) == 2
     r = client.delete(f"/v1/jobs/{job_id}", headers=h)
     assert r.status_code == 200 and r.json()["expired_reason"] == "deleted" and r.json()["expired_at"]
-    assert not files.exists()
+    assert objects.job(job_id) == []
     gone = client.get(f"/v1/jobs/{job_id}/artifacts/report.json", headers=h)
     assert gone.status_code == 410 and gone.json()["error"] == "gone" and "deleted" in gone.json()["detail"]
     assert client.get(f"/v1/jobs/{job_id}/layouts", headers=h).status_code == 200  # the layouts stay
@@ -361,17 +400,17 @@ def test_delete_job_removes_its_artifacts_and_downloads_are_410(world):
 
 
 def test_the_retention_sweep_expires_old_finished_jobs_only(world):
-    settings, client, keys = world
+    settings, client, keys, objects = world
     db = database(settings.database_url)
     old, _ = seed_finished_job(settings, model_id="old-model", owner="team-a")
     new, _ = seed_finished_job(settings, model_id="new-model", owner="team-a")
     with db.transaction() as session:
         session.get(Job, old).finished_at -= timedelta(days=3)
-    storage = Storage(settings.storage)
+    storage = Storage.from_settings(settings)
     assert expire_finished(db, storage, days=0) == []  # 0 keeps everything
     swept = expire_finished(db, storage, days=2)
     assert old in swept and new not in swept
-    assert not storage.job_dir(old).exists() and storage.job_dir(new).is_dir()
+    assert objects.job(old) == [] and len(objects.job(new)) == 2
     h = as_(keys, "alice")
     job = client.get(f"/v1/jobs/{old}", headers=h).json()
     assert job["expired_reason"] == "retention" and job["summary"]["layouts"]["optimised"] == 3.5
