@@ -228,6 +228,30 @@ class LayoutClient:
         job: dict[str, Any] = self._json("GET", f"/v1/jobs/{_segment(job_id)}")
         return job
 
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Remove a finished job's artifacts (the job stays, marked expired)."""
+        job: dict[str, Any] = self._json("DELETE", f"/v1/jobs/{_segment(job_id)}")
+        return job
+
+    def uploads(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self._json("GET", "/v1/uploads")["items"]
+        return items
+
+    def create_upload(self, body: dict[str, Any]) -> dict[str, Any]:
+        upload: dict[str, Any] = self._json("POST", "/v1/uploads", json=body)
+        return upload
+
+    def complete_upload(self, upload_id: str) -> dict[str, Any]:
+        upload: dict[str, Any] = self._json("POST", f"/v1/uploads/{_segment(upload_id)}/complete")
+        return upload
+
+    def delete_upload(self, upload_id: str) -> None:
+        self.request("DELETE", f"/v1/uploads/{_segment(upload_id)}")
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = self._json("GET", "/v1/usage")
+        return usage
+
     def jobs(self, *, status: str | None = None, model: str | None = None, devices: int | None = None,
              delta: int | None = None, owner: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """Newest first, following `next` until `limit` jobs."""
