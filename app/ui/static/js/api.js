@@ -97,7 +97,20 @@ export function specInfo() {
   return specRequest;
 }
 
-async function sha256Hex(blob) {
+/** PUT raw bytes (an upload's part); throws ApiError for a non-2xx answer. */
+export async function apiPut(path, blob) {
+  const url = apiUrl(path);
+  let response;
+  try {
+    response = await fetch(url, {method: "PUT", body: blob, cache: "no-store",
+                                 headers: headers({"Content-Type": "application/octet-stream"})});
+  } catch (err) {
+    throw new ApiError(0, {detail: `the service at ${ROOT.origin} is unreachable (${err.message})`}, url);
+  }
+  if (!response.ok) throw await errorFrom(response, url);
+}
+
+export async function sha256Hex(blob) {
   if (!(window.crypto && crypto.subtle)) return null; // only in secure contexts (https, localhost)
   const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
