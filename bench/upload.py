@@ -20,6 +20,7 @@ One run, one machine: the figures are for the machine's load at the time (printe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -83,10 +84,8 @@ def measure(url: str, path: Path, size: int) -> dict[str, Any]:
                 raise Stop
 
         t0 = time.perf_counter()
-        try:
+        with contextlib.suppress(Stop):
             upload_path(client, path, name="resumed", on_bytes=stop_half_way)
-        except Stop:
-            pass
         first_s = time.perf_counter() - t0
         resumed_bytes = 0
 
