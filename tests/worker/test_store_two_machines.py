@@ -44,21 +44,37 @@ def download_all(url: str, job_id: str, items: list[dict], out: Path) -> None:
         assert len(data) == art["size"] and hashlib.sha256(data).hexdigest() == art["sha256"], art["name"]
 
 
+def hub_snapshot(cache: Path, repo: str) -> None:
+    """The tiny model as an offline Hugging Face cache's snapshot of `repo` (what a hub download leaves)."""
+    from tests.tiny import tiny_model
+
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / ("0" * 40)
+    tiny_model("llama").save_pretrained(snapshot)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(snapshot.name)
+
+
 def test_api_and_worker_share_only_database_broker_and_store(tmp_path, postgres_server, redis_broker, s3_server,
                                                              s3_bucket):
+    """… and the worker has no model root at all: its model comes from the hub (an offline cache here)."""
     settings = worker_settings(tmp_path / "worker", postgres_server, redis_broker, "two_machines")
+    hub_snapshot(tmp_path / "hf", "acme/tiny")
+    hub = {"HF_HUB_CACHE": str(tmp_path / "hf")}  # offline: both process kits set HF_HUB_OFFLINE=1
     s3_env = s3_server.env(s3_bucket)
-    worker = WorkerProcess(settings, tmp_path / "worker.log", **s3_env).start(timeout=120)
-    api = ServeProcess(tmp_path / "api", no_worker=True, **api_env(settings, s3_env)).start()
+    no_models = settings.model_copy(update={"model_root": tmp_path / "worker" / "absent"})
+    worker = WorkerProcess(no_models, tmp_path / "worker.log", **s3_env, **hub).start(timeout=120)
+    api = ServeProcess(tmp_path / "api", no_worker=True, **api_env(settings, s3_env, **hub)).start()
     second = None
     try:
         http = httpx.Client(base_url=api.url, timeout=30)
-        job_id = http.post("/v1/jobs", json=spec()).json()["id"]
+        job_id = http.post("/v1/jobs", json=spec(model={"id": "acme/tiny"})).json()["id"]
         job = wait_for(http, job_id, timeout=240, worker=worker)
         assert job["status"] == "succeeded", (job, worker.log()[-3000:])
         items = http.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
         names = {a["name"] for a in items}
         assert {"report.json", "affinity.safetensors", "shards/manifest.json"} <= names and len(items) >= 6
+        assert not (tmp_path / "worker" / "absent").exists()
 
         # the objects are in the bucket, under the job's keys; neither machine's disk holds an artifact
         keys = s3_server.keys(s3_bucket)
@@ -79,7 +95,7 @@ def test_api_and_worker_share_only_database_broker_and_store(tmp_path, postgres_
         # the API restarted on a fresh, empty disk, redirecting downloads to presigned URLs
         api.stop()
         second = ServeProcess(tmp_path / "api-2", no_worker=True, **api_env(
-            settings, s3_env, DTP_LAYOUT_STORAGE_REDIRECT="true", DTP_LAYOUT_PRESIGN_EXPIRY_S="120")).start()
+            settings, s3_env, DTP_LAYOUT_STORAGE_REDIRECT="true", DTP_LAYOUT_PRESIGN_EXPIRY_S="120", **hub)).start()
         http = httpx.Client(base_url=second.url, timeout=30)
         moved = http.get(path)
         assert moved.status_code == 307 and moved.headers["etag"] == f'"{blob["sha256"]}"'
