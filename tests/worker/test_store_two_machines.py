@@ -109,6 +109,11 @@ def test_api_and_worker_share_only_database_broker_and_store(tmp_path, postgres_
         assert query["X-Amz-SignedHeaders"] == "host"
         assert "attachment" in query["response-content-disposition"]
         assert httpx.get(moved.headers["location"]).content == whole  # the URL fetches the object, no key
+        as_json = http.get(path, headers={"X-Store-Redirect": "json"})  # the dashboard's ask
+        assert as_json.status_code == 200 and as_json.headers["x-store-redirect"] == "json"
+        assert urlparse(as_json.json()["location"]).path == location.path and as_json.json()["expires_s"] == 120
+        ranged = httpx.get(moved.headers["location"], headers={"Range": "bytes=5-9"})  # a resumed client's ask
+        assert ranged.status_code == 206 and ranged.content == whole[5:10]
         download_all(second.url, job_id, items, tmp_path / "dl-2")  # the client follows the redirects
         assert files_under(tmp_path / "api-2" / "storage") == []
 
