@@ -24,10 +24,10 @@ from app.api.errors import responses
 from app.api.metrics import Metrics
 from app.core import services
 from app.core.db import Artifact
-from app.core.errors import ArtifactDamaged, NotFound, RangeNotSatisfiable
+from app.core.errors import ArtifactDamaged, NotFound, RangeNotSatisfiable, StoreUnreachable
 from app.core.object_store import ObjectChanged
 from app.core.schemas import ArtifactList, ArtifactOut
-from app.core.storage import DamagedFile, Storage, VerifiedObject
+from app.core.storage import DamagedFile, Storage, StoreUnavailable, VerifiedObject
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
@@ -99,6 +99,11 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
         metrics.artifacts_damaged.labels("missing").inc()
         log.error("job %s: artifact %r is missing from storage", job_id, art.name)
         raise NotFound(f"artifact {art.name!r} of job {job_id!r} is missing from storage", field="name") from None
+    except StoreUnavailable as exc:
+        metrics.artifacts_damaged.labels("store").inc()
+        log.error("job %s: artifact %r: the object store did not answer: %s", job_id, art.name, exc)
+        raise StoreUnreachable(f"artifact {art.name!r} of job {job_id!r}: the object store did not answer; try "
+                               "again later", headers={"Retry-After": "10"}) from None
     except (DamagedFile, OSError) as exc:
         reason = exc.reason if isinstance(exc, DamagedFile) else "unreadable"
         metrics.artifacts_damaged.labels(reason).inc()
