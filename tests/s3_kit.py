@@ -9,6 +9,7 @@ One server per test session (it starts in ~0.3 s; each test takes a fresh bucket
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ class S3Server:
 
         self.port = free_port()
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
         self.server.start()
         self.endpoint = f"http://127.0.0.1:{self.port}"
 

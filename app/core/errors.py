@@ -71,6 +71,13 @@ class BrokerUnavailable(ServiceUnavailable):
     code = "broker_unavailable"
 
 
+class StoreUnreachable(ServiceUnavailable):
+    """The object store did not answer or refused the service (network, credentials, its 5xx): 503 with
+    Retry-After; the artifact itself is not known to be damaged."""
+
+    default_field, code = "name", "store_unavailable"
+
+
 class ArtifactDamaged(ServiceUnavailable):
     """A stored artifact no longer matches its recorded size or sha256: never served as valid. A 503
     (a server-side loss the operator must repair), without Retry-After: waiting does not mend it."""

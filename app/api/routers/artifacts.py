@@ -17,22 +17,23 @@ from pathlib import PurePosixPath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import RedirectResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, StorageDep, releases_session
 from app.api.errors import responses
 from app.api.metrics import Metrics
 from app.core import services
 from app.core.db import Artifact
-from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable
+from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable, StoreUnreachable
 from app.core.object_store import ObjectChanged
 from app.core.schemas import ArtifactList, ArtifactOut
-from app.core.storage import DamagedFile, Storage, VerifiedObject
+from app.core.storage import DamagedFile, Storage, StoreUnavailable, VerifiedObject
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
 
 JobId = Annotated[str, Path(max_length=64, description="the job id (32 hex digits)")]
+REDIRECT_HEADER = "X-Store-Redirect"  # `json`: a redirect answered as 200 {"location", "expires_s"} instead of 307
 MEDIA_TYPES = ("application/octet-stream", "application/json", "text/csv", "image/png")
 
 
@@ -98,6 +99,11 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
         metrics.artifacts_damaged.labels("missing").inc()
         log.error("job %s: artifact %r is missing from storage", job_id, art.name)
         raise NotFound(f"artifact {art.name!r} of job {job_id!r} is missing from storage", field="name") from None
+    except StoreUnavailable as exc:
+        metrics.artifacts_damaged.labels("store").inc()
+        log.error("job %s: artifact %r: the object store did not answer: %s", job_id, art.name, exc)
+        raise StoreUnreachable(f"artifact {art.name!r} of job {job_id!r}: the object store did not answer; try "
+                               "again later", headers={"Retry-After": "10"}) from None
     except (DamagedFile, OSError) as exc:
         reason = exc.reason if isinstance(exc, DamagedFile) else "unreadable"
         metrics.artifacts_damaged.labels(reason).inc()
@@ -116,6 +122,8 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
                        206: {"description": "a byte range",
                              "content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA_TYPES}},
                        304: {"description": "not modified"},
+                       307: {"description": "DTP_LAYOUT_STORAGE_REDIRECT: the object's presigned URL in Location "
+                                            "(with `X-Store-Redirect: json`: 200 {location, expires_s} instead)"},
                        **responses(404, 410, 416, _404="no such job or artifact",
                                    _503="the database is unreachable, or the stored file is damaged (never served: "
                                         "`artifact_damaged`)")})
@@ -152,9 +160,14 @@ def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_leng
         url = storage.objects.presign_get(art.storage_key, expires_s=settings.presign_expiry_s, filename=filename)
         if url is not None:  # verified above; the client's Range goes to the store with it
             f.close()
-            return RedirectResponse(url, status_code=307, headers={
-                k: v for k, v in headers.items() if k in ("ETag", "Digest", "Repr-Digest", "X-Checksum-SHA256",
-                                                          "Cache-Control")})
+            kept = {k: v for k, v in headers.items() if k in ("ETag", "Digest", "Repr-Digest", "X-Checksum-SHA256",
+                                                              "Cache-Control")}
+            if request.headers.get(REDIRECT_HEADER, "").lower() == "json":
+                # the dashboard's fetch (it sends the key in a header, which must not follow the redirect
+                # to the store, and its CSP keeps fetch on this origin): the URL, for the browser to open
+                return JSONResponse({"location": url, "expires_s": settings.presign_expiry_s},
+                                    headers={**kept, REDIRECT_HEADER: "json"})
+            return RedirectResponse(url, status_code=307, headers=kept)
     length = max(0, end - start + 1)
     headers["Content-Length"] = str(length)
     if request.method == "HEAD":

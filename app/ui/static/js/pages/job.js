@@ -201,8 +201,9 @@ function artifactsTable(job, items) {
       ev.preventDefault();
       status.textContent = `downloading ${a.name} (${bytes(a.size)})…`;
       try {
-        const {verified} = await downloadWithKey(path, filename, a.sha256);
-        status.textContent = `${a.name}: ${verified ? "sha256 verified" : "downloaded"}`;
+        const {verified, redirected} = await downloadWithKey(path, filename, a.sha256);
+        status.textContent = `${a.name}: ${redirected ? "downloading from the store (sha256 verified by the service)"
+          : verified ? "sha256 verified" : "downloaded"}`;
       } catch (err) {
         status.textContent = `${a.name}: ${err.message}`;
       }
