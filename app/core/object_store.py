@@ -482,6 +482,8 @@ class S3Store:
         self.bucket, self.prefix = bucket, prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}"
         # boto3 reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_REGION itself.
+        # Checksums only when the API requires them: botocore >= 1.36 otherwise adds CRC trailers
+        # (aws-chunked bodies) that several S3-compatible services (GCS, R2, older MinIO) refuse.
         self.client = client or boto3.client("s3", config=Config(
             retries={"max_attempts": 5, "mode": "standard"}, signature_version="s3v4",
             request_checksum_calculation="when_required", response_checksum_validation="when_required"))
