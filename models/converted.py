@@ -32,6 +32,11 @@ waits, then finds the entry and loads it); the copy is written to `.ENTRY.tmp-*`
 place, so a reader sees no entry or a whole one, and if the lock is not honoured (a filesystem without
 flock) the rename that finds the entry already there discards its own copy and uses the winner's.
 A temporary directory left by a killed conversion is removed by the next conversion of that entry.
+
+Mirror. Given an `EntryMirror` (the worker passes its object store: app's workers on other machines share
+no disk), an entry missing here is pulled from the mirror before converting, and an entry converted here
+is pushed to it (its manifest last: a mirror entry without one is incomplete and never pulled). The
+directory is then a local cache of the mirror.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import uuid
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from models.assets import cache_dir
 from models.atomic import atomic_write_text
@@ -62,6 +67,19 @@ CHUNK = 1 << 20
 # Versions of the code whose output an entry holds: an upgrade converts again rather than trust that
 # the dequantisation is unchanged.
 CONVERTER_PACKAGES = ("transformers", "gguf", "torch")
+
+
+class EntryMirror(Protocol):
+    """A shared copy of the entries, named `NAMESPACE/ENTRY` (see the module docstring)."""
+
+    def pull(self, name: str, dest: Path) -> bool:
+        """Write entry `name`'s files into the new directory `dest`; False when the mirror has no whole
+        entry of that name."""
+        ...
+
+    def push(self, entry: Path, name: str) -> None:
+        """Copy the complete local entry directory `entry` to the mirror as `name` (manifest last)."""
+        ...
 
 
 def default_root() -> Path:
@@ -98,6 +116,7 @@ class ConvertedCache:
 
     root: Path | None = None
     namespace: str = DEFAULT_NAMESPACE
+    mirror: EntryMirror | None = None
 
     def __post_init__(self) -> None:
         if not NAMESPACE.fullmatch(self.namespace):
@@ -153,7 +172,22 @@ class ConvertedCache:
         if key is None:
             return None
         entry = self.directory / self.entry_name(key)
+        if not (entry / MANIFEST).is_file() and self.mirror is not None:
+            self._pull(entry)
         return entry if (entry / MANIFEST).is_file() else None
+
+    def _pull(self, entry: Path) -> bool:
+        """The mirror's copy of `entry` installed here (a temporary directory renamed), if it has one."""
+        assert self.mirror is not None
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.parent / f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            if not self.mirror.pull(f"{self.namespace}/{entry.name}", tmp) or not (tmp / MANIFEST).is_file():
+                return False
+            publish(tmp, entry)
+            return True
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def converted_source(self, source: ModelSource, *, dtype: str = "float32") -> ModelSource:
         """The source to load instead of `source`: its converted copy (made now if there is none), or
@@ -177,12 +211,16 @@ class ConvertedCache:
             try:
                 if (entry / MANIFEST).is_file():  # converted by whoever held the lock before us
                     return
+                if self.mirror is not None and self._pull(entry):  # converted on another machine
+                    return
                 for stale in entry.parent.glob(f".{entry.name}.tmp-*"):  # a killed conversion's
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp = entry.parent / f".{entry.name}.tmp-{uuid.uuid4().hex[:8]}"
                 try:
                     self._write(source, key, tmp)
                     publish(tmp, entry)
+                    if self.mirror is not None:
+                        self.mirror.push(entry, f"{self.namespace}/{entry.name}")
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
             finally:

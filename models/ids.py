@@ -10,6 +10,8 @@ from typing import Literal, get_args
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 GGUF_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.gguf$")
+# A tenant's own upload (POST /v1/uploads), as a job's model.id or data source: `upload:<32 hex digits>`.
+UPLOAD_REF = re.compile(r"^upload:([0-9a-f]{32})$")
 
 # What a model is loaded and its passes run in (torch's names; models.loading maps them to torch dtypes).
 DtypeName = Literal["float32", "bfloat16", "float16"]

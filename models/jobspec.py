@@ -73,8 +73,9 @@ def _on(names: tuple[str, ...], *commands: str, **kw: Any) -> Flag:
 
 
 _SOURCE_DOC = ("corpus:shakespeare (every install) | corpus:kjv (where the King James Bible is installed; refused at "
-               "submit otherwise) | hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset id) | a name under the server's "
-               "data root (.txt, .jsonl, .npy of token ids, or a directory of .txt)")
+               "submit otherwise) | hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset id) | upload:ID (the tenant's own "
+               "data upload: POST /v1/uploads, `client upload`) | a name under the server's data root (.txt, "
+               ".jsonl, .npy of token ids, or a directory of .txt)")
 _TEXT_FIELD_DOC = "text field of .jsonl / hf rows"
 
 
@@ -84,8 +85,8 @@ def _data(part: str, source_flags: tuple[Flag, ...], sequences_flags: tuple[Flag
     only their flags differ."""
     p = f"distill.{part}"
     return [
-        _f(f"{p}.source", "str", "corpus:shakespeare | corpus:kjv | hf:OWNER/NAME[:CONFIG[:SPLIT]] | a name under "
-           "the server's data root", REQUIRED, *source_flags, min_length=1, max_length=300,
+        _f(f"{p}.source", "str", "corpus:shakespeare | corpus:kjv | hf:OWNER/NAME[:CONFIG[:SPLIT]] | upload:ID | a "
+           "name under the server's data root", REQUIRED, *source_flags, min_length=1, max_length=300,
            examples=("corpus:shakespeare",)),
         _f(f"{p}.sequences", "int", "blocks to load; training: steps × batch_size (one pass), evaluation: "
            f"{EVAL_SEQUENCES}", None, *sequences_flags, ge=1, le=10_000_000, nullable=True),
@@ -124,8 +125,8 @@ GROUPS: tuple[SpecGroup, ...] = (
 
 FIELDS: tuple[SpecField, ...] = (
     # ---- the model ----
-    _f("model.id", "str", "a hub id `owner/name`, or a name under the server's model root (a checkpoint directory "
-       "or a .gguf file)", REQUIRED,
+    _f("model.id", "str", "a hub id `owner/name`, upload:ID (the tenant's own model upload: POST /v1/uploads, "
+       "`client upload`), or a name under the server's model root (a checkpoint directory or a .gguf file)", REQUIRED,
        _on(("model",), *LOCAL, help="hub id (owner/name), a local checkpoint directory, or a local .gguf file"),
        _on(("--model",), "submit"), min_length=1, max_length=300, examples=("smollm2-135m", "Qwen/Qwen2.5-0.5B")),
     _f("model.revision", "str", "hub branch, tag or commit (hub models only)", None,

@@ -163,3 +163,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.section(title)
             for nodeid, reason in skipped:
                 terminalreporter.write_line(f"{nodeid}: {reason}")
+
+
+# ---- a real S3 API server (moto's ThreadedMotoServer): tests/s3_kit.py --------------------------------
+from tests.s3_kit import s3_bucket, s3_server  # noqa: E402, F401

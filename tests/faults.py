@@ -6,7 +6,10 @@ trace of it in the production settings or code paths.
   slow on purpose, deterministically: kill, cancel and soak tests);
 - hang_stage: that stage hangs without progress: loading, calibration, optimising, exporting or
   distilling (its data loading) in work a cancel can abandon (a stuck download), affinity where only
-  the hard time limit can (stuck in native code).
+  the hard time limit can (stuck in native code);
+- hang_store_upload: the worker's S3 uploads go multipart from 1 KiB on (boto3's managed transfer, as
+  for a large shard) and every part hangs before it is sent (a botocore `before-send` hook): a worker
+  killed then has begun a multipart upload it never completes.
 
 In this process: the `inject_faults` fixture (tests/conftest.py) patches `worker.jobs.JobRun` for the
 test. In a worker subprocess: `WorkerProcess(…, faults=…)` / `ServeProcess(…, faults=…)` start it
@@ -34,6 +37,7 @@ SITE = Path(__file__).resolve().parent / "faults_site"
 class Faults:
     stage_delay_s: float = 0.0
     hang_stage: str = ""
+    hang_store_upload: bool = False
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """What a subprocess's environment needs (added to `base`, default os.environ) for these faults."""
@@ -49,6 +53,25 @@ class Faults:
 
 def _hang() -> None:
     threading.Event().wait()
+
+
+def _hang_store_uploads() -> Callable[[], None]:
+    from app.core import object_store
+
+    threshold, init = object_store.MULTIPART_THRESHOLD, object_store.S3Store.__init__
+
+    def patched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.client.meta.events.register("before-send.s3.UploadPart", lambda **_: _hang())
+
+    object_store.MULTIPART_THRESHOLD = 1024
+    object_store.S3Store.__init__ = patched_init  # type: ignore[method-assign]
+
+    def undo() -> None:
+        object_store.MULTIPART_THRESHOLD = threshold
+        object_store.S3Store.__init__ = init  # type: ignore[method-assign]
+
+    return undo
 
 
 def install(faults: Faults) -> Callable[[], None]:
@@ -77,9 +100,11 @@ def install(faults: Faults) -> Callable[[], None]:
 
     for name, patched in (("enter", enter), ("should_stop", should_stop), ("abandonable", abandonable)):
         setattr(JobRun, name, patched)
+    undo_store = _hang_store_uploads() if faults.hang_store_upload else (lambda: None)
 
     def undo() -> None:
         for name, original in originals.items():
             setattr(JobRun, name, original)
+        undo_store()
 
     return undo

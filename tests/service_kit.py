@@ -99,7 +99,7 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     from app.core.storage import Storage
 
     db = database(settings.database_url)
-    storage = Storage(settings.storage)
+    storage = Storage.from_settings(settings)  # the storage root, or the S3 store DTP_LAYOUT_STORAGE_URL names
     job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
               score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, owner=owner,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
@@ -114,6 +114,8 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
             path = storage.path(key)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
+            if not storage.local:
+                storage.objects.put_file(path, key)
             session.add(Artifact(job_id=job.id, name=name, kind="test", size=len(data),
                                  sha256=hashlib.sha256(data).hexdigest(), storage_key=key))
         for name, value in (("optimised", 3.5), ("contiguous", 2.4)):

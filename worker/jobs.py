@@ -53,11 +53,13 @@ from app.core.lease import Lease, LeaseLost
 from app.core.schemas import METRIC_NAMES, JobSpec
 from app.core.services import DISTILL_SUMMARY, job_log_fields
 from app.core.settings import Settings
-from app.core.sources import SourceError, forget_configs, resolve_data
+from app.core.sources import ModelLocation, SourceError, forget_configs, resolve_data
 from app.core.storage import Storage, sha256_file, tenant_scope
+from app.core.upload_store import UploadStore
 from models.runner import Hooks, run_stages
 from models.stages import REPORT_INPUTS, STAGES, AffinityStore
 from models.stages import build_report as stages_report
+from worker.converted_mirror import StoreMirror
 from worker.device import out_of_memory_message, prepare_device
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
@@ -235,30 +237,35 @@ class Monitor(threading.Thread):
 
 # ---- running the stages -----------------------------------------------------------------------------
 
+AFFINITY_COPY = "affinity.cached.safetensors"  # the work directory's copy of the cache entry the stages read
+
+
 class CachedAffinity(AffinityStore):
-    """The affinity stage's result in the per-tenant cache (STORAGE_ROOT/affinity/<tenant>/<fingerprint>/),
-    shared by the tenant's jobs with the same fingerprint, never by another tenant's; written under the
-    fence (a run that lost the job leaves it alone)."""
+    """The affinity stage's result in the per-tenant cache (the store's affinity/<tenant>/<fingerprint>/),
+    shared by the tenant's jobs with the same fingerprint, never by another tenant's. The stages read a
+    copy in the work directory (fetched from the store on a hit); the job's `affinity.safetensors`
+    artifact is that copy, published under the job's own key (deleting another job never takes it)."""
 
     def __init__(self, run: JobRun) -> None:
         self.run = run
-        self.path = run.storage.path(Storage.affinity_key(run.fingerprint, tenant=run.owner))
+        self.key = Storage.affinity_key(run.fingerprint, tenant=run.owner)
+        self.path = run.work / AFFINITY_COPY
         self.computed_here = run.work / "affinity.computed"  # survives a crash between caching and recording
 
     def lookup(self) -> bool | None:
         if not self.path.is_file():
-            return None
+            if self.run.storage.objects.head(self.key) is None:
+                return None
+            self.run.storage.objects.fetch(self.key, self.path)
         return not self.computed_here.exists()
 
     def publish(self, produced: Path) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.computed_here.touch()
+        produced.replace(self.path)
         with self.run.db.transaction() as session:
-            self.run._owned(session)
-            if self.path.is_file():  # another job with the same fingerprint finished first
-                produced.unlink()
-            else:
-                produced.replace(self.path)
+            self.run._owned(session)  # a run that lost the job leaves the cache alone
+        if self.run.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
+            self.run.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
 
 
 class JobRun(Hooks):
@@ -272,7 +279,7 @@ class JobRun(Hooks):
         self.lease = Lease(job.id, worker, job.attempts)
         self.fingerprint, self.owner = job.fingerprint, job.owner
         self.done: list[str] = list(job.stages_done or [])
-        self.storage = Storage(settings.storage)
+        self.storage = Storage.from_settings(settings)
         self.work = self.storage.work_dir(job.id) / str(self.attempt)
         self.stage: str | None = None
         self._stage_t0 = self._stage_mono = 0.0
@@ -392,21 +399,32 @@ class JobRun(Hooks):
         if stage not in self.done:
             self.done.append(stage)
 
-    @staticmethod
-    def digests(files: list[tuple[str, str, Path]]) -> list[tuple[str, str, Path, int, str]]:
-        """(name, kind, path, size, sha256) of files about to be published: hashed before the
-        transaction that installs them, so that the job row is not held locked while hashing."""
-        return [(name, kind, path, path.stat().st_size, sha256_file(path)) for name, kind, path in files]
-
-    def _artifact_rows(self, session: Session, files: list[tuple[str, str, Path, int, str]]) -> None:
-        """Install files as artifacts (skipping names already recorded) and add their rows; called
-        inside `complete`, after `_owned`: a run that lost the job installs nothing."""
-        have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
-        for name, kind, path, size, digest in files:
+    def upload(self, files: list[tuple[str, str, Path]]) -> list[tuple[str, str, str, int, str]]:
+        """(name, kind, key, size, sha256) of files about to be published: hashed and put in the store
+        before the transaction that records their rows (the job row is not held locked while hashing or
+        uploading, and a row is never visible before its object is whole). Each goes to this attempt's
+        key (Storage.artifact_key): a run that lost the job can upload, but never over the winner's
+        objects, and never records a row; what no row lists is swept."""
+        with self.db.session() as session:
+            have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        out = []
+        for name, kind, path in files:
             if name in have:
                 continue
-            key = Storage.artifact_key(self.job_id, name)
-            self.storage.install(path, key)
+            self.check()
+            size, digest = path.stat().st_size, sha256_file(path)
+            key = Storage.artifact_key(self.job_id, name, self.attempt)
+            self.storage.publish(path, key, sha256=digest)
+            out.append((name, kind, key, size, digest))
+        return out
+
+    def _artifact_rows(self, session: Session, files: list[tuple[str, str, str, int, str]]) -> None:
+        """Add the rows of uploaded files (skipping names already recorded); called inside `complete`,
+        after `_owned`: a run that lost the job records nothing."""
+        have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        for name, kind, key, size, digest in files:
+            if name in have:
+                continue
             session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=size, sha256=digest,
                                  storage_key=key))
 
@@ -422,6 +440,7 @@ class JobRun(Hooks):
     def run(self) -> None:
         from models.heldout import source_identity
 
+        self.check_quota()
         self.prepare_work()
         ctx = self.context()
         run_stages(STAGES, ctx, self, keep=REPORT_INPUTS)
@@ -432,6 +451,48 @@ class JobRun(Hooks):
         self._finish(stages_report(ctx, calibration_identity=source_identity(ctx.calibration.source,
                                                                              ctx.calibration.text_field),
                                    data=held_out))
+
+    def check_quota(self) -> None:
+        """Before the job writes anything: its tenant must be under its storage quota (checked at submit
+        too; other jobs may have filled it since). Over it, the job fails naming the quota."""
+        from app.core.errors import ApiError
+        from app.core.usage import check_quota
+
+        with self.db.session() as session:
+            try:
+                check_quota(session, settings=self.settings, tenant=self.owner, asked=0,
+                            what="this job (its artifacts)")
+            except ApiError as exc:
+                raise ValueError(exc.detail) from None
+
+    def upload_path(self, ref: str, *, kind: str, field: str) -> Path:
+        """A local copy of the job's tenant's upload (the store's own files on a local store): the file of a
+        one-file upload, else the directory."""
+        from app.core.uploads import local_path
+
+        return local_path(db=self.db, store=UploadStore(self.storage), ref=ref, tenant=self.owner, kind=kind,
+                          field=field, cache=self.storage.root / "cache" / "uploads")
+
+    def data_source(self, source: str, field: str) -> str:
+        """What models.calibration reads for a spec's data source: an upload's local copy, a corpus, a hub
+        dataset, or a name under the data root as its absolute path."""
+        if source.startswith("upload:"):
+            return str(self.upload_path(source, kind="data", field=field))
+        return resolve_data(self.settings.data_dir, source, field=field)
+
+    def model_location(self) -> ModelLocation:
+        """Where the model is loaded from: an upload (its config checked again), else `prepare_model`."""
+        spec = self.spec
+        if not spec.model.id.startswith("upload:"):
+            return prepare_model(settings=self.settings, spec=spec)
+        from app.core.model_limits import check_model_config
+        from app.core.sources import read_config
+
+        location = ModelLocation(path=self.upload_path(spec.model.id, kind="model", field="model.id"))
+        config = read_config(location)
+        if config is not None and (problems := check_model_config(config, spec=spec, settings=self.settings)):
+            raise SourceError(problems[0][0], "; ".join(f"{field}: {message}" for field, message in problems))
+        return location
 
     def context(self) -> Any:
         """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
@@ -444,12 +505,12 @@ class JobRun(Hooks):
         spec = self.spec
         shown = CalibrationSpec(**spec.calibration.model_dump())
         calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
-                                         "source": resolve_data(self.settings.data_dir, spec.calibration.source)})
+                                         "source": self.data_source(spec.calibration.source, "calibration.source")})
         distill = self.distill_plan(calibration) if spec.distill is not None else None
 
         def source() -> ModelSource:
             # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
-            location = prepare_model(settings=self.settings, spec=spec)
+            location = self.model_location()
             if location.path is None or not location.path.is_absolute():
                 # Loaded by absolute path only: a name would be resolved against the working directory.
                 raise SourceError("model.id", f"model {spec.model.id!r} did not resolve to a file under the "
@@ -468,7 +529,9 @@ class JobRun(Hooks):
             affinity=CachedAffinity(self),
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
-            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner)))
+            # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
+            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
+                                     mirror=None if self.storage.local else StoreMirror(self.storage.objects)))
 
     def distill_plan(self, calibration: Any) -> Any:
         """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
@@ -480,8 +543,8 @@ class JobRun(Hooks):
         spec = self.spec.distill
         assert spec is not None
         out_dir = self.work / "distill"
-        data = {part: CalibrationSpec(**{**fields, "source": resolve_data(self.settings.data_dir, fields["source"],
-                                                                          field=f"distill.{part}.source")})
+        data = {part: CalibrationSpec(**{**fields, "source": self.data_source(fields["source"],
+                                                                              f"distill.{part}.source")})
                 for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
@@ -536,17 +599,11 @@ class JobRun(Hooks):
     def _record_affinity(self, note: dict[str, Any]) -> None:
         from models.run_files import AFFINITY_FILE
 
-        cache_key = Storage.affinity_key(self.fingerprint, tenant=self.owner)
-        cache_path = self.storage.path(cache_key)
-        cache_size, cache_digest = cache_path.stat().st_size, sha256_file(cache_path)
+        published = self.upload([(AFFINITY_FILE, "affinity", self.work / AFFINITY_COPY)])
 
         def record(session: Session, job: Job) -> None:
             job.affinity_cached = note["cached"]
-            have = session.scalars(select(Artifact.id).where(Artifact.job_id == self.job_id,
-                                                             Artifact.name == AFFINITY_FILE)).first()
-            if have is None:
-                session.add(Artifact(job_id=self.job_id, name=AFFINITY_FILE, kind="affinity", size=cache_size,
-                                     sha256=cache_digest, storage_key=cache_key))
+            self._artifact_rows(session, published)
 
         self.complete("affinity", record, **note)
 
@@ -575,7 +632,7 @@ class JobRun(Hooks):
 
         files = [(f"{sub}/{p.name}", sub, p) for sub in EXPORT_DIRS
                  for p in sorted((self.work / sub).glob("*")) if p.is_file()]
-        published = self.digests(files)
+        published = self.upload(files)
         self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
                       **note, files=len(files))
 
@@ -599,7 +656,7 @@ class JobRun(Hooks):
             shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
             files.append((f"distill/{name}", "distill", staging / name))
 
-        published = self.digests(files)
+        published = self.upload(files)
 
         def record(session: Session, _job: Job) -> None:
             upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
@@ -618,7 +675,7 @@ class JobRun(Hooks):
             report["job"] = {"id": self.job_id, "fingerprint": self.fingerprint,
                              "affinity_cached": bool(job.affinity_cached)}
         _write_json(report_file, report)
-        published = self.digests([("report.json", "report", report_file)])
+        published = self.upload([("report.json", "report", report_file)])
         with self.db.transaction() as session:
             job = self._owned(session)
             self._artifact_rows(session, published)

@@ -3,7 +3,10 @@
 Every worker also runs a sweeper thread (at start, then every lease/2 seconds, at most 30 s apart)
 that re-enqueues jobs nobody holds: running jobs whose worker died or stalled (their lease expired),
 so a job killed mid-stage resumes on another worker after its last finished stage, and jobs still
-queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost).
+queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost); and, every
+STORE_SWEEP_EVERY_S, sweeps the object store (worker.store_sweep: stale multipart uploads, objects no
+artifact row lists). With DTP_LAYOUT_RETENTION_DAYS set, it also removes the artifacts of jobs finished
+longer ago than that (app.core.usage.expire_finished: the rows stay, marked expired).
 
 Time limits: the solo pool cannot interrupt a task, so Celery's time limits would be ignored; the
 job's monitor enforces them instead (`Settings.time_limits`, from the job's work tokens): past the
@@ -83,17 +86,40 @@ def sweep_once() -> list[str]:
         log.warning("job %s: still queued %.0f s after it was sent (message lost); re-enqueued", job_id,
                     settings.requeue_after_s)
         sent.append(job_id)
+    if settings.retention_days > 0:
+        from app.core.storage import Storage
+        from app.core.usage import expire_finished
+
+        expire_finished(db, Storage.from_settings(settings), days=settings.retention_days)
     return sent
 
 
+def sweep_store_once() -> None:
+    from app.core.storage import Storage
+    from worker.store_sweep import sweep_store
+
+    settings = get_settings()
+    sweep_store(database(settings.database_url), Storage.from_settings(settings).objects,
+                stale_s=settings.multipart_stale_s)
+
+
 def _sweep_forever() -> None:
+    from worker.store_sweep import STORE_SWEEP_EVERY_S
+
     settings = get_settings()
     interval = max(0.5, min(30.0, settings.lease_s / 2, settings.requeue_after_s / 2))
+    store_swept = 0.0
     while True:
         try:
             sweep_once()
         except Exception:
             log.warning("sweeper: could not check for stale or lost jobs", exc_info=True)
+        if time.monotonic() - store_swept >= STORE_SWEEP_EVERY_S or not store_swept:
+            store_swept = time.monotonic()
+            try:
+                sweep_store_once()
+            except Exception:
+                log.warning("sweeper: could not sweep the object store", exc_info=True)
         time.sleep(interval)
 
 

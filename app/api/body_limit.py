@@ -8,12 +8,17 @@ start of the request (its headers are in: app/api/http_timeouts.py bounds those)
 sending half-way gets 408 and its connection closed, instead of holding a request open for ever.
 After the body is complete, `receive` is passed through untouched (a streaming answer waits on it
 for the client's disconnect as long as it needs).
+
+`Wider` routes take a larger body under their own limit and deadline: an upload's part
+(DTP_LAYOUT_UPLOAD_PART_BYTES within DTP_LAYOUT_UPLOAD_PART_TIMEOUT_S), matched by method and path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,29 +32,56 @@ def _answer(status: int, detail: str, error: str) -> tuple[Message, Message]:
             {"type": "http.response.body", "body": body})
 
 
+@dataclass(frozen=True)
+class Wider:
+    """A route whose bodies may be larger (and slower) than the default limit's."""
+
+    method: str
+    path: str  # a regular expression over the whole path
+    max_bytes: int
+    timeout_s: float
+    setting: str  # what the 413 names
+    timeout_setting: str
+
+
+class _Limit:
+    def __init__(self, max_bytes: int, timeout_s: float, setting: str, timeout_setting: str) -> None:
+        self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self.too_large = _answer(413, f"the request body is larger than this server's limit of {max_bytes} bytes "
+                                      f"({setting})", "payload_too_large")
+        self.too_slow = _answer(408, f"the request body did not arrive within {timeout_s:g} s ({timeout_setting})",
+                                "request_timeout")
+
+
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0, wider: tuple[Wider, ...] = ()) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
-        self._too_large = _answer(413, f"the request body is larger than this server's limit of {max_bytes} bytes "
-                                       "(DTP_LAYOUT_MAX_BODY_BYTES)", "payload_too_large")
-        self._too_slow = _answer(408, f"the request body did not arrive within {timeout_s:g} s "
-                                      "(DTP_LAYOUT_BODY_TIMEOUT_S)", "request_timeout")
+        self._default = _Limit(max_bytes, timeout_s, "DTP_LAYOUT_MAX_BODY_BYTES", "DTP_LAYOUT_BODY_TIMEOUT_S")
+        self._wider = [(w.method, re.compile(w.path), _Limit(w.max_bytes, w.timeout_s, w.setting, w.timeout_setting))
+                       for w in wider]
+
+    def _limit(self, scope: Scope) -> _Limit:
+        for method, path, limit in self._wider:
+            if scope.get("method") == method and path.fullmatch(scope.get("path", "")):
+                return limit
+        return self._default
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self._limit(scope)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    declared = self.max_bytes + 1  # unparseable: refuse rather than guess
-                if declared > self.max_bytes:
-                    for message in self._too_large:
+                    declared = limit.max_bytes + 1  # unparseable: refuse rather than guess
+                if declared > limit.max_bytes:
+                    for message in limit.too_large:
                         await send(message)
                     return
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        deadline = asyncio.get_running_loop().time() + limit.timeout_s
         received = 0
         started = rejected = complete = False
 
@@ -64,11 +96,11 @@ class BodyLimit:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                return await reject(self._too_slow)
+                return await reject(limit.too_slow)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    return await reject(self._too_large)
+                if received > limit.max_bytes:
+                    return await reject(limit.too_large)
                 complete = not message.get("more_body", False)
             return message
 
@@ -91,5 +123,5 @@ class BodyLimit:
         await self.app(scope, guarded_receive, guarded_send)
 
 
-def install(app: Any, max_bytes: int, timeout_s: float = 30.0) -> None:
-    app.add_middleware(BodyLimit, max_bytes=max_bytes, timeout_s=timeout_s)
+def install(app: Any, max_bytes: int, timeout_s: float = 30.0, wider: tuple[Wider, ...] = ()) -> None:
+    app.add_middleware(BodyLimit, max_bytes=max_bytes, timeout_s=timeout_s, wider=wider)

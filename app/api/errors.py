@@ -27,7 +27,9 @@ from app.core.errors import (  # noqa: F401  (raised by routes, answered here)
     ArtifactDamaged,
     BrokerUnavailable,
     Conflict,
+    Gone,
     NotFound,
+    PayloadTooLarge,
     RangeNotSatisfiable,
     ServiceUnavailable,
     SpecError,
@@ -170,6 +172,7 @@ _DESCRIPTIONS = {
     408: "the request's headers or body did not arrive in time (DTP_LAYOUT_HEADER_TIMEOUT_S, "
          "DTP_LAYOUT_BODY_TIMEOUT_S); the connection is closed",
     409: "the job already finished",
+    410: "removed on purpose (a job's artifacts after DELETE /v1/jobs/{id} or the retention period)",
     413: "request body larger than the server's limit (DTP_LAYOUT_MAX_BODY_BYTES)",
     416: "the Range is not satisfiable",
     422: "invalid request: every bad field is named",

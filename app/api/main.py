@@ -20,7 +20,7 @@ from app.api import auth, body_limit, errors, request_context
 from app.api.deps import Db
 from app.api.metrics import Metrics
 from app.api.ratelimit import RateLimiter
-from app.api.routers import health, v1_router
+from app.api.routers import health, uploads, v1_router
 from app.core import logs
 from app.core.db import database
 from app.core.job_stats import CachedStats, job_stats
@@ -88,19 +88,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="dtp-layout service", version="1", description=DESCRIPTION, lifespan=lifespan,
                   docs_url=None, redoc_url=None,
                   openapi_tags=[{"name": "jobs"}, {"name": "layouts"}, {"name": "artifacts"}, {"name": "scores"},
-                                {"name": "health"}])
+                                {"name": "uploads"}, {"name": "health"}])
     db = database(settings.database_url, pool_size=settings.api_threads)
     app.state.settings = settings
     app.state.db = db
     app.state.db_runner = Db(db)
-    app.state.storage = Storage(settings.storage)
+    app.state.storage = Storage.from_settings(settings)
     app.state.keys = KeyRing(settings, db)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, settings.rate_limit_burst)
     app.state.queue = JobQueue(settings)
     stats = CachedStats(lambda: job_stats(db=db), settings.metrics_cache_s)
     app.state.metrics = metrics = Metrics(stats.get)
     # an oversized or stalled body never reaches the app
-    body_limit.install(app, settings.max_body_bytes, settings.body_timeout_s)
+    part = body_limit.Wider("PUT", uploads.PART_PATH, settings.upload_part_bytes, settings.upload_part_timeout_s,
+                            "DTP_LAYOUT_UPLOAD_PART_BYTES", "DTP_LAYOUT_UPLOAD_PART_TIMEOUT_S")
+    body_limit.install(app, settings.max_body_bytes, settings.body_timeout_s, wider=(part,))
     auth.install(app)  # before the body is read: 401 / 429 for /v1 without parsing a byte of it
     # outermost: every answer (a 401, 413 included) carries its X-Request-ID and is counted
     request_context.install(app, metrics, access_log=settings.access_log)

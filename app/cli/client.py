@@ -1,5 +1,6 @@
 """`dtp-layout client …`: the layout service from scripts and CI (submit, status, wait, cancel, list,
-download, scores). Talks HTTP only (app/client/http.py); nothing here imports torch.
+download, scores, delete; upload, uploads, delete-upload, usage). Talks HTTP only (app/client/http.py,
+app/client/uploads.py); nothing here imports torch.
 
 Exit status (docs/ci.md has the table, command by job state): 0 done (the job succeeded, the gate
 passed, every file verified); 1 the job failed or was cancelled, the scores gate failed, or a
@@ -320,6 +321,97 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- uploads, deleting, usage -----------------------------------------------------------------------
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    from app.client.uploads import UploadMismatch, upload_path
+
+    bar: Any = None
+
+    def on_total(total: int, have: int) -> None:
+        nonlocal bar
+        from tqdm import tqdm
+
+        if have:
+            _err(f"resuming: {have} of {total} bytes are already on the service")
+        bar = tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                   desc="upload", disable=None, leave=False)
+
+    def on_bytes(n: int) -> None:
+        if bar is not None:
+            bar.update(n)
+
+    def on_skip(name: str) -> None:
+        _err(f"dtp-layout client upload: skipped {name} (hidden, or not a plain file)")
+
+    try:
+        with _client(args) as client:
+            done = upload_path(client, Path(args.path), name=args.name, kind=args.kind, on_total=on_total,
+                               on_bytes=on_bytes, on_skip=on_skip)
+    except UploadMismatch as exc:
+        _err(f"dtp-layout client upload: {exc}")
+        return EXIT_FAILED
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        _print_json(done)
+    else:
+        _out(done["id"])
+        _err(f"{done['kind']} upload {done['name']!r} complete ({done['size']} bytes, every sha256 verified); "
+             f"name it in a job as {done['ref']}")
+    return 0
+
+
+def cmd_uploads(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        items = client.uploads()
+    if args.json:
+        _print_json(items)
+        return 0
+    if not items:
+        _err("no uploads")
+        return 0
+    _out(f"{'id':<33}{'kind':<7}{'status':<10}{'bytes':>14}  {'name':<30}created")
+    for u in items:
+        _out(f"{u['id']:<33}{u['kind']:<7}{u['status']:<10}{u['size']:>14}  {u['name'][:29]:<30}"
+             f"{u['created_at'][:19]}")
+    return 0
+
+
+def cmd_delete_upload(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        client.delete_upload(args.upload)
+    _err(f"upload {args.upload} deleted")
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        job = client.delete_job(args.job)
+    _err(f"job {job['id']}: artifacts removed (the job, its layouts and scores stay)")
+    if args.json:
+        _print_json(job)
+    return 0
+
+
+def cmd_usage(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        usage = client.usage()
+    if args.json:
+        _print_json(usage)
+        return 0
+    quota = usage["quota_bytes"]
+    _out(f"tenant {usage['tenant'] or '(open API)'}: {usage['used_bytes']} bytes used of "
+         + (f"{quota} ({100 * usage['used_bytes'] / quota:.1f}%)" if quota else "no quota"))
+    for kind, n in usage["bytes"].items():
+        _out(f"  {kind:<15}{n:>16}")
+    _out("  " + ", ".join(f"{k} {v}" for k, v in usage["counts"].items()))
+    if usage["retention_days"]:
+        _out(f"  finished jobs' artifacts are removed after {usage['retention_days']:g} days")
+    return 0
+
+
 # ---- scores (the CI gate) --------------------------------------------------------------------------
 
 def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: float | None,
@@ -441,7 +533,8 @@ def _wait_args(p: argparse.ArgumentParser) -> None:
 
 def register(sub: Any) -> None:
     client = sub.add_parser("client", help="talk to a layout service: submit, status, wait, cancel, list, download, "
-                                           "scores (for scripts and CI)",
+                                           "scores, delete, upload, uploads, delete-upload, usage (for scripts and "
+                                           "CI)",
                             description="A client of the layout service's /v1 API. Exit status: 0 done; 1 the job "
                                         "failed or was cancelled, a download's sha256 did not match, or the scores "
                                         "gate failed; 2 the service is unreachable or refused the request (bad key, "
@@ -525,6 +618,45 @@ def register(sub: Any) -> None:
     threshold.add_argument("--min-gain", type=float, metavar="X", help="e.g. 0.3: at least 30%% over random")
     p.add_argument("--json", action="store_true")
     p.set_defaults(client_func=cmd_scores)
+
+    p = commands.add_parser("delete", parents=[common], help="remove a finished job's artifacts (the job stays, "
+                                                            "expired)",
+                            description="Removes a finished job's artifacts from the service's store; the job, its "
+                                        "layouts and scores stay (marked expired; downloads then answer 410). A "
+                                        "queued or running job is refused (exit 2: cancel it first).")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true", help="print the job as JSON")
+    p.set_defaults(client_func=cmd_delete)
+
+    p = commands.add_parser("upload", parents=[common], help="upload a model directory or data file (prints its id)",
+                            description="Uploads a model directory (config.json, *.safetensors, tokenizer files), "
+                                        "one .gguf, or data (.txt, .jsonl, .npy of token ids; a directory of .txt) to "
+                                        "the service, part by part with a progress bar, every file's sha256 "
+                                        "verified by the service. Run it again after an interruption: it resumes "
+                                        "the open upload of the same files, sending only the parts the service "
+                                        "lacks. Prints the id (a job names the upload as upload:ID). Exit 1 when "
+                                        "the service received a file whose sha256 differs (it changed while sent); "
+                                        "2 when the service refused it (pickles, unknown files, a config past the "
+                                        "server's limits, the storage quota).")
+    p.add_argument("path", help="a model directory, a .gguf file, or a data file or directory")
+    p.add_argument("--name", help="a label (default: the file or directory name)")
+    p.add_argument("--kind", choices=("model", "data"), help="default: model for a directory with config.json or "
+                                                              "a .gguf, else data")
+    p.add_argument("--json", action="store_true", help="print the upload as JSON")
+    p.set_defaults(client_func=cmd_upload)
+
+    p = commands.add_parser("uploads", parents=[common], help="the tenant's uploads, newest first")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(client_func=cmd_uploads)
+
+    p = commands.add_parser("delete-upload", parents=[common], help="delete an upload (refused while a queued or "
+                                                                   "running job names it)")
+    p.add_argument("upload")
+    p.set_defaults(client_func=cmd_delete_upload)
+
+    p = commands.add_parser("usage", parents=[common], help="the tenant's storage: bytes by kind, quota, counts")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(client_func=cmd_usage)
 
     client.set_defaults(func=run)
 

@@ -121,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"dtp-layout service: {url}   (dashboard: {url}/ui   API docs: {url}/docs)",
             f"  database {settings.database_url}",
             f"  broker   {settings.broker_url}",
-            f"  storage  {settings.storage}   models {settings.models_dir}   data {settings.data_dir}",
+            f"  storage  {settings.storage_url or settings.storage}   models {settings.models_dir}   "
+            f"data {settings.data_dir}",
             f"  worker   {f'pid {pid}, log {log_path} (restarted if it dies)' if worker else 'none (--no-worker)'}",
             "",
             "submit a job on the corpus" + (" with the packaged SmolLM2-135M:" if model else ":"),

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,10 @@ class LayoutClient:
         self.timeout = timeout
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport,
                                  follow_redirects=False)
+        # A download the service redirects to its object store (DTP_LAYOUT_STORAGE_REDIRECT: a presigned
+        # URL) is fetched with this one: no key, no service headers (they would reach the store's host).
+        self.store_http = httpx.Client(headers={"User-Agent": "dtp-layout-client/1"}, timeout=timeout,
+                                       transport=transport, follow_redirects=False)
 
     def __enter__(self) -> LayoutClient:
         return self
@@ -152,6 +157,23 @@ class LayoutClient:
 
     def close(self) -> None:
         self.http.close()
+        self.store_http.close()
+
+    @contextmanager
+    def _artifact_stream(self, path: str, headers: dict[str, str]) -> Iterator[httpx.Response]:
+        """GET an artifact: the service's answer, or, when it redirects (307 to a presigned URL of its
+        store), the store's, asked for the same range (without If-Range: the service has just matched it
+        against the object the URL names)."""
+        with self.http.stream("GET", path, headers={**headers, "Accept": "*/*"}) as response:
+            location = response.headers.get("location") if response.status_code in (302, 303, 307) else None
+            if location is None:
+                yield response
+                return
+        if not location.startswith(("http://", "https://")):
+            raise ClientError(f"{path}: the service redirected to {location[:200]!r}, not an http(s) URL")
+        store_headers = {"Range": headers["Range"]} if "Range" in headers else {}
+        with self.store_http.stream("GET", location, headers=store_headers) as response:
+            yield response
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -205,6 +227,30 @@ class LayoutClient:
     def job(self, job_id: str) -> dict[str, Any]:
         job: dict[str, Any] = self._json("GET", f"/v1/jobs/{_segment(job_id)}")
         return job
+
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Remove a finished job's artifacts (the job stays, marked expired)."""
+        job: dict[str, Any] = self._json("DELETE", f"/v1/jobs/{_segment(job_id)}")
+        return job
+
+    def uploads(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self._json("GET", "/v1/uploads")["items"]
+        return items
+
+    def create_upload(self, body: dict[str, Any]) -> dict[str, Any]:
+        upload: dict[str, Any] = self._json("POST", "/v1/uploads", json=body)
+        return upload
+
+    def complete_upload(self, upload_id: str) -> dict[str, Any]:
+        upload: dict[str, Any] = self._json("POST", f"/v1/uploads/{_segment(upload_id)}/complete")
+        return upload
+
+    def delete_upload(self, upload_id: str) -> None:
+        self.request("DELETE", f"/v1/uploads/{_segment(upload_id)}")
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = self._json("GET", "/v1/usage")
+        return usage
 
     def jobs(self, *, status: str | None = None, model: str | None = None, devices: int | None = None,
              delta: int | None = None, owner: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
@@ -353,7 +399,7 @@ class LayoutClient:
                 return transferred
             headers = {"Range": f"bytes={have}-", "If-Range": etag} if have else {}
             try:
-                with self.http.stream("GET", path, headers={**headers, "Accept": "*/*"}) as response:
+                with self._artifact_stream(path, headers) as response:
                     wait = _retry_after(response)
                     if wait is not None and attempt < retries:
                         attempt += 1

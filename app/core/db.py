@@ -113,6 +113,10 @@ class Job(Base):
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime, default=utcnow)  # last sent to the broker
     requeues: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # sent again by a sweeper
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    # Set when the job's artifacts were removed from the store (migration 0006): by DELETE /v1/jobs/{id}
+    # (`deleted`) or by the retention sweep (`retention`); the row, its layouts and scores stay.
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime)
+    expired_reason: Mapped[str | None] = mapped_column(String(16))
 
     layouts: Mapped[list[LayoutRow]] = relationship(back_populates="job", cascade="all, delete-orphan",
                                                     passive_deletes=True)
@@ -205,6 +209,61 @@ class Metric(Base):
     step: Mapped[int] = mapped_column(Integer, default=0)
     name: Mapped[str] = mapped_column(String(128))
     value: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class Upload(Base):
+    """A tenant's own model or data files (migration 0006): declared by POST /v1/uploads, sent file by
+    file and part by part, `complete` once every file's sha256 matched. Its objects are in the store under
+    `storage_prefix`; a job names it `upload:<id>`."""
+
+    __tablename__ = "uploads"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    owner: Mapped[str | None] = mapped_column(String(100), index=True)
+    kind: Mapped[str] = mapped_column(String(8))  # model | data
+    name: Mapped[str] = mapped_column(String(100))
+    status: Mapped[str] = mapped_column(String(16), default="open")  # open | complete
+    part_size: Mapped[int] = mapped_column(BigInteger)
+    size: Mapped[int] = mapped_column(BigInteger)  # the declared bytes of every file
+    storage_prefix: Mapped[str] = mapped_column(String(200))
+    config: Mapped[dict[str, Any] | None] = mapped_column(NullableJSON)  # a model's config, checked at completion
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    files: Mapped[list[UploadFile]] = relationship(back_populates="upload", cascade="all, delete-orphan",
+                                                   passive_deletes=True, order_by="UploadFile.index")
+
+
+class UploadFile(Base):
+    """One declared file of an upload: its relative path, size and the sha256 the client sent; `multipart`
+    the store's multipart upload while its parts arrive (None once assembled, or for a local store)."""
+
+    __tablename__ = "upload_files"
+
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(String(255))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    multipart: Mapped[str | None] = mapped_column(String(1024))
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    upload: Mapped[Upload] = relationship(back_populates="files")
+
+
+class UploadPart(Base):
+    """A part of an upload's file that arrived whole (its size checked, its sha256 computed while it
+    streamed); `etag`: the store's tag for it (S3 multipart), when it has one."""
+
+    __tablename__ = "upload_parts"
+
+    upload_id: Mapped[str] = mapped_column(ForeignKey("uploads.id", ondelete="CASCADE"), primary_key=True)
+    file_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    number: Mapped[int] = mapped_column(Integer, primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    etag: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 

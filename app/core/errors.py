@@ -39,6 +39,16 @@ class Conflict(ApiError):
     status, default_field, code = 409, "job_id", "conflict"
 
 
+class Gone(ApiError):
+    """410: the thing was there and was removed on purpose (a job's artifacts after DELETE or retention)."""
+
+    status, default_field, code = 410, "name", "gone"
+
+
+class PayloadTooLarge(ApiError):
+    status, default_field, code = 413, "body", "payload_too_large"
+
+
 class RangeNotSatisfiable(ApiError):
     status, default_field, code = 416, "Range", "range_not_satisfiable"
 
@@ -59,6 +69,13 @@ class ServiceUnavailable(ApiError):
 
 class BrokerUnavailable(ServiceUnavailable):
     code = "broker_unavailable"
+
+
+class StoreUnreachable(ServiceUnavailable):
+    """The object store did not answer or refused the service (network, credentials, its 5xx): 503 with
+    Retry-After; the artifact itself is not known to be damaged."""
+
+    default_field, code = "name", "store_unavailable"
 
 
 class ArtifactDamaged(ServiceUnavailable):

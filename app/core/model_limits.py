@@ -120,3 +120,22 @@ def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Setti
                                      f"server runs models up to {settings.max_model_params / 1e9:.2f}B "
                                      "(DTP_LAYOUT_MAX_MODEL_PARAMS)"))
     return problems + seq_len_problems(config, spec)
+
+
+def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> list[tuple[str, str]]:
+    """What check_model_config refuses of a model before any job names it (no devices or δ yet): the
+    dimension limits, a family this server lays out, the parameter count."""
+    from app.core.sources import config_namespace
+    from models.families import family_for_config
+
+    if problems := dimension_problems(config):
+        return problems
+    try:
+        family_for_config(config_namespace(config))
+    except (ValueError, AttributeError, TypeError) as exc:
+        return [("model.id", str(exc))]
+    params = parameter_count(config)
+    if params is not None and params > settings.max_model_params:
+        return [("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this server "
+                             f"runs models up to {settings.max_model_params / 1e9:.2f}B (DTP_LAYOUT_MAX_MODEL_PARAMS)")]
+    return []

@@ -530,6 +530,11 @@ class JobOut(BaseModel):
     finished_at: datetime | None
     updated_at: datetime
     timings: dict[str, float]
+    expired_at: datetime | None = Field(
+        default=None, description="when the job's artifacts were removed from the store (its downloads are then 410 "
+                                  "Gone; the job, its layouts and scores stay)")
+    expired_reason: Literal["deleted", "retention"] | None = Field(
+        default=None, description="deleted: DELETE /v1/jobs/{id}; retention: DTP_LAYOUT_RETENTION_DAYS passed")
     summary: dict[str, Any] | None = Field(
         default=None, description="tokens, random expectation, upper bound and J per layout once the job succeeded")
     device: dict[str, Any] | None = Field(

@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
-from app.core import budgets, events, hub, logs
+from app.core import budgets, events, hub, logs, usage
 from app.core.caller import Caller
 from app.core.db import (
     FINISHED,
@@ -41,6 +41,7 @@ from app.core.settings import Settings
 from app.core.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model, submit_corpora
 from app.core.storage import DamagedFile, Storage
 from app.core.timeline import stage_timeline
+from app.core.uploads import resolve_ref
 from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import canonical_layout_name
 
@@ -64,34 +65,50 @@ def job_log_fields(session: Session, job: Job) -> dict[str, str | None]:
 
 # ---- submit ---------------------------------------------------------------------------------------
 
-def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None) -> tuple[str, dict[str, Any]]:
-    """The budgets, the model and the calibration source (resolved under their roots, or allowed hub
-    ids), and the model's config when it can be read without downloading weights (`tenant`: whose
-    cached reads may be reused). Returns the fingerprint and what was found; raises SpecError naming
-    every bad field."""
+UploadLookup = Callable[[str, str, str], Any]  # (ref, kind, field) → the upload row; raises SourceError
+
+
+def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
+               uploads: UploadLookup | None = None) -> tuple[str, dict[str, Any]]:
+    """The budgets, the model and the calibration source (resolved under their roots, allowed hub ids, or
+    the tenant's complete uploads through `uploads`), and the model's config when it can be read without
+    downloading weights (`tenant`: whose cached reads may be reused). Returns the fingerprint and what was
+    found; raises SpecError naming every bad field."""
     problems = budgets.job_problems(spec, settings)
     location = None
     model_path: Path | None = None
     data_path: Path | None = None
-    try:
-        location = resolve_model(settings.models_dir, spec.model.id, revision=spec.model.revision,
-                                 gguf_file=spec.model.gguf_file)
-        if location.is_local and spec.model.revision is not None:
-            problems.append(("model.revision", "revision applies to hub models only; this model is a name under "
-                                               "the server's model root"))
-        if location.hub_id is not None and (refusal := hub.model_problem(settings, location.hub_id)):
-            problems.append(("model.id", refusal))
-            location = None
-        model_path = location.path if location is not None else None
-    except SourceError as exc:
-        problems.append((exc.field, str(exc)))
-    problems += _data_problems(settings, spec.calibration.source, "calibration.source")
-    if not problems and not spec.calibration.source.startswith(("corpus:", "hf:")):
+    config: dict[str, Any] | None = None
+    if spec.model.id.startswith("upload:"):
+        try:
+            upload = _upload(uploads, spec.model.id, "model", "model.id")
+            config = dict(upload.config or {}) or None
+            for field, value in (("model.revision", spec.model.revision), ("model.gguf_file", spec.model.gguf_file)):
+                if value is not None:
+                    problems.append((field, f"{field.split('.')[1]} does not apply to an upload (it is one model)"))
+        except SourceError as exc:
+            problems.append((exc.field, str(exc)))
+    else:
+        try:
+            location = resolve_model(settings.models_dir, spec.model.id, revision=spec.model.revision,
+                                     gguf_file=spec.model.gguf_file)
+            if location.is_local and spec.model.revision is not None:
+                problems.append(("model.revision", "revision applies to hub models only; this model is a name under "
+                                                   "the server's model root"))
+            if location.hub_id is not None and (refusal := hub.model_problem(settings, location.hub_id)):
+                problems.append(("model.id", refusal))
+                location = None
+            model_path = location.path if location is not None else None
+        except SourceError as exc:
+            problems.append((exc.field, str(exc)))
+    problems += _data_problems(settings, spec.calibration.source, "calibration.source", uploads)
+    if not problems and not spec.calibration.source.startswith(("corpus:", "hf:", "upload:")):
         data_path = Path(resolve_data(settings.data_dir, spec.calibration.source))
-    config = read_config(location, scope=tenant) if location is not None else None
+    if location is not None:
+        config = read_config(location, scope=tenant)
     if config is not None:
         problems += check_model_config(config, spec=spec, settings=settings)
-    problems += distill_problems(settings=settings, spec=spec)
+    problems += distill_problems(settings=settings, spec=spec, uploads=uploads)
     if problems:
         raise SpecError(problems)
     fp = fingerprint(model_id=spec.model.id, revision=spec.model.revision, gguf_file=spec.model.gguf_file,
@@ -100,8 +117,18 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None) 
     return fp, {"config_checked": config is not None}
 
 
-def _data_problems(settings: Settings, source: str, field: str) -> list[tuple[str, str]]:
+def _upload(uploads: UploadLookup | None, ref: str, kind: str, field: str) -> Any:
+    if uploads is None:
+        raise SourceError(field, f"{ref[:100]!r}: uploads are named in jobs submitted to the service")
+    return uploads(ref, kind, field)
+
+
+def _data_problems(settings: Settings, source: str, field: str,
+                   uploads: UploadLookup | None = None) -> list[tuple[str, str]]:
     try:
+        if source.startswith("upload:"):
+            _upload(uploads, source, "data", field)
+            return []
         resolve_data(settings.data_dir, source, field=field, corpora=submit_corpora(settings.corpora))
     except SourceError as exc:
         return [(exc.field, str(exc))]
@@ -109,7 +136,8 @@ def _data_problems(settings: Settings, source: str, field: str) -> list[tuple[st
     return [(field, refusal)] if refusal else []
 
 
-def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, str]]:
+def distill_problems(*, settings: Settings, spec: JobSpec,
+                     uploads: UploadLookup | None = None) -> list[tuple[str, str]]:
     """(field, message) for a `distill` spec the worker would refuse: layouts the job does not produce,
     data sources outside the rules, fewer training blocks than one batch."""
     distill = spec.distill
@@ -134,7 +162,7 @@ def distill_problems(*, settings: Settings, spec: JobSpec) -> list[tuple[str, st
     for part in ("train", "eval"):
         data = getattr(distill, part)
         if data is not None:
-            problems += _data_problems(settings, data.source, f"distill.{part}.source")
+            problems += _data_problems(settings, data.source, f"distill.{part}.source", uploads)
     train, _ = distill.data_specs(spec.calibration)
     batch = distill.effective_recipe()["batch_size"]
     if train["sequences"] < batch:
@@ -148,9 +176,14 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
     """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
     broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
     request's id goes into the job's `submitted` event."""
-    fp, found = check_spec(settings=settings, spec=spec, tenant=caller.tenant)
+    def uploads(ref: str, kind: str, field: str) -> Any:
+        return resolve_ref(session, ref, tenant=caller.tenant, kind=kind, field=field)
+
+    fp, found = check_spec(settings=settings, spec=spec, tenant=caller.tenant, uploads=uploads)
+    session.rollback()  # the uploads' reads: end that transaction before the write one
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
+        usage.check_quota(session, settings=settings, tenant=caller.tenant, asked=0, what="a job (its artifacts)")
         job = Job(id=new_id(), spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
                   revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
                   status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
@@ -238,7 +271,8 @@ def job_view(job: Job, *, history: Sequence[JobEvent], base: str = "",
         "error_stage": job.error_stage,
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
-        "timings": dict(job.timings or {}), "summary": job.summary, "device": events.device(history),
+        "timings": dict(job.timings or {}), "summary": job.summary,
+        "expired_at": _aware(job.expired_at), "expired_reason": job.expired_reason, "device": events.device(history),
         "timeline": stage_timeline(history, status=job.status, created_at=job.created_at),
         "links": {"self": url, "layouts": f"{url}/layouts", "artifacts": f"{url}/artifacts",
                   "metrics": f"{url}/metrics", "cancel": f"{url}/cancel"},
@@ -257,6 +291,21 @@ def cancel_job(*, session: Session, job_id: str, caller: Caller, request_id: str
         job.cancel_requested = True
         job.updated_at = now
         events.record(session, job.id, events.CANCEL_REQUESTED, request_id=request_id, by=caller.key_name)
+    return job
+
+
+def delete_job(*, session: Session, storage: Storage, job_id: str, caller: Caller) -> Job:
+    """A finished job's artifacts removed from the store; the row stays, marked `deleted`. 409 for a
+    queued or running job (cancel it first)."""
+    with write_transaction(session):
+        job = get_job(session=session, job_id=job_id, caller=caller, lock=True)
+        if job.status not in FINISHED:
+            raise Conflict(f"job {job_id!r} is {job.status}; only a finished job can be deleted (cancel it first: "
+                           f"POST /v1/jobs/{job_id}/cancel)")
+        if job.expired_at is None:
+            job.expired_at, job.expired_reason, job.updated_at = utcnow(), "deleted", utcnow()
+    # After the commit: a download that raced the delete sees the mark (410) or a file still there.
+    usage.remove_job_files(storage, job_id)
     return job
 
 

@@ -34,6 +34,22 @@ class Settings(BaseSettings):
     storage_root: Path | None = Field(default=None, description="artifacts, per-job work directories and the affinity "
                                                                 "cache (a volume the API and workers share); default "
                                                                 "VAR_DIR/storage")
+    storage_url: str = Field(default="", max_length=1024,
+                             description="s3://BUCKET/PREFIX: artifacts, the affinity cache, converted models and "
+                                         "uploads live in this S3-compatible store (endpoint and credentials from "
+                                         "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION); "
+                                         "empty: the STORAGE_ROOT directory, shared by the API and its workers "
+                                         "(app/core/object_store.py)")
+    storage_redirect: bool = Field(default=False, description="S3 store only: artifact downloads answer 307 to a "
+                                                              "presigned URL of the object (expiring after "
+                                                              "PRESIGN_EXPIRY_S) instead of streaming it through "
+                                                              "the API")
+    presign_expiry_s: int = Field(default=300, ge=10, le=3600, description="lifetime of a presigned download URL "
+                                                                           "(STORAGE_REDIRECT)")
+    multipart_stale_s: float = Field(default=86400.0, ge=60, description="the workers' sweeper aborts multipart "
+                                                                         "uploads begun longer ago than this (and "
+                                                                         "removes a job's objects no artifact row "
+                                                                         "lists once the job has ended)")
     model_root: Path | None = Field(default=None, description="the models a job may name (directories or .gguf "
                                                               "files); default VAR_DIR/models")
     data_root: Path | None = Field(default=None, description="the calibration files a job may name; default "
@@ -88,6 +104,28 @@ class Settings(BaseSettings):
                                                      "process can read: right where the API and its workers share "
                                                      "a machine, as `dtp-layout serve` does) or the comma-separated "
                                                      "names the workers have (an API whose workers run elsewhere)")
+    upload_part_bytes: int = Field(default=16 << 20, ge=5 << 20, le=1 << 30,
+                                   description="the part size of uploads (PUT /v1/uploads/{id}/files/{path}/parts/{n}; "
+                                               "every part but a file's last is this long; at least 5 MiB, S3's "
+                                               "floor)")
+    upload_max_bytes: int = Field(default=64 << 30, ge=1, description="the most bytes one upload may declare (all its "
+                                                                      "files); more is 413")
+    upload_part_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="an upload part's body must arrive "
+                                                                                   "within this (instead of "
+                                                                                   "BODY_TIMEOUT_S); else 408")
+    storage_quota_bytes: int = Field(default=100 << 30, ge=0, description="bytes a tenant may keep in the store: its "
+                                                                          "uploads (declared sizes, open ones too) "
+                                                                          "and its jobs' artifacts; an upload past it "
+                                                                          "is 429 (413 when it alone is larger), a "
+                                                                          "job submitted at or past it is 429; 0: no "
+                                                                          "quota")
+    storage_quotas: str = Field(default="", description="per-tenant quotas over STORAGE_QUOTA_BYTES, comma-separated "
+                                                        "TENANT=BYTES entries (0: no quota for that tenant)")
+    retention_days: float = Field(default=0.0, ge=0, le=36500, description="finished jobs' artifacts are removed "
+                                                                          "from the store this many days after the "
+                                                                          "job finished, by the workers' sweeper "
+                                                                          "(the job row, layouts and scores stay, "
+                                                                          "marked expired); 0 keeps them forever")
     device: str = Field(default="auto", description="worker torch device: auto | cpu | cuda | cuda:N")
     worker_gpus: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE,
                              description="GPUs a worker process owns (`dtp-layout worker --gpus-per-worker`; on a "
@@ -156,6 +194,23 @@ class Settings(BaseSettings):
                              f"got {value!r}")
         return value
 
+    @field_validator("storage_quotas")
+    @classmethod
+    def _quotas(cls, value: str) -> str:
+        quota_entries(value)
+        return value
+
+    @field_validator("storage_url")
+    @classmethod
+    def _storage_url(cls, value: str) -> str:
+        """A malformed s3:// URL stops the process at start, naming the accepted form."""
+        from app.core.object_store import parse_url
+
+        value = value.strip()
+        if value:
+            parse_url(value)
+        return value
+
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
     def _case(cls, value: object, info: ValidationInfo) -> object:
@@ -197,6 +252,10 @@ class Settings(BaseSettings):
         assert self.data_root is not None
         return self.data_root
 
+    def quota_of(self, tenant: str | None) -> int:
+        """The tenant's storage quota in bytes (0: none): its STORAGE_QUOTAS entry, else STORAGE_QUOTA_BYTES."""
+        return quota_entries(self.storage_quotas).get(tenant or "", self.storage_quota_bytes)
+
     def key_entries(self) -> list[tuple[str, str, bool, str]]:
         """(name, sha256 hex digest, admin, tenant) of every DTP_LAYOUT_API_KEYS entry. Raises ValueError
         for a malformed entry, or a plain key (only digests are accepted: a leaked settings file leaks no key)."""
@@ -228,6 +287,17 @@ class Settings(BaseSettings):
             if value is not None:
                 env[f"{self.model_config.get('env_prefix', '')}{name.upper()}"] = _env_text(value)
         return env
+
+
+def quota_entries(value: str) -> dict[str, int]:
+    """DTP_LAYOUT_STORAGE_QUOTAS as tenant → bytes; ValueError naming a malformed entry."""
+    quotas = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        tenant, _, number = item.partition("=")
+        if not KEY_NAME.fullmatch(tenant.strip()) or not number.strip().isdigit():
+            raise ValueError(f"DTP_LAYOUT_STORAGE_QUOTAS entry {item[:120]!r} is not TENANT=BYTES")
+        quotas[tenant.strip()] = int(number.strip())
+    return quotas
 
 
 def _env_text(value: object) -> str:

@@ -1,4 +1,6 @@
-"""The storage root: published artifacts, per-job work directories, the affinity and converted-model caches.
+"""The storage root: per-job work directories (scratch, local to each worker) and, through the object store
+(app.core.object_store: this directory, or an S3 bucket when DTP_LAYOUT_STORAGE_URL is set), published
+artifacts and the affinity and converted-model caches.
 
     STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors   one per tenant and fingerprint,
                                                                          shared by that tenant's jobs only
@@ -6,9 +8,15 @@
                                                                          (models.converted), per tenant too
     STORAGE_ROOT/jobs/<job id>/work/                                     stage outputs (resume after a crash)
     STORAGE_ROOT/jobs/<job id>/artifacts/<name>                          published files, one per artifact row
+                                                                         (attempt 1; attempt N>1 publishes under
+                                                                         jobs/<job id>/artifacts-N/: a run that
+                                                                         lost its job never overwrites the
+                                                                         winner's objects)
 
-Storage keys (relative paths) are what the database records; a key is only ever built here from a
-job id, a tenant, a fingerprint or an artifact name the worker chose, never from a request.
+The keys (relative paths) of the object store are what the database records; a key is only ever built
+here from a job id, a tenant, a fingerprint or an artifact name the worker chose, never from a request.
+With the S3 store the same keys sit under the bucket's prefix, and STORAGE_ROOT holds only the work
+directories and the worker's local copy of the converted-model cache.
 """
 
 from __future__ import annotations
@@ -17,8 +25,15 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from types import TracebackType
+from typing import TYPE_CHECKING, BinaryIO
+
+from app.core.object_store import LocalStore, ObjectChanged, ObjectMissing, ObjectStore, open_store
+
+if TYPE_CHECKING:
+    from app.core.settings import Settings
 
 CHUNK = 1 << 20
 
@@ -98,16 +113,123 @@ class VerifiedFiles:
             raise
 
 
+class StoreUnavailable(OSError):
+    """The object store did not answer (network, credentials, a 5xx): the API says 503, never 500."""
+
+
+class VerifiedObject:
+    """A stored object checked against its row, read by byte ranges; a context manager (closes the file)."""
+
+    def __init__(self, store: ObjectStore, key: str, *, file: BinaryIO | None = None, etag: str | None = None) -> None:
+        self.store, self.key, self.file, self.etag = store, key, file, etag
+
+    def chunks(self, start: int, length: int) -> Iterator[bytes]:
+        """`length` bytes from `start`, in chunks of at most CHUNK (S3: pinned to the verified object by
+        its ETag, ObjectChanged if it was replaced since); closes the object at the end."""
+        with self:
+            if self.file is not None:
+                self.file.seek(start)
+                remaining = length
+                while remaining > 0:
+                    block = self.file.read(min(CHUNK, remaining))
+                    if not block:
+                        break
+                    remaining -= len(block)
+                    yield block
+                return
+            yield from self.store.read(self.key, start, length, etag=self.etag)
+
+    def read(self) -> bytes:
+        """The whole object (for small ones: a summary.json); closes it."""
+        with self:
+            if self.file is not None:
+                return self.file.read()
+            return b"".join(self.store.read(self.key, etag=self.etag))
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def __enter__(self) -> VerifiedObject:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class VerifiedObjects:
+    """VerifiedFiles for a remote store: the object's size is checked against its row on every open (one
+    HEAD), its sha256 once per process and ETag (the whole object streamed through hashlib: the first
+    download of an object from an API process reads it twice). A sha256 in the object's metadata is not
+    trusted: it is written by the same hand as the bytes, and proves nothing about them. Reads are then
+    pinned to the verified ETag (If-Match), so a replaced object is never served as the checked one."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._verified: OrderedDict[str, tuple[str, int, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def open(self, store: ObjectStore, key: str, *, size: int, sha256: str) -> VerifiedObject:
+        try:
+            info = store.head(key)
+            if info is None:
+                raise ObjectMissing(key)
+            if info.size != size:
+                raise DamagedFile("size", f"{info.size} bytes in the store, {size} recorded")
+            state = (info.etag, info.size, sha256)
+            with self._lock:
+                known = self._verified.get(key)
+                if known is not None:
+                    self._verified.move_to_end(key)
+            if known != state:
+                h = hashlib.sha256()
+                for block in store.read(key, etag=info.etag):
+                    h.update(block)
+                if h.hexdigest() != sha256:
+                    with self._lock:
+                        self._verified.pop(key, None)
+                    raise DamagedFile("sha256", "the sha256 in the store differs from the recorded one")
+                with self._lock:
+                    self._verified[key] = state
+                    while len(self._verified) > self.max_entries:
+                        self._verified.popitem(last=False)
+        except ObjectChanged:
+            raise DamagedFile("sha256", "the object was replaced while it was being verified") from None
+        except (DamagedFile, FileNotFoundError, ValueError):
+            raise
+        except Exception as exc:  # botocore's errors: the store is unreachable or refused us
+            raise StoreUnavailable(f"object store {store.url}: {type(exc).__name__}: {exc}") from exc
+        return VerifiedObject(store, key, etag=info.etag)
+
+
 class Storage:
     CONVERTED = "converted"  # the root of models.converted.ConvertedCache; its namespace: tenant_scope(tenant)
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, objects: ObjectStore | None = None) -> None:
         self.root = Path(root).absolute()
+        self.objects: ObjectStore = objects if objects is not None else LocalStore(self.root)
         self.verified = VerifiedFiles()
+        self.verified_objects = VerifiedObjects()
 
-    def open_verified(self, key: str, *, size: int, sha256: str) -> BinaryIO:
-        """The file of `key`, checked against its recorded size and sha256 (see VerifiedFiles)."""
-        return self.verified.open(self.path(key), size=size, sha256=sha256)
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Storage:
+        """STORAGE_ROOT for the work directories, the store DTP_LAYOUT_STORAGE_URL names (else the root)."""
+        return cls(settings.storage, open_store(settings))
+
+    @property
+    def local(self) -> bool:
+        """Whether the store is this root itself (the embedded default)."""
+        return isinstance(self.objects, LocalStore) and self.objects.root == self.root
+
+    def open_verified(self, key: str, *, size: int, sha256: str) -> VerifiedObject:
+        """The object of `key`, checked against its recorded size and sha256: a local file by
+        VerifiedFiles, a remote object by VerifiedObjects. FileNotFoundError when absent, DamagedFile,
+        StoreUnavailable (an OSError)."""
+        path = self.objects.local_path(key)
+        if path is not None:
+            return VerifiedObject(self.objects, key, file=self.verified.open(path, size=size, sha256=sha256))
+        return self.verified_objects.open(self.objects, key, size=size, sha256=sha256)
 
     def path(self, key: str) -> Path:
         """The file of a storage key; refuses keys that leave the root."""
@@ -124,8 +246,18 @@ class Storage:
         return f"affinity/{tenant_scope(tenant)}/{fingerprint}/affinity.safetensors"
 
     @staticmethod
-    def artifact_key(job_id: str, name: str) -> str:
-        return f"jobs/{job_id}/artifacts/{name}"
+    def artifact_key(job_id: str, name: str, attempt: int = 1) -> str:
+        """Where attempt `attempt` of a job publishes artifact `name`: per attempt, so that a run that lost
+        its job (its lease expired, another worker took it) never overwrites an object the winner's row
+        describes; what no row lists is swept (worker.tasks)."""
+        if attempt <= 1:
+            return f"jobs/{job_id}/artifacts/{name}"
+        return f"jobs/{job_id}/artifacts-{attempt}/{name}"
+
+    @staticmethod
+    def job_prefix(job_id: str) -> str:
+        """Every object of the job (its artifacts of every attempt)."""
+        return f"jobs/{job_id}/"
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / "jobs" / job_id
@@ -133,11 +265,12 @@ class Storage:
     def work_dir(self, job_id: str) -> Path:
         return self.job_dir(job_id) / "work"
 
-    def install(self, source: Path, key: str) -> Path:
-        """Move `source` to `key` (same filesystem: an atomic rename). A file already there is one no
-        artifact row describes yet (an attempt that died between installing and recording): replaced.
-        No hashing here: the worker calls this inside the transaction that records the row."""
-        dest = self.path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(source, dest)
-        return dest
+    def publish(self, source: Path, key: str, *, sha256: str) -> None:
+        """Put the finished local file `source` under `key` in the store: the local store hard-links it
+        into place (no copy, no second hash: `sha256` is what the caller hashed), S3 uploads it (multipart
+        past 64 MiB). Called before the transaction that records the row: a reader sees the row only
+        once its object is whole."""
+        if isinstance(self.objects, LocalStore):
+            self.objects.link_in(source, key)
+        else:
+            self.objects.put_file(source, key, sha256=sha256)

@@ -69,9 +69,10 @@ def test_sigkill_mid_affinity_then_resume_once(settings):
         storage = Storage(settings.storage)
         for row in rows:
             assert sha256_file(storage.path(row.storage_key)) == row.sha256
-        artifact_dir = storage.job_dir(job_id) / "artifacts"
+        # the second attempt published under its own keys (Storage.artifact_key), the job's affinity included
+        artifact_dir = storage.job_dir(job_id) / "artifacts-2"
         on_disk = sorted(str(p.relative_to(artifact_dir)) for p in artifact_dir.rglob("*") if p.is_file())
-        assert on_disk == sorted(n for n in names if n != "affinity.safetensors")
+        assert on_disk == sorted(names) and not (storage.job_dir(job_id) / "artifacts").exists()
         assert len(list((settings.storage / "affinity").rglob("affinity.safetensors"))) == 1
     finally:
         first.stop()

@@ -1,6 +1,10 @@
 """/v1/jobs/{job_id}/artifacts: a job's files, listed and downloaded (Range, ETag / If-None-Match, Digest).
 
-Names are looked up in the database, never joined onto a path; the file is streamed in chunks."""
+Names are looked up in the database, never joined onto a path; the object is verified against its row
+(app.core.storage.Storage.open_verified) and streamed in chunks from the store (the local directory or
+S3). With DTP_LAYOUT_STORAGE_REDIRECT and the S3 store, a verified GET answers 307 to a presigned URL of
+the object instead (expiring after PRESIGN_EXPIRY_S; the client and browsers follow it, sending their
+Range again)."""
 
 from __future__ import annotations
 
@@ -10,24 +14,26 @@ import mimetypes
 import re
 from collections.abc import Iterator
 from pathlib import PurePosixPath
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, StorageDep, releases_session
 from app.api.errors import responses
 from app.api.metrics import Metrics
 from app.core import services
 from app.core.db import Artifact
-from app.core.errors import ArtifactDamaged, NotFound, RangeNotSatisfiable
+from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable, StoreUnreachable
+from app.core.object_store import ObjectChanged
 from app.core.schemas import ArtifactList, ArtifactOut
-from app.core.storage import CHUNK, DamagedFile, Storage
+from app.core.storage import DamagedFile, Storage, StoreUnavailable, VerifiedObject
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
 
 JobId = Annotated[str, Path(max_length=64, description="the job id (32 hex digits)")]
+REDIRECT_HEADER = "X-Store-Redirect"  # `json`: a redirect answered as 200 {"location", "expires_s"} instead of 307
 MEDIA_TYPES = ("application/octet-stream", "application/json", "text/csv", "image/png")
 
 
@@ -49,18 +55,15 @@ def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
     return start, end
 
 
-def iter_file(f: BinaryIO, start: int, length: int, metrics: Metrics) -> Iterator[bytes]:
-    """`length` bytes of the open (verified) file from `start`; closes it."""
-    with f:
-        f.seek(start)
-        remaining = length
-        while remaining > 0:
-            block = f.read(min(CHUNK, remaining))
-            if not block:
-                break
-            remaining -= len(block)
+def iter_object(obj: VerifiedObject, start: int, length: int, metrics: Metrics) -> Iterator[bytes]:
+    """`length` bytes of the verified object from `start`; closes it. An object replaced after it was
+    verified (S3: If-Match fails) ends the body short: the client's length and sha256 checks see it."""
+    try:
+        for block in obj.chunks(start, length):
             metrics.bytes_served.inc(len(block))
             yield block
+    except ObjectChanged:
+        log.error("artifact object %s was replaced while it was served: the response is cut short", obj.key)
 
 
 @router.get("", response_model=ArtifactList, operation_id="list_artifacts",
@@ -86,7 +89,7 @@ def _not_modified(request: Request, etag: str) -> bool:
     return inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]
 
 
-def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str) -> BinaryIO:
+def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str) -> VerifiedObject:
     """The artifact's file, verified (size on every download, sha256 when the file changed since it last
     verified): a missing or damaged file is refused, logged and counted, never served as valid."""
     metrics: Metrics = request.app.state.metrics
@@ -96,13 +99,18 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
         metrics.artifacts_damaged.labels("missing").inc()
         log.error("job %s: artifact %r is missing from storage", job_id, art.name)
         raise NotFound(f"artifact {art.name!r} of job {job_id!r} is missing from storage", field="name") from None
+    except StoreUnavailable as exc:
+        metrics.artifacts_damaged.labels("store").inc()
+        log.error("job %s: artifact %r: the object store did not answer: %s", job_id, art.name, exc)
+        raise StoreUnreachable(f"artifact {art.name!r} of job {job_id!r}: the object store did not answer; try "
+                               "again later", headers={"Retry-After": "10"}) from None
     except (DamagedFile, OSError) as exc:
         reason = exc.reason if isinstance(exc, DamagedFile) else "unreadable"
         metrics.artifacts_damaged.labels(reason).inc()
         log.error("job %s: artifact %r is damaged on disk (%s): not served", job_id, art.name, exc)
         what = {"size": "its size no longer matches the one recorded when the job published it",
                 "sha256": "its sha256 no longer matches the one recorded when the job published it"}.get(
-                    reason, "the file cannot be read")
+                    reason, "the file cannot be read from the store")
         raise ArtifactDamaged(f"artifact {art.name!r} of job {job_id!r} is damaged on the server ({what}) and is not "
                               "served; the operator must restore it, or submit the job again") from None
 
@@ -114,13 +122,19 @@ def _open_checked(request: Request, storage: Storage, art: Artifact, job_id: str
                        206: {"description": "a byte range",
                              "content": {m: {"schema": {"type": "string", "format": "binary"}} for m in MEDIA_TYPES}},
                        304: {"description": "not modified"},
-                       **responses(404, 416, _404="no such job or artifact",
+                       307: {"description": "DTP_LAYOUT_STORAGE_REDIRECT: the object's presigned URL in Location "
+                                            "(with `X-Store-Redirect: json`: 200 {location, expires_s} instead)"},
+                       **responses(404, 410, 416, _404="no such job or artifact",
                                    _503="the database is unreachable, or the stored file is damaged (never served: "
                                         "`artifact_damaged`)")})
 @releases_session
 def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_length=255, description="artifact name")],
              session: SessionDep, storage: StorageDep, caller: CallerDep) -> Response:
     art = services.get_artifact(session=session, job_id=job_id, name=name, caller=caller)
+    if art.job.expired_at is not None:
+        why = "deleted" if art.job.expired_reason == "deleted" else "past the retention period"
+        raise Gone(f"artifact {art.name!r} of job {job_id!r} was removed from the store on "
+                   f"{art.job.expired_at.isoformat(timespec='seconds')}Z ({why}); the job's layouts and scores stay")
     session.close()  # the row is read: end the read transaction before the (maybe long) transfer
     f = _open_checked(request, storage, art, job_id)
     size, filename = art.size, PurePosixPath(art.name).name
@@ -141,10 +155,23 @@ def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_leng
         if isinstance(parsed, tuple):
             start, end, status = parsed[0], parsed[1], 206
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    settings = request.app.state.settings
+    if settings.storage_redirect and request.method == "GET":
+        url = storage.objects.presign_get(art.storage_key, expires_s=settings.presign_expiry_s, filename=filename)
+        if url is not None:  # verified above; the client's Range goes to the store with it
+            f.close()
+            kept = {k: v for k, v in headers.items() if k in ("ETag", "Digest", "Repr-Digest", "X-Checksum-SHA256",
+                                                              "Cache-Control")}
+            if request.headers.get(REDIRECT_HEADER, "").lower() == "json":
+                # the dashboard's fetch (it sends the key in a header, which must not follow the redirect
+                # to the store, and its CSP keeps fetch on this origin): the URL, for the browser to open
+                return JSONResponse({"location": url, "expires_s": settings.presign_expiry_s},
+                                    headers={**kept, REDIRECT_HEADER: "json"})
+            return RedirectResponse(url, status_code=307, headers=kept)
     length = max(0, end - start + 1)
     headers["Content-Length"] = str(length)
     if request.method == "HEAD":
         f.close()
         return Response(status_code=status, headers=headers, media_type=media)
-    return StreamingResponse(iter_file(f, start, length, request.app.state.metrics), status_code=status,
+    return StreamingResponse(iter_object(f, start, length, request.app.state.metrics), status_code=status,
                              headers=headers, media_type=media)

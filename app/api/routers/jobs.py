@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, list, read and cancel jobs, and read a job's distillation curves."""
+"""/v1/jobs: submit, list, read, cancel and delete jobs, and read a job's distillation curves."""
 
 from __future__ import annotations
 
@@ -122,6 +122,16 @@ async def get_job(request: Request, job_id: JobId, db: DbDep, caller: CallerDep,
 def cancel(request: Request, job_id: JobId, session: SessionDep, caller: CallerDep, base: BaseUrl,
            rid: RequestIdDep) -> dict[str, Any]:
     job = services.cancel_job(session=session, job_id=job_id, caller=caller, request_id=rid)
+    return job_out(request, session, job, base)
+
+
+@router.delete("/{job_id}", response_model=JobOut, operation_id="delete_job",
+               summary="Delete a finished job's artifacts (the job, its layouts and scores stay, marked expired)",
+               responses=responses(404, 409, _409="the job is queued or running (cancel it first)"))
+@releases_session
+def delete(request: Request, job_id: JobId, session: SessionDep, storage: StorageDep, caller: CallerDep,
+           base: BaseUrl) -> dict[str, Any]:
+    job = services.delete_job(session=session, storage=storage, job_id=job_id, caller=caller)
     return job_out(request, session, job, base)
 
 

@@ -153,7 +153,11 @@ def test_every_operation(fuzz_schema, key, mode):
 
 
 def test_stateful_links_from_submitted_jobs(fuzz_schema, key):
-    class Jobs(fuzz_schema.as_state_machine()):  # type: ignore[misc]
+    # The jobs' operations only: the uploads' own links (POST /v1/uploads → its id) would share the
+    # machine's steps, and a job is then rarely followed to its cancel. test_every_operation fuzzes them.
+    jobs_only = fuzz_schema.exclude(path_regex=r"^/v1/(uploads|usage)")
+
+    class Jobs(jobs_only.as_state_machine()):  # type: ignore[misc]
         def before_call(self, case: Any) -> None:
             case.headers = {**(case.headers or {}), "X-API-Key": key}  # the sequences act as one tenant
 

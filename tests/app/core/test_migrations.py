@@ -15,7 +15,8 @@ from sqlalchemy.exc import IntegrityError
 from app.core.db import Base
 from app.core.migrate import REPO_ROOT, downgrade, upgrade
 
-TABLES = {"jobs", "job_events", "layouts", "artifacts", "metrics", "api_keys"}
+TABLES = {"jobs", "job_events", "layouts", "artifacts", "metrics", "api_keys", "uploads", "upload_files",
+          "upload_parts"}
 
 
 def _tables(url: str) -> set[str]:
@@ -179,6 +180,9 @@ def _job_events_0005_up_and_down(url: str) -> None:
             assert cancel.request_id == "req-2" and cancel.at == datetime(2026, 1, 1)  # no `at`: created_at
             assert cancelled.at == datetime(2026, 1, 1) and cancelled.detail == {"error": "cancelled by request"}
             assert job_events(session, "b" * 32) == [] and job_events(session, "c" * 32) == []
+        upgrade(url)  # the job view reads the current model's columns (later migrations add some)
+        with Session(engine) as session:
+            rows = job_events(session, "a" * 32)
             view = job_view(session.get(Job, "a" * 32), history=rows)
             assert view["device"] == {"device": "cpu", "name": "cpu", "threads": 2}
             assert [(t["stage"], t["state"], t["seconds"]) for t in view["timeline"]] == [

@@ -97,7 +97,20 @@ export function specInfo() {
   return specRequest;
 }
 
-async function sha256Hex(blob) {
+/** PUT raw bytes (an upload's part); throws ApiError for a non-2xx answer. */
+export async function apiPut(path, blob) {
+  const url = apiUrl(path);
+  let response;
+  try {
+    response = await fetch(url, {method: "PUT", body: blob, cache: "no-store",
+                                 headers: headers({"Content-Type": "application/octet-stream"})});
+  } catch (err) {
+    throw new ApiError(0, {detail: `the service at ${ROOT.origin} is unreachable (${err.message})`}, url);
+  }
+  if (!response.ok) throw await errorFrom(response, url);
+}
+
+export async function sha256Hex(blob) {
   if (!(window.crypto && crypto.subtle)) return null; // only in secure contexts (https, localhost)
   const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
@@ -107,22 +120,34 @@ async function sha256Hex(blob) {
  *  then hand the file to the browser. Returns {verified: true | false | null}. */
 export async function downloadWithKey(path, filename, expectedSha256) {
   const url = apiUrl(path);
-  const response = await fetch(url, {headers: headers({Accept: "*/*"}), cache: "no-store"});
+  // X-Store-Redirect: a service that redirects downloads to its object store (DTP_LAYOUT_STORAGE_REDIRECT)
+  // answers with the presigned URL as JSON instead: a fetch would carry the key to the store, and the
+  // page's CSP keeps fetch on this origin. The browser then opens the URL itself (verified by the service).
+  const response = await fetch(url, {headers: headers({Accept: "*/*", "X-Store-Redirect": "json"}), cache: "no-store"});
   if (!response.ok) throw await errorFrom(response, url);
+  if (response.headers.get("x-store-redirect") === "json") {
+    const {location} = await response.json();
+    openLink(location, filename);
+    return {verified: null, redirected: true};
+  }
   const blob = await response.blob();
   const actual = expectedSha256 ? await sha256Hex(blob) : null;
   if (actual !== null && actual !== expectedSha256) {
     throw new ApiError(0, {detail: `sha256 mismatch for ${filename}: expected ${expectedSha256}, got ${actual}`}, url);
   }
   const href = URL.createObjectURL(blob);
+  openLink(href, filename);
+  setTimeout(() => URL.revokeObjectURL(href), 60_000);
+  return {verified: actual === null ? null : true};
+}
+
+function openLink(href, filename) {
   const a = document.createElement("a");
   a.href = href;
   a.download = filename;
   document.body.append(a);
   a.click();
   a.remove();
-  setTimeout(() => URL.revokeObjectURL(href), 60_000);
-  return {verified: actual === null ? null : true};
 }
 
 /** The equivalent curl of a GET (the key as a header placeholder, never the key itself). */

@@ -5,6 +5,7 @@ import {h, replace} from "./dom.js";
 import {renderJob} from "./pages/job.js";
 import {renderJobs} from "./pages/jobs.js";
 import {renderScores} from "./pages/scores.js";
+import {renderStorage} from "./pages/storage.js";
 import {renderSubmit} from "./pages/submit.js";
 
 const ROUTES = [
@@ -12,12 +13,13 @@ const ROUTES = [
   [/^submit$/, "submit", renderSubmit],
   [/^jobs\/([0-9a-zA-Z_-]{1,64})$/, "jobs", renderJob],
   [/^scores$/, "scores", renderScores],
+  [/^storage$/, "storage", renderStorage],
 ];
 
 const main = document.getElementById("main");
 let dispose = null;
 
-/** The route of a location under /ui/: "", "submit", "jobs/ID", "scores". */
+/** The route of a location under /ui/: "", "submit", "jobs/ID", "scores", "storage". */
 function routeOf(location) {
   const path = location.pathname;
   return path.startsWith(UI.pathname) ? path.slice(UI.pathname.length).replace(/\/+$/, "") : path.replace(/^\/+/, "");

@@ -21,7 +21,7 @@ function card(id, title, ...children) {
 
 // ---- header and progress ---------------------------------------------------------------------------
 
-function header(job, {onCancel}) {
+function header(job, {onCancel, onDelete}) {
   const spec = job.spec || {};
   const model = spec.model || {};
   const cal = spec.calibration || {};
@@ -39,9 +39,15 @@ function header(job, {onCancel}) {
       ? `${job.device.device}${job.device.name ? ` (${job.device.name})` : ""}` : "—"],
     ["Affinity", job.affinity_cached ? "from the cache (same model and calibration)" : "computed by this job"],
   ];
+  if (job.expired_at) {
+    meta.push(["Artifacts", `removed ${when(job.expired_at)} (${job.expired_reason === "deleted" ? "deleted"
+      : "past the retention period"}); the layouts and scores stay`]);
+  }
   const actions = h("div", {class: "actions"},
     ACTIVE.has(job.status) && !job.cancel_requested
       ? h("button", {type: "button", class: "danger", id: "cancel-job", onclick: onCancel}, "Cancel job") : null,
+    !ACTIVE.has(job.status) && !job.expired_at
+      ? h("button", {type: "button", class: "danger", id: "delete-job", onclick: onDelete}, "Delete artifacts") : null,
     h("a", {class: "button ghost", href: `submit?from=${job.id}`, "data-link": ""}, "Submit again…"));
   const body = [
     h("div", {class: "card-head"}, h("h1", {}, "Job ", h("span", {class: "mono", title: job.id}, shortId(job.id))),
@@ -196,8 +202,9 @@ function artifactsTable(job, items) {
       ev.preventDefault();
       status.textContent = `downloading ${a.name} (${bytes(a.size)})…`;
       try {
-        const {verified} = await downloadWithKey(path, filename, a.sha256);
-        status.textContent = `${a.name}: ${verified ? "sha256 verified" : "downloaded"}`;
+        const {verified, redirected} = await downloadWithKey(path, filename, a.sha256);
+        status.textContent = `${a.name}: ${redirected ? "downloading from the store (sha256 verified by the service)"
+          : verified ? "sha256 verified" : "downloaded"}`;
       } catch (err) {
         status.textContent = `${a.name}: ${err.message}`;
       }
@@ -261,8 +268,19 @@ export function renderJob(container, {id}) {
     }
   }
 
+  async function removeArtifacts() {
+    if (!window.confirm("Delete this job's artifacts from the store? The job, its layouts and scores stay.")) return;
+    try {
+      job = await api(`v1/jobs/${id}`, {method: "DELETE"});
+      renderHead();
+      await loadArtifacts();
+    } catch (err) {
+      window.alert(err.message);
+    }
+  }
+
   function renderHead() {
-    replace(head, header(job, {onCancel: cancel}));
+    replace(head, header(job, {onCancel: cancel, onDelete: removeArtifacts}));
     replace(timelineBody, timeline(job));
   }
 
@@ -303,6 +321,11 @@ export function renderJob(container, {id}) {
   }
 
   async function loadArtifacts() {
+    if (job.expired_at) {
+      replace(artifactsBody, h("p", {class: "muted", id: "artifacts-expired"}, `The artifacts were removed ${when(job.expired_at)} `
+        + `(${job.expired_reason === "deleted" ? "deleted" : "past the retention period"}).`));
+      return;
+    }
     const {items} = await api(`v1/jobs/${id}/artifacts`);
     replace(artifactsBody, artifactsTable(job, items));
   }

@@ -1,0 +1,83 @@
+"""worker.store_sweep on both stores (the local directory and a real S3 API server, moto's
+ThreadedMotoServer), over a migrated SQLite database: stale multipart uploads aborted, fresh ones kept;
+objects of ended or deleted jobs that no artifact row lists removed, listed ones and those of active jobs
+kept, work directories never touched."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+
+from app.core.db import Artifact, database
+from app.core.migrate import upgrade
+from app.core.object_store import LocalStore
+from app.core.storage import Storage
+from tests.service_kit import make_settings, seed_finished_job, seed_job
+from worker.store_sweep import sweep_store
+
+
+@pytest.fixture(params=["local", "s3"])
+def world(request, tmp_path):
+    settings = make_settings(tmp_path / "var")
+    settings.var_dir.mkdir(parents=True)
+    upgrade(settings.database_url)
+    if request.param == "local":
+        objects = LocalStore(settings.storage)
+    else:
+        server = request.getfixturevalue("s3_server")
+        objects = server.store(server.create_bucket())
+    return settings, objects
+
+
+def test_sweep_removes_what_no_row_lists_of_ended_jobs_and_aborts_stale_uploads(world, tmp_path):
+    settings, objects = world
+    db = database(settings.database_url)
+    ended, _ = seed_finished_job(settings, model_id="tiny")  # rows for jobs/<id>/artifacts/{report.json,…}
+    running = seed_job(settings, status="running")
+    with db.session() as session:
+        listed = {a.storage_key for a in session.query(Artifact).filter(Artifact.job_id == ended)}
+    src = tmp_path / "f"
+    src.write_bytes(b"object")
+    for key in listed:
+        objects.put_file(src, key)  # (S3: the seeded rows' objects; local: already there, rewritten)
+    orphan = Storage.artifact_key(ended, "report.json", attempt=2)  # a lost run's copy
+    unrecorded = Storage.artifact_key(running, "report.json")  # about to be recorded: kept
+    gone = Storage.artifact_key("0" * 32, "x.bin")  # a deleted job's
+    for key in (orphan, unrecorded, gone):
+        objects.put_file(src, key)
+    work = settings.storage / "jobs" / ended / "work" / "1" / "blocks.npy"
+    work.parent.mkdir(parents=True, exist_ok=True)
+    work.write_bytes(b"scratch")
+    stale = objects.begin_multipart(Storage.artifact_key(running, "shards/big.bin"))
+    objects.put_part(Storage.artifact_key(running, "shards/big.bin"), stale, 1, io.BytesIO(b"p"), 1)
+    time.sleep(1.1)
+    fresh = objects.begin_multipart("uploads/t/u/model.safetensors")
+
+    swept = sweep_store(db, objects, stale_s=1.0)
+
+    assert swept.removed == 2
+    if isinstance(objects, LocalStore):
+        assert swept.aborted == 1 and [u.upload_id for u in objects.list_multipart("")] == [fresh]
+    else:  # moto lists every upload as initiated on 2010-11-10 (its template's constant): both are stale
+        assert swept.aborted == 2 and objects.list_multipart("") == [] and fresh
+    keys = {i.key for i in objects.list_prefix("jobs/")} - {
+        i.key for i in objects.list_prefix(f"jobs/{ended}/work/")}
+    assert keys == listed | {unrecorded}
+    assert work.read_bytes() == b"scratch"
+    assert sweep_store(db, objects, stale_s=1.0).removed == 0  # idempotent
+
+
+def test_local_sweep_removes_old_temporaries(tmp_path):
+    settings = make_settings(tmp_path / "var")
+    settings.var_dir.mkdir(parents=True)
+    upgrade(settings.database_url)
+    objects = LocalStore(settings.storage)
+    tmp = objects.root / ".staging" / "tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "put-killed").write_bytes(b"half")
+    time.sleep(1.1)
+    (tmp / "put-now").write_bytes(b"in flight")
+    swept = sweep_store(database(settings.database_url), objects, stale_s=1.0)
+    assert swept.temporaries == 1 and [p.name for p in tmp.iterdir()] == ["put-now"]

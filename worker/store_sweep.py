@@ -1,0 +1,75 @@
+"""The object store's sweep, run by every worker's sweeper (worker.tasks) every STORE_SWEEP_EVERY_S:
+
+- multipart uploads begun more than DTP_LAYOUT_MULTIPART_STALE_S ago are aborted (a worker killed while
+  uploading an artifact, a client that never finished an upload): S3 keeps, and bills, their parts
+  until someone does;
+- objects under `jobs/<id>/artifacts*/` that no artifact row lists are removed once the job has ended
+  or is gone (an attempt killed between its upload and its row, a run that lost its job, a retried
+  attempt's copy): while the job is queued or running, its upload may be about to be recorded;
+- (local store) temporaries of uploads killed half-way, older than the same age.
+
+Several workers may sweep at once: every step is idempotent (aborting an aborted upload, deleting a
+deleted object are no-ops)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from app.core.db import Artifact, Database, Job
+from app.core.jobstate import ACTIVE
+from app.core.object_store import LocalStore, ObjectStore
+
+log = logging.getLogger("dtp_layout.worker")
+STORE_SWEEP_EVERY_S = 300.0
+JOBS = "jobs/"
+
+
+@dataclass(frozen=True)
+class StoreSweep:
+    aborted: int  # multipart uploads
+    removed: int  # unlisted objects of ended or deleted jobs
+    temporaries: int  # local store only
+
+
+def _artifact_object(key: str) -> str | None:
+    """The job id of an artifact object's key (jobs/<id>/artifacts[-N]/…), else None (work directories
+    of the local store live under jobs/<id>/work/ and are not objects)."""
+    parts = key.split("/")
+    if len(parts) >= 4 and parts[0] == "jobs" and (parts[2] == "artifacts" or parts[2].startswith("artifacts-")):
+        return parts[1]
+    return None
+
+
+def sweep_store(db: Database, objects: ObjectStore, *, stale_s: float) -> StoreSweep:
+    now = time.time()
+    aborted = 0
+    for upload in objects.list_multipart(""):
+        if now - upload.started > stale_s:
+            objects.abort_multipart(upload.key, upload.upload_id)
+            log.warning("store sweep: aborted the multipart upload to %s begun %.0f s ago", upload.key,
+                        now - upload.started)
+            aborted += 1
+    by_job: dict[str, list[str]] = {}
+    for info in objects.list_prefix(JOBS):
+        job_id = _artifact_object(info.key)
+        if job_id is not None:
+            by_job.setdefault(job_id, []).append(info.key)
+    removed = 0
+    for job_id, keys in by_job.items():
+        with db.session() as session:
+            status = session.scalars(select(Job.status).where(Job.id == job_id)).first()
+            if status in ACTIVE:
+                continue
+            listed = set(session.scalars(select(Artifact.storage_key).where(Artifact.job_id == job_id)).all())
+        unlisted = [key for key in keys if key not in listed]
+        for key in unlisted:
+            objects.delete(key)
+        if unlisted:
+            removed += len(unlisted)
+            log.warning("store sweep: job %s: removed %d objects no artifact row lists", job_id, len(unlisted))
+    temporaries = objects.sweep_staging(stale_s) if isinstance(objects, LocalStore) else 0
+    return StoreSweep(aborted=aborted, removed=removed, temporaries=temporaries)
