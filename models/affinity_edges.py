@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from models.affinity import _accumulate_up, _down_weight_norms, _LayerAccumulator, _rms_inverse, sum_dtype
+from models.affinity_scores import SCORES
 from models.dtp import DTPModel
 from models.families import model_shape
 from models.layouts.layout import ModelShape
@@ -117,6 +118,11 @@ def _qkv_rows(attn: Any, shape: ModelShape) -> list[torch.Tensor]:
     return [torch.cat([q[g], k[g], v[g]]) for g in range(shape.num_kv_groups)]
 
 
+def _scores(fo: np.ndarray, add: np.ndarray) -> EdgeScores:
+    """{score name: matrix} in `SCORES`' order (FO, ADD); a receiving KV group's one score serves both."""
+    return dict(zip(SCORES, (fo, add), strict=True))
+
+
 def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelShape, tokens: int) -> EdgeScores:
     sender, receiver = layers[pair[0] // 2], layers[pair[1] // 2]
     G, per_group = shape.num_kv_groups, shape.heads_per_group
@@ -124,11 +130,11 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
         down_norm = receiver.mlp.down_proj.weight.double().square().sum(0)  # [I]
         fo = (acc.layer.fo / tokens * down_norm).view(G, per_group, -1).sum(1)
         add = (acc.layer.add / tokens).view(G, per_group, -1).sum(1)
-        return {"fo": fo.cpu().numpy(), "add": add.cpu().numpy()}
+        return _scores(fo.cpu().numpy(), add.cpu().numpy())
     if acc.kind == "down":
         weight = _down_weight_norms(receiver, sender.mlp.down_proj.weight, shape)  # [I, G]
         matrix = ((acc.act / tokens)[:, None] * weight).cpu().numpy()
-        return {"fo": matrix, "add": matrix}
+        return _scores(matrix, matrix)
     if acc.kind == "kv-kv":
         H, hd = shape.num_query_heads, shape.head_dim
         w_o = sender.self_attn.o_proj.weight.double().view(-1, H, hd)  # [D, H, hd]
@@ -139,7 +145,7 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
             fold = torch.einsum("cd,dhe->hce", rows.double() * gamma, w_o)  # F_hg: [H, C, hd]
             scores[:, g] = (torch.bmm(fold, cov) * fold).sum((1, 2)).cpu()
         matrix = scores.view(G, per_group, G).sum(1).numpy()
-        return {"fo": matrix, "add": matrix}
+        return _scores(matrix, matrix)
     gamma = receiver.post_attention_layernorm.weight.double()
     c = gamma[:, None] * sender.mlp.down_proj.weight.double()  # [D, I] sender columns through γ
     mg = c.t() @ receiver.mlp.gate_proj.weight.double().t()  # [I, I]
@@ -147,7 +153,7 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
     down_norm = receiver.mlp.down_proj.weight.double().square().sum(0)  # [I] receiver
     fo = (mg.square() * acc.aa + 2 * mg * mu * acc.ab + mu.square() * acc.bb) / tokens * down_norm
     add = (acc.beta / tokens)[:, None] * (mg.square() + mu.square())
-    return {"fo": fo.cpu().numpy(), "add": add.cpu().numpy()}
+    return _scores(fo.cpu().numpy(), add.cpu().numpy())
 
 
 def _sparsify(scores: dict[Pair, EdgeScores], *, memory_limit: int, top_k: int) -> dict[Pair, EdgeScores]:

@@ -366,9 +366,19 @@ def cmd_optimise(args: argparse.Namespace) -> int:
 def _check_objective_schedule(config: Any, spec: Any) -> None:
     """The schedule `optimise` optimises for, checked against the model before any weights load."""
     from models.families import model_shape
+    from models.schedules import parse_schedule
 
+    layers = model_shape(config).num_layers
+    if spec.chooses_spd_layers:
+        count = parse_schedule(spec.schedule).count
+        if count > layers:
+            raise CliError(f"--schedule {spec.schedule}: K={count} layers to drop, but the model has "
+                           f"num_layers={layers}: K must be in 1 .. {layers}")
+        print(f"{spec.schedule}: choosing the {count} layers whose dropped attention sync costs least KL "
+              f"on the calibration blocks, then optimising J_σ of that spd:B", file=sys.stderr)
+        return
     try:
-        schedule = spec.objective_schedule(model_shape(config).num_layers)
+        schedule = spec.objective_schedule(layers)
     except ValueError as exc:  # ScheduleError / LayoutError: malformed, does not fit, nothing to optimise
         raise CliError(f"--schedule: {exc}") from exc
     if schedule is not None:
@@ -381,7 +391,8 @@ def _add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> 
     if not any("--schedule" in action.option_strings for action in p._actions):
         p.add_argument("--schedule", metavar="S",
                        help="communication schedule whose objective J_σ the layouts are optimised for: dtp:δ | "
-                            "dtp:δ@K | spd:B | pt:D (default: dtp:δ of --delta; δ ≤ 1: the paper's objective); "
+                            "dtp:δ@K | spd:B | spd:auto:K (optimise only) | pt:D (default: dtp:δ of --delta; "
+                            "δ ≤ 1: the paper's objective); "
                             "tp and ladder are refused: the layout does not matter there (docs/cli.md)")
     if edges:
         p.add_argument("--edge-top-k", type=int, default=64,

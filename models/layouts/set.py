@@ -39,7 +39,7 @@ from models.layouts.names import RANDOM_SEED_BASE
 from models.optimise import Affinity, OptimiseResult, balanced_assignment, optimise, score, upper_bound
 from models.optimise.schedule_ascent import ScheduleOptimiseResult, optimise_schedule
 from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
-from models.schedules import Schedule, resolve_schedule
+from models.schedules import Schedule, ScheduleError, parse_schedule, resolve_schedule
 
 if TYPE_CHECKING:
     from models.affinity_file import AffinityResult
@@ -100,19 +100,32 @@ def restarts_used(variant: Variant, restarts: int) -> int:
     return 0 if variant.paper_restarts or not variant.move_heads else restarts
 
 
-def objective_schedule(schedule: str | None, *, delta: int, num_layers: int, devices: int) -> Schedule | None:
+def objective_schedule(schedule: str | None, *, delta: int, num_layers: int, devices: int,
+                       resolved: str | None = None) -> Schedule | None:
     """The schedule a layout is optimised for, resolved for the model; None: the paper's chain objective.
 
     `schedule` None means dtp:δ of `delta` (the shorthand) for δ ≥ 2 and the chain (J_σ of dtp:1) for
     δ ≤ 1 (at δ = 0 no layout is better than another; the chain objective is kept as before).
-    ScheduleError when it does not fit the model or needs calibration data (spd:auto:K); LayoutError when
-    it leaves nothing to optimise (tp, ladder).
+    spd:auto:K needs `resolved`, the spd:B its calibration sensitivities chose (`models.spd_auto`; an
+    affinity file records it as its schedule). ScheduleError when it does not fit the model or is
+    spd:auto:K without `resolved`; LayoutError when it leaves nothing to optimise (tp, ladder).
     """
     if schedule is None and delta <= 1:
         return None
-    resolved = resolve_schedule(schedule if schedule is not None else f"dtp:{delta}", num_layers, devices)
-    refuse_layout_independent(resolved)
-    return resolved
+    text = schedule if schedule is not None else f"dtp:{delta}"
+    spec = parse_schedule(text)
+    if spec.kind == "spd-auto":
+        if resolved is None:
+            raise ScheduleError(f"schedule {spec}: its layers are chosen by their sensitivity on the calibration "
+                                f"blocks (the affinity stage does it); give the layers as spd:B here")
+        chosen = parse_schedule(resolved)
+        if chosen.kind != "spd" or len(chosen.layers) != spec.count:
+            raise ScheduleError(f"schedule {spec}: the affinity was computed for schedule {resolved}, not for "
+                                f"{spec.count} layers chosen by sensitivity")
+        spec = chosen
+    resolved_schedule = resolve_schedule(spec, num_layers, devices)
+    refuse_layout_independent(resolved_schedule)
+    return resolved_schedule
 
 
 def refuse_layout_independent(schedule: Schedule | None) -> None:

@@ -92,3 +92,20 @@ def test_schedule_refusals(run, checkpoint, tmp_path, capsys):
     contiguous_lay.save(tmp_path / "c.json")
     assert main(["score", "--affinity", aff, "--schedule", "dtp:x", str(tmp_path / "c.json")]) == 2
     assert "accepted" in capsys.readouterr().err
+
+
+def test_optimise_spd_auto_chooses_the_least_sensitive_layers(checkpoint, tmp_path):
+    calib = tmp_path / "ids.npy"
+    np.save(calib, np.random.default_rng(1).integers(0, 97, size=2 * 16))
+    out = tmp_path / "spd"
+    assert main(["optimise", str(checkpoint), "--devices", "2", "--schedule", "spd:auto:1", "--calib", str(calib),
+                 "--calib-sequences", "2", "--calib-seq-len", "16", "--no-export", "--out", str(out),
+                 "--device", "cpu", "--restarts", "0"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    sensitivities = report["spd_sensitivities"]
+    assert len(sensitivities) == 3 and min(sensitivities) > 0
+    chosen = min(range(3), key=lambda i: (sensitivities[i], i))
+    assert report["schedule"] == f"spd:{chosen}"
+    assert load(out / "layouts" / "optimised.json").schedule == f"spd:{chosen}"
+    # spd:B has one edge per dropped layer: that layer's up edge
+    assert [(e["from"], e["to"]) for e in report["layouts"]["optimised"]["edges"]] == [(2 * chosen, 2 * chosen + 1)]
