@@ -58,9 +58,9 @@ def main() -> None:
         layouts = build_layouts(result, devices=args.devices, delta=int(name[-1]), restarts=args.restarts,
                                 schedule=schedule)
         t2 = time.perf_counter()
-        best = layouts["optimised"].score
+        best, base = layouts["optimised"].score or {}, layouts["contiguous"].score or {}
         times[name] = {"affinity": t1 - t0, "optimise": t2 - t1, "J": best["J"], "bound": best["upper_bound"],
-                       "contiguous": layouts["contiguous"].score["J"]}
+                       "contiguous": base["J"]}
         kept = [m.kept_mass for scores in result.edges.values() for m in scores.values() if isinstance(m, TopRows)]
     print(f"SmolLM2-135M (packaged GGUF), fp32 CPU, {torch.get_num_threads()} threads, {args.sequences}×{args.seq_len} "
           f"corpus:kjv tokens, L={args.devices}, restarts {args.restarts}")
