@@ -131,6 +131,17 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     dtp:1: the chain only, exactly as before); edge_memory_limit / edge_top_k: their sparse storage.
     """
     shape = model_shape(model.config)
+    further = [] if schedule is None else AffinityResult.missing_edges_of(shape, schedule)
+    if further and progress is not None:  # the chain's pass is the first half of the stage, the edges' the second
+        outer = progress
+
+        def progress(stage: str, fraction: float) -> None:
+            outer(stage, fraction / 2)
+
+        def edge_progress(stage: str, fraction: float) -> None:
+            outer(stage, 0.5 + fraction / 2)
+    else:
+        edge_progress = progress  # type: ignore[assignment]
     dense = DTPModel(model, devices=1, delta=0)  # L=1: the dense forward, built from explicit parts
     layers: Any = decoder_layers(model)
     device = next(model.parameters()).device
@@ -176,9 +187,8 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     if schedule is not None:
         from models.affinity_edges import edge_pass  # the further edges' pass
 
-        further = result.missing_edges(schedule)
         result.edges = edge_pass(model, blocks, further, batch_size=batch_size, token_chunk=token_chunk,
-                                 memory_limit=edge_memory_limit, top_k=edge_top_k, progress=progress,
+                                 memory_limit=edge_memory_limit, top_k=edge_top_k, progress=edge_progress,
                                  should_stop=should_stop)
         result.schedule = str(schedule)
     result.metadata.update(metadata or {})

@@ -58,8 +58,13 @@ class AffinityResult:
 
     def missing_edges(self, schedule: Schedule) -> list[Pair]:
         """The edges of `schedule` this file does not hold (the chain's it always holds)."""
-        chain = set(chain_pairs(self.shape.num_layers))
-        return [p for p in schedule_pairs(schedule) if p not in chain and p not in self.edges]
+        return [p for p in self.missing_edges_of(self.shape, schedule) if p not in self.edges]
+
+    @staticmethod
+    def missing_edges_of(shape: ModelShape, schedule: Schedule) -> list[Pair]:
+        """The edges of `schedule` beyond the paper's chain (what the affinity pass scores on top of it)."""
+        chain = set(chain_pairs(shape.num_layers))
+        return [p for p in schedule_pairs(schedule) if p not in chain]
 
     def schedule_affinity(self, score: str, schedule: Schedule) -> ScheduleAffinity:
         """The matrices of `schedule`'s edges in `score` units; ValueError naming the missing edges when
