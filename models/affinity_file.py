@@ -50,6 +50,9 @@ class AffinityResult:
     metadata: dict[str, str] = field(default_factory=dict)
     schedule: str = "dtp:1"  # the schedule the pass was run for
     edges: dict[Pair, dict[str, EdgeMatrix]] = field(default_factory=dict)  # beyond the chain: {"fo", "add"}
+    # (score, schedule) -> its ScheduleAffinity, built once so that its normalisation and bound are cached
+    _schedule_affinities: dict[tuple[str, str], ScheduleAffinity] = field(default_factory=dict, repr=False,
+                                                                           compare=False)
 
     def up(self, score: str) -> list[np.ndarray]:
         if score not in SCORES:
@@ -69,6 +72,9 @@ class AffinityResult:
     def schedule_affinity(self, score: str, schedule: Schedule) -> ScheduleAffinity:
         """The matrices of `schedule`'s edges in `score` units; ValueError naming the missing edges when
         the pass was run for a schedule without them."""
+        key = (score, f"{schedule}/{schedule.devices}")
+        if key in self._schedule_affinities:
+            return self._schedule_affinities[key]
         up = self.up(score)
         missing = self.missing_edges(schedule)
         if missing:
@@ -81,8 +87,10 @@ class AffinityResult:
                 matrices[(m, t)] = up[m // 2] if m % 2 == 0 else self.down[m // 2]
             else:
                 matrices[(m, t)] = self.edges[(m, t)][score]
-        return ScheduleAffinity(str(schedule), self.shape.num_layers, self.shape.num_kv_groups,
-                                self.shape.intermediate_size, matrices)
+        affinity = ScheduleAffinity(str(schedule), self.shape.num_layers, self.shape.num_kv_groups,
+                                    self.shape.intermediate_size, matrices)
+        self._schedule_affinities[key] = affinity
+        return affinity
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

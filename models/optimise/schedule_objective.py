@@ -87,17 +87,25 @@ def schedule_objective(unit: ScheduleAffinity, heads: np.ndarray, cells: np.ndar
 def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int) -> tuple[float, bool]:
     """The best co-located fraction of one normalised edge alone; (value, exact)."""
     if isinstance(matrix, TopRows):
-        # Too big to enumerate (I×I): each receiver shares a device with R/L senders, each sender with
-        # C/L receivers; neither collects more than its top entries.
-        dense = matrix.dense()
-        rows, cols = dense.shape
-        per_row = np.sort(dense, axis=1)[:, cols - cols // devices:].sum()
-        per_col = np.sort(dense, axis=0)[rows - rows // devices:].sum()
-        return float(min(per_row, per_col, 1.0)), False
+        return _top_rows_bound(matrix, devices), False
     rows, cols = matrix.shape
     # _edge_bound enumerates the partitions of its first axis: give it the smaller side.
     # (a down edge [I, G] is bounded as its transpose, as `upper_bound` does).
     return _edge_bound(matrix if rows <= cols else matrix.T, devices, max_partitions)
+
+
+def _top_rows_bound(matrix: TopRows, devices: int) -> float:
+    """A valid bound of a top-k edge without densifying it: each sender shares a device with C/L receivers
+    and each receiver with R/L senders, so neither collects more than its largest kept entries."""
+    rows, cols = matrix.shape
+    by_row = -np.sort(-matrix.values, axis=1)[:, : cols // devices].sum()  # [R, k] rows, largest first
+    col, value = matrix.indices.ravel(), matrix.values.ravel()
+    order = np.lexsort((-value, col))  # by column, largest first within one
+    col, value = col[order], value[order]
+    starts = np.searchsorted(col, col, side="left")  # first entry of each entry's column
+    rank = np.arange(len(col)) - starts  # the entry's place within its column
+    by_col = value[rank < rows // devices].sum()
+    return float(min(by_row, by_col, 1.0))
 
 
 @dataclass(frozen=True)

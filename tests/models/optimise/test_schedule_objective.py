@@ -165,3 +165,22 @@ def test_top_rows_edges() -> None:
     result = optimise_schedule(sparse, DEVICES)
     assert schedule_block_improvement(sparse, result.kv_group_device, result.neuron_device) <= 1e-12
     assert result.report.upper_bound + 1e-12 >= result.report.J
+
+
+def test_top_rows_bound_is_valid_and_the_relaxed_bound_of_the_kept_entries() -> None:
+    """Bound of a top-k edge: no balanced pair of assignments beats it (all enumerated), and it is the
+    literal relaxed bound (each unit's largest shares) of the kept entries written densely."""
+    from models.optimise.schedule_objective import _one_edge_bound
+
+    rng = np.random.default_rng(5)
+    matrix = rng.lognormal(0.0, 1.5, (NEURONS, NEURONS))
+    top = TopRows.of(matrix, 3)
+    unit = TopRows(top.indices, top.values / top.total, top.columns, 1.0)
+    value, exact = _one_edge_bound(unit, DEVICES, 20000)
+    kept = unit.dense()
+    per_row = sum(sum(sorted(row)[-NEURONS // DEVICES:]) for row in kept.tolist())
+    per_col = sum(sum(sorted(col)[-NEURONS // DEVICES:]) for col in kept.T.tolist())
+    assert not exact and pytest.approx(min(per_row, per_col, 1.0), abs=1e-12) == value
+    rows = all_balanced(NEURONS, DEVICES)
+    best = max(float(np.where(a[:, None] == b[None, :], kept, 0.0).sum()) for a in rows for b in rows)
+    assert best <= value + 1e-12
