@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.affinity import affinity_pass
+from models.affinity_edges import schedule_affinity_pass
 from models.assets import smollm2_gguf
 from models.calibration import CalibrationSpec, load_blocks
 from models.families import model_shape
@@ -52,7 +52,7 @@ def main() -> None:
     for name in ("dtp:1", "dtp:2"):
         schedule = None if name == "dtp:1" else resolve_schedule(name, layers, args.devices)
         t0 = time.perf_counter()
-        result = affinity_pass(model, blocks, batch_size=args.batch_size, schedule=schedule,
+        result = schedule_affinity_pass(model, blocks, batch_size=args.batch_size, schedule=schedule,
                                edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
         t1 = time.perf_counter()
         layouts = build_layouts(result, devices=args.devices, delta=int(name[-1]), restarts=args.restarts,

@@ -31,7 +31,6 @@ from models.layouts.layout import ModelShape
 from models.permute import decoder_layers
 from models.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
 from models.progress import Progress, ShouldStop
-from models.schedules import Schedule
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -121,27 +120,13 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
                   cache_folds: bool | None = None, neuron_block: int = NEURON_BLOCK,
                   progress: Progress | None = None,
                   should_stop: ShouldStop | None = None,
-                  metadata: dict[str, str] | None = None, schedule: Schedule | None = None,
-                  edge_memory_limit: int = 256 << 20, edge_top_k: int = 64) -> AffinityResult:
+                  metadata: dict[str, str] | None = None) -> AffinityResult:
     """Run the dense model over `blocks` [n, S] and return the raw affinity means.
 
     cache_folds keeps every layer's folded gate/up weights (2·H·hd·I values per layer) across
     micro-batches instead of refolding per micro-batch; None: cache when there is more than one.
-    schedule: also score the edges that schedule adds beyond the chain (`models.affinity_edges`; None or
-    dtp:1: the chain only, exactly as before); edge_memory_limit / edge_top_k: their sparse storage.
     """
     shape = model_shape(model.config)
-    further = [] if schedule is None else AffinityResult.missing_edges_of(shape, schedule)
-    if further and progress is not None:  # the chain's pass is the first half of the stage, the edges' the second
-        outer = progress
-
-        def progress(stage: str, fraction: float) -> None:
-            outer(stage, fraction / 2)
-
-        def edge_progress(stage: str, fraction: float) -> None:
-            outer(stage, 0.5 + fraction / 2)
-    else:
-        edge_progress = progress  # type: ignore[assignment]
     dense = DTPModel(model, devices=1, delta=0)  # L=1: the dense forward, built from explicit parts
     layers: Any = decoder_layers(model)
     device = next(model.parameters()).device
@@ -184,13 +169,6 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     tokens = int(blocks.numel())
     folds.clear()
     result = _finalise(model, accs, shape, tokens)
-    if schedule is not None:
-        from models.affinity_edges import edge_pass  # the further edges' pass
-
-        result.edges = edge_pass(model, blocks, further, batch_size=batch_size, token_chunk=token_chunk,
-                                 memory_limit=edge_memory_limit, top_k=edge_top_k, progress=edge_progress,
-                                 should_stop=should_stop)
-        result.schedule = str(schedule)
     result.metadata.update(metadata or {})
     result.metadata["seconds"] = f"{time.perf_counter() - t0:.3f}"
     return result

@@ -29,7 +29,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.affinity import _accumulate_up, _down_weight_norms, _LayerAccumulator, _rms_inverse, sum_dtype
+from models.affinity import (
+    AffinityResult,
+    _accumulate_up,
+    _down_weight_norms,
+    _LayerAccumulator,
+    _rms_inverse,
+    affinity_pass,
+    sum_dtype,
+)
 from models.affinity_scores import SCORES
 from models.dtp import DTPModel
 from models.families import model_shape
@@ -37,6 +45,7 @@ from models.layouts.layout import ModelShape
 from models.optimise.edges import EdgeMatrix, Pair, TopRows, edge_kind
 from models.permute import decoder_layers
 from models.progress import Cancelled, Progress, ShouldStop
+from models.schedules import Schedule
 
 EdgeScores = dict[str, EdgeMatrix]  # {"fo": [U_m, U_t], "add": [U_m, U_t]}
 
@@ -216,3 +225,33 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
     tokens = int(blocks.numel())
     scores = {p: _finalise_edge(accs[p], p, layers, shape, tokens) for p in pairs}
     return _sparsify(scores, memory_limit=memory_limit, top_k=top_k)
+
+
+def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,
+                           edge_memory_limit: int = 256 << 20, edge_top_k: int = 64,
+                           progress: Progress | None = None, **options: Any) -> AffinityResult:
+    """`affinity_pass` (the paper's chain; `options` are its) plus the edges `schedule` adds beyond it.
+
+    schedule None: the chain only, exactly `affinity_pass`; else the result records the schedule and the
+    further edges' FO and ADD scores (`AffinityResult.edges`). With further edges the stage's progress is
+    reported in two halves: the chain's pass, then the edges'.
+    """
+    if schedule is None:
+        return affinity_pass(model, blocks, progress=progress, **options)
+    further = AffinityResult.missing_edges_of(model_shape(model.config), schedule)
+    chain_progress, edge_progress = progress, progress
+    if further and progress is not None:
+        outer = progress
+
+        def chain_progress(stage: str, fraction: float) -> None:
+            outer(stage, fraction / 2)
+
+        def edge_progress(stage: str, fraction: float) -> None:
+            outer(stage, 0.5 + fraction / 2)
+
+    result = affinity_pass(model, blocks, progress=chain_progress, **options)
+    result.edges = edge_pass(model, blocks, further, batch_size=options.get("batch_size", 4),
+                             token_chunk=options.get("token_chunk", 128), memory_limit=edge_memory_limit,
+                             top_k=edge_top_k, progress=edge_progress, should_stop=options.get("should_stop"))
+    result.schedule = str(schedule)
+    return result

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import transformers
 
-from models.affinity import AffinityResult, affinity_pass
+from models.affinity import AffinityResult
+from models.affinity_edges import schedule_affinity_pass
 from models.affinity_scores import SCORES
 from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
@@ -121,9 +122,9 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
         meta["spd_sensitivities"] = json.dumps(sensitivities)
         meta["spd_auto"] = str(spec.schedule)
     schedule = spec.objective_schedule(model_shape(model.config).num_layers, resolved)
-    state.affinity = affinity_pass(model, state.blocks, batch_size=spec.batch_size, progress=progress,
-                                   should_stop=should_stop, metadata=meta, schedule=schedule,
-                                   edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
+    state.affinity = schedule_affinity_pass(model, state.blocks, schedule=schedule, batch_size=spec.batch_size,
+                                            progress=progress, should_stop=should_stop, metadata=meta,
+                                            edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
     state.affinity.save(state.out_dir / AFFINITY_FILE)
     state.timed("affinity", t0)
 
@@ -158,9 +159,9 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
             if progress:
                 progress("stability", (k + fraction) / 2)
 
-        halves[half] = affinity_pass(model, blocks, batch_size=spec.batch_size, progress=half_progress,
-                                     should_stop=should_stop, schedule=schedule,
-                                     edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
+        halves[half] = schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
+                                              progress=half_progress, should_stop=should_stop,
+                                              edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
     layouts = half_layouts(halves, devices=spec.devices, delta=spec.delta, score_name=spec.score,
                            restarts=spec.restarts, schedule=schedule)
     for lay in layouts.values():

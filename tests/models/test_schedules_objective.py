@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.affinity import affinity_pass
+from models.affinity_edges import schedule_affinity_pass
 from models.families import model_shape
 from tests.tiny import fresh, tokens
 
@@ -215,7 +216,7 @@ def test_schedule_edges_of_the_pass_are_the_constructions_scores() -> None:
     ids = tokens(2, 7)
     trace = dense_trace(model, ids)
     schedule = resolve_schedule("pt:3", 3, 2)
-    result = affinity_pass(model, ids, batch_size=1, schedule=schedule)
+    result = schedule_affinity_pass(model, ids, batch_size=1, schedule=schedule)
     assert result.schedule == "pt:3"
     kinds = set()
     for (m, t), scores in result.edges.items():
@@ -237,14 +238,14 @@ def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
     model = fresh("llama")
     ids = tokens(2, 9)
     today = affinity_pass(model, ids, batch_size=1)
-    at_dtp1 = affinity_pass(model, ids, batch_size=1, schedule=resolve_schedule("dtp:1", 3, 2))
+    at_dtp1 = schedule_affinity_pass(model, ids, batch_size=1, schedule=resolve_schedule("dtp:1", 3, 2))
     assert at_dtp1.edges == {} and at_dtp1.schedule == "dtp:1"
     for a, b in zip([*today.up_fo, *today.up_add, *today.down], [*at_dtp1.up_fo, *at_dtp1.up_add, *at_dtp1.down],
                     strict=True):
         np.testing.assert_array_equal(a, b)
     dtp2 = resolve_schedule("dtp:2", 3, 2)
-    sparse = affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=0, edge_top_k=5)
-    dense = affinity_pass(model, ids, batch_size=1, schedule=dtp2)
+    sparse = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=0, edge_top_k=5)
+    dense = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2)
     nn = [p for p in sparse.edges if p[0] % 2 and p[1] % 2]
     assert nn and all(isinstance(sparse.edges[p]["fo"], TopRows) for p in nn)
     for p in nn:  # top-k of the dense matrix, with the dense mass
