@@ -17,18 +17,23 @@ import numpy as np
 import torch
 import transformers
 
-from models.affinity import AffinityResult, affinity_pass
+from models.affinity import AffinityResult
+from models.affinity_edges import schedule_affinity_pass
 from models.affinity_scores import SCORES
 from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
 from models.calibration import CalibrationSpec, DataError, load_blocks
 from models.export import dtype_name, export_checkpoint, export_copy, export_rank_shards
+from models.families import model_shape
 from models.heldout import source_identity
 from models.layouts.layout import Layout
-from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts
+from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
 from models.layouts.stability import HALVES, half_layouts, stability_report
+from models.optimise.edges import TopRows, edge_name, schedule_pairs
 from models.progress import Progress, ShouldStop
 from models.run_files import AFFINITY_FILE, REPORT_FILE
+from models.schedules import Schedule, parse_schedule
+from models.spd_auto import resolve_spd_auto
 
 # The paper's seven spread layouts (§5.4) for an FO run; models.layouts.set defines them.
 ABLATIONS = tuple(ablation_names("fo"))
@@ -45,8 +50,19 @@ class OptimiseSpec:
     batch_size: int = 4
     restarts: int = 4  # the paper's procedure is 0 (one start, from the contiguous KV groups)
     stability: bool = False  # also optimise on each half of the calibration blocks (models.layouts.stability)
+    # The communication schedule whose J_σ the layouts optimise (issue 20; models.schedules' grammar).
+    # None: dtp:δ of `delta` for δ ≥ 2, and the paper's chain objective (J_σ of dtp:1) for δ ≤ 1.
+    schedule: str | None = None
+    edge_memory_limit: int = 256 << 20  # bytes of dense further-edge matrices before neuron→neuron go top-k
+    edge_top_k: int = 64
 
     def __post_init__(self) -> None:
+        if self.schedule is not None:
+            spec = parse_schedule(self.schedule)  # ScheduleError (a ValueError) naming what is accepted
+            object.__setattr__(self, "schedule", str(spec))
+        if self.edge_top_k < 1 or self.edge_memory_limit < 0:
+            raise ValueError(f"edge_top_k must be ≥ 1 and edge_memory_limit ≥ 0, got {self.edge_top_k}, "
+                             f"{self.edge_memory_limit}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.random_layouts < 0:
@@ -55,6 +71,18 @@ class OptimiseSpec:
             raise ValueError(f"restarts must be ≥ 0, got {self.restarts}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {self.batch_size}")
+
+
+    def objective_schedule(self, num_layers: int, resolved: str | None = None) -> Schedule | None:
+        """The schedule the layouts are optimised for (`models.layouts.set.objective_schedule`); `resolved`:
+        the spd:B an spd:auto:K became (the affinity file's schedule)."""
+        return objective_schedule(self.schedule, delta=self.delta, num_layers=num_layers, devices=self.devices,
+                                  resolved=resolved)
+
+    @property
+    def chooses_spd_layers(self) -> bool:
+        """spd:auto:K: the affinity stage first measures each layer's sensitivity and picks K layers."""
+        return self.schedule is not None and parse_schedule(self.schedule).kind == "spd-auto"
 
 
 @dataclass
@@ -86,8 +114,17 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     assert state.blocks is not None, "stage_calibration first"
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
             "calibration_fingerprint": calibration.fingerprint(), "dtype": str(next(model.parameters()).dtype)}
-    state.affinity = affinity_pass(model, state.blocks, batch_size=spec.batch_size, progress=progress,
-                                   should_stop=should_stop, metadata=meta)
+    resolved = None
+    if spec.chooses_spd_layers:  # SPD's rule: each layer's dropped sync alone, KL on these blocks
+        chosen, sensitivities = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
+                                                 devices=spec.devices, batch_size=spec.batch_size, progress=progress)
+        resolved = str(chosen)
+        meta["spd_sensitivities"] = json.dumps(sensitivities)
+        meta["spd_auto"] = str(spec.schedule)
+    schedule = spec.objective_schedule(model_shape(model.config).num_layers, resolved)
+    state.affinity = schedule_affinity_pass(model, state.blocks, schedule=schedule, batch_size=spec.batch_size,
+                                            progress=progress, should_stop=should_stop, metadata=meta,
+                                            edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
     state.affinity.save(state.out_dir / AFFINITY_FILE)
     state.timed("affinity", t0)
 
@@ -97,7 +134,9 @@ def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
     assert state.affinity is not None, "stage_affinity first"
     state.layouts = build_layouts(state.affinity, devices=spec.devices, delta=spec.delta, score_name=spec.score,
                                   random_layouts=spec.random_layouts, ablations=spec.ablations,
-                                  restarts=spec.restarts)
+                                  restarts=spec.restarts,
+                                  schedule=spec.objective_schedule(state.affinity.shape.num_layers,
+                                                                   state.affinity.schedule))
     for name, lay in state.layouts.items():
         lay.save(state.out_dir / "layouts" / f"{name}.json")
     state.timed("optimise", t0)
@@ -112,20 +151,23 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
     if count < 2:
         raise ValueError(f"stability needs at least 2 calibration blocks (one per half), got {count}")
     parts = dict(zip(HALVES, (state.blocks[:count // 2], state.blocks[count // 2:]), strict=True))
+    schedule = spec.objective_schedule(model_shape(model.config).num_layers,
+                                       state.affinity.schedule if state.affinity is not None else None)
     halves = {}
     for k, (half, blocks) in enumerate(parts.items()):
         def half_progress(stage: str, fraction: float, k: int = k) -> None:
             if progress:
                 progress("stability", (k + fraction) / 2)
 
-        halves[half] = affinity_pass(model, blocks, batch_size=spec.batch_size, progress=half_progress,
-                                     should_stop=should_stop)
+        halves[half] = schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
+                                              progress=half_progress, should_stop=should_stop,
+                                              edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
     layouts = half_layouts(halves, devices=spec.devices, delta=spec.delta, score_name=spec.score,
-                           restarts=spec.restarts)
+                           restarts=spec.restarts, schedule=schedule)
     for lay in layouts.values():
         lay.save(state.out_dir / "stability" / f"{lay.name}.json")
     state.stability = stability_report(halves, layouts, score_name=spec.score, restarts=spec.restarts,
-                                       blocks={half: len(b) for half, b in parts.items()})
+                                       blocks={half: len(b) for half, b in parts.items()}, schedule=schedule)
     state.timed("stability", t0)
 
 
@@ -179,15 +221,32 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
     if spec.ablations and spec.restarts != PAPER_RESTARTS:
         notes.append("neurons-only never moves the KV groups, so restarts cannot change it: compare it with "
                      "optimised-restarts-0 (equal restarts), not with optimised")
-    if spec.delta != 1:
-        notes.append(f"delta={spec.delta}: the objective models δ=1 (what a device misses from the previous "
-                     "module); the same objective is used for δ>1 until it is generalised")
+    objective = spec.objective_schedule(state.affinity.shape.num_layers, state.affinity.schedule)
+    spd = state.affinity.metadata.get("spd_sensitivities")
+    if spd is not None:
+        notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: the layers whose dropped "
+                     f"attention sync alone costs least KL(dense ‖ spd:i) on the calibration blocks "
+                     f"(spd_sensitivities, nats per token, contiguous layout)")
+    if objective is None and spec.delta != 1:
+        notes.append(f"delta={spec.delta}: the layouts optimise the dtp:1 objective (the paper's chain); at δ=0 "
+                     "every module is exchanged before the next one reads it, so no layout is better than another")
+    elif objective is not None:
+        notes.append(f"the layouts optimise J_σ of schedule {objective}: the co-located affinity of its "
+                     f"{len(schedule_pairs(objective))} edges (docs/schedules_objective.md)")
+        kept = {edge_name(p): m.kept_mass for p, scores in state.affinity.edges.items()
+                for name, m in scores.items() if name == spec.score and isinstance(m, TopRows)}
+        if kept:
+            notes.append(f"{len(kept)} neuron→neuron edges kept as the top {spec.edge_top_k} entries per row "
+                         f"(dense would exceed {spec.edge_memory_limit} bytes); kept mass "
+                         f"{min(kept.values()):.3f}..{max(kept.values()):.3f}")
     return {
         "format": "dtp-layout-report/1",
         "model": model_name,
         "shape": asdict(state.affinity.shape),
         "devices": spec.devices,
         "delta": spec.delta,
+        "schedule": None if objective is None else str(objective),
+        **({"spd_sensitivities": json.loads(spd)} if spd is not None else {}),
         "score": spec.score,
         "restarts": spec.restarts,
         "paper_procedure": spec.restarts == PAPER_RESTARTS,
@@ -216,10 +275,16 @@ def summary_table(report: dict) -> str:
     rows = [f"{'layout':<16}{'J':>9}{'J/bound':>9}{'mean up':>9}{'mean down':>11}"]
     bound = report.get("upper_bound") or float("nan")
     for name, rep in sorted(report["layouts"].items(), key=lambda kv: -kv[1]["J"]):
-        up, down = rep["up_fraction"], rep["down_fraction"]
-        rows.append(f"{name:<16}{rep['J']:>9.3f}{rep['J'] / bound:>9.3f}{np.mean(up):>9.3f}"
+        # a schedule's report has null fractions where it lacks that chain edge: the mean of those it has
+        up = [f for f in rep["up_fraction"] if f is not None]
+        down = [f for f in rep["down_fraction"] if f is not None]
+        rows.append(f"{name:<16}{rep['J']:>9.3f}{rep['J'] / bound:>9.3f}"
+                    f"{(np.mean(up) if up else float('nan')):>9.3f}"
                     f"{(np.mean(down) if down else float('nan')):>11.3f}")
-    rows.append(f"random expectation (2N-1)/L = {report['random_expectation']:.3f}; upper bound = {bound:.3f}"
+    expectation = ("random expectation" if report.get("schedule") else "random expectation (2N-1)/L")
+    if report.get("schedule"):
+        rows.append(f"J_σ of schedule {report['schedule']}")
+    rows.append(f"{expectation} = {report['random_expectation']:.3f}; upper bound = {bound:.3f}"
                 f"{'' if report.get('upper_bound_exact') else ' (relaxed)'}; {report['tokens']} calibration tokens")
     return "\n".join(rows)
 

@@ -290,7 +290,10 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
             "devices": args.devices, "delta": args.delta, "calibration": asdict(calibration), "score": args.score,
             "random": args.random, "ablations": args.ablations, "stability": args.stability,
             "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
-            "restarts": args.restarts}
+            "restarts": args.restarts,
+            # only when given, so that a run recorded before schedules resumes with the same flags
+            **({"schedule": args.schedule, "edge_top_k": args.edge_top_k,
+                "edge_memory_limit": args.edge_memory_limit} if args.schedule else {})}
 
 
 def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any]) -> Any:
@@ -322,12 +325,19 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     from models.loading import ModelSource
     from models.runner import run_stages
 
-    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
-                                 random_layouts=args.random, ablations=args.ablations, export=not args.no_export,
-                                 batch_size=args.batch_size, restarts=args.restarts, stability=args.stability)
+    try:
+        spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
+                                     random_layouts=args.random, ablations=args.ablations,
+                                     export=not args.no_export, batch_size=args.batch_size, restarts=args.restarts,
+                                     stability=args.stability, schedule=args.schedule,
+                                     edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
+    except ValueError as exc:  # ScheduleError names the bad part and what is accepted
+        raise CliError(f"--schedule: {exc}" if args.schedule else str(exc)) from exc
     calibration = _calibration_spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    _check_layout_numbers(_model_config(args, source), args.devices, args.delta)  # fail before loading weights
+    config = _model_config(args, source)
+    _check_layout_numbers(config, args.devices, args.delta)  # fail before loading weights
+    _check_objective_schedule(config, spec)
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
     out.mkdir(parents=True, exist_ok=True)
@@ -353,12 +363,54 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_objective_schedule(config: Any, spec: Any) -> None:
+    """The schedule `optimise` optimises for, checked against the model before any weights load."""
+    from models.families import model_shape
+    from models.schedules import parse_schedule
+
+    layers = model_shape(config).num_layers
+    if spec.chooses_spd_layers:
+        count = parse_schedule(spec.schedule).count
+        if count > layers:
+            raise CliError(f"--schedule {spec.schedule}: K={count} layers to drop, but the model has "
+                           f"num_layers={layers}: K must be in 1 .. {layers}")
+        print(f"{spec.schedule}: choosing the {count} layers whose dropped attention sync costs least KL "
+              f"on the calibration blocks, then optimising J_σ of that spd:B", file=sys.stderr)
+        return
+    try:
+        schedule = spec.objective_schedule(layers)
+    except ValueError as exc:  # ScheduleError / LayoutError: malformed, does not fit, nothing to optimise
+        raise CliError(f"--schedule: {exc}") from exc
+    if schedule is not None:
+        print(f"optimising J_σ of schedule {schedule} (docs/schedules_objective.md)", file=sys.stderr)
+
+
+def _add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> None:
+    """--schedule for the commands that optimise or score layouts (and, for `optimise`, the further edges'
+    storage). Skipped where the job spec already gives the command a --schedule flag."""
+    if not any("--schedule" in action.option_strings for action in p._actions):
+        p.add_argument("--schedule", metavar="S",
+                       help="communication schedule whose objective J_σ the layouts are optimised for: dtp:δ | "
+                            "dtp:δ@K | spd:B | spd:auto:K (optimise only) | pt:D (default: dtp:δ of --delta; "
+                            "δ ≤ 1: the paper's objective); "
+                            "tp and ladder are refused: the layout does not matter there (docs/cli.md)")
+    if edges:
+        p.add_argument("--edge-top-k", type=int, default=64,
+                       help="entries kept per row of a neuron→neuron edge when the dense edges exceed "
+                            "--edge-memory-limit (default: 64)")
+        p.add_argument("--edge-memory-limit", type=int, default=256 << 20,
+                       help="bytes the dense matrices of the schedule's further edges may take before the "
+                            "neuron→neuron ones are stored as top-k rows (default: 268435456)")
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     """The optimiser alone on a saved affinity; torch-free."""
     from models.affinity_file import AffinityResult
     from models.layouts.layout import Layout, check_delta, check_devices
-    from models.layouts.set import affinity_for
+    from models.layouts.set import affinity_for, objective_schedule
     from models.optimise import optimise, upper_bound
+    from models.optimise.schedule_ascent import optimise_schedule
+    from models.optimise.schedule_objective import schedule_upper_bound
 
     try:
         result = AffinityResult.load(args.affinity)
@@ -366,6 +418,12 @@ def cmd_layout(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from exc
     check_devices(result.shape, args.devices)
     check_delta(result.shape, args.delta)
+    try:
+        schedule = objective_schedule(args.schedule, delta=args.delta, num_layers=result.shape.num_layers,
+                                      devices=args.devices)
+        sigma = None if schedule is None else result.schedule_affinity(args.score, schedule)
+    except ValueError as exc:
+        raise CliError(f"--schedule: {exc}") from exc
     affinity = affinity_for(result, args.score)
     layers = None
     if args.layers:
@@ -373,14 +431,18 @@ def cmd_layout(args: argparse.Namespace) -> int:
             layers = [int(x) for x in args.layers.split(",") if x.strip()]
         except ValueError as exc:
             raise CliError(f"--layers must be comma-separated integers, got {args.layers!r}") from exc
+    options: dict[str, Any] = dict(maximise=not args.minimise, move_heads=not args.neurons_only,
+                                   move_neurons=not args.heads_only, layers=layers, restarts=args.restarts)
     try:
-        best = optimise(affinity, args.devices, maximise=not args.minimise, move_heads=not args.neurons_only,
-                        move_neurons=not args.heads_only, layers=layers, bound=upper_bound(affinity, args.devices),
-                        restarts=args.restarts)
+        if sigma is not None:
+            best: Any = optimise_schedule(sigma, args.devices, bound=schedule_upper_bound(sigma, args.devices),
+                                          **options)
+        else:
+            best = optimise(affinity, args.devices, bound=upper_bound(affinity, args.devices), **options)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     layout = Layout(args.name, args.devices, args.delta, result.shape, best.kv_group_device, best.neuron_device,
-                    score=best.report.as_dict())
+                    score=best.report.as_dict(), schedule=None if schedule is None else str(schedule))
     layout.save(args.out)
     rep = best.report
     print(f"{args.name}: J={rep.J:.4f} (random {rep.random_expectation:.4f}, upper bound {rep.upper_bound:.4f}) "
@@ -393,9 +455,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     from models.layouts.score import rescore, score_table
 
     try:
-        doc = rescore(args.affinity, args.layouts, score_name=args.score)
-    except ValueError as exc:  # LayoutError is a ValueError
+        doc = rescore(args.affinity, args.layouts, score_name=args.score, schedule=args.schedule)
+    except ValueError as exc:  # LayoutError and ScheduleError are ValueErrors
         raise CliError(str(exc)) from exc
+    for warning in doc["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps(doc) if args.json else score_table(doc))
     return 0
 
@@ -445,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="start again: redo every stage and replace what an earlier run left in --out (its "
                         "checkpoint/shards too), whatever its parameters were")
+    _add_objective_schedule_flag(p, edges=True)
     p.set_defaults(func=cmd_optimise)
     needs_worker_extra(p)
 
@@ -462,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra starts from random head assignments (0: the paper's procedure)")
     p.add_argument("--name", default="optimised", help="layout name stored in the JSON")
     p.add_argument("--out", required=True, help=f"output {LAYOUT_FORMAT} JSON file")
+    _add_objective_schedule_flag(p, edges=False)
     p.set_defaults(func=cmd_layout)
 
     p = sub.add_parser("score", help="rescore layouts on a saved affinity.safetensors (no model needed)")
@@ -469,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", default="fo", choices=SCORES, help="up-edge units of J (default: fo)")
     p.add_argument("layouts", nargs="+", metavar="LAYOUT.json", help=f"{LAYOUT_FORMAT} layout files")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--schedule", metavar="S",
+                   help="score J_σ of this schedule (default: the paper's objective, J_σ of dtp:1); a layout made "
+                        "for another schedule is scored all the same, with a warning")
     p.set_defaults(func=cmd_score)
 
     _register_extensions(sub)

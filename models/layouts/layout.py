@@ -17,6 +17,7 @@ import numpy as np
 from models.atomic import atomic_write_json
 from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import CONTIGUOUS, random_name
+from models.schedules import MAX_SCHEDULE_CHARS
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ class Layout:
     kv_group_device: np.ndarray
     neuron_device: np.ndarray
     score: dict[str, Any] | None = field(default=None)
+    # The communication schedule the layout was optimised for (issue 20), its canonical string; None: not
+    # recorded (files from before schedules, and dtp:1 runs through the chain objective): dtp:1.
+    schedule: str | None = field(default=None)
 
     def __post_init__(self) -> None:
         for attr in ("kv_group_device", "neuron_device"):
@@ -98,7 +102,12 @@ class Layout:
 
     def with_name(self, name: str, score: dict[str, Any] | None = None) -> Layout:
         return Layout(name, self.devices, self.delta, self.shape, self.kv_group_device,
-                      self.neuron_device, score if score is not None else self.score)
+                      self.neuron_device, score if score is not None else self.score, self.schedule)
+
+    @property
+    def made_for(self) -> str:
+        """The schedule the layout was made for: its recorded one, else dtp:1 (the chain objective)."""
+        return self.schedule if self.schedule is not None else "dtp:1"
 
     def to_json_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -110,6 +119,8 @@ class Layout:
             "kv_group_device": self.kv_group_device.tolist(),
             "neuron_device": self.neuron_device.tolist(),
         }
+        if self.schedule is not None:
+            out["schedule"] = self.schedule
         if self.score is not None:
             out["score"] = self.score
         return out
@@ -201,11 +212,15 @@ def from_json_dict(data: Any, source: str = "layout") -> Layout:
         if not _is_int(data[key]):
             raise fail(f"field {key!r} must be an integer, got {data[key]!r}")
     shape = ModelShape(**{k: model[k] for k in ModelShape.__dataclass_fields__ if k in model})
+    schedule = data.get("schedule")
+    if schedule is not None and (not isinstance(schedule, str) or not 0 < len(schedule) <= MAX_SCHEDULE_CHARS):
+        raise fail(f"field 'schedule' must be a schedule string of 1..{MAX_SCHEDULE_CHARS} characters, "
+                   f"got {str(schedule)[:40]!r}")
     groups = _int_array(data["kv_group_device"], "kv_group_device", fail)
     neurons = _int_array(data["neuron_device"], "neuron_device", fail)
     try:
         return Layout(str(data.get("name", "layout")), data["devices"], data["delta"], shape,
-                      groups, neurons, data.get("score"))
+                      groups, neurons, data.get("score"), schedule)
     except LayoutError as exc:
         raise fail(str(exc)) from exc
 

@@ -55,4 +55,5 @@ def _fit(lay: Layout, name: str, shape: ModelShape, devices: int, delta: int) ->
     layout_mod.check_fits(lay, shape)
     if lay.devices != devices:
         raise LayoutError(f"layout {name!r} has devices={lay.devices}, but the run asks for devices={devices}")
-    return Layout(name, devices, delta, lay.shape, lay.kv_group_device, lay.neuron_device, lay.score)
+    # the schedule it was optimised for stays recorded whatever δ the run gives it
+    return Layout(name, devices, delta, lay.shape, lay.kv_group_device, lay.neuron_device, lay.score, lay.schedule)

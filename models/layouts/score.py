@@ -3,6 +3,11 @@
 For each layout: J of objective (6) in the chosen up-edge units (fo or add), J over the upper bound,
 the random expectation, and the co-located fraction of every up edge (layer i's KV groups → its
 neurons) and down edge (layer i's neurons → layer i+1's KV groups).
+
+With a schedule (issue 20), J_σ of that schedule's edges instead (the affinity must hold them), with every
+edge's fraction. A layout made for another schedule (its recorded `schedule`, dtp:1 when it records none)
+is scored all the same — scoring the dtp:1-optimised layout at dtp:2 is a comparison the study makes —
+and its row says so (`made_for`, and a warning in `warnings`).
 """
 
 from __future__ import annotations
@@ -16,41 +21,65 @@ from models.layouts import layout as layout_mod
 from models.layouts.format import LayoutError
 from models.layouts.set import affinity_for
 from models.optimise import score, upper_bound
+from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
+from models.schedules import resolve_schedule
 
 SCORES_FORMAT = "dtp-layout-scores/1"
 
 
-def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, score_name: str = "fo") -> dict[str, Any]:
-    """{format, affinity, score, tokens, layouts: [{name, path, devices, J, J_over_bound, …}]}.
+def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, score_name: str = "fo",
+            schedule: str | None = None) -> dict[str, Any]:
+    """{format, affinity, score, schedule, tokens, layouts: [{name, path, devices, J, J_over_bound, …}], warnings}.
 
+    schedule: score J_σ of that schedule (None: the paper's chain objective, J_σ of dtp:1).
     ValueError (LayoutError for a layout) naming the file when a file is unreadable or does not fit the
-    affinity's model shape.
+    affinity's model shape, or the affinity lacks the schedule's edges.
     """
     result = AffinityResult.load(affinity_path)
     affinity = affinity_for(result, score_name)
     rows = []
+    warnings = []
+    scored_for = schedule if schedule is not None else "dtp:1"
     for path in layout_paths:
         lay = layout_mod.load(path)
         try:
             layout_mod.check_fits(lay, result.shape)
         except LayoutError as exc:
             raise LayoutError(f"{path}: {exc} (affinity {affinity_path})") from exc
-        bound = upper_bound(affinity, lay.devices)
-        rep = score(affinity, lay.kv_group_device, lay.neuron_device, devices=lay.devices, bound=bound)
-        rows.append({"name": lay.name, "path": str(path), "devices": lay.devices, "J": rep.J,
-                     "J_over_bound": rep.J / rep.upper_bound if rep.upper_bound else None,
-                     "random_expectation": rep.random_expectation, "upper_bound": rep.upper_bound,
-                     "upper_bound_exact": rep.upper_bound_exact, "up_fraction": rep.up_fraction,
-                     "down_fraction": rep.down_fraction})
-    return {"format": SCORES_FORMAT, "affinity": str(affinity_path), "score": score_name, "tokens": result.tokens,
-            "num_layers": result.shape.num_layers, "layouts": rows}
+        extra: dict[str, Any] = {}
+        if schedule is not None:
+            resolved = resolve_schedule(schedule, result.shape.num_layers, lay.devices)
+            scored_for = str(resolved)
+            sigma = result.schedule_affinity(score_name, resolved)
+            srep = schedule_score(sigma, lay.kv_group_device, lay.neuron_device, devices=lay.devices,
+                                  bound=schedule_upper_bound(sigma, lay.devices))
+            J, bound_value, exact, up, down = (srep.J, srep.upper_bound, srep.upper_bound_exact, srep.up_fraction,
+                                               srep.down_fraction)
+            random_expectation = srep.random_expectation
+            extra = {"edges": srep.edges, "layout_independent": srep.layout_independent}
+        else:
+            rep = score(affinity, lay.kv_group_device, lay.neuron_device, devices=lay.devices,
+                        bound=upper_bound(affinity, lay.devices))
+            J, bound_value, exact = rep.J, rep.upper_bound, rep.upper_bound_exact
+            up, down = list[float | None](rep.up_fraction), list[float | None](rep.down_fraction)
+            random_expectation = rep.random_expectation
+        if lay.made_for != scored_for:
+            warnings.append(f"{path}: layout {lay.name!r} was made for schedule {lay.made_for}, scored here "
+                            f"for {scored_for}")
+        rows.append({"name": lay.name, "path": str(path), "devices": lay.devices, "made_for": lay.made_for,
+                     "J": J, "J_over_bound": J / bound_value if bound_value else None,
+                     "random_expectation": random_expectation, "upper_bound": bound_value,
+                     "upper_bound_exact": exact, "up_fraction": up, "down_fraction": down, **extra})
+    return {"format": SCORES_FORMAT, "affinity": str(affinity_path), "score": score_name, "schedule": scored_for,
+            "tokens": result.tokens, "num_layers": result.shape.num_layers, "layouts": rows, "warnings": warnings}
 
 
 def score_table(doc: dict[str, Any]) -> str:
     """The summary (one row per layout) and the per-layer up/down co-located fractions (one column each)."""
     rows = doc["layouts"]
     width = max(12, *(len(r["name"]) + 2 for r in rows))
-    lines = [f"J in {doc['score'].upper()} units, {doc['tokens']} calibration tokens ({doc['affinity']})",
+    lines = [f"J in {doc['score'].upper()} units for schedule {doc.get('schedule', 'dtp:1')}, {doc['tokens']} "
+             f"calibration tokens ({doc['affinity']})",
              f"{'layout':<{width}}{'L':>4}{'J':>10}{'J/bound':>9}{'random':>9}{'bound':>9}"]
     for r in rows:
         ratio = f"{r['J_over_bound']:.3f}" if r["J_over_bound"] is not None else "–"
@@ -60,12 +89,17 @@ def score_table(doc: dict[str, Any]) -> str:
     if any(not r["upper_bound_exact"] for r in rows):
         lines.append("* relaxed bound (too many KV-group partitions to enumerate)")
     col = max(11, *(len(r["name"]) + 1 for r in rows))
-    lines += ["", "co-located fraction per layer, up / down edge",
+    lines += ["", "co-located fraction per layer, up / down edge (– : not an edge of the schedule)",
               "layer" + "".join(f"{r['name']:>{col}}" for r in rows)]
     for i in range(doc["num_layers"]):
         cells = []
         for r in rows:
-            down = f"{r['down_fraction'][i]:.2f}" if i < len(r["down_fraction"]) else "  – "
-            cells.append(f"{r['up_fraction'][i]:.2f} / {down}".rjust(col))
+            down = r["down_fraction"][i] if i < len(r["down_fraction"]) else None
+            up = r["up_fraction"][i]
+            cells.append(f"{_fraction(up)} / {_fraction(down)}".rjust(col))
         lines.append(f"{i:<5}" + "".join(cells))
     return "\n".join(lines)
+
+
+def _fraction(value: float | None) -> str:
+    return "  – " if value is None else f"{value:.2f}"

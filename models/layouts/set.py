@@ -17,6 +17,9 @@
 Every layout's `score` is its report in the run's score units (J, per-edge co-located fractions, bound),
 plus `scores` with the same report in FO and in ADD units whichever score built it, `objective` (the score
 it was optimised on, None for contiguous/random) and `restarts` (the extra optimiser starts it used).
+With a schedule (issue 20) every layout is optimised and scored on J_σ, the objective of that schedule's
+edges (`models.optimise.schedule_objective`), and records the schedule; without one (None), on the
+paper's chain objective exactly as before (which is J_σ at dtp:1).
 Pure numpy (no torch): the `score` command and the API process use it.
 """
 
@@ -30,9 +33,13 @@ import numpy as np
 
 from models.affinity_scores import SCORES, other_score
 from models.layouts import layout as layout_mod
+from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, ModelShape
 from models.layouts.names import RANDOM_SEED_BASE
 from models.optimise import Affinity, OptimiseResult, balanced_assignment, optimise, score, upper_bound
+from models.optimise.schedule_ascent import ScheduleOptimiseResult, optimise_schedule
+from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
+from models.schedules import Schedule, ScheduleError, parse_schedule, resolve_schedule
 
 if TYPE_CHECKING:
     from models.affinity_file import AffinityResult
@@ -93,21 +100,70 @@ def restarts_used(variant: Variant, restarts: int) -> int:
     return 0 if variant.paper_restarts or not variant.move_heads else restarts
 
 
+def objective_schedule(schedule: str | None, *, delta: int, num_layers: int, devices: int,
+                       resolved: str | None = None) -> Schedule | None:
+    """The schedule a layout is optimised for, resolved for the model; None: the paper's chain objective.
+
+    `schedule` None means dtp:δ of `delta` (the shorthand) for δ ≥ 2 and the chain (J_σ of dtp:1) for
+    δ ≤ 1 (at δ = 0 no layout is better than another; the chain objective is kept as before).
+    spd:auto:K needs `resolved`, the spd:B its calibration sensitivities chose (`models.spd_auto`; an
+    affinity file records it as its schedule). ScheduleError when it does not fit the model or is
+    spd:auto:K without `resolved`; LayoutError when it leaves nothing to optimise (tp, ladder).
+    """
+    if schedule is None and delta <= 1:
+        return None
+    text = schedule if schedule is not None else f"dtp:{delta}"
+    spec = parse_schedule(text)
+    if spec.kind == "spd-auto":
+        if resolved is None:
+            raise ScheduleError(f"schedule {spec}: its layers are chosen by their sensitivity on the calibration "
+                                f"blocks (the affinity stage does it); give the layers as spd:B here")
+        chosen = parse_schedule(resolved)
+        if chosen.kind != "spd" or len(chosen.layers) != spec.count:
+            raise ScheduleError(f"schedule {spec}: the affinity was computed for schedule {resolved}, not for "
+                                f"{spec.count} layers chosen by sensitivity")
+        spec = chosen
+    resolved_schedule = resolve_schedule(spec, num_layers, devices)
+    refuse_layout_independent(resolved_schedule)
+    return resolved_schedule
+
+
+def refuse_layout_independent(schedule: Schedule | None) -> None:
+    """LayoutError when `schedule` leaves nothing to optimise (a_n = b_n for every module: tp, ladder)."""
+    if schedule is not None and schedule.layout_independent:
+        raise LayoutError(f"schedule {schedule}: every module's partial reaches every device when the device's "
+                          f"own does (a_n = b_n for all n), so the model computes the same function under every "
+                          f"layout and J_σ is 0 for all of them: there is no layout to optimise (evaluate or run "
+                          f"it with any layout, e.g. contiguous)")
+
+
 def run_variant(result: AffinityResult, variant: Variant, *, devices: int, score_name: str,
-                restarts: int) -> OptimiseResult:
+                restarts: int, schedule: Schedule | None = None) -> OptimiseResult | ScheduleOptimiseResult:
+    """The variant's optimised layout: on J_σ of `schedule`, or on the chain objective (None)."""
     built_with = other_score(score_name) if variant.other_score else score_name
-    affinity = affinity_for(result, built_with)
     layers = None if variant.layer_count is None else evenly_spaced_layers(result.shape.num_layers,
                                                                            variant.layer_count)
-    return optimise(affinity, devices, maximise=variant.maximise, move_heads=variant.move_heads,
-                    move_neurons=variant.move_neurons, layers=layers, bound=upper_bound(affinity, devices),
-                    restarts=restarts_used(variant, restarts))
+    options: dict[str, Any] = dict(maximise=variant.maximise, move_heads=variant.move_heads,
+                                   move_neurons=variant.move_neurons, layers=layers,
+                                   restarts=restarts_used(variant, restarts))
+    if schedule is not None:
+        refuse_layout_independent(schedule)
+        sigma = result.schedule_affinity(built_with, schedule)
+        return optimise_schedule(sigma, devices, bound=schedule_upper_bound(sigma, devices), **options)
+    affinity = affinity_for(result, built_with)
+    return optimise(affinity, devices, bound=upper_bound(affinity, devices), **options)
 
 
-def score_both(result: AffinityResult, kv_group_device: Any, neuron_device: Any, devices: int) -> dict[str, dict]:
-    """The layout's report in FO and in ADD units: {"fo": {...}, "add": {...}}."""
+def score_both(result: AffinityResult, kv_group_device: Any, neuron_device: Any, devices: int,
+               schedule: Schedule | None = None) -> dict[str, dict]:
+    """The layout's report in FO and in ADD units: {"fo": {...}, "add": {...}} (J_σ with a schedule)."""
     out: dict[str, dict] = {}
     for name in SCORES:
+        if schedule is not None:
+            sigma = result.schedule_affinity(name, schedule)
+            out[name] = schedule_score(sigma, kv_group_device, neuron_device, devices=devices,
+                                       bound=schedule_upper_bound(sigma, devices)).as_dict()
+            continue
         affinity = affinity_for(result, name)
         out[name] = score(affinity, kv_group_device, neuron_device, devices=devices,
                           bound=upper_bound(affinity, devices)).as_dict()
@@ -115,9 +171,10 @@ def score_both(result: AffinityResult, kv_group_device: Any, neuron_device: Any,
 
 
 def scored_layout(lay: Layout, result: AffinityResult, *, score_name: str, objective: str | None,
-                  restarts: int | None, layers: Sequence[int] | None = None) -> Layout:
+                  restarts: int | None, layers: Sequence[int] | None = None,
+                  schedule: Schedule | None = None) -> Layout:
     """`lay` with its score in the run's units, in both units, and how it was built."""
-    both = score_both(result, lay.kv_group_device, lay.neuron_device, lay.devices)
+    both = score_both(result, lay.kv_group_device, lay.neuron_device, lay.devices, schedule)
     report: dict[str, Any] = {**both[score_name], "score": score_name, "objective": objective,
                               "restarts": restarts, "scores": both}
     if layers is not None:
@@ -126,8 +183,15 @@ def scored_layout(lay: Layout, result: AffinityResult, *, score_name: str, objec
 
 
 def build_layouts(result: AffinityResult, *, devices: int, delta: int, score_name: str = "fo",
-                  random_layouts: int = 0, ablations: bool = False, restarts: int = 4) -> dict[str, Layout]:
-    """optimised, (optionally) the ablations, contiguous and random-<seed>, each with its score."""
+                  random_layouts: int = 0, ablations: bool = False, restarts: int = 4,
+                  schedule: Schedule | None = None) -> dict[str, Layout]:
+    """optimised, (optionally) the ablations, contiguous and random-<seed>, each with its score.
+
+    schedule: optimise and score on J_σ of that schedule, and record it in every layout (LayoutError for a
+    layout-independent one; ValueError when the affinity lacks its edges); None: the chain objective.
+    """
+    refuse_layout_independent(schedule)
+    recorded = None if schedule is None else str(schedule)
     shape: ModelShape = result.shape
     layout_mod.check_devices(shape, devices)
     layout_mod.check_delta(shape, delta)
@@ -136,17 +200,22 @@ def build_layouts(result: AffinityResult, *, devices: int, delta: int, score_nam
     variants = [Variant("optimised"), *(ablation_variants(score_name, restarts) if ablations else [])]
     layouts: dict[str, Layout] = {}
     for variant in variants:
-        best = run_variant(result, variant, devices=devices, score_name=score_name, restarts=restarts)
-        lay = Layout(variant.name, devices, delta, shape, best.kv_group_device, best.neuron_device)
+        best = run_variant(result, variant, devices=devices, score_name=score_name, restarts=restarts,
+                           schedule=schedule)
+        lay = Layout(variant.name, devices, delta, shape, best.kv_group_device, best.neuron_device,
+                     schedule=recorded)
         layers = (None if variant.layer_count is None
                   else evenly_spaced_layers(shape.num_layers, variant.layer_count))
         built_with = other_score(score_name) if variant.other_score else score_name
         layouts[variant.name] = scored_layout(lay, result, score_name=score_name, objective=built_with,
-                                              restarts=restarts_used(variant, restarts), layers=layers)
+                                              restarts=restarts_used(variant, restarts), layers=layers,
+                                              schedule=schedule)
     fixed = [layout_mod.contiguous(shape, devices, delta)]
     fixed += [layout_mod.random(shape, devices, delta, RANDOM_SEED_BASE + k) for k in range(random_layouts)]
     for lay in fixed:
-        layouts[lay.name] = scored_layout(lay, result, score_name=score_name, objective=None, restarts=None)
+        lay = Layout(lay.name, devices, delta, shape, lay.kv_group_device, lay.neuron_device, schedule=recorded)
+        layouts[lay.name] = scored_layout(lay, result, score_name=score_name, objective=None, restarts=None,
+                                          schedule=schedule)
     return layouts
 
 

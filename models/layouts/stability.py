@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from models.layouts.layout import Layout
 from models.layouts.set import Variant, affinity_for, neuron_agreement, run_variant
 from models.optimise import score, upper_bound
+from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
+from models.schedules import Schedule
 
 if TYPE_CHECKING:
     from models.affinity_file import AffinityResult
@@ -22,24 +24,38 @@ HALVES = ("first", "second")
 
 
 def half_layouts(halves: dict[str, AffinityResult], *, devices: int, delta: int, score_name: str,
-                 restarts: int) -> dict[str, Layout]:
-    """The optimised layout of each half, named `stability-<half>`."""
+                 restarts: int, schedule: Schedule | None = None) -> dict[str, Layout]:
+    """The optimised layout of each half, named `stability-<half>` (on J_σ of `schedule` when given)."""
     out = {}
     for half, result in halves.items():
-        best = run_variant(result, Variant("optimised"), devices=devices, score_name=score_name, restarts=restarts)
+        best = run_variant(result, Variant("optimised"), devices=devices, score_name=score_name, restarts=restarts,
+                           schedule=schedule)
         out[half] = Layout(f"stability-{half}", devices, delta, result.shape, best.kv_group_device,
-                           best.neuron_device, score=best.report.as_dict())
+                           best.neuron_device, score=best.report.as_dict(),
+                           schedule=None if schedule is None else str(schedule))
     return out
 
 
 def stability_report(halves: dict[str, AffinityResult], layouts: dict[str, Layout], *, score_name: str,
-                     restarts: int, blocks: dict[str, int]) -> dict[str, Any]:
-    """J of every half's layout on every half, the transfer ratios and the neuron agreement."""
+                     restarts: int, blocks: dict[str, int], schedule: Schedule | None = None) -> dict[str, Any]:
+    """J (J_σ with a schedule) of every half's layout on every half, the transfer ratios and the neuron
+    agreement."""
     scores: dict[str, dict[str, float]] = {}  # layout half -> scored on half -> J
     per_half: dict[str, dict[str, Any]] = {}
     for on, result in halves.items():
+        devices = layouts[on].devices
+        if schedule is not None:
+            sigma = result.schedule_affinity(score_name, schedule)
+            sbound = schedule_upper_bound(sigma, devices)
+            for built, lay in layouts.items():
+                srep = schedule_score(sigma, lay.kv_group_device, lay.neuron_device, devices=devices, bound=sbound)
+                scores.setdefault(built, {})[on] = srep.J
+            per_half[on] = {"blocks": blocks[on], "tokens": result.tokens,
+                            "random_expectation": srep.random_expectation, "upper_bound": sbound.value,
+                            "upper_bound_exact": sbound.exact}
+            continue
         affinity = affinity_for(result, score_name)
-        bound = upper_bound(affinity, layouts[on].devices)
+        bound = upper_bound(affinity, devices)
         for built, lay in layouts.items():
             rep = score(affinity, lay.kv_group_device, lay.neuron_device, devices=lay.devices, bound=bound)
             scores.setdefault(built, {})[on] = rep.J

@@ -23,8 +23,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from models.affinity import affinity_pass
+from models.affinity_edges import schedule_affinity_pass
 from models.families import model_shape
 from tests.tiny import fresh, tokens
 
@@ -180,3 +183,94 @@ def test_paper_edges_are_models_affinity_scores() -> None:
                 down = first_order(model, "attn", i + 1, trace["x_attn"][i + 1], neuron_writes(model, trace, i))
                 score = down.square().sum((1, 3)) / T  # [I, G]
                 np.testing.assert_allclose(score.numpy(), result.down[i], rtol=1e-4, atol=1e-10)
+
+
+def construction_scores(model: Any, trace: dict, m: int, t: int) -> dict[str, np.ndarray]:
+    """The doc's FO and ADD scores of edge (m, t) from the finite-difference-checked Δ above: [U_m, U_t]."""
+    shape = model_shape(model.config)
+    T = trace["x_attn"][0].shape[0]
+    i, j = m // 2, t // 2
+    d = head_writes(model, trace, i) if m % 2 == 0 else neuron_writes(model, trace, i)  # [U, T, D]
+    if t % 2 == 0:
+        delta = first_order(model, "attn", j, trace["x_attn"][j], d)  # [U, T, G, c]
+        fo = add = delta.square().sum((1, 3)) / T
+    else:
+        layer = model.model.layers[j]
+        x = trace["x_ffn"][j]
+        delta = first_order(model, "ffn", j, x, d)  # [U, T, I]
+        fo = delta.square().sum(1) / T * layer.mlp.down_proj.weight.square().sum(0)
+        p = layer.post_attention_layernorm.weight * d / x.pow(2).mean(-1, keepdim=True).sqrt()
+        add = ((p @ layer.mlp.gate_proj.weight.t()).square() + (p @ layer.mlp.up_proj.weight.t()).square()).sum(1) / T
+    if m % 2 == 0:  # a KV group's score is the sum of its query heads'
+        fo = fo.view(shape.num_kv_groups, shape.heads_per_group, -1).sum(1)
+        add = add.view(shape.num_kv_groups, shape.heads_per_group, -1).sum(1)
+    return {"fo": fo.numpy(), "add": add.numpy()}
+
+
+def test_schedule_edges_of_the_pass_are_the_constructions_scores() -> None:
+    """pt:3 on the 3-layer model joins every pair of modules: each further edge the pass scores equals the
+    construction (the paper's chain edges are checked above)."""
+    from models.schedules import resolve_schedule
+
+    model = fresh("qwen2").double()
+    ids = tokens(2, 7)
+    trace = dense_trace(model, ids)
+    schedule = resolve_schedule("pt:3", 3, 2)
+    result = schedule_affinity_pass(model, ids, batch_size=1, schedule=schedule)
+    assert result.schedule == "pt:3"
+    kinds = set()
+    for (m, t), scores in result.edges.items():
+        assert t > m + 1
+        kinds.add((m % 2, t % 2))
+        with torch.no_grad():
+            expected = construction_scores(model, trace, m, t)
+        for name in ("fo", "add"):
+            np.testing.assert_allclose(scores[name], expected[name], rtol=1e-4, atol=1e-12)
+    assert kinds == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert len(result.edges) == 15 - 5  # every pair of the 6 modules but the chain's
+
+
+def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
+    from models.affinity_file import AffinityResult
+    from models.optimise.edges import TopRows
+    from models.schedules import resolve_schedule
+
+    model = fresh("llama")
+    ids = tokens(2, 9)
+    today = affinity_pass(model, ids, batch_size=1)
+    at_dtp1 = schedule_affinity_pass(model, ids, batch_size=1, schedule=resolve_schedule("dtp:1", 3, 2))
+    assert at_dtp1.edges == {} and at_dtp1.schedule == "dtp:1"
+    for a, b in zip([*today.up_fo, *today.up_add, *today.down], [*at_dtp1.up_fo, *at_dtp1.up_add, *at_dtp1.down],
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    dtp2 = resolve_schedule("dtp:2", 3, 2)
+    sparse = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=0, edge_top_k=5)
+    dense = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2)
+    nn = [p for p in sparse.edges if p[0] % 2 and p[1] % 2]
+    assert nn and all(isinstance(sparse.edges[p]["fo"], TopRows) for p in nn)
+    for p in nn:  # top-k of the dense matrix, with the dense mass
+        top = sparse.edges[p]["fo"]
+        np.testing.assert_allclose(np.sort(top.values, 1), np.sort(dense.edges[p]["fo"], 1)[:, -5:], rtol=1e-12)
+        assert top.total == pytest.approx(dense.edges[p]["fo"].sum(), rel=1e-12) and 0 < top.kept_mass < 1
+    sparse.save(tmp_path / "a.safetensors")
+    back = AffinityResult.load(tmp_path / "a.safetensors")
+    assert back.schedule == "dtp:2" and sorted(back.edges) == sorted(sparse.edges)
+    for p, scores in sparse.edges.items():
+        for name, matrix in scores.items():
+            got = back.edges[p][name]
+            if isinstance(matrix, TopRows):
+                np.testing.assert_array_equal(got.indices, matrix.indices)
+                np.testing.assert_array_equal(got.values, matrix.values)
+                assert got.total == matrix.total
+            else:
+                np.testing.assert_array_equal(got, matrix)
+    today.save(tmp_path / "new.safetensors")  # a file from before schedules (no schedule/edges metadata)
+    with safe_open(str(tmp_path / "new.safetensors"), framework="np") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k not in ("schedule", "edges")}
+        save_file({k: f.get_tensor(k) for k in f.keys()}, str(tmp_path / "old.safetensors"), metadata=meta)  # noqa: SIM118
+    old = AffinityResult.load(tmp_path / "old.safetensors")  # reads as dtp:1 and refuses dtp:2
+    assert old.schedule == "dtp:1" and old.edges == {}
+    with pytest.raises(ValueError, match="rerun the affinity pass with schedule dtp:2"):
+        old.schedule_affinity("fo", dtp2)
+    assert back.schedule_affinity("add", resolve_schedule("dtp:1", 3, 2)).edges.keys() == set(
+        old.schedule_affinity("add", resolve_schedule("dtp:1", 3, 2)).edges)

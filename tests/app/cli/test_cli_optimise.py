@@ -77,7 +77,8 @@ def test_delta_above_one_is_noted_and_no_export(checkpoint, calib, tmp_path, cap
                  "--calib-sequences", "2", "--calib-seq-len", "32", "--no-export", "--out", str(out),
                  "--device", "cpu"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert any("δ=1" in note for note in report["notes"])
+    # --delta 2 is the shorthand for --schedule dtp:2: its layouts optimise J_σ of dtp:2 (issue 20)
+    assert report["schedule"] == "dtp:2" and any("J_σ of schedule dtp:2" in note for note in report["notes"])
     assert not (out / "checkpoint").exists() and not (out / "shards").exists()
     assert "export" not in report["seconds"]
 
