@@ -38,6 +38,8 @@ ABLATIONS = tuple(ablation_names("fo"))
 class OptimiseSpec:
     devices: int
     delta: int = 1
+    # The communication schedule (models.schedules, canonical) the layouts are for; None: dtp:δ.
+    schedule: str | None = None
     score: str = "fo"
     random_layouts: int = 0
     ablations: bool = False
@@ -95,6 +97,8 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
 def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
     t0 = time.perf_counter()
     assert state.affinity is not None, "stage_affinity first"
+    # TODO(issue 20): pass schedule=spec.schedule to build_layouts (and half_layouts in stage_stability) once the
+    # optimiser takes it; until then every schedule is optimised with the dtp:1 objective (report.json notes it).
     state.layouts = build_layouts(state.affinity, devices=spec.devices, delta=spec.delta, score_name=spec.score,
                                   random_layouts=spec.random_layouts, ablations=spec.ablations,
                                   restarts=spec.restarts)
@@ -131,9 +135,10 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
 
 def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
                  overwrite: bool = False, checkpoint: bool = True, shards: bool = True,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, schedule: str | None = None) -> None:
     """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
-    in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in)."""
+    in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in); the shards
+    are made for `schedule` (None: the layout's dtp:δ)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
     compute = next(model.parameters()).dtype
@@ -143,7 +148,7 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
         export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
     if shards:
         export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
-                           progress=progress, compute_dtype=compute)
+                           progress=progress, compute_dtype=compute, schedule=schedule)
     state.timed("export", t0)
 
 
@@ -179,15 +184,17 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
     if spec.ablations and spec.restarts != PAPER_RESTARTS:
         notes.append("neurons-only never moves the KV groups, so restarts cannot change it: compare it with "
                      "optimised-restarts-0 (equal restarts), not with optimised")
-    if spec.delta != 1:
-        notes.append(f"delta={spec.delta}: the objective models δ=1 (what a device misses from the previous "
-                     "module); the same objective is used for δ>1 until it is generalised")
+    schedule = spec.schedule or f"dtp:{spec.delta}"
+    if schedule != "dtp:1":
+        notes.append(f"schedule={schedule}: the objective models dtp:1 (what a device misses from the previous "
+                     "module); the same objective is used for every other schedule until it is generalised")
     return {
         "format": "dtp-layout-report/1",
         "model": model_name,
         "shape": asdict(state.affinity.shape),
         "devices": spec.devices,
         "delta": spec.delta,
+        "schedule": schedule,
         "score": spec.score,
         "restarts": spec.restarts,
         "paper_procedure": spec.restarts == PAPER_RESTARTS,

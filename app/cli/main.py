@@ -147,21 +147,25 @@ def _layout(args: argparse.Namespace, config: Any) -> Any:
                           layouts_dir=_layouts_dir(args))
 
 
-def _check_layout_numbers(config: Any, devices: int, delta: int) -> None:
-    """L and δ checked against the model's config (before any weights load)."""
+def _check_layout_numbers(config: Any, devices: int, delta: int, schedule: str | None = None) -> None:
+    """L, δ and the schedule checked against the model's config (before any weights load)."""
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
+    from models.schedules import resolve_schedule
 
     check_devices(model_shape(config), devices)
     check_delta(model_shape(config), delta)
+    if schedule is not None:
+        resolve_schedule(schedule, model_shape(config).num_layers, devices)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from models.export import export_checkpoint, export_copy, export_rank_shards
     from models.loading import ModelSource
 
+    schedule = schedule_text(args)  # a bad --schedule fails before anything loads
     config = _model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
-    _check_layout_numbers(config, args.devices, args.delta)  # fail before loading weights
+    _check_layout_numbers(config, args.devices, args.delta, schedule)  # fail before loading weights
     layout = _layout(args, config)
     dtype = _export_dtype(args, config)
     model, tokenizer = _load(args)
@@ -171,21 +175,38 @@ def cmd_export(args: argparse.Namespace) -> int:
                              overwrite=args.overwrite)
     shards = export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer,
                                 overwrite=args.overwrite, progress=_progress_bar(),
-                                compute_dtype=next(model.parameters()).dtype)
+                                compute_dtype=next(model.parameters()).dtype, schedule=schedule)
     print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
           f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
-    print(f"rank shards:         {shards} ({layout.devices} files + manifest.json)")
+    print(f"rank shards:         {shards} ({layout.devices} files + manifest.json), made for schedule "
+          f"{schedule or f'dtp:{layout.delta}'}")
     return 0
 
 
-def _eval_schedule(args: argparse.Namespace) -> Any:
-    """`eval --schedule S` parsed (None: the layout's own dtp:δ), before any weights load; sets args.delta
+def schedule_flags(p: argparse.ArgumentParser) -> None:
+    """--delta unset is told apart from --delta 1, so that a dtp --schedule gives the layout's δ (a conflict is
+    refused); `schedule_of` fills in the flag's declared default."""
+    p.set_defaults(delta_default=p.get_default("delta"), delta=None)
+
+
+def schedule_text(args: argparse.Namespace) -> str | None:
+    """`--schedule S` canonical, None where it is the layout's dtp:δ (its shorthand) or not given; call
+    `schedule_of` first."""
+    spec = schedule_of(args)
+    return None if spec is None or str(spec) == f"dtp:{args.delta}" else str(spec)
+
+
+def schedule_of(args: argparse.Namespace) -> Any:
+    """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load; sets args.delta
     (None where --delta was not given: the schedule's δ for a dtp schedule, else the spec's default)."""
+    if getattr(args, "_schedule_read", False):
+        return args._schedule_spec
     from models.schedules import parse_schedule
 
     default_delta = args.delta_default
     text = getattr(args, "schedule", None)
+    args._schedule_read, args._schedule_spec = True, None
     if text is None:
         args.delta = default_delta if args.delta is None else args.delta
         return None
@@ -201,6 +222,7 @@ def _eval_schedule(args: argparse.Namespace) -> Any:
         args.delta = spec.delta
     elif args.delta is None:  # tp, ladder, spd, pt: --delta only names the layout's δ (recorded, not simulated)
         args.delta = default_delta
+    args._schedule_spec = spec
     return spec
 
 
@@ -231,7 +253,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from models.families import model_shape
     from models.schedules import resolve_schedule
 
-    schedule = _eval_schedule(args)  # a bad --schedule fails before the weights load
+    schedule = schedule_of(args)  # a bad --schedule fails before the weights load
     model, tokenizer = _load(args)
     result, data = _eval_result(args, model, tokenizer, schedule)
     syncs = resolve_schedule(result.schedule, model_shape(model.config).num_layers, result.devices,
@@ -290,7 +312,9 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
             "devices": args.devices, "delta": args.delta, "calibration": asdict(calibration), "score": args.score,
             "random": args.random, "ablations": args.ablations, "stability": args.stability,
             "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
-            "restarts": args.restarts}
+            "restarts": args.restarts,
+            # only when given: a run recorded before schedules resumes under its dtp:δ
+            **({"schedule": schedule_text(args)} if schedule_text(args) is not None else {})}
 
 
 def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any]) -> Any:
@@ -322,18 +346,20 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     from models.loading import ModelSource
     from models.runner import run_stages
 
-    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
+    schedule = schedule_text(args)  # a bad --schedule fails before anything loads
+    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, schedule=schedule, score=args.score,
                                  random_layouts=args.random, ablations=args.ablations, export=not args.no_export,
                                  batch_size=args.batch_size, restarts=args.restarts, stability=args.stability)
     calibration = _calibration_spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    _check_layout_numbers(_model_config(args, source), args.devices, args.delta)  # fail before loading weights
+    _check_layout_numbers(_model_config(args, source), args.devices, args.delta, schedule)  # before the weights
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
     out.mkdir(parents=True, exist_ok=True)
     record.save()
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
-                            device=args.device, devices=args.devices, delta=args.delta, optimise=spec,
+                            device=args.device, devices=args.devices, delta=args.delta, schedule=schedule,
+                            optimise=spec,
                             calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
                             shards=spec.export, export_dtype=args.export_dtype, converted=_converted_cache(args))
     outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
@@ -411,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=cmd_export)
+    schedule_flags(p)
     needs_worker_extra(p)
 
     p = sub.add_parser("eval", help="dense and DTP perplexity and KL(dense ‖ DTP) on a data spec")
@@ -428,13 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-overlap", action="store_true",
                    help="with --from: evaluate the blocks as given even where they are the calibration blocks the "
                         "layout was optimised on (by default, on the same text, evaluation starts after them)")
-    p.add_argument("--schedule", metavar="S",
-                   help="communication schedule simulated: tp | dtp:δ | dtp:δ@K | ladder | spd:B | pt:D "
-                        "(default: dtp:δ of --delta; docs/cli.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    # --delta unset is told apart from --delta 1, so that a dtp --schedule gives the layout's δ (a conflict is
-    # refused); _eval_schedule fills in the flag's declared default
-    p.set_defaults(func=cmd_eval, delta_default=p.get_default("delta"), delta=None)
+    p.set_defaults(func=cmd_eval)
+    schedule_flags(p)  # --schedule is the job spec's (the schedule simulated; default: dtp:δ of --delta)
     needs_worker_extra(p)
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
@@ -446,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start again: redo every stage and replace what an earlier run left in --out (its "
                         "checkpoint/shards too), whatever its parameters were")
     p.set_defaults(func=cmd_optimise)
+    schedule_flags(p)
     needs_worker_extra(p)
 
     p = sub.add_parser("layout", help="run only the optimiser on a saved affinity.safetensors")
