@@ -184,31 +184,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+class _GivenDelta(argparse._StoreAction):
+    """--delta / -d that also records that it was given (`args.delta_given`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        namespace.delta_given = True
+        super().__call__(parser, namespace, values, option_string)
+
+
 def schedule_flags(p: argparse.ArgumentParser) -> None:
-    """--delta unset is told apart from --delta 1, so that a dtp --schedule gives the layout's δ (a conflict is
-    refused); `schedule_of` fills in the flag's declared default."""
-    p.set_defaults(delta_default=p.get_default("delta"), delta=None)
+    """Tell --delta given from its default (1), so that a dtp --schedule without --delta gives the layout its
+    δ and one with a different --delta is refused (`schedule_of`)."""
+    action = p._option_string_actions["--delta"]
+    action.__class__ = _GivenDelta
+    p.set_defaults(delta_given=False)
 
 
 def schedule_text(args: argparse.Namespace) -> str | None:
-    """`--schedule S` canonical, None where it is the layout's dtp:δ (its shorthand) or not given; call
-    `schedule_of` first."""
+    """`--schedule S` canonical, None where it is the layout's dtp:δ (its shorthand) or not given."""
     spec = schedule_of(args)
     return None if spec is None or str(spec) == f"dtp:{args.delta}" else str(spec)
 
 
 def schedule_of(args: argparse.Namespace) -> Any:
-    """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load; sets args.delta
-    (None where --delta was not given: the schedule's δ for a dtp schedule, else the spec's default)."""
-    if getattr(args, "_schedule_read", False):
-        return args._schedule_spec
+    """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load. A dtp schedule sets
+    args.delta to its δ (refused where --delta was given otherwise); for tp, ladder, spd and pt, --delta only
+    names the layout's δ (recorded, not simulated)."""
     from models.schedules import parse_schedule
 
-    default_delta = args.delta_default
     text = getattr(args, "schedule", None)
-    args._schedule_read, args._schedule_spec = True, None
     if text is None:
-        args.delta = default_delta if args.delta is None else args.delta
         return None
     spec = parse_schedule(text)  # a ScheduleError (a ValueError) names what is accepted: exit 2
     if not spec.resolvable:
@@ -216,13 +222,10 @@ def schedule_of(args: argparse.Namespace) -> Any:
                        f"layer's dropped attention sync costs on calibration data), which is not available yet; "
                        f"give the layers yourself as spd:B (e.g. spd:1,3)")
     if spec.kind == "dtp":
-        if args.delta is not None and args.delta != spec.delta:
+        if getattr(args, "delta_given", False) and args.delta != spec.delta:
             raise CliError(f"--delta {args.delta} and --schedule {spec} disagree (the schedule's δ is {spec.delta}): "
                            f"give one of them, or the same δ in both")
         args.delta = spec.delta
-    elif args.delta is None:  # tp, ladder, spd, pt: --delta only names the layout's δ (recorded, not simulated)
-        args.delta = default_delta
-    args._schedule_spec = spec
     return spec
 
 
