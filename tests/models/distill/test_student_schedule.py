@@ -51,5 +51,5 @@ def test_the_spec_takes_a_schedule_canonical_and_refuses_a_bad_one():
     assert spec.schedule == "spd:0,2"
     assert D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, delta=2,
                          schedule="dtp:2").schedule is None  # delta's own: the shorthand
-    with pytest.raises(DistillError, match="schedule: .*accepted"):
+    with pytest.raises(DistillError, match=r"schedule: .*accepted"):
         D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, schedule="ring")
