@@ -77,7 +77,8 @@ def test_delta_above_one_is_noted_and_no_export(checkpoint, calib, tmp_path, cap
                  "--calib-sequences", "2", "--calib-seq-len", "32", "--no-export", "--out", str(out),
                  "--device", "cpu"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert any("δ=1" in note for note in report["notes"])
+    assert report["schedule"] == "dtp:2"
+    assert any("schedule=dtp:2: the objective models dtp:1" in note for note in report["notes"])
     assert not (out / "checkpoint").exists() and not (out / "shards").exists()
     assert "export" not in report["seconds"]
 
