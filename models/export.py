@@ -29,6 +29,7 @@ from models.layouts.layout import Layout, check_fits, from_json_dict
 from models.loading import DTYPES
 from models.permute import permute_
 from models.progress import Progress
+from models.schedules import resolve_schedule
 
 SHARDS_FORMAT = "dtp-layout-shards/1"
 MANIFEST = "manifest.json"
@@ -140,12 +141,18 @@ def shard_file_name(rank: int) -> str:
 
 def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path, *,
                        tokenizer: Any = None, overwrite: bool = False,
-                       progress: Progress | None = None, compute_dtype: torch.dtype | None = None) -> Path:
+                       progress: Progress | None = None, compute_dtype: torch.dtype | None = None,
+                       schedule: str | None = None) -> Path:
     """Write device r's slices to `model-rank-{r}-part-0.safetensors` plus `manifest.json`.
+
+    `schedule`: the communication schedule the shards are made for (`models.schedules`; the runtime
+    refuses to run them at another), recorded canonical; None: the layout's dtp:δ.
 
     The manifest's `dtype` is the shards' (what a reader loads); `compute_dtype` the dtype the model
     was loaded and scored in, when it was given and differs or not."""
-    check_fits(layout, model_shape(permuted.config))
+    shape = model_shape(permuted.config)
+    check_fits(layout, shape)
+    made_for = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices).name
     rules = split_rules(permuted)
     state = checkpoint_state(permuted)
     devices = layout.devices
@@ -168,6 +175,8 @@ def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path,
             "devices": devices,
             "delta": layout.delta,
             "layout": layout.to_json_dict(),
+            # Additive to dtp-layout-shards/1: the schedule the shards are made for (absent: dtp:δ).
+            "schedule": made_for,
             "split": rules,
             # Additive to dtp-layout-shards/1 (readers must not require them): the family's plan and dtype.
             "plan": family_for_config(permuted.config).plan.to_json_dict(),

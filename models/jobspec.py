@@ -19,6 +19,7 @@ from models.fields import NO_DEFAULT, FieldRule, Flag
 from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES, GGUF_FILE, REVISION
 from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE
+from models.schedules import MAX_SCHEDULE_CHARS
 
 REQUIRED: Any = object()  # a SpecField's default when a request must give the field
 
@@ -139,6 +140,11 @@ FIELDS: tuple[SpecField, ...] = (
     _f("devices", "int", "number of DTP devices L (must divide the KV groups and the FFN width)", REQUIRED,
        _on(("--devices", "-L"), *MODEL_COMMANDS), ge=1, le=1024),
     _f("delta", "int", "delay δ in modules", 1, _on(("--delta", "-d"), *MODEL_COMMANDS), ge=0, le=1024),
+    _f("schedule", "str", "communication schedule: tp | dtp:δ | dtp:δ@K | ladder | spd:B (layers, e.g. spd:1,3) | "
+       "pt:D (docs/method.md); null: dtp:δ of delta, which stays its shorthand (a dtp schedule and a different "
+       "delta are refused). What the layouts are evaluated and distilled under, and the shards exported for",
+       None, _on(("--schedule",), "optimise", "distill", "export", "eval", "submit", metavar="S"),
+       min_length=1, max_length=MAX_SCHEDULE_CHARS, nullable=True, examples=("dtp:1", "pt:2", "spd:1,3")),
     # ---- calibration ----
     _f("calibration.source", "str", _SOURCE_DOC, REQUIRED, _on(("--calib",), "optimise", "submit"),
        min_length=1, max_length=300, examples=("corpus:shakespeare", "calibration/tokens.npy")),

@@ -43,6 +43,8 @@ ABLATIONS = tuple(ablation_names("fo"))
 class OptimiseSpec:
     devices: int
     delta: int = 1
+    # The communication schedule (models.schedules, canonical) the layouts are for; None: dtp:δ.
+    schedule: str | None = None
     score: str = "fo"
     random_layouts: int = 0
     ablations: bool = False
@@ -173,9 +175,10 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
 
 def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
                  overwrite: bool = False, checkpoint: bool = True, shards: bool = True,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, schedule: str | None = None) -> None:
     """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
-    in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in)."""
+    in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in); the shards
+    are made for `schedule` (None: the layout's dtp:δ)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
     compute = next(model.parameters()).dtype
@@ -185,7 +188,7 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
         export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
     if shards:
         export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
-                           progress=progress, compute_dtype=compute)
+                           progress=progress, compute_dtype=compute, schedule=schedule)
     state.timed("export", t0)
 
 
@@ -245,7 +248,8 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "shape": asdict(state.affinity.shape),
         "devices": spec.devices,
         "delta": spec.delta,
-        "schedule": None if objective is None else str(objective),
+        # the schedule the run is for: the one whose J_σ the layouts optimise, else the layout's dtp:δ
+        "schedule": str(objective) if objective is not None else (spec.schedule or f"dtp:{spec.delta}"),
         **({"spd_sensitivities": json.loads(spd)} if spd is not None else {}),
         "score": spec.score,
         "restarts": spec.restarts,

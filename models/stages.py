@@ -76,6 +76,9 @@ class RunContext(StageContext):
     device: str
     devices: int
     delta: int
+    # The communication schedule (models.schedules, canonical) the shards are exported for and the
+    # students simulate; None: dtp:δ. Checked against the model's depth at loading.
+    schedule: str | None = None
     optimise: Any = None  # models.pipeline.OptimiseSpec; None: no optimise stages (`dtp-layout distill`)
     calibration: Any = None  # models.calibration.CalibrationSpec, as read (a server path)
     calibration_shown: Any = None  # the same, as given (recorded in the affinity file and the report)
@@ -143,6 +146,7 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config, load_model, load_tokenizer
+    from models.schedules import resolve_schedule
 
     source = ctx.source()
     # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
@@ -153,6 +157,8 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     shape = model_shape(ctx.config)
     check_devices(shape, ctx.devices)
     check_delta(shape, ctx.delta)
+    if ctx.schedule is not None:
+        resolve_schedule(ctx.schedule, shape.num_layers, ctx.devices)  # a ScheduleError names what does not fit
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
     if needs_weights(ctx):
@@ -269,7 +275,7 @@ def _export(ctx: RunContext, hooks: Hooks) -> Note:
     offset = 0.5 if ctx.checkpoint else 0.0
     pipeline.stage_export(ctx.run_state(), model=ctx.model, tokenizer=ctx.tokenizer,
                           progress=lambda _name, f: hooks.progress("exporting", offset + (1 - offset) * f),
-                          overwrite=True, checkpoint=ctx.checkpoint, shards=ctx.shards,
+                          overwrite=True, checkpoint=ctx.checkpoint, shards=ctx.shards, schedule=ctx.schedule,
                           dtype=export_dtype(ctx.export_dtype, config=ctx.config, compute=DTYPES[ctx.dtype]))
     return {}
 

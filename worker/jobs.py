@@ -519,8 +519,9 @@ class JobRun(Hooks):
 
         return RunContext(
             run_dir=self.work, model_id=spec.model.id, source=source, dtype=spec.model.dtype,
-            device=self.settings.device, devices=spec.devices, delta=spec.delta,
-            optimise=pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, score=spec.score,
+            device=self.settings.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
+            optimise=pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
+                                           score=spec.score,
                                            random_layouts=spec.random_layouts, ablations=spec.ablations,
                                            export=spec.export.any, batch_size=spec.batch_size,
                                            restarts=spec.restarts, stability=spec.stability),
@@ -549,7 +550,8 @@ class JobRun(Hooks):
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
                               recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
-                              allow_overlap=spec.allow_overlap, world_size=spec.world_size)
+                              allow_overlap=spec.allow_overlap, world_size=spec.world_size,
+                              schedule=self.spec.schedule)
         self._total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
 
         def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:

@@ -21,6 +21,8 @@ from app.cli.main import (
     _converted_cache,
     _layouts_dir,
     _model_config,
+    schedule_flags,
+    schedule_text,
 )
 from app.cli.run import CliHooks
 from app.cli.spec_flags import spec_values
@@ -37,6 +39,7 @@ def _spec(args: argparse.Namespace) -> Any:
     from models.calibration import CalibrationSpec
     from models.distill import DistillSpec
 
+    schedule = schedule_text(args)  # fills in --delta from a dtp --schedule; a conflict is refused
     given = spec_values(args, "distill")
     recipe = _recipe(args)
     sequences = given["distill.train.sequences"] or recipe.steps * recipe.batch_size
@@ -51,7 +54,7 @@ def _spec(args: argparse.Namespace) -> Any:
                        devices=given["devices"], delta=given["delta"], seeds=tuple(given["distill.seeds"]),
                        recipe=recipe, reference=args.reference, candidate=args.candidate, calibration=calibration,
                        calibration_identity=identity, allow_overlap=given["distill.allow_overlap"],
-                       world_size=given["distill.world_size"])
+                       world_size=given["distill.world_size"], schedule=schedule)
 
 
 class _Bars:
@@ -95,7 +98,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     spec = _spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     config = _model_config(args, source)
-    _check_layout_numbers(config, spec.devices, spec.delta)  # fail before loading weights
+    _check_layout_numbers(config, spec.devices, spec.delta, spec.schedule)  # fail before loading weights
     layouts_dir = _layouts_dir(args)
     distill.resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
                             layouts_dir=layouts_dir)  # name errors before the weights load
@@ -113,7 +116,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     # The stages of models.stages that apply without an optimise spec: loading, then distilling (which
     # resumes every run from its checkpoints in --out by itself).
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
-                            device=args.device, devices=spec.devices, delta=spec.delta,
+                            device=args.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
                             converted=_converted_cache(args),
                             distill=stages.DistillPlan(spec=spec, out_dir=out, layouts_dir=layouts_dir,
                                                        keep_checkpoints=not args.no_checkpoints_kept,
@@ -152,4 +155,5 @@ def register(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output directory (metrics.csv, summary.json, curves.png, runs/)")
     p.add_argument("--overwrite", action="store_true", help="discard earlier runs in --out instead of resuming")
     p.set_defaults(func=cmd_distill)
+    schedule_flags(p)
     needs_worker_extra(p)

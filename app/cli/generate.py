@@ -32,7 +32,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
-        "generate", help="run rank shards on L processes (DTP, or --delta-override 0 for tensor parallelism)",
+        "generate", help="run rank shards on L processes under their communication schedule (--schedule; "
+                         "--schedule-override tp for the tensor-parallel timing baseline)",
         description="Generate text with the per-rank shards that export/optimise/a job wrote: one process per rank "
                     "(gloo on CPU, NCCL with one GPU per rank), prefill and cached decoding; prints the text and "
                     "per-rank ms/token and time blocked in communication. Under torchrun, this process is one rank.")

@@ -147,21 +147,25 @@ def _layout(args: argparse.Namespace, config: Any) -> Any:
                           layouts_dir=_layouts_dir(args))
 
 
-def _check_layout_numbers(config: Any, devices: int, delta: int) -> None:
-    """L and δ checked against the model's config (before any weights load)."""
+def _check_layout_numbers(config: Any, devices: int, delta: int, schedule: str | None = None) -> None:
+    """L, δ and the schedule checked against the model's config (before any weights load)."""
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
+    from models.schedules import resolve_schedule
 
     check_devices(model_shape(config), devices)
     check_delta(model_shape(config), delta)
+    if schedule is not None:
+        resolve_schedule(schedule, model_shape(config).num_layers, devices)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from models.export import export_checkpoint, export_copy, export_rank_shards
     from models.loading import ModelSource
 
+    schedule = schedule_text(args)  # a bad --schedule fails before anything loads
     config = _model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
-    _check_layout_numbers(config, args.devices, args.delta)  # fail before loading weights
+    _check_layout_numbers(config, args.devices, args.delta, schedule)  # fail before loading weights
     layout = _layout(args, config)
     dtype = _export_dtype(args, config)
     model, tokenizer = _load(args)
@@ -171,36 +175,58 @@ def cmd_export(args: argparse.Namespace) -> int:
                              overwrite=args.overwrite)
     shards = export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer,
                                 overwrite=args.overwrite, progress=_progress_bar(),
-                                compute_dtype=next(model.parameters()).dtype)
+                                compute_dtype=next(model.parameters()).dtype, schedule=schedule)
     print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
           f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
-    print(f"rank shards:         {shards} ({layout.devices} files + manifest.json)")
+    print(f"rank shards:         {shards} ({layout.devices} files + manifest.json), made for schedule "
+          f"{schedule or f'dtp:{layout.delta}'}")
     return 0
 
 
-def _eval_schedule(args: argparse.Namespace) -> Any:
-    """`eval --schedule S` parsed (None: the layout's own dtp:δ), before any weights load; sets args.delta
-    (None where --delta was not given: the schedule's δ for a dtp schedule, else the spec's default)."""
+class _GivenDelta(argparse._StoreAction):
+    """--delta / -d that also records that it was given (`args.delta_given`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        namespace.delta_given = True
+        super().__call__(parser, namespace, values, option_string)
+
+
+def schedule_flags(p: argparse.ArgumentParser) -> None:
+    """Tell --delta given from its default (1), so that a dtp --schedule without --delta gives the layout its
+    δ and one with a different --delta is refused (`schedule_of`)."""
+    action = p._option_string_actions["--delta"]
+    action.__class__ = _GivenDelta
+    p.set_defaults(delta_given=False)
+
+
+def schedule_text(args: argparse.Namespace, *, allow_auto: bool = False) -> str | None:
+    """`--schedule S` canonical, None where it is the layout's dtp:δ (its shorthand) or not given.
+    `allow_auto`: spd:auto:K passes (only `optimise` runs the sensitivity pass that chooses its layers)."""
+    spec = schedule_of(args, allow_auto=allow_auto)
+    return None if spec is None or str(spec) == f"dtp:{args.delta}" else str(spec)
+
+
+def schedule_of(args: argparse.Namespace, *, allow_auto: bool = False) -> Any:
+    """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load. A dtp schedule sets
+    args.delta to its δ (refused where --delta was given otherwise); for tp, ladder, spd and pt, --delta only
+    names the layout's δ (recorded, not simulated)."""
     from models.schedules import parse_schedule
 
-    default_delta = args.delta_default
     text = getattr(args, "schedule", None)
     if text is None:
-        args.delta = default_delta if args.delta is None else args.delta
         return None
     spec = parse_schedule(text)  # a ScheduleError (a ValueError) names what is accepted: exit 2
-    if not spec.resolvable:
+    if not spec.resolvable and not allow_auto:
         raise CliError(f"--schedule {spec}: spd:auto:K chooses its K layers by the sensitivity pass (the KL each "
-                       f"layer's dropped attention sync costs on calibration data), which is not available yet; "
-                       f"give the layers yourself as spd:B (e.g. spd:1,3)")
+                       f"layer's dropped attention sync costs on calibration data), which only `optimise` runs (its "
+                       f"report.json names the layers it chose); give the layers here as spd:B (e.g. spd:1,3)")
     if spec.kind == "dtp":
-        if args.delta is not None and args.delta != spec.delta:
+        if getattr(args, "delta_given", False) and args.delta != spec.delta:
             raise CliError(f"--delta {args.delta} and --schedule {spec} disagree (the schedule's δ is {spec.delta}): "
                            f"give one of them, or the same δ in both")
         args.delta = spec.delta
-    elif args.delta is None:  # tp, ladder, spd, pt: --delta only names the layout's δ (recorded, not simulated)
-        args.delta = default_delta
     return spec
 
 
@@ -231,7 +257,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from models.families import model_shape
     from models.schedules import resolve_schedule
 
-    schedule = _eval_schedule(args)  # a bad --schedule fails before the weights load
+    schedule = schedule_of(args)  # a bad --schedule fails before the weights load
     model, tokenizer = _load(args)
     result, data = _eval_result(args, model, tokenizer, schedule)
     syncs = resolve_schedule(result.schedule, model_shape(model.config).num_layers, result.devices,
@@ -292,8 +318,9 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
             "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
             "restarts": args.restarts,
             # only when given, so that a run recorded before schedules resumes with the same flags
-            **({"schedule": args.schedule, "edge_top_k": args.edge_top_k,
-                "edge_memory_limit": args.edge_memory_limit} if args.schedule else {})}
+            **({"schedule": schedule_text(args, allow_auto=True), "edge_top_k": args.edge_top_k,
+                "edge_memory_limit": args.edge_memory_limit} if schedule_text(args, allow_auto=True) is not None
+               else {})}
 
 
 def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any]) -> Any:
@@ -325,25 +352,27 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     from models.loading import ModelSource
     from models.runner import run_stages
 
+    schedule = schedule_text(args, allow_auto=True)  # a bad --schedule fails before anything loads
     try:
         spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
                                      random_layouts=args.random, ablations=args.ablations,
                                      export=not args.no_export, batch_size=args.batch_size, restarts=args.restarts,
-                                     stability=args.stability, schedule=args.schedule,
+                                     stability=args.stability, schedule=schedule,
                                      edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
     except ValueError as exc:  # ScheduleError names the bad part and what is accepted
-        raise CliError(f"--schedule: {exc}" if args.schedule else str(exc)) from exc
+        raise CliError(f"--schedule: {exc}" if schedule else str(exc)) from exc
     calibration = _calibration_spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     config = _model_config(args, source)
-    _check_layout_numbers(config, args.devices, args.delta)  # fail before loading weights
+    _check_layout_numbers(config, args.devices, args.delta, None if spec.chooses_spd_layers else schedule)
     _check_objective_schedule(config, spec)
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
     out.mkdir(parents=True, exist_ok=True)
     record.save()
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
-                            device=args.device, devices=args.devices, delta=args.delta, optimise=spec,
+                            device=args.device, devices=args.devices, delta=args.delta, schedule=schedule,
+                            optimise=spec,
                             calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
                             shards=spec.export, export_dtype=args.export_dtype, converted=_converted_cache(args))
     outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
@@ -475,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.set_defaults(func=cmd_export)
+    schedule_flags(p)
     needs_worker_extra(p)
 
     p = sub.add_parser("eval", help="dense and DTP perplexity and KL(dense ‖ DTP) on a data spec")
@@ -492,13 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-overlap", action="store_true",
                    help="with --from: evaluate the blocks as given even where they are the calibration blocks the "
                         "layout was optimised on (by default, on the same text, evaluation starts after them)")
-    p.add_argument("--schedule", metavar="S",
-                   help="communication schedule simulated: tp | dtp:δ | dtp:δ@K | ladder | spd:B | pt:D "
-                        "(default: dtp:δ of --delta; docs/cli.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    # --delta unset is told apart from --delta 1, so that a dtp --schedule gives the layout's δ (a conflict is
-    # refused); _eval_schedule fills in the flag's declared default
-    p.set_defaults(func=cmd_eval, delta_default=p.get_default("delta"), delta=None)
+    p.set_defaults(func=cmd_eval)
+    schedule_flags(p)  # --schedule is the job spec's (the schedule simulated; default: dtp:δ of --delta)
     needs_worker_extra(p)
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
@@ -511,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint/shards too), whatever its parameters were")
     _add_objective_schedule_flag(p, edges=True)
     p.set_defaults(func=cmd_optimise)
+    schedule_flags(p)
     needs_worker_extra(p)
 
     p = sub.add_parser("layout", help="run only the optimiser on a saved affinity.safetensors")

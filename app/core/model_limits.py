@@ -64,13 +64,15 @@ def parameter_count(config: dict[str, Any]) -> int | None:
     return layers * per_layer + embeddings + hidden
 
 
-def check_config(config: dict[str, Any], *, devices: int, delta: int) -> list[tuple[str, str]]:
+def check_config(config: dict[str, Any], *, devices: int, delta: int,
+                 schedule: str | None = None) -> list[tuple[str, str]]:
     """(field, message) for every reason the job would fail its loading stage: the dimension limits,
     then the messages `models.families` and `models.layouts.layout` raise there."""
     from app.core.sources import config_namespace
     from models.families import family_for_config, model_shape
     from models.layouts.format import LayoutError
     from models.layouts.layout import check_delta, check_devices
+    from models.schedules import resolve_schedule
 
     if problems := dimension_problems(config):
         return problems
@@ -92,6 +94,11 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int) -> list[tu
             check(shape, value)
         except LayoutError as exc:
             problems.append((field, str(exc)))
+    if schedule is not None and not problems:  # its layers, blocks and δ against the model's depth
+        try:
+            resolve_schedule(schedule, shape.num_layers, devices)
+        except LayoutError as exc:
+            problems.append(("schedule", str(exc)))
     return problems
 
 
@@ -111,7 +118,7 @@ def seq_len_problems(config: dict[str, Any], spec: JobSpec) -> list[tuple[str, s
 
 def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """Every reason this server refuses to run `spec` on a model with this config."""
-    problems = check_config(config, devices=spec.devices, delta=spec.delta)
+    problems = check_config(config, devices=spec.devices, delta=spec.delta, schedule=spec.schedule)
     if any(field == "model.id" for field, _ in problems):
         return problems
     params = parameter_count(config)

@@ -15,6 +15,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    ValidationInfo,
     create_model,
     field_validator,
     model_validator,
@@ -30,6 +31,8 @@ from models.ids import DtypeName, ExportDtypeName
 from models.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
+from models.schedules import ACCEPTED as SCHEDULES_ACCEPTED
+from models.schedules import ScheduleError, parse_schedule
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
 MetricName = Literal["kl", "ppl", "loss", "lr"]
@@ -321,6 +324,7 @@ class JobSpec(_Strict):
     model: ModelRef = Field(description=_group("model"))
     devices: StrictInt = _spec("devices")
     delta: StrictInt = _spec("delta")
+    schedule: Text | None = _spec("schedule")
     calibration: CalibrationIn = Field(description=_group("calibration"))
     score: ScoreName = _spec("score")
     random_layouts: StrictInt = _spec("random_layouts")
@@ -330,6 +334,42 @@ class JobSpec(_Strict):
     batch_size: StrictInt = _spec("batch_size")
     restarts: StrictInt = _spec("restarts")
     stability: StrictBool = _spec("stability")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _delta_of_schedule(cls, data: Any) -> Any:
+        """`schedule: dtp:δ` (or dtp:δ@K) without `delta` gives the layouts that δ; with a different delta
+        the `schedule` validator refuses the pair."""
+        if isinstance(data, dict) and "delta" not in data and isinstance(data.get("schedule"), str):
+            try:
+                spec = parse_schedule(data["schedule"])
+            except ScheduleError:
+                return data  # the field's validator says what is wrong
+            if spec.kind == "dtp":
+                data = {**data, "delta": spec.delta}
+        return data
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A schedule the simulator, the runtime and the export take, canonical; null for dtp:δ of delta (its
+        shorthand), so that `delta: 2` and `schedule: "dtp:2"` are one job."""
+        if value is None:
+            return None
+        spec = parse_schedule(value)  # a ScheduleError is a ValueError: it names the part and what is accepted
+        if not spec.resolvable:
+            raise ValueError(f"schedule {spec}: spd:auto:K chooses its K layers by a sensitivity pass on the "
+                             f"calibration blocks, which only `dtp-layout optimise --schedule spd:auto:K` runs "
+                             f"(its report.json names the layers); give the layers as spd:B (e.g. spd:1,3); accepted: {SCHEDULES_ACCEPTED}")
+        delta = info.data.get("delta")
+        if spec.kind == "dtp" and isinstance(delta, int) and delta != spec.delta:
+            raise ValueError(f"schedule {spec} and delta={delta} disagree (the schedule's δ is {spec.delta}): give "
+                             f"one of them, or the same δ in both")
+        return None if str(spec) == f"dtp:{delta}" else str(spec)
+
+    def effective_schedule(self) -> str:
+        """The schedule the job runs: `schedule`, else dtp:δ of `delta`."""
+        return self.schedule or f"dtp:{self.delta}"
 
     @field_validator("export", mode="before")
     @classmethod

@@ -43,7 +43,7 @@ def tensor_fingerprint(t: torch.Tensor) -> str:
 
 
 def run_fingerprint(*, layout: Layout, seed: int, recipe: DistillRecipe, train_blocks: torch.Tensor,
-                    eval_blocks: torch.Tensor, model_id: str = "") -> str:
+                    eval_blocks: torch.Tensor, model_id: str = "", schedule: str | None = None) -> str:
     """What a run's curve depends on; a checkpoint made under another fingerprint is not resumed."""
     lay = layout.to_json_dict()
     lay.pop("score", None)
@@ -51,6 +51,8 @@ def run_fingerprint(*, layout: Layout, seed: int, recipe: DistillRecipe, train_b
     payload = {"layout": lay, "seed": seed, "recipe": recipe.as_dict(), "model": model_id,
                "train": [list(train_blocks.shape), tensor_fingerprint(train_blocks)],
                "eval": [list(eval_blocks.shape), tensor_fingerprint(eval_blocks)]}
+    if schedule is not None:  # absent for the layout's dtp:δ, so that earlier runs keep their fingerprints
+        payload["schedule"] = schedule
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

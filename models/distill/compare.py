@@ -112,7 +112,8 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
                              train_blocks=train_blocks, reference=reference,
                              run_dir=run_dir_for(out_dir, name, seed), model_id=model_id, progress=run_progress,
                              should_stop=should_stop, on_eval=record, on_step=step_hook, on_restore=restored,
-                             keep_checkpoint=keep_checkpoints, world_size=spec.world_size)
+                             keep_checkpoint=keep_checkpoints, world_size=spec.world_size,
+                             schedule=spec.schedule)
         records[:] = [r for r in records if (r.layout, r.seed) != (name, seed)] + result.records
         write_metrics(out_dir, records)
     summary = summarise(records, spec=spec, dense_ppl=reference.dense_ppl, model_id=model_id, layouts=layouts,

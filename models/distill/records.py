@@ -80,12 +80,13 @@ def write_metrics(out_dir: Path, records: Sequence[EvalRecord]) -> None:
 
 
 def write_logs(run_dir: Path, *, layout: Layout, seed: int, fingerprint: str, recipe: DistillRecipe,
-               state: RunState, complete: bool, dense_ppl: float) -> None:
+               state: RunState, complete: bool, dense_ppl: float, schedule: str | None = None) -> None:
     rows = [r.as_dict() for r in state.records]
     write_metrics(run_dir, state.records)
     atomic_write_text(run_dir / "steps.csv", csv_text(STEP_COLUMNS, [s.as_dict() for s in state.steps]))
     doc = {"format": RUN_FORMAT, "layout": layout.name, "seed": seed, "fingerprint": fingerprint,
-           "devices": layout.devices, "delta": layout.delta, "recipe": recipe.as_dict(), "dense_ppl": dense_ppl,
+           "devices": layout.devices, "delta": layout.delta, "schedule": schedule or f"dtp:{layout.delta}",
+           "recipe": recipe.as_dict(), "dense_ppl": dense_ppl,
            "complete": complete, "records": rows}
     atomic_write_text(run_dir / "metrics.json", json.dumps(json_safe(doc), indent=1))
 

@@ -88,6 +88,7 @@ def summarise(records: Sequence[EvalRecord], *, spec: DistillSpec, dense_ppl: fl
         "model": model_id,
         "devices": spec.devices,
         "delta": spec.delta,
+        "schedule": spec.schedule or f"dtp:{spec.delta}",
         "seeds": list(spec.seeds),
         "recipe": spec.recipe.as_dict(),
         "train": asdict(spec.train),

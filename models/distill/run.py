@@ -94,13 +94,14 @@ class _Run:
 
     def __init__(self, *, teacher: nn.Module, layout: Layout, seed: int, recipe: DistillRecipe,
                  train_blocks: torch.Tensor, reference: DenseReference, run_dir: Path, fingerprint: str,
-                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks) -> None:
+                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks, schedule: str | None = None) -> None:
         self.teacher, self.layout, self.seed, self.recipe = teacher, layout, seed, recipe
+        self.schedule = schedule  # None: the layout's dtp:δ
         self.train_blocks, self.reference, self.run_dir = train_blocks, reference, run_dir
         self.fingerprint, self.hooks, self.keep_checkpoint = fingerprint, hooks, keep_checkpoint
         self.ranks = ranks
         self.device = next(teacher.parameters()).device
-        self.student = make_student(teacher, layout, recipe).to(self.device)
+        self.student = make_student(teacher, layout, recipe, schedule).to(self.device)
         if ranks.sharded:
             shard_student(self.student, self.device)
         self.optimizer = make_optimizer(self.student, recipe)
@@ -144,7 +145,8 @@ class _Run:
         if not self.ranks.writer:
             return
         write_logs(self.run_dir, layout=self.layout, seed=self.seed, fingerprint=self.fingerprint,
-                    recipe=self.recipe, state=self.state, complete=complete, dense_ppl=self.reference.dense_ppl)
+                    recipe=self.recipe, state=self.state, complete=complete, dense_ppl=self.reference.dense_ppl,
+                   schedule=self.schedule)
 
     def save(self, complete: bool) -> None:
         if not complete or self.keep_checkpoint:
@@ -199,8 +201,11 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                 on_eval: Callable[[EvalRecord], None] | None = None,
                 on_step: Callable[[StepStats, EvalRecord | None], None] | None = None,
                 on_restore: Callable[[list[EvalRecord]], None] | None = None,
-                keep_checkpoint: bool = True, world_size: int = 1) -> RunResult:
+                keep_checkpoint: bool = True, world_size: int = 1, schedule: str | None = None) -> RunResult:
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
+
+    schedule: the communication schedule the student simulates (`models.schedules`; None: the
+    layout's dtp:δ).
 
     train_blocks: [n, S] token ids; each step reads batch_size of them (see `batch_indices`).
     Raises `Cancelled` between steps, micro-batches and evaluation batches when should_stop() is true
@@ -214,7 +219,7 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fingerprint = run_fingerprint(layout=layout, seed=seed, recipe=recipe, train_blocks=train_blocks,
-                                  eval_blocks=reference.blocks, model_id=model_id)
+                                  eval_blocks=reference.blocks, model_id=model_id, schedule=schedule)
     done = read_complete(run_dir, fingerprint)
     if done is not None:
         if on_restore:
@@ -231,8 +236,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                      on_restore=on_restore)
     payload: dict[str, Any] = {
         "teacher": teacher, "layout": layout, "seed": seed, "recipe": recipe, "train_blocks": train_blocks,
-               "reference": reference, "run_dir": run_dir, "fingerprint": fingerprint,
-               "keep_checkpoint": keep_checkpoint}
+        "reference": reference, "run_dir": run_dir, "fingerprint": fingerprint,
+        "keep_checkpoint": keep_checkpoint, "schedule": schedule}
     with rank_group(world_size, payload) as ranks:
         run = _Run(**payload, hooks=hooks, ranks=ranks)
         resumed_from = run.restore()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from models.calibration import CalibrationSpec
 from models.distill.recipe import DistillError, DistillRecipe
+from models.schedules import ScheduleError, parse_schedule
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,19 @@ class DistillSpec:
     calibration_identity: str | None = None
     allow_overlap: bool = False
     world_size: int = 1  # ranks each run trains on (models.distill.sharding); the curves do not depend on it
+    # The communication schedule every student simulates (`models.schedules`, canonical); None: dtp:δ.
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
+        if self.schedule is not None:
+            try:
+                spec = parse_schedule(self.schedule)
+            except ScheduleError as exc:
+                raise DistillError(f"schedule: {exc}") from exc
+            if not spec.resolvable:
+                raise DistillError(f"schedule: {spec} chooses its layers from calibration data (not available "
+                                   "yet); give them as spd:B")
+            object.__setattr__(self, "schedule", None if str(spec) == f"dtp:{self.delta}" else str(spec))
         object.__setattr__(self, "layouts", tuple(self.layouts))
         object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
         if not self.layouts:

@@ -1,7 +1,8 @@
 """The student and the teacher: the DTP model of a layout over an fp32 copy of the frozen dense model.
 
 A permutation does not change the dense model, so the teacher is the dense model itself; the
-student is the DTP simulator (L, δ) over the permuted weights of the layout.
+student is the DTP simulator (L, δ, or any communication schedule: `models.schedules`) over the
+permuted weights of the layout.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from models.export import permuted_copy
 from models.layouts.layout import Layout
 
 
-def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe) -> DTPModel:
-    """A DTP model over an fp32 deep copy of the teacher permuted by `layout` (no shared parameters)."""
+def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe, schedule: str | None = None) -> DTPModel:
+    """A DTP model over an fp32 deep copy of the teacher permuted by `layout` (no shared parameters),
+    simulating `schedule` (None: the layout's dtp:δ)."""
     permuted = permuted_copy(teacher, layout)
     inner: Any = permuted
     for p in permuted.parameters():
@@ -32,7 +34,8 @@ def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe) -> D
     if recipe.freeze_lm_head:
         for p in inner.lm_head.parameters():
             p.requires_grad_(False)
-    return DTPModel(permuted, devices=layout.devices, delta=layout.delta, last_scale=recipe.last_scale,
+    return DTPModel(permuted, devices=layout.devices, delta=layout.delta if schedule is None else None,
+                    schedule=schedule, last_scale=recipe.last_scale,
                     gradient_checkpointing=recipe.gradient_checkpointing)
 
 

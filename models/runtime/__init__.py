@@ -1,9 +1,10 @@
 """A multi-process DTP runtime over torch.distributed for the rank shards `export` writes.
 
 One process per rank (gloo on CPU, NCCL with one GPU per rank). Each rank checks the manifest,
-the model shape and its shard's sha256 before any compute, keeps its own residual stream, adds its
-own partial of every module at once, starts the exchange of that partial asynchronously and folds
-in the other ranks' partials δ modules later (δ = 0: standard tensor parallelism). Prefill and
+the model shape and its shard's sha256 before any compute, keeps its own residual stream, and runs
+the communication schedule the shards were made for (`models.schedules`; tp, dtp:δ, dtp:δ@K, ladder,
+spd:B, pt:D, all from the schedule's table: `models.runtime.arrivals`): each exchange is started
+asynchronously once its partials are computed and waited for only where they arrive. Prefill and
 cached decoding, greedy or seeded sampling.
 
 - Python: `DTPRuntime.start(shards_dir)` → `.generate(ids)` / `.generate_text(prompt)` → `.stop()`

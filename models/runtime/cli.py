@@ -1,7 +1,8 @@
 """`dtp-layout generate` / `python -m models.runtime`: run rank shards, print the text and the timings.
 
     dtp-layout generate runs/smollm2/shards --prompt "In the beginning" --max-new-tokens 32
-    dtp-layout generate SHARDS --ids prompt.npy --delta-override 0 --json       # the TP baseline
+    dtp-layout generate SHARDS --prompt "..." --schedule pt:2                   # refused unless made for pt:2
+    dtp-layout generate SHARDS --ids prompt.npy --schedule-override tp --json   # the TP timing baseline
     torchrun --nproc-per-node 3 -m models.runtime SHARDS --prompt "..."          # ranks from torchrun
 
 Started plainly, it launches one process per rank itself (`models.runtime.launcher`); started by
@@ -25,9 +26,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", help="prompt text (needs the tokenizer saved beside the shards)")
     source.add_argument("--ids", metavar="FILE.npy", help="prompt token ids: a 1-D array, or 2-D [batch, tokens]")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
-    p.add_argument("--delta-override", type=int, default=None, metavar="D",
-                   help="run the shards at this δ instead of the manifest's; 0 = standard tensor parallelism "
-                        "(a blocking all-reduce after every module), the baseline")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--schedule", default=None, metavar="S",
+                       help="the communication schedule: tp, dtp:δ, dtp:δ@K, ladder, spd:B, pt:D (default: the "
+                            "manifest's, which shards from before schedules were recorded give as dtp:δ); shards "
+                            "made for another schedule are refused")
+    which.add_argument("--schedule-override", default=None, metavar="S",
+                       help="run the shards at schedule S although they were made for another, e.g. tp (a blocking "
+                            "all-reduce after every module) as the timing baseline; the tokens are then not the "
+                            "exported model's")
+    which.add_argument("--delta-override", type=int, default=None, metavar="D",
+                       help="short for --schedule-override dtp:D (0 = standard tensor parallelism)")
     p.add_argument("--last-scale", default="sqrt", choices=["sqrt", "one"],
                    help="own-scale of the last δ modules, as the model was distilled (default: sqrt)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
@@ -55,7 +64,9 @@ def _read_ids(path: str) -> Any:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_new_tokens=args.max_new_tokens, delta=args.delta_override, last_scale=args.last_scale,
+    override = args.schedule_override if args.delta_override is None else f"dtp:{args.delta_override}"
+    return dict(max_new_tokens=args.max_new_tokens, schedule=args.schedule, schedule_override=override,
+                last_scale=args.last_scale,
                 temperature=args.temperature, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.ignore_eos,
                 link_latency_us=args.link_latency_us)
 
@@ -69,7 +80,7 @@ def _report(result: Any, args: argparse.Namespace, prompt_text: list[str] | None
             print((prompt_text[i] if prompt_text else "") + result.text[i])
         else:
             print(" ".join(map(str, row)))
-    mode = "tensor parallel (δ=0)" if result.delta == 0 else f"DTP δ={result.delta}"
+    mode = f"schedule {result.schedule}" + (" (tensor parallel)" if result.schedule in ("tp", "dtp:0") else "")
     print(f"{mode}, L={result.devices}, {result.backend}, link latency {result.link_latency_us:g} µs", file=sys.stderr)
     for r in result.ranks:
         per_token = "n/a" if r.ms_per_token is None else f"{r.ms_per_token:.2f} ms/token"
@@ -156,9 +167,12 @@ def run_torchrun(args: argparse.Namespace) -> int:
         if error is not None:
             raise ValueError(error)
         opts = _options(args)
-        request = GenerateRequest(np.asarray(prompt), opts["max_new_tokens"], opts["delta"], opts["last_scale"],
-                                  opts["temperature"], opts["top_k"], opts["seed"],
-                                  info.eos_token_ids if opts["stop_at_eos"] else (), opts["link_latency_us"])
+        override = opts["schedule_override"]
+        request = GenerateRequest(np.asarray(prompt), opts["max_new_tokens"], schedule=opts["schedule"] or override,
+                                  override=override is not None, last_scale=opts["last_scale"],
+                                  temperature=opts["temperature"], top_k=opts["top_k"], seed=opts["seed"],
+                                  stop_ids=info.eos_token_ids if opts["stop_at_eos"] else (),
+                                  link_latency_us=opts["link_latency_us"])
         result = worker.generate(request)
         if result is not None:
             tokenizer = load_tokenizer(args.shards)

@@ -1,9 +1,10 @@
 """The exchange of partials between ranks, and the time each rank spends blocked waiting for it.
 
-`start` launches an asynchronous all-reduce (sum) of a module's partial right after it is computed;
-`wait` is called only when module m+δ needs the others' partials of module m, and returns the sum
-over all ranks (this rank's own partial included: the caller subtracts it, as the simulator does).
-With δ = 0 the wait follows the start at once: the blocking all-reduce of standard tensor
+`start` launches an asynchronous all-reduce (sum) of the partials that arrive together before module
+t (one module's partial, or the sum of several: `models.runtime.arrivals`) right after the last of
+them is computed; `wait` is called only before module t, and returns the sum over all ranks (this
+rank's own partials included: the caller subtracts them where the schedule added them already).
+Under tp the wait follows the start at once: the blocking all-reduce of standard tensor
 parallelism.
 
 `link_latency_us` emulates a slower interconnect honestly: a collective's result becomes usable
@@ -34,7 +35,7 @@ from models.runtime.group import RankGroup
 class InFlight:
     """A started exchange: the buffer being reduced, this rank's own partial, and when it completed."""
 
-    module: int
+    arrival: int  # the module before which it is waited for
     work: Any
     total: torch.Tensor
     own: torch.Tensor
@@ -65,19 +66,20 @@ class Exchange:
         done, self.blocked = self.blocked, BlockedTime()
         return done
 
-    def start(self, partial: torch.Tensor, module: int) -> InFlight:
-        """Launch the sum of module `module`'s partials over the ranks without waiting for it."""
+    def start(self, partial: torch.Tensor, arrival: int) -> InFlight:
+        """Launch the sum of `partial` over the ranks without waiting for it (due before module `arrival`)."""
         total = partial.detach().clone()
         try:
             work = dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True)
         except Exception as exc:
-            raise self.group.lost(f"starting the exchange of module {module}", exc) from exc
+            raise self.group.lost(f"starting the exchange due before module {arrival}", exc) from exc
         self.blocked.exchanges += 1
-        return InFlight(module, work, total, partial, self._completion_time(work))
+        return InFlight(arrival, work, total, partial, self._completion_time(work))
 
     def wait(self, flight: InFlight) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum over ranks, own partial) of a started exchange, blocking until it is usable."""
-        self.blocked.exchange_s += self._wait(flight.work, flight.completed, f"the exchange of module {flight.module}")
+        during = f"the exchange due before module {flight.arrival}"
+        self.blocked.exchange_s += self._wait(flight.work, flight.completed, during)
         return flight.total, flight.own
 
     def _completion_time(self, work: Any) -> list[float]:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from models.runtime.errors import ShardError
+from models.schedules import ScheduleError, resolve_schedule
 
 LAST_SCALES = ("sqrt", "one")
 
@@ -22,20 +23,24 @@ class LoadInfo:
     model_type: str
     layout: str
     devices: int
-    delta: int
+    delta: int  # the layout's δ
     num_layers: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     dtype: str
     shard_bytes: int
     load_s: float
+    schedule: str = "dtp:1"  # the schedule the shards were made for (the manifest's; before it: dtp:δ)
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     input_ids: np.ndarray  # [B, S] int64
     max_new_tokens: int = 32
-    delta: int | None = None  # None: the manifest's δ; 0: standard tensor parallelism
+    # The schedule to run: None runs the shards' own; another one is refused unless `override` (a timing
+    # baseline, e.g. tp on DTP shards: the tokens are then not the exported model's).
+    schedule: str | None = None
+    override: bool = False
     last_scale: str = "sqrt"
     temperature: float = 0.0
     top_k: int | None = None
@@ -45,7 +50,8 @@ class GenerateRequest:
     return_logits: bool = False
 
     def checked(self, info: LoadInfo) -> GenerateRequest:
-        """Raise ValueError naming the bad field; returns the request with δ filled in."""
+        """Raise ValueError naming the bad field (ShardError: shards made for another schedule); returns the
+        request with the schedule filled in, canonical."""
         ids = self.input_ids
         if not isinstance(ids, np.ndarray) or ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
             raise ValueError("input_ids must be a non-empty [batch, tokens] integer array "
@@ -57,18 +63,41 @@ class GenerateRequest:
                              f"found {int(ids.min())}..{int(ids.max())}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        delta = info.delta if self.delta is None else self.delta
-        if not isinstance(delta, int) or not 0 <= delta <= info.num_layers:
-            raise ValueError(f"delta must be an integer in [0, num_layers={info.num_layers}] (0 = standard tensor "
-                             f"parallelism), got {delta!r}")
         if self.last_scale not in LAST_SCALES:
             raise ValueError(f"last_scale must be 'sqrt' or 'one', got {self.last_scale!r}")
+        schedule = checked_schedule(self.schedule, self.override, info, self.last_scale)
         if not self.link_latency_us >= 0:
             raise ValueError(f"link_latency_us must be >= 0, got {self.link_latency_us}")
         if self.temperature < 0 or (self.top_k is not None and self.top_k < 1):
             raise ValueError(f"temperature must be >= 0 and top_k >= 1, got {self.temperature}, {self.top_k}")
-        return GenerateRequest(ids.astype(np.int64), self.max_new_tokens, delta, self.last_scale, self.temperature,
-                               self.top_k, self.seed, tuple(self.stop_ids), self.link_latency_us, self.return_logits)
+        return GenerateRequest(ids.astype(np.int64), self.max_new_tokens, schedule, self.override, self.last_scale,
+                               self.temperature, self.top_k, self.seed, tuple(self.stop_ids), self.link_latency_us,
+                               self.return_logits)
+
+
+def checked_schedule(requested: str | None, override: bool, info: LoadInfo, last_scale: str = "sqrt") -> str:
+    """The canonical schedule to run: the shards' own unless `requested` (which must then be the same
+    schedule, i.e. the same table, unless `override`)."""
+    try:
+        own = resolve_schedule(info.schedule, info.num_layers, info.devices, last_scale)  # type: ignore[arg-type]
+        if requested is None:
+            return own.name
+        wanted = resolve_schedule(requested, info.num_layers, info.devices, last_scale)  # type: ignore[arg-type]
+    except ScheduleError as exc:
+        raise ValueError(f"schedule: {exc}") from exc
+    same = (own.own_arrival, own.own_scale, own.other_arrival) == (
+        wanted.own_arrival, wanted.own_scale, wanted.other_arrival)
+    if not same and not override:
+        raise ShardError(f"{info.shards_dir}: the shards were made for schedule {own.name!r}, not {wanted.name!r}: "
+                         f"run them at {own.name!r} (or export the model for {wanted.name!r}; to time them at "
+                         f"another schedule anyway, e.g. as a baseline, use --schedule-override)")
+    return wanted.name
+
+
+def schedule_delta(schedule: str) -> int | None:
+    """δ of a dtp:δ schedule (no @K), else None."""
+    name, _, rest = schedule.partition(":")
+    return int(rest) if name == "dtp" and rest.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -90,7 +119,8 @@ class GenerationResult:
     prompt_ids: np.ndarray  # [B, S]
     tokens: np.ndarray  # [B, N] generated ids (after a stop token, a finished sequence repeats it)
     devices: int
-    delta: int
+    schedule: str  # the schedule run (canonical)
+    delta: int | None  # its δ when it is dtp:δ
     backend: str
     link_latency_us: float
     sampling: dict[str, Any]
@@ -112,8 +142,10 @@ class GenerationResult:
             "generated_ids": self.tokens.tolist(),
             "text": self.text,
             "devices": self.devices,
+            "schedule": self.schedule,
             "delta": self.delta,
-            "mode": "tensor-parallel" if self.delta == 0 else "dtp",
+            "mode": "tensor-parallel" if self.schedule in ("tp", "dtp:0") else "dtp" if self.delta is not None
+            else self.schedule.partition(":")[0],
             "backend": self.backend,
             "link_latency_us": self.link_latency_us,
             "sampling": self.sampling,

@@ -4,7 +4,7 @@
     with DTPRuntime.start("runs/smollm2/shards") as rt:          # L processes, gloo on CPU
         out = rt.generate_text("In the beginning", max_new_tokens=32)
         print(out.text[0], out.ms_per_token)
-        tp = rt.generate_text("In the beginning", delta=0)         # the same shards as standard TP
+        tp = rt.generate_text("In the beginning", schedule_override="tp")  # the same shards timed as TP
 
 The launcher hosts the rendezvous store (so it outlives any rank), starts the ranks
 (torch.multiprocessing; `forkserver` with the rank code preloaded, `spawn` where there is no
@@ -107,7 +107,7 @@ def _kill_all(processes: list[Any]) -> None:
 
 
 class DTPRuntime:
-    """L rank processes running DTP (or, with delta=0, tensor-parallel) inference on rank shards."""
+    """L rank processes running inference on rank shards under their communication schedule (DTP, TP, …)."""
 
     def __init__(self, processes: list[Any], conns: list[Any], store: Any, *, backend: str,
                  timeout_s: float, pids: list[int]) -> None:
@@ -225,14 +225,18 @@ class DTPRuntime:
         self._tokenizer = None
         return self.info
 
-    def generate(self, input_ids: Any, *, max_new_tokens: int = 32, delta: int | None = None,
-                 last_scale: str = "sqrt", temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
+    def generate(self, input_ids: Any, *, max_new_tokens: int = 32, schedule: str | None = None,
+                 schedule_override: str | None = None, delta: int | None = None, last_scale: str = "sqrt",
+                 temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
                  stop_at_eos: bool = True, stop_ids: Sequence[int] | None = None, link_latency_us: float = 0.0,
                  return_logits: bool = False) -> GenerationResult:
         """Generate from token ids ([S] or [B, S]): prefill, then cached decoding on every rank.
 
-        delta: None runs the manifest's δ, 0 the same shards as standard tensor parallelism (a
-        blocking all-reduce after every module). temperature 0 is greedy; otherwise sampled with
+        schedule: the communication schedule (`models.schedules`): None runs the shards' own (the
+        manifest's); another one is refused (ShardError naming both). schedule_override runs the
+        shards at another schedule anyway, e.g. "tp" (a blocking all-reduce after every module) as
+        the timing baseline; its tokens are not the exported model's. delta=δ is short for
+        schedule_override="dtp:δ" (0: tensor parallelism). temperature 0 is greedy; otherwise sampled with
         `seed` (top_k optional). stop_at_eos stops once every sequence has produced the config's EOS
         (or one of `stop_ids`, when given).
         link_latency_us delays each collective's completion (an emulated slow link).
@@ -243,8 +247,17 @@ class DTPRuntime:
         if ids.ndim == 1:
             ids = ids[None]
         stops = tuple(int(t) for t in (info.eos_token_ids if stop_ids is None else stop_ids)) if stop_at_eos else ()
-        request = GenerateRequest(ids, max_new_tokens, delta, last_scale, temperature, top_k, seed, stops,
-                                  link_latency_us, return_logits)
+        if sum(x is not None for x in (schedule, schedule_override, delta)) > 1:
+            raise ValueError("give at most one of schedule, schedule_override and delta (short for "
+                             "schedule_override='dtp:δ')")
+        if delta is not None:
+            if not isinstance(delta, int) or isinstance(delta, bool) or delta < 0:
+                raise ValueError(f"delta must be a non-negative integer (0 = tensor parallelism), got {delta!r}")
+            schedule_override = f"dtp:{delta}"
+        request = GenerateRequest(ids, max_new_tokens, schedule=schedule or schedule_override,
+                                  override=schedule_override is not None, last_scale=last_scale,
+                                  temperature=temperature, top_k=top_k, seed=seed, stop_ids=stops,
+                                  link_latency_us=link_latency_us, return_logits=return_logits)
         request = request.checked(info)  # refuse a bad request here, before any rank sees it
         replies = self._command("generate", request, deadline_s=None)
         result: GenerationResult = replies[0]

@@ -1,11 +1,12 @@
 """One rank: its shard of the model, the DTP forward with the exchange, and the generation loop.
 
-The forward is the simulator's recurrence (`models.dtp.DTPSchedule`) on this rank's stream alone:
-after module n the rank adds its own partial at once, starts the exchange of that partial, and
-adds the other ranks' partials of module n-δ, waiting for them only then. The module math is the
-simulator's (`models.partials.ShardedDecoder`) on this rank's weights. The final norm is applied per
-rank and the normed states are summed onto rank 0, which applies the LM head, chooses the next
-token and broadcasts it.
+The forward is the simulator's recurrence under the communication schedule (`models.schedules`) on
+this rank's stream alone, as `models.runtime.arrivals` reads it off the table: after module n the
+rank starts the exchange that n completes (the sum of the partials arriving together), and before
+module t it adds its own partials due at t (scaled by s_m) and waits for the exchange due at t, only
+then. The module math is the simulator's (`models.partials.ShardedDecoder`) on this rank's weights.
+The final norm is applied per rank and the normed states are summed onto rank 0, which applies the
+LM head, chooses the next token and broadcasts it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.dtp import DTPSchedule
 from models.partials import DTPCache, ShardedDecoder, rms_norm
+from models.runtime.arrivals import ArrivalPlan
 from models.runtime.errors import RankFailure, ShardError
 from models.runtime.exchange import Exchange
-from models.runtime.generation import GenerateRequest, GenerationResult, LoadInfo, RankStats, shard_error
+from models.runtime.generation import (
+    GenerateRequest,
+    GenerationResult,
+    LoadInfo,
+    RankStats,
+    schedule_delta,
+    shard_error,
+)
 from models.runtime.group import RankGroup
 from models.runtime.sampling import Sampling, next_tokens
 from models.runtime.shards import (
@@ -36,6 +44,7 @@ from models.runtime.shards import (
     read_shard_set,
     rotary_for,
 )
+from models.schedules import resolve_schedule
 
 # How long a rank waits for the others to finish checking and loading their shards (hashing and reading a
 # large shard can take minutes; a rank that dies meanwhile is noticed by its heartbeat, not this limit).
@@ -60,23 +69,32 @@ class RankModel:
                                       head_dim=shape.head_dim, eps=self.eps, qk_norm=shards.family.qk_norm,
                                       rotary_emb=rotary_for(config, device))
 
-    def forward(self, ids: torch.Tensor, cache: DTPCache, schedule: DTPSchedule, exchange: Exchange, *,
+    def forward(self, ids: torch.Tensor, cache: DTPCache, plan: ArrivalPlan, exchange: Exchange, *,
                 all_positions: bool) -> torch.Tensor | None:
         """ids: [B, S] -> logits on rank 0 ([B, S, V], or [B, 1, V] for the last position), None elsewhere."""
         emb = F.embedding(ids, self.embed)  # [B, S, D]
         cos, sin = self.decoder.rotary(ids, emb, cache.length)  # [B, S, hd]
         x = emb.unsqueeze(0)  # [1, B, S, D]: this rank's residual stream
-        inflight = {}
+        held: dict[int, torch.Tensor] = {}  # own partials not yet added to x, [1, B, S, D]
+        sums: dict[int, torch.Tensor] = {}  # arrival point -> the sum of its exchange's own partials so far
+        inflight = {}  # arrival point -> its started exchange
         for n in range(self.num_modules):
             partial = self.decoder.partials(n, x, cos, sin, cache)  # [1, B, S, D]
-            scale = schedule.own_scale(n)
-            x = x + (partial * scale if scale != 1.0 else partial)
-            if schedule.exchanged(n):
-                inflight[n] = exchange.start(partial, n)
-            late = schedule.late(n)
-            if late is not None:
-                total, own = exchange.wait(inflight.pop(late))  # Σ_j o_{n-δ}^j and o_{n-δ}^l
-                x = x + (total - own)
+            held[n] = partial
+            due = plan.others_due[n]
+            if due is not None:
+                sums[due] = partial if due not in sums else sums[due] + partial
+                if plan.sends[n] == due:  # the last module of that exchange: start it now, wait at `due`
+                    inflight[due] = exchange.start(sums.pop(due), due)
+            arrival = plan.arrivals[n]  # before module n+1
+            for m, scale in arrival.own:
+                own = held.pop(m)
+                x = x + (own * scale if scale != 1.0 else own)
+            if arrival.exchange:
+                total, own = exchange.wait(inflight.pop(n + 1))  # Σ_j Σ_m o_m^j and Σ_m o_m^l
+                x = x + (total if arrival.whole else total - own)
+            for m in plan.own_done[n]:
+                held.pop(m, None)
         h = rms_norm(x[0], self.norm, self.eps)  # [B, S, D]
         if not all_positions:
             h = h[:, -1:]
@@ -128,7 +146,8 @@ class RankWorker:
             layout=shards.layout.name, devices=shards.devices, delta=shards.delta, num_layers=shards.shape.num_layers,
             vocab_size=int(shards.config.vocab_size), eos_token_ids=eos_ids,
             dtype=str(next(iter(tensors.values())).dtype).removeprefix("torch."),
-            shard_bytes=int(shards.files[group.rank]["size"]), load_s=time.perf_counter() - t0)
+            shard_bytes=int(shards.files[group.rank]["size"]), load_s=time.perf_counter() - t0,
+            schedule=shards.schedule)
         return self.info
 
     def _choose(self, logits: torch.Tensor | None, sampling: Sampling, generator: torch.Generator | None,
@@ -149,8 +168,9 @@ class RankWorker:
             raise ValueError("no shards loaded: load a shards directory first")
         req = request.checked(self.info)
         model, device, rank = self.model, self.group.device, self.group.rank
-        assert req.delta is not None
-        schedule = DTPSchedule(model.devices, req.delta, model.num_modules, req.last_scale)  # type: ignore[arg-type]
+        assert req.schedule is not None
+        plan = ArrivalPlan.of(resolve_schedule(req.schedule, model.num_modules // 2, model.devices,
+                                               req.last_scale))  # type: ignore[arg-type]
         exchange = Exchange(self.group, link_latency_us=req.link_latency_us)
         sampling = Sampling(req.temperature, req.top_k, req.seed)
         generator = sampling.generator(device) if rank == 0 and not sampling.greedy else None
@@ -161,7 +181,7 @@ class RankWorker:
         cache = DTPCache()
 
         t0 = time.perf_counter()
-        logits = model.forward(ids, cache, schedule, exchange, all_positions=req.return_logits)
+        logits = model.forward(ids, cache, plan, exchange, all_positions=req.return_logits)
         prefill_logits = logits.float().cpu().numpy() if logits is not None and req.return_logits else None
         token = self._choose(None if logits is None else logits[:, -1], sampling, generator, finished, pad, exchange)
         finished |= torch.isin(token, stop)
@@ -170,7 +190,7 @@ class RankWorker:
         tokens, step_logits = [token], []
         t1 = time.perf_counter()
         while len(tokens) < req.max_new_tokens and not bool(finished.all()):
-            logits = model.forward(token[:, None], cache, schedule, exchange, all_positions=True)
+            logits = model.forward(token[:, None], cache, plan, exchange, all_positions=True)
             if logits is not None and req.return_logits:
                 step_logits.append(logits[:, -1].float().cpu().numpy())
             token = self._choose(None if logits is None else logits[:, -1], sampling, generator, finished, pad,
@@ -191,7 +211,8 @@ class RankWorker:
             return None
         return GenerationResult(
             prompt_ids=req.input_ids, tokens=torch.stack(tokens, dim=1).cpu().numpy(), devices=model.devices,
-            delta=req.delta, backend=backend or self.group.backend, link_latency_us=req.link_latency_us,
+            schedule=req.schedule, delta=schedule_delta(req.schedule), backend=backend or self.group.backend,
+            link_latency_us=req.link_latency_us,
             sampling={"temperature": req.temperature, "top_k": req.top_k, "seed": req.seed},
             ranks=all_stats, prefill_logits=prefill_logits,
             step_logits=np.stack(step_logits) if step_logits else None)

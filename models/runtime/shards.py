@@ -25,6 +25,7 @@ from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, ModelShape, check_fits, from_json_dict
 from models.runtime.errors import ShardError
+from models.schedules import ScheduleError, resolve_schedule
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class ShardSet:
     @property
     def delta(self) -> int:
         return self.layout.delta
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the shards were made for: the manifest's `schedule`; shards written before it
+        was recorded were made for dtp:δ with the manifest's δ."""
+        recorded = self.manifest.get("schedule")
+        return recorded if isinstance(recorded, str) else f"dtp:{self.manifest['delta']}"
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: local_shape(full, self.rules[name], self.devices) for name, full in self.full_shapes.items()}
@@ -136,6 +144,21 @@ def _check_split(path: Path, split: dict[str, Any], rules: dict[str, SplitRule])
             raise _fail(path, f"split[{name!r}] is {split[name]!r}, but the family's sharding plan says {rule!r}")
 
 
+def _check_schedule(path: Path, manifest: dict[str, Any], num_layers: int, devices: int) -> None:
+    """The manifest's `schedule` (optional: older shards are dtp:δ) must be one this model can run."""
+    if "schedule" not in manifest:
+        return
+    schedule = manifest["schedule"]
+    if not isinstance(schedule, str):
+        raise _fail(path, f"field 'schedule' must be a string, got {type(schedule).__name__}")
+    try:
+        resolved = resolve_schedule(schedule, num_layers, devices)
+    except ScheduleError as exc:
+        raise _fail(path, f"field 'schedule': {exc}") from exc
+    if resolved.name != schedule:
+        raise _fail(path, f"field 'schedule' is {schedule!r}; its canonical form is {resolved.name!r}")
+
+
 def _check_files(path: Path, files: list[Any], devices: int) -> dict[int, dict[str, Any]]:
     by_rank: dict[int, dict[str, Any]] = {}
     for i, entry in enumerate(files):
@@ -182,6 +205,7 @@ def read_shard_set(shards_dir: str | Path) -> ShardSet:
         raise _fail(directory / "config.json", str(exc)) from exc
     _check_split(path, manifest["split"], rules)
     files = _check_files(path, manifest["files"], layout.devices)
+    _check_schedule(path, manifest, shape.num_layers, layout.devices)
     return ShardSet(directory, manifest, layout, config, family, shape, full, rules, files)
 
 

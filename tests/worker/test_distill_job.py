@@ -120,6 +120,25 @@ def test_distill_stage_writes_curves_metrics_and_artifacts(client, settings, uni
     assert str(settings.data_dir) not in json.dumps(report) + json.dumps(summary)  # no server path leaks
 
 
+def test_a_job_runs_its_schedule_through_distillation_and_export(client, settings, uninterrupted, first_worker):
+    """schedule=tp: the student starts as the dense model (KL 0 at step 0, where the dtp:1 jobs above start
+    above 0: an independent check that it simulates the job's schedule), and the manifest, report.json and
+    summary.json record the schedule."""
+    body = {**BODY, "schedule": "tp", "distill": {**DISTILL, "layouts": ["contiguous"], "steps": 2}}
+    job = client.post("/v1/jobs", json=body).json()
+    job = wait_for(client, job["id"], timeout=90, worker=first_worker)
+    assert job["status"] == "succeeded", job
+    assert job["spec"]["schedule"] == "tp"
+    curve = client.get(job["links"]["metrics"]).json()["curves"][0]
+    assert curve["steps"][0] == 0 and abs(curve["kl"][0]) < 1e-6
+    arts = {a["name"]: a for a in client.get(job["links"]["artifacts"]).json()["items"]}
+    manifest = client.get(arts["shards/manifest.json"]["link"]).json()
+    report = client.get(arts["report.json"]["link"]).json()
+    summary = client.get(arts["distill/summary.json"]["link"]).json()
+    assert manifest["schedule"] == report["schedule"] == summary["schedule"] == "tp"
+    assert any("schedule=tp" in note for note in report["notes"])  # optimised with the dtp:1 objective
+
+
 def test_cancel_while_distilling(client, settings, uninterrupted, first_worker):
     body = {**BODY, "export": False, "distill": {**DISTILL, "steps": 40}}
     job_id = client.post("/v1/jobs", json=body).json()["id"]

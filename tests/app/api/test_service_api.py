@@ -83,12 +83,35 @@ def test_invalid_spec_names_each_bad_field(client):
     ({"calibration": {"source": "hf:text"}}, "calibration.source", "owner/name"),
     ({"model": {"gguf_file": "../x.gguf"}}, "model.gguf_file", "pattern"),
     ({"model": {"revision": "main"}}, "model.revision", "hub models only"),
+    ({"schedule": "dtp:x"}, "schedule", "accepted: tp, dtp:δ, dtp:δ@K, ladder, spd:B"),
+    ({"schedule": "ring"}, "schedule", "unknown schedule 'ring'"),
+    ({"schedule": "dtp:2", "delta": 1}, "schedule", "schedule dtp:2 and delta=1 disagree"),
+    ({"schedule": "spd:auto:2"}, "schedule", "give the layers as spd:B"),
+    ({"schedule": "x" * 5000}, "schedule", "at most 4096"),
 ])
 def test_invalid_values(client, overrides, field, text):
     r = submit(client, **overrides)
     assert r.status_code == 422, r.text
     errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
     assert field in errors and text in errors[field], errors
+
+
+def test_a_schedule_is_stored_canonical_and_delta_stays_its_shorthand(client):
+    """`schedule: dtp:2` and `delta: 2` are one job; another schedule is stored canonical, in the job's spec."""
+    body = spec(schedule="dtp:2")
+    body.pop("delta", None)
+    answer = client.post("/v1/jobs", json=body)
+    assert answer.status_code == 202, answer.text
+    by_schedule = answer.json()
+    assert by_schedule["spec"]["delta"] == 2 and by_schedule["spec"]["schedule"] is None
+    assert submit(client, delta=2).json()["spec"] == by_schedule["spec"]
+    answer = submit(client, schedule="spd:2,0")
+    assert answer.status_code == 202, answer.text
+    track = answer.json()
+    assert track["spec"]["schedule"] == "spd:0,2" and track["spec"]["delta"] == 1
+    beyond = submit(client, schedule="spd:1,3")  # the tiny model has layers 0 .. 2: refused at submit
+    assert beyond.status_code == 422, beyond.text
+    assert "layers [3] do not exist" in {e["field"]: e["msg"] for e in beyond.json()["detail"]}["schedule"]
 
 
 def test_distill_spec_is_accepted_and_stored(client):

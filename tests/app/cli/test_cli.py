@@ -41,6 +41,28 @@ def test_export_writes_checkpoint_and_shards(checkpoint, tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_export_makes_the_shards_for_a_schedule(checkpoint, tmp_path, capsys):
+    """--schedule goes into the manifest (canonical; without it, the layout's dtp:δ); a dtp schedule gives the
+    layout its δ; a schedule that does not fit the model is refused before the weights load."""
+    out = tmp_path / "out"
+    assert main(["export", str(checkpoint), "--devices", "2", "--schedule", "spd:2,0", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    assert "made for schedule spd:0,2" in capsys.readouterr().out
+    manifest = json.loads((out / "shards" / "manifest.json").read_text())
+    assert (manifest["schedule"], manifest["delta"]) == ("spd:0,2", 1)
+    assert main(["export", str(checkpoint), "--devices", "2", "--schedule", "dtp:2", "--out", str(tmp_path / "d2"),
+                 "--device", "cpu"]) == 0
+    manifest = json.loads((tmp_path / "d2" / "shards" / "manifest.json").read_text())
+    assert (manifest["schedule"], manifest["delta"], manifest["layout"]["delta"]) == ("dtp:2", 2, 2)
+    capsys.readouterr()
+    for argv, message in ((["--schedule", "pt:4"], "D must be in 1 .. 3"),
+                          (["--schedule", "dtp:2", "--delta", "1"], "disagree")):
+        assert main(["export", str(checkpoint), "--devices", "2", *argv, "--out", str(tmp_path / "x"),
+                     "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "loading " not in err
+
+
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-bf16") / "model"

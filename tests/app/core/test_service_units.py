@@ -70,6 +70,14 @@ def test_check_config_uses_the_loaders_messages():
                                                                       devices=2, delta=1))["model.id"]
 
 
+def test_check_config_fits_the_schedule_to_the_model():
+    config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "intermediate_size": 96, "hidden_size": 48}
+    assert check_config(config, devices=2, delta=1, schedule="pt:3") == []
+    assert "D must be in 1 .. 3" in dict(check_config(config, devices=2, delta=1, schedule="pt:4"))["schedule"]
+    assert "layers [5] do not exist" in dict(check_config(config, devices=2, delta=1, schedule="spd:1,5"))["schedule"]
+
+
 def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
     """A hub model whose config.json sits in the HF cache is checked without downloading anything."""
     import json

@@ -16,11 +16,12 @@ Generation = tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]
 GREEDY = Sampling()
 
 
-def simulator_generation(shards_dir: Any, ids: torch.Tensor, steps: int, delta: int,
-                         sampling: Sampling = GREEDY) -> Generation:
-    """(prefill logits [B, S, V], decode-step logits [B, V] each, tokens [B, steps+1]) of the simulator."""
+def simulator_generation(shards_dir: Any, ids: torch.Tensor, steps: int, delta: int | None = None,
+                         sampling: Sampling = GREEDY, *, schedule: str | None = None) -> Generation:
+    """(prefill logits [B, S, V], decode-step logits [B, V] each, tokens [B, steps+1]) of the simulator
+    at dtp:δ (`delta`) or any `schedule`."""
     model, layout = load_rank_shards(shards_dir)
-    dtp = DTPModel(model, devices=layout.devices, delta=delta)
+    dtp = DTPModel(model, devices=layout.devices, delta=delta, schedule=schedule)
     generator = None if sampling.greedy else sampling.generator(torch.device("cpu"))
     cache = DTPCache()
     with torch.no_grad():

@@ -52,7 +52,7 @@ def test_a_killed_rank_is_named_by_the_others(shards: Any) -> None:
         message = str(error)
         assert "rank 1 killed by SIGKILL" in message
         # Rank 0 itself noticed, failed its collective and named rank 1 (it did not hang, nor was it just killed).
-        assert "rank 0: the exchange of module" in message or "rank 0: the final reduction" in message \
+        assert "rank 0: the exchange due before module" in message or "rank 0: the final reduction" in message \
             or "rank 0: the token broadcast" in message, message
         assert "rank 1 stopped responding" in message, message
         assert elapsed < 20.0, elapsed

@@ -101,7 +101,9 @@ def test_stops_at_eos_and_reports_timings(runtime2: DTPRuntime, shards: Any) -> 
 def test_bad_requests_are_refused_before_any_rank_runs(runtime2: DTPRuntime, shards: Any) -> None:
     runtime2.load(shards("llama", 2, 1))
     ids = tokens(1, 4).numpy()
-    for kwargs, match in [({"delta": 4}, r"delta must be an integer in \[0, num_layers=3\]"),
+    for kwargs, match in [({"delta": 4}, r"'dtp:4': δ=4 must be in 0 \.\. num_layers=3"),
+                          ({"schedule": "pt:0"}, r"D \(layers per block\) must be an integer ≥ 1"),
+                          ({"schedule": "tp", "delta": 0}, "give at most one of schedule"),
                           ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
                           ({"temperature": -1.0}, "temperature must be >= 0"),
                           ({"last_scale": "two"}, "last_scale must be 'sqrt' or 'one'"),
