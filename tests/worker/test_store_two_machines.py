@@ -64,9 +64,10 @@ def test_api_and_worker_share_only_database_broker_and_store(tmp_path, postgres_
     s3_env = s3_server.env(s3_bucket)
     no_models = settings.model_copy(update={"model_root": tmp_path / "worker" / "absent"})
     worker = WorkerProcess(no_models, tmp_path / "worker.log", **s3_env, **hub).start(timeout=120)
-    api = ServeProcess(tmp_path / "api", no_worker=True, **api_env(settings, s3_env, **hub)).start()
+    api = ServeProcess(tmp_path / "api", no_worker=True, **api_env(settings, s3_env, **hub))
     second = None
     try:
+        api.start()  # inside the try: an API that does not come up still stops the worker
         http = httpx.Client(base_url=api.url, timeout=30)
         job_id = http.post("/v1/jobs", json=spec(model={"id": "acme/tiny"})).json()["id"]
         job = wait_for(http, job_id, timeout=240, worker=worker)
@@ -142,8 +143,9 @@ def test_a_worker_killed_mid_upload_leaves_no_artifact_and_the_sweep_aborts_its_
                            **s3_env).start(timeout=120)
     store = s3_server.store(s3_bucket)
     try:
-        http_app = ServeProcess(tmp_path / "api", no_worker=True, **api_env(settings, s3_env)).start()
+        http_app = ServeProcess(tmp_path / "api", no_worker=True, **api_env(settings, s3_env))
         try:
+            http_app.start()
             http = httpx.Client(base_url=http_app.url, timeout=30)
             job_id = http.post("/v1/jobs", json=spec(export={"checkpoint": False, "shards": False})).json()["id"]
             deadline = time.monotonic() + 180
