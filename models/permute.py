@@ -62,6 +62,23 @@ def reorder_(model: nn.Module, family: Family, shape: ModelShape,
                 _take_(lin.bias, index, 0)
 
 
+def permuted_tensor(name: str, tensor: torch.Tensor, family: Family, shape: ModelShape,
+                    layout: Layout) -> torch.Tensor:
+    """One checkpoint tensor as `permute_` leaves it (the same index_select: bit-identical), for a pass that
+    never holds the model (models.streamed_export). Tensors the plan does not name come back unchanged."""
+    planned = family.plan.planned(name)
+    if planned is None:
+        return tensor
+    layer, _module, style, kind = planned
+    if kind == "bias" and style.dim != 0:
+        return tensor
+    dim = style.dim if kind == "weight" else 0
+    units = {"kv_group": shape.num_kv_groups, "neuron": shape.intermediate_size}[style.unit]
+    order = layout.group_order(layer) if style.unit == "kv_group" else layout.neuron_order(layer)
+    index = group_row_index(order, tensor.shape[dim] // units)  # [size]
+    return tensor.index_select(dim, index.to(tensor.device)).contiguous()
+
+
 def permute_(model: nn.Module, layout: Layout) -> nn.Module:
     """Permute `model` in place so that `layout` becomes the contiguous layout. Returns the model."""
     family = family_for_config(model.config)
