@@ -73,6 +73,28 @@ class RunState:
         self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - start, 3)
 
 
+def run_affinity(model: Any, blocks: torch.Tensor, *, spill_dir: Path | None = None, **kw: Any) -> AffinityResult:
+    """The affinity pass over a loaded model, or streamed layer by layer over a `StreamedModel` (the same
+    result: models.streamed_affinity)."""
+    from models.streamed_model import StreamedModel
+
+    if isinstance(model, StreamedModel):
+        from models.streamed_affinity import streamed_affinity_pass
+
+        return streamed_affinity_pass(model, blocks, spill_dir=spill_dir, **kw)
+    return affinity_pass(model, blocks, **kw)
+
+
+def _spill_dir(model: Any, state: RunState) -> Path | None:
+    """Where a streamed pass spills its hidden states when its plan says so: the run directory."""
+    plan = getattr(model, "memory_plan", None)
+    return state.out_dir if plan is not None and plan.spill else None
+
+
+def _parameters_dtype(model: Any) -> torch.dtype:
+    return next(model.model.parameters()).dtype if hasattr(model, "reader") else next(model.parameters()).dtype
+
+
 def stage_calibration(state: RunState, *, model: Any, tokenizer: Any, calibration: CalibrationSpec) -> None:
     t0 = time.perf_counter()
     state.blocks = load_blocks(calibration, tokenizer, vocab_size=model.config.vocab_size)
@@ -85,9 +107,9 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     t0 = time.perf_counter()
     assert state.blocks is not None, "stage_calibration first"
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
-            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(next(model.parameters()).dtype)}
-    state.affinity = affinity_pass(model, state.blocks, batch_size=spec.batch_size, progress=progress,
-                                   should_stop=should_stop, metadata=meta)
+            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(_parameters_dtype(model))}
+    state.affinity = run_affinity(model, state.blocks, batch_size=spec.batch_size, progress=progress,
+                                  should_stop=should_stop, metadata=meta, spill_dir=_spill_dir(model, state))
     state.affinity.save(state.out_dir / AFFINITY_FILE)
     state.timed("affinity", t0)
 
@@ -118,8 +140,8 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
             if progress:
                 progress("stability", (k + fraction) / 2)
 
-        halves[half] = affinity_pass(model, blocks, batch_size=spec.batch_size, progress=half_progress,
-                                     should_stop=should_stop)
+        halves[half] = run_affinity(model, blocks, batch_size=spec.batch_size, progress=half_progress,
+                                    should_stop=should_stop, spill_dir=_spill_dir(model, state))
     layouts = half_layouts(halves, devices=spec.devices, delta=spec.delta, score_name=spec.score,
                            restarts=spec.restarts)
     for lay in layouts.values():
@@ -136,7 +158,16 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
     in `dtype` (see `models.export.export_dtype`; None: the dtype the model was loaded in)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
-    compute = next(model.parameters()).dtype
+    compute = _parameters_dtype(model)
+    if hasattr(model, "reader"):  # a StreamedModel: tensor by tensor, the same tensors
+        from models.streamed_export import streamed_export
+
+        streamed_export(model.directory, model.config, best, state.out_dir, dtype=dtype or compute,
+                        compute_dtype=compute, checkpoint=checkpoint, shards=shards, tokenizer=tokenizer,
+                        overwrite=overwrite, progress=progress)
+        state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
+        state.timed("export", t0)
+        return
     permuted = export_copy(model, best, dtype)
     state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
     if checkpoint:

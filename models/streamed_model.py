@@ -117,6 +117,7 @@ class StreamedModel:
         self.reader = CheckpointReader(self.directory)
         self.model = skeleton(config, dtype, self.device)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.memory_plan: Any = None  # models.memory_plan.MemoryPlan the run chose (spill or not)
 
     @classmethod
     def open(cls, directory: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> StreamedModel:
@@ -184,3 +185,25 @@ class StreamedModel:
     def release_all(self) -> None:
         self.model.to_empty(device="meta")
         _rebuild_rotary(self.model, self.config, self.device)
+
+
+def checkpoint_directory(source: Any, *, dtype: str, converted: Any = None) -> Path:
+    """The local safetensors directory a `models.loading.ModelSource` streams from: a local directory as
+    is, a hub id's snapshot (fetched by huggingface_hub, safetensors only), a GGUF's converted copy
+    (`models.converted`: made by one full load the first time)."""
+    where, gguf = source.resolved()
+    if gguf:
+        from models.converted import ConvertedCache
+
+        cache = converted if converted is not None else ConvertedCache()
+        return Path(cache.converted_source(source, dtype=dtype).path_or_id)
+    if Path(where).is_dir():
+        return Path(where)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(where, revision=source.revision,
+                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
+    except Exception as exc:  # offline cache miss, missing repo, network
+        raise ModelLoadError(f"model {source.path_or_id!r}: cannot fetch its safetensors: "
+                             f"{type(exc).__name__}: {exc}") from exc
