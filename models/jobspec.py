@@ -138,7 +138,7 @@ FIELDS: tuple[SpecField, ...] = (
        "evaluation stream the model layer by layer from its safetensors when it would not fit in memory, and a run "
        "that cannot fit even streamed is refused, naming what it needs; null: the worker's DTP_LAYOUT_MAX_MEMORY "
        "(no limit unless set)", None,
-       _on(("--max-memory",), *LOCAL, "submit", metavar="SIZE"), max_length=32, pattern=SIZE_PATTERN,
+       _on(("--max-memory",), "optimise", "export", "eval", "submit", metavar="SIZE"), max_length=32, pattern=SIZE_PATTERN,
        nullable=True, examples=("2GiB",)),
     # ---- the layout problem ----
     _f("devices", "int", "number of DTP devices L (must divide the KV groups and the FFN width)", REQUIRED,
