@@ -138,8 +138,8 @@ FIELDS: tuple[SpecField, ...] = (
        "evaluation stream the model layer by layer from its safetensors when it would not fit in memory, and a run "
        "that cannot fit even streamed is refused, naming what it needs; null: the worker's DTP_LAYOUT_MAX_MEMORY "
        "(no limit unless set)", None,
-       _on(("--max-memory",), "optimise", "export", "eval", "submit", metavar="SIZE"), max_length=32, pattern=SIZE_PATTERN,
-       nullable=True, examples=("2GiB",)),
+       _on(("--max-memory",), "optimise", "export", "eval", "submit", metavar="SIZE"), max_length=32,
+       pattern=SIZE_PATTERN, nullable=True, examples=("2GiB",)),
     # ---- the layout problem ----
     _f("devices", "int", "number of DTP devices L (must divide the KV groups and the FFN width)", REQUIRED,
        _on(("--devices", "-L"), *MODEL_COMMANDS), ge=1, le=1024),

@@ -321,6 +321,7 @@ class JobSpec(_Strict):
     batch_size: StrictInt = _spec("batch_size")
     restarts: StrictInt = _spec("restarts")
     stability: StrictBool = _spec("stability")
+    max_memory: Text | None = _spec("max_memory")
 
     @field_validator("export", mode="before")
     @classmethod
