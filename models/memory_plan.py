@@ -95,21 +95,24 @@ def plan_memory(config: Any, *, dtype: str, command: Command, limit: int | None,
     copies = 2 if command in ("export", "eval") or export else 1
     in_memory = copies * weights + work
     largest = max(config.vocab_size * s.hidden_size, s.hidden_size * s.intermediate_size) * max(item, 4)
+    export_part = ("the export's largest tensor read, cast, permuted and written", 4 * largest)
+    embed_tokens = config.vocab_size * s.hidden_size * item
     if command == "export":
-        parts: list[tuple[str, int]] = [("the largest tensor read, cast, permuted and written", 4 * largest)]
+        parts: list[tuple[str, int]] = [export_part]
     else:
         streams = devices if command == "eval" else 1
         hidden = tokens * s.hidden_size * item * streams * (3 if command == "eval" else 1)
-        head = embed if command == "eval" else 0
-        window = 3 * layer
+        # the embeddings (and for eval the head) are resident before or after the layers, never with them
+        ends = embed if command == "eval" else embed_tokens
         spill = limit is not None and hidden > SPILL_SHARE * limit and command == "optimise"
         kept = 2 * batch_tokens * s.hidden_size * item if spill else hidden
-        parts = [("two decoder layers and one being read", window),
-                 ("the embeddings" if command != "eval" else "embeddings, final norm and LM head", max(embed, head)),
+        window = 3 * layer
+        parts = [("two decoder layers and one being read" if window >= ends else
+                  ("embeddings, final norm and LM head" if command == "eval" else "the embeddings"), max(window, ends)),
                  ("hidden states" + (" (spilled to disk: two micro-batches in memory)" if spill else ""), kept),
                  ("the micro-batch working set", work)]
-        if export:
-            parts.append(("the export's largest tensor", 4 * largest))
+        if export and 4 * largest > sum(n for _, n in parts):
+            parts = [export_part]
     streamed_need = sum(n for _, n in parts)
     spill = any("spilled" in name for name, _ in parts)
     if stream is None:

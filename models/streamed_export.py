@@ -38,7 +38,7 @@ from models.layouts.layout import Layout, check_fits
 from models.permute import permuted_tensor
 from models.progress import Progress
 from models.safetensors_stream import SafetensorsWriter
-from models.streamed_model import CheckpointReader, skeleton
+from models.streamed_model import CheckpointReader, return_freed_memory, skeleton
 
 SAFE_INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 10**9  # save_pretrained's default max_shard_size, "2GB"
@@ -130,6 +130,7 @@ def streamed_export(source_dir: Path, config: Any, layout: Layout, out_dir: Path
             for rank, writer in enumerate(rank_writers):
                 writer.write(name, rank_slice(tensor, rules[name], rank, devices).contiguous())
             del tensor
+            return_freed_memory()
             if progress:
                 progress("export", (k + 1) / len(names))
         if ckpt_tmp is not None:
