@@ -27,7 +27,8 @@ _WRAPPER = ("import json, resource, subprocess, sys, time; t = time.perf_counter
             "json.dump({'rc': r.returncode, 'wall_s': w, "
             "'peak_rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}, open(sys.argv[1], 'w'))")
 COMMAND_IMPORTS = ("import torch, transformers, safetensors; from transformers import AutoModelForCausalLM; "
-                   "import app.cli.main, models.stages, models.pipeline, models.affinity")
+                   "import app.cli.main, models.stages, models.pipeline, models.affinity, models.layouts.set, "
+                   "models.streamed_affinity, models.streamed_export, models.streamed_evaluate, models.calibration")
 
 
 def measured(cmd: list[str], where: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -76,7 +77,7 @@ def same_affinity(a: Path, b: Path, rtol: float = 1e-5) -> bool:
 
 def compare(streamed: Path, in_memory: Path, *, optimise: bool) -> dict[str, bool]:
     out = {"checkpoint": same_tensors(streamed / "checkpoint", in_memory / "checkpoint")}
-    out["shards"] = _same_shards(streamed / "shards", in_memory / "shards")
+    out["shards"] = same_shards(streamed / "shards", in_memory / "shards")
     if optimise:
         out["affinity"] = same_affinity(streamed / "affinity.safetensors", in_memory / "affinity.safetensors")
         out["layouts"] = all((streamed / "layouts" / p.name).read_text() == p.read_text()
@@ -84,7 +85,7 @@ def compare(streamed: Path, in_memory: Path, *, optimise: bool) -> dict[str, boo
     return out
 
 
-def _same_shards(a: Path, b: Path) -> bool:
+def same_shards(a: Path, b: Path) -> bool:
     """Each rank's shard file under a holds the same tensors as b's, one tensor at a time."""
     import torch
     from safetensors import safe_open

@@ -50,7 +50,7 @@ class SafetensorsWriter:
                              f"{tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         assert data.numel() == nbytes
-        self._file.write(memoryview(data.numpy()))  # the tensor's own bytes, not a copy
+        self._file.write(data.numpy().data)  # the tensor's own bytes, not a copy
         self._next += 1
 
     def close(self) -> None:

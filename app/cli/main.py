@@ -395,6 +395,8 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                             max_memory=_max_memory(args), stream=True if args.stream else None)
     outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
                                                        progress=_progress_bar()), keep=stages.REPORT_INPUTS)
+    if ctx.memory is not None and (ctx.max_memory is not None or ctx.memory.stream):
+        print(f"memory: {ctx.memory.describe()}", file=sys.stderr)
     seconds = {"loading": outcome.seconds["loading"], **record.seconds()}
     report = stages.build_report(ctx, seconds=seconds)
     pipeline.write_report(ctx.run_state(), report)
