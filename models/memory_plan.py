@@ -18,13 +18,13 @@ else raises `MemoryLimitError` naming the need, its parts and the limit.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from models.families import model_shape
 from models.sizes import format_size
 
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 Command = Literal["optimise", "export", "eval"]
 # Hidden states above this share of the limit are spilled to disk (models.hidden_states).
 SPILL_SHARE = 0.25
@@ -50,6 +50,14 @@ class MemoryPlan:
         limit = format_size(self.limit) if self.limit is not None else "none"
         return (f"{how} (limit {limit}; in memory needs {format_size(self.in_memory)}, streamed "
                 f"{format_size(self.streamed)}: {parts})")
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a compute dtype named in models.ids (float32 → 4, bfloat16 → 2)."""
+    bits = re.search(r"[0-9]+$", dtype)
+    if bits is None:
+        raise ValueError(f"not a float dtype name: {dtype!r}")
+    return int(bits.group()) // 8
 
 
 def layer_params(config: Any) -> int:
@@ -86,7 +94,7 @@ def plan_memory(config: Any, *, dtype: str, command: Command, limit: int | None,
     tokens: the calibration (or evaluation) tokens whose hidden states the streamed pass keeps;
     batch_tokens: tokens per micro-batch; export: optimise also exports (a permuted copy in memory).
     """
-    item = DTYPE_BYTES[dtype]
+    item = dtype_bytes(dtype)
     s = model_shape(config)
     layer = layer_params(config) * item
     embed = embedding_params(config) * item
