@@ -39,7 +39,7 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class _LayerAccumulator:
+class LayerAccumulator:
     """float64 sums over tokens for one layer; each micro-batch is summed in `sum_dtype` (fp32 at least)."""
 
     def __init__(self, heads: int, neurons: int, device: torch.device) -> None:
@@ -71,7 +71,7 @@ def _fold(model_layer: Any, heads: int, head_dim: int, block: int = NEURON_BLOCK
     return out
 
 
-def _accumulate_up(acc: _LayerAccumulator, heads_out: torch.Tensor, inv_r: torch.Tensor, gate: torch.Tensor,
+def _accumulate_up(acc: LayerAccumulator, heads_out: torch.Tensor, inv_r: torch.Tensor, gate: torch.Tensor,
                    up: torch.Tensor, fold: Fold, token_chunk: int) -> None:
     """heads_out: [T, H*hd]; inv_r: [T, 1]; gate/up: [T, I]; fold: neuron blocks of [H, hd, b]."""
     heads, head_dim = fold[0][1].shape[:2]
@@ -115,6 +115,29 @@ def _rms_inverse(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)  # [T, 1]
 
 
+def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size, cos: torch.Tensor,
+               sin: torch.Tensor, acc: LayerAccumulator, fold: Fold, token_chunk: int, *, last: bool) -> torch.Tensor:
+    """Decoder layer i of the dense forward on one micro-batch's residual x [T, D] (batch_shape: [B, S, D]),
+    adding its up sums and (unless it is the last layer) its down sums α² / r'² to `acc`; returns the
+    residual after the layer. The in-memory pass (blocks outer, layers inner) and the streamed one
+    (`models.streamed_affinity`: layers outer) both run it, so they agree to the bit."""
+    layer: Any = decoder_layers(dense.model)[i]
+    heads_out = dense.attention_heads(i, x.view(1, *batch_shape), cos, sin)[0]  # [T, H*hd]
+    x = x + heads_out @ layer.self_attn.o_proj.weight.t()
+    inv_r = _rms_inverse(x, dense.eps)  # [T, 1]
+    normed = rms_norm(x, layer.post_attention_layernorm.weight, dense.eps)
+    gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
+    up = normed @ layer.mlp.up_proj.weight.t()
+    _accumulate_up(acc, heads_out, inv_r, gate, up, fold, token_chunk)
+    act = F.silu(gate) * up  # [T, I]
+    x = x + act @ layer.mlp.down_proj.weight.t()
+    if not last:  # α² / r'², r' the rms of the residual entering layer i+1
+        act_sq = act.to(sum_dtype(act.dtype)).square()
+        inv = _rms_inverse(x, dense.eps).to(act_sq.dtype)
+        acc.act += (act_sq * inv.square()).sum(0).double()
+    return x
+
+
 @torch.no_grad()
 def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, token_chunk: int = 128,
                   cache_folds: bool | None = None, neuron_block: int = NEURON_BLOCK,
@@ -131,8 +154,7 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     layers: Any = decoder_layers(model)
     device = next(model.parameters()).device
     heads, n_layers = shape.num_query_heads, shape.num_layers
-    accs = [_LayerAccumulator(heads, shape.intermediate_size, device) for _ in range(n_layers)]
-    eps = dense.eps
+    accs = [LayerAccumulator(heads, shape.intermediate_size, device) for _ in range(n_layers)]
     n_blocks = blocks.shape[0]
     if cache_folds is None:
         cache_folds = n_blocks > batch_size
@@ -145,25 +167,12 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
         emb = model.model.embed_tokens(ids)  # [B, S, D]
         cos, sin = dense.rotary(ids, emb)
         x = emb.reshape(-1, emb.shape[-1])  # [T, D] residual stream
-        pending_act: torch.Tensor | None = None  # α² of the previous layer, waiting for r'
         for i in range(n_layers):
-            layer = layers[i]
-            if pending_act is not None:
-                inv = _rms_inverse(x, eps).to(pending_act.dtype)
-                accs[i - 1].act += (pending_act * inv.square()).sum(0).double()
-            heads_out = dense.attention_heads(i, x.view(1, *emb.shape), cos, sin)[0]  # [T, H*hd]
-            x = x + heads_out @ layer.self_attn.o_proj.weight.t()
-            inv_r = _rms_inverse(x, eps)  # [T, 1]
-            normed = rms_norm(x, layer.post_attention_layernorm.weight, eps)
-            gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
-            up = normed @ layer.mlp.up_proj.weight.t()
-            fold = folds[i] if i in folds else _fold(layer, heads, shape.head_dim, neuron_block)
+            fold = folds[i] if i in folds else _fold(layers[i], heads, shape.head_dim, neuron_block)
             if cache_folds:
                 folds[i] = fold
-            _accumulate_up(accs[i], heads_out, inv_r, gate, up, fold, token_chunk)
-            act = F.silu(gate) * up  # [T, I]
-            x = x + act @ layer.mlp.down_proj.weight.t()
-            pending_act = act.to(sum_dtype(act.dtype)).square() if i < n_layers - 1 else None
+            x = layer_step(dense, i, x, emb.shape, cos, sin, accs[i], fold, token_chunk,
+                           last=i == n_layers - 1)
         if progress is not None:
             progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
     tokens = int(blocks.numel())
@@ -174,17 +183,31 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     return result
 
 
-def _finalise(model: Any, accs: list[_LayerAccumulator], shape: ModelShape, tokens: int) -> AffinityResult:
-    layers: Any = decoder_layers(model)
+def layer_terms(acc: LayerAccumulator, layer: Any, next_layer: Any | None, shape: ModelShape, tokens: int
+                ) -> tuple[Any, Any, Any | None]:
+    """Layer i's up (FO, ADD) [G, I] and, when there is a layer i+1, down [I, G'] affinity means: what
+    needs layer i's down_proj and layer i+1's attention weights (the streamed pass's window of two)."""
     per_group = shape.heads_per_group
+    w_down = layer.mlp.down_proj.weight  # [D, I]
+    down_norm = w_down.double().square().sum(0)  # ‖w^d_k‖²: [I]
+    fo_heads = acc.fo / tokens * down_norm  # [H, I]
+    up_fo = fo_heads.view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy()
+    up_add = (acc.add / tokens).view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy()
+    down = None
+    if next_layer is not None:
+        weight = _down_weight_norms(next_layer, w_down, shape)  # [I, G]
+        down = ((acc.act / tokens)[:, None] * weight).cpu().numpy()
+    return up_fo, up_add, down
+
+
+def _finalise(model: Any, accs: list[LayerAccumulator], shape: ModelShape, tokens: int) -> AffinityResult:
+    layers: Any = decoder_layers(model)
     up_fo, up_add, down = [], [], []
     for i, acc in enumerate(accs):
-        w_down = layers[i].mlp.down_proj.weight  # [D, I]
-        down_norm = w_down.double().square().sum(0)  # ‖w^d_k‖²: [I]
-        fo_heads = acc.fo / tokens * down_norm  # [H, I]
-        up_fo.append(fo_heads.view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy())
-        up_add.append((acc.add / tokens).view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy())
-        if i < shape.num_layers - 1:
-            weight = _down_weight_norms(layers[i + 1], w_down, shape)  # [I, G]
-            down.append(((acc.act / tokens)[:, None] * weight).cpu().numpy())
+        next_layer = layers[i + 1] if i < shape.num_layers - 1 else None
+        fo, add, dn = layer_terms(acc, layers[i], next_layer, shape, tokens)
+        up_fo.append(fo)
+        up_add.append(add)
+        if dn is not None:
+            down.append(dn)
     return AffinityResult(up_fo, up_add, down, tokens, shape)

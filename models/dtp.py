@@ -111,6 +111,16 @@ def _last_use(schedule: Schedule) -> tuple[int, ...]:
     return tuple(max(b, a if a is not None else b) for b, a in pairs)
 
 
+@dataclass
+class Streams:
+    """The L devices' residual streams of one micro-batch during the recurrence."""
+
+    x: torch.Tensor  # [L, B, S, D]
+    cos: torch.Tensor  # [B, S, hd]
+    sin: torch.Tensor
+    held: dict[int, torch.Tensor] = field(default_factory=dict)  # module → partials still to arrive somewhere
+
+
 class DTPModel(nn.Module):
     """DTP simulator over a (permuted) Hugging Face causal LM of a supported family."""
 
@@ -197,26 +207,41 @@ class DTPModel(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> torch.Tensor:
         """input_ids: [B, S] -> final hidden state, normed per device then averaged: [B, S, D]."""
-        inner = self.model.model
-        emb = inner.embed_tokens(input_ids)  # [B, S, D]
-        cos, sin = self.rotary(input_ids, emb, cache.length if cache is not None else 0)  # [B, S, hd]
-        x = emb.unsqueeze(0).expand(self.devices, *emb.shape)  # [L, B, S, D]
-        held: dict[int, torch.Tensor] = {}  # partials not yet added everywhere they go, [L, B, S, D]
+        stream = self.start(input_ids, cache)
         for n in range(self.num_modules):
-            held[n] = self._module(n, x, cos, sin, cache)
-            t = n + 1  # the arrivals before module t (t = M: before the final norm)
-            for kind, m in self._plan[n]:
-                o = held[m]
-                if kind == _OWN:
-                    scale = self.schedule.own_scale[m]
-                    x = x + (o * scale if scale != 1.0 else o)
-                elif kind == _OTHERS:
-                    x = x + (o.sum(0, keepdim=True) - o)
-                else:
-                    x = x + o.sum(0, keepdim=True)
-            for m in [m for m in held if self._last_use[m] <= t]:
-                del held[m]
-        h = rms_norm(x, inner.norm.weight, self.eps)  # [L, B, S, D]
+            self.step(n, stream, cache)
+        return self.finish(stream)
+
+    # The recurrence in three parts, so that a pass that streams the model layer by layer
+    # (models.streamed_evaluate) runs module n on every micro-batch before reading module n+1's weights.
+    def start(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> Streams:
+        """The L device streams at the embeddings, before module 0."""
+        emb = self.model.model.embed_tokens(input_ids)  # [B, S, D]
+        cos, sin = self.rotary(input_ids, emb, cache.length if cache is not None else 0)  # [B, S, hd]
+        return Streams(emb.unsqueeze(0).expand(self.devices, *emb.shape), cos, sin)  # x: [L, B, S, D]
+
+    def step(self, n: int, stream: Streams, cache: DTPCache | None = None) -> None:
+        """Module n on every device's stream, then the partials that arrive before module n+1."""
+        held = stream.held  # partials not yet added everywhere they go, [L, B, S, D]
+        held[n] = self._module(n, stream.x, stream.cos, stream.sin, cache)
+        x = stream.x
+        t = n + 1  # the arrivals before module t (t = M: before the final norm)
+        for kind, m in self._plan[n]:
+            o = held[m]
+            if kind == _OWN:
+                scale = self.schedule.own_scale[m]
+                x = x + (o * scale if scale != 1.0 else o)
+            elif kind == _OTHERS:
+                x = x + (o.sum(0, keepdim=True) - o)
+            else:
+                x = x + o.sum(0, keepdim=True)
+        stream.x = x
+        for m in [m for m in held if self._last_use[m] <= t]:
+            del held[m]
+
+    def finish(self, stream: Streams) -> torch.Tensor:
+        """The final norm per device, averaged over the devices: [B, S, D]."""
+        h = rms_norm(stream.x, self.model.model.norm.weight, self.eps)  # [L, B, S, D]
         return h.mean(0)
 
     def forward(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> torch.Tensor:

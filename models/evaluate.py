@@ -36,6 +36,13 @@ class EvalResult:
         return asdict(self)
 
 
+def schedule_spec(layout: Layout, schedule: str | ScheduleSpec | None) -> ScheduleSpec:
+    """The schedule asked for, parsed; None: the layout's own dtp:δ."""
+    if schedule is None:
+        return dtp_spec(layout.delta)
+    return parse_schedule(schedule) if isinstance(schedule, str) else schedule
+
+
 @torch.no_grad()
 def evaluate(model: Any, layout: Layout, blocks: torch.Tensor, *, batch_size: int = 1,
              last_scale: LastScale = "sqrt", schedule: str | ScheduleSpec | None = None,
@@ -45,13 +52,12 @@ def evaluate(model: Any, layout: Layout, blocks: torch.Tensor, *, batch_size: in
     `schedule` (a string such as 'pt:2', or a parsed spec) is the communication schedule simulated;
     None is the layout's own dtp:δ.
     """
-    spec = dtp_spec(layout.delta) if schedule is None else (
-        parse_schedule(schedule) if isinstance(schedule, str) else schedule)
+    spec = schedule_spec(layout, schedule)
     device = next(model.parameters()).device
     dtp = DTPModel(permuted_copy(model, layout), devices=layout.devices, schedule=spec,
                    last_scale=last_scale).eval()
     lm_head = model.lm_head
-    n, seq_len = blocks.shape
+    n = blocks.shape[0]
     sums = [0.0, 0.0, 0.0]
     for start in range(0, n, batch_size):
         ids = blocks[start : start + batch_size].to(device)  # [b, S]
@@ -62,6 +68,12 @@ def evaluate(model: Any, layout: Layout, blocks: torch.Tensor, *, batch_size: in
             sums[k] += v
         if progress:
             progress("eval", min(n, start + batch_size) / n)
+    return eval_result(sums, blocks, layout, dtp)
+
+
+def eval_result(sums: list[float], blocks: torch.Tensor, layout: Layout, dtp: DTPModel) -> EvalResult:
+    """The result from the summed dense NLL, DTP NLL and KL over `blocks` [n, S]."""
+    n, seq_len = blocks.shape
     predicted = n * (seq_len - 1)
     return EvalResult(
         dense_ppl=math.exp(sums[0] / predicted),

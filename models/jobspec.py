@@ -20,6 +20,7 @@ from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES, GGUF_FILE, REVISION
 from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE
 from models.schedules import MAX_SCHEDULE_CHARS
+from models.sizes import SIZE_PATTERN
 
 REQUIRED: Any = object()  # a SpecField's default when a request must give the field
 
@@ -136,6 +137,12 @@ FIELDS: tuple[SpecField, ...] = (
        _on(("--gguf-file",), *MODEL_COMMANDS), max_length=200, pattern=GGUF_FILE.pattern, nullable=True),
     _f("model.dtype", "choice", "compute dtype: what the weights are loaded and the passes run in (the export's "
        "dtype is export.dtype)", "float32", _on(("--dtype",), *MODEL_COMMANDS), choices=DTYPE_NAMES),
+    _f("max_memory", "str", "memory limit of the run, e.g. 2GiB or 500MB: the affinity pass, the export and the "
+       "evaluation stream the model layer by layer from its safetensors when it would not fit in memory, and a run "
+       "that cannot fit even streamed is refused, naming what it needs; null: the worker's DTP_LAYOUT_MAX_MEMORY "
+       "(no limit unless set)", None,
+       _on(("--max-memory",), "optimise", "export", "eval", "submit", metavar="SIZE"), max_length=32,
+       pattern=SIZE_PATTERN, nullable=True, examples=("2GiB",)),
     # ---- the layout problem ----
     _f("devices", "int", "number of DTP devices L (must divide the KV groups and the FFN width)", REQUIRED,
        _on(("--devices", "-L"), *MODEL_COMMANDS), ge=1, le=1024),

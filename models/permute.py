@@ -50,16 +50,40 @@ def reorder_(model: nn.Module, family: Family, shape: ModelShape,
     contiguous block per unit (a KV group's block of q rows is its query heads), so the block size
     is the dimension's size over the number of units.
     """
-    units = {"kv_group": shape.num_kv_groups, "neuron": shape.intermediate_size}
     for i, layer in enumerate(decoder_layers(model)):
-        orders = {"kv_group": group_orders[i], "neuron": neuron_orders[i]}
-        for name, style in family.plan.modules.items():
-            lin = _get(layer, name)
-            size = lin.weight.shape[style.dim]
-            index = group_row_index(orders[style.unit], size // units[style.unit])  # [size]
-            _take_(lin.weight, index, style.dim)
-            if lin.bias is not None and style.dim == 0:
-                _take_(lin.bias, index, 0)
+        reorder_layer_(layer, family, shape, group_orders[i], neuron_orders[i])
+
+
+@torch.no_grad()
+def reorder_layer_(layer: nn.Module, family: Family, shape: ModelShape, group_order: np.ndarray,
+                   neuron_order: np.ndarray) -> None:
+    """One decoder layer of `reorder_` (a streamed pass permutes each layer as it is read)."""
+    units = {"kv_group": shape.num_kv_groups, "neuron": shape.intermediate_size}
+    orders = {"kv_group": group_order, "neuron": neuron_order}
+    for name, style in family.plan.modules.items():
+        lin = _get(layer, name)
+        size = lin.weight.shape[style.dim]
+        index = group_row_index(orders[style.unit], size // units[style.unit])  # [size]
+        _take_(lin.weight, index, style.dim)
+        if lin.bias is not None and style.dim == 0:
+            _take_(lin.bias, index, 0)
+
+
+def permuted_tensor(name: str, tensor: torch.Tensor, family: Family, shape: ModelShape,
+                    layout: Layout) -> torch.Tensor:
+    """One checkpoint tensor as `permute_` leaves it (the same index_select: bit-identical), for a pass that
+    never holds the model (models.streamed_export). Tensors the plan does not name come back unchanged."""
+    planned = family.plan.planned(name)
+    if planned is None:
+        return tensor
+    layer, _module, style, kind = planned
+    if kind == "bias" and style.dim != 0:
+        return tensor
+    dim = style.dim if kind == "weight" else 0
+    units = {"kv_group": shape.num_kv_groups, "neuron": shape.intermediate_size}[style.unit]
+    order = layout.group_order(layer) if style.unit == "kv_group" else layout.neuron_order(layer)
+    index = group_row_index(order, tensor.shape[dim] // units)  # [size]
+    return tensor.index_select(dim, index.to(tensor.device)).contiguous()
 
 
 def permute_(model: nn.Module, layout: Layout) -> nn.Module:

@@ -103,6 +103,47 @@ class RunState:
         self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - start, 3)
 
 
+def run_affinity(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None, spec: OptimiseSpec,
+                 spill_dir: Path | None = None, **kw: Any) -> AffinityResult:
+    """The affinity pass of `schedule`'s objective (None: the paper's chain) over a loaded model, or
+    streamed layer by layer over a `StreamedModel` (the same result: models.streamed_affinity). The
+    streamed pass scores the chain's edges only: a schedule that needs further edges (KV→KV,
+    neuron→neuron, …) is refused there, naming what would run it."""
+    from models.streamed_model import StreamedModel
+
+    if isinstance(model, StreamedModel):
+        from models.streamed_affinity import streamed_affinity_pass
+
+        if schedule is not None and AffinityResult.missing_edges_of(model_shape(model.config), schedule):
+            _refuse_streamed(model, f"schedule {schedule} needs edges beyond the paper's chain, which only the "
+                                    f"in-memory affinity pass scores")
+        result = streamed_affinity_pass(model, blocks, spill_dir=spill_dir, batch_size=spec.batch_size, **kw)
+        if schedule is not None:
+            result.schedule = str(schedule)
+        return result
+    return schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
+                                  edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k, **kw)
+
+
+def _refuse_streamed(model: Any, why: str) -> None:
+    from models.memory_plan import MemoryLimitError
+    from models.streamed_model import StreamedModel
+
+    if isinstance(model, StreamedModel):
+        raise MemoryLimitError(f"the model is streamed layer by layer to fit max_memory, and {why}: give a larger "
+                               f"max_memory (or none), or a schedule of the chain (dtp:1, spd:B)")
+
+
+def _spill_dir(model: Any, state: RunState) -> Path | None:
+    """Where a streamed pass spills its hidden states when its plan says so: the run directory."""
+    plan = getattr(model, "memory_plan", None)
+    return state.out_dir if plan is not None and plan.spill else None
+
+
+def _parameters_dtype(model: Any) -> torch.dtype:
+    return next(model.model.parameters()).dtype if hasattr(model, "reader") else next(model.parameters()).dtype
+
+
 def stage_calibration(state: RunState, *, model: Any, tokenizer: Any, calibration: CalibrationSpec) -> None:
     t0 = time.perf_counter()
     state.blocks = load_blocks(calibration, tokenizer, vocab_size=model.config.vocab_size)
@@ -115,18 +156,18 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     t0 = time.perf_counter()
     assert state.blocks is not None, "stage_calibration first"
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
-            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(next(model.parameters()).dtype)}
+            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(_parameters_dtype(model))}
     resolved = None
     if spec.chooses_spd_layers:  # SPD's rule: each layer's dropped sync alone, KL on these blocks
+        _refuse_streamed(model, f"{spec.schedule} chooses its layers by simulating the whole model")
         chosen, sensitivities = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
                                                  devices=spec.devices, batch_size=spec.batch_size, progress=progress)
         resolved = str(chosen)
         meta["spd_sensitivities"] = json.dumps(sensitivities)
         meta["spd_auto"] = str(spec.schedule)
     schedule = spec.objective_schedule(model_shape(model.config).num_layers, resolved)
-    state.affinity = schedule_affinity_pass(model, state.blocks, schedule=schedule, batch_size=spec.batch_size,
-                                            progress=progress, should_stop=should_stop, metadata=meta,
-                                            edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
+    state.affinity = run_affinity(model, state.blocks, schedule=schedule, spec=spec, progress=progress,
+                                  should_stop=should_stop, metadata=meta, spill_dir=_spill_dir(model, state))
     state.affinity.save(state.out_dir / AFFINITY_FILE)
     state.timed("affinity", t0)
 
@@ -161,9 +202,8 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
             if progress:
                 progress("stability", (k + fraction) / 2)
 
-        halves[half] = schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
-                                              progress=half_progress, should_stop=should_stop,
-                                              edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k)
+        halves[half] = run_affinity(model, blocks, schedule=schedule, spec=spec, progress=half_progress,
+                                    should_stop=should_stop, spill_dir=_spill_dir(model, state))
     layouts = half_layouts(halves, devices=spec.devices, delta=spec.delta, score_name=spec.score,
                            restarts=spec.restarts, schedule=schedule)
     for lay in layouts.values():
@@ -181,7 +221,18 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
     are made for `schedule` (None: the layout's dtp:δ)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
-    compute = next(model.parameters()).dtype
+    compute = _parameters_dtype(model)
+    if schedule is not None and not parse_schedule(schedule).resolvable and state.affinity is not None:
+        schedule = state.affinity.schedule  # spd:auto:K: the spd:B the affinity stage chose
+    if hasattr(model, "reader"):  # a StreamedModel: tensor by tensor, the same tensors
+        from models.streamed_export import streamed_export
+
+        streamed_export(model.directory, model.config, best, state.out_dir, dtype=dtype or compute,
+                        compute_dtype=compute, checkpoint=checkpoint, shards=shards, tokenizer=tokenizer,
+                        overwrite=overwrite, progress=progress, schedule=schedule)
+        state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
+        state.timed("export", t0)
+        return
     permuted = export_copy(model, best, dtype)
     state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
     if checkpoint:

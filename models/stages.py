@@ -90,9 +90,15 @@ class RunContext(StageContext):
     # models.converted.ConvertedCache: a GGUF source's weights are loaded from its converted copy (made
     # by the first run that needs them); None: dequantised from the GGUF on every load
     converted: Any = None
+    # the memory limit in bytes (None: none) and whether to stream (None: when the model would not fit
+    # under the limit; models.memory_plan)
+    max_memory: int | None = None
+    stream: bool | None = None
     # made by the stages
     config: Any = None
     model: Any = None
+    streamed: Any = None  # models.streamed_model.StreamedModel: the model on the meta device, read layer by layer
+    memory: Any = None  # models.memory_plan.MemoryPlan
     tokenizer: Any = None
     state: Any = None  # models.pipeline.RunState
     distill_summary: dict[str, Any] | None = None
@@ -132,6 +138,27 @@ def _blocks_needed(ctx: RunContext) -> bool:
     return "stability" in ctx.pending or ("affinity" in ctx.pending and not _affinity_there(ctx))
 
 
+def weights_of(ctx: RunContext) -> Any:
+    """The loaded model, or the streamed one (its skeleton carries the config)."""
+    return ctx.streamed if ctx.streamed is not None else ctx.model
+
+
+def _memory_plan(ctx: RunContext) -> Any:
+    """How the run fits `max_memory` (models.memory_plan): raises MemoryLimitError before any weight is read."""
+    from models.memory_plan import MemoryLimitError, plan_memory
+
+    tokens = batch_tokens = 0
+    if ctx.calibration is not None and ctx.optimise is not None:
+        tokens = ctx.calibration.sequences * ctx.calibration.seq_len
+        batch_tokens = min(ctx.calibration.sequences, ctx.optimise.batch_size) * ctx.calibration.seq_len
+    plan = plan_memory(ctx.config, dtype=ctx.dtype, command="optimise", limit=ctx.max_memory, tokens=tokens,
+                       batch_tokens=batch_tokens, export=_exporting(ctx), stream=ctx.stream)
+    if plan.stream and _distilling(ctx):
+        raise MemoryLimitError("distillation holds the whole student and teacher and does not stream: "
+                               f"{plan.describe()}; raise max_memory or run the distillation without it")
+    return plan
+
+
 def needs_weights(ctx: RunContext) -> bool:
     """Whether a stage still to run needs the model's weights (not when the affinity is there already
     and nothing after it runs the model)."""
@@ -159,9 +186,19 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     check_delta(shape, ctx.delta)
     if ctx.schedule is not None:
         resolve_schedule(ctx.schedule, shape.num_layers, ctx.devices)  # a ScheduleError names what does not fit
+    ctx.memory = _memory_plan(ctx)
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
-    if needs_weights(ctx):
+    if needs_weights(ctx) and ctx.memory.stream:
+        from models.loading import DTYPES, resolve_device
+        from models.streamed_model import StreamedModel, checkpoint_directory
+
+        directory = checkpoint_directory(source, dtype=ctx.dtype, converted=ctx.converted)
+        ctx.streamed = StreamedModel(directory, ctx.config, dtype=DTYPES[ctx.dtype], device=resolve_device(ctx.device))
+        ctx.streamed.memory_plan = ctx.memory
+        ctx.tokenizer = load_tokenizer(ModelSource(str(directory)))
+        note["streamed"] = ctx.memory.describe()
+    elif needs_weights(ctx):
         if ctx.converted is not None:  # converted only when the weights are needed
             converted = ctx.converted.converted_source(source, dtype=ctx.dtype)
             if converted != source:
@@ -170,7 +207,7 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
         ctx.model = load_model(source, dtype=ctx.dtype, device=ctx.device)
         hooks.progress("loading", 0.9)
         ctx.tokenizer = load_tokenizer(source)
-    return {"weights": ctx.model is not None, **note}
+    return {"weights": ctx.model is not None or ctx.streamed is not None, **note}
 
 
 def _calibrate(ctx: RunContext, _hooks: Hooks) -> Note:
@@ -179,7 +216,7 @@ def _calibrate(ctx: RunContext, _hooks: Hooks) -> Note:
     if not _blocks_needed(ctx):
         return {"skipped": "affinity cached"}
     state = ctx.run_state()
-    pipeline.stage_calibration(state, model=ctx.model, tokenizer=ctx.tokenizer, calibration=ctx.calibration)
+    pipeline.stage_calibration(state, model=weights_of(ctx), tokenizer=ctx.tokenizer, calibration=ctx.calibration)
     _save_blocks(ctx.run_dir / BLOCKS_FILE, state.blocks)
     return {"tokens": int(state.blocks.numel())}
 
@@ -207,7 +244,7 @@ def _affinity(ctx: RunContext, hooks: Hooks) -> Note:
     store = ctx.affinity or AffinityStore(ctx.run_dir)
     found = store.lookup()
     if found is None:
-        pipeline.stage_affinity(ctx.run_state(), model=ctx.model, spec=ctx.optimise, model_name=ctx.model_id,
+        pipeline.stage_affinity(ctx.run_state(), model=weights_of(ctx), spec=ctx.optimise, model_name=ctx.model_id,
                                 calibration=ctx.calibration_shown, progress=hooks.progress,
                                 should_stop=hooks.should_stop)
         store.publish(ctx.run_dir / AFFINITY_FILE)
@@ -243,7 +280,7 @@ def _stabilise(ctx: RunContext, hooks: Hooks) -> Note:
 
     shutil.rmtree(ctx.run_dir / STABILITY_DIR, ignore_errors=True)
     state = ctx.run_state()
-    pipeline.stage_stability(state, model=ctx.model, spec=ctx.optimise, progress=hooks.progress,
+    pipeline.stage_stability(state, model=weights_of(ctx), spec=ctx.optimise, progress=hooks.progress,
                              should_stop=hooks.should_stop)
     atomic_write_json(ctx.run_dir / STABILITY_FILE, state.stability)
     _restore_stability(ctx)
@@ -273,7 +310,7 @@ def _export(ctx: RunContext, hooks: Hooks) -> Note:
         shutil.rmtree(ctx.run_dir / sub, ignore_errors=True)
     # The checkpoint is written first, then the shards rank by rank (those report progress).
     offset = 0.5 if ctx.checkpoint else 0.0
-    pipeline.stage_export(ctx.run_state(), model=ctx.model, tokenizer=ctx.tokenizer,
+    pipeline.stage_export(ctx.run_state(), model=weights_of(ctx), tokenizer=ctx.tokenizer,
                           progress=lambda _name, f: hooks.progress("exporting", offset + (1 - offset) * f),
                           overwrite=True, checkpoint=ctx.checkpoint, shards=ctx.shards, schedule=ctx.schedule,
                           dtype=export_dtype(ctx.export_dtype, config=ctx.config, compute=DTYPES[ctx.dtype]))

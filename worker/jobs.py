@@ -527,7 +527,7 @@ class JobRun(Hooks):
                                            restarts=spec.restarts, stability=spec.stability),
             calibration=calibration, calibration_shown=shown, checkpoint=spec.export.checkpoint,
             shards=spec.export.shards, export_dtype=spec.export.dtype, distill=distill,
-            affinity=CachedAffinity(self),
+            affinity=CachedAffinity(self), max_memory=self.settings.memory_limit(spec.max_memory),
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
             # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).

@@ -88,6 +88,43 @@ def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
     return export_dtype(args.export_dtype, config=config, compute=DTYPES[args.dtype])
 
 
+def _add_stream_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream", action="store_true",
+                   help="read the model layer by layer from its safetensors even when it fits in memory (by "
+                        "default it streams only when --max-memory is below what the in-memory run needs)")
+
+
+def _memory_plan(args: argparse.Namespace, config: Any, command: str, **kw: Any) -> Any:
+    """How the command fits --max-memory (models.memory_plan), before any weight is read: a
+    MemoryLimitError (exit 2) names what it needs and the limit."""
+    from models.memory_plan import plan_memory
+
+    limit = _max_memory(args)
+    plan = plan_memory(config, dtype=args.dtype, command=command, limit=limit,  # type: ignore[arg-type]
+                       stream=True if getattr(args, "stream", False) else None, **kw)
+    if limit is not None or plan.stream:
+        print(f"memory: {plan.describe()}", file=sys.stderr)
+    return plan
+
+
+def _max_memory(args: argparse.Namespace) -> int | None:
+    from models.sizes import parse_size
+
+    return parse_size(args.max_memory) if getattr(args, "max_memory", None) is not None else None
+
+
+def _streamed(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
+    """The model on the meta device, read layer by layer from its safetensors (a GGUF's converted copy,
+    a hub model's snapshot), and its tokenizer."""
+    from models.loading import DTYPES, ModelSource, load_tokenizer, resolve_device
+    from models.streamed_model import StreamedModel, checkpoint_directory
+
+    source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
+    directory = checkpoint_directory(source, dtype=args.dtype, converted=_converted_cache(args))
+    streamed = StreamedModel(directory, config, dtype=DTYPES[args.dtype], device=resolve_device(args.device))
+    return streamed, load_tokenizer(ModelSource(str(directory)))
+
+
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default=CONTIGUOUS,
                    help=f"{CONTIGUOUS} | random:SEED (or random-SEED) | a layout name of --from DIR (optimised, "
@@ -168,14 +205,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_layout_numbers(config, args.devices, args.delta, schedule)  # fail before loading weights
     layout = _layout(args, config)
     dtype = _export_dtype(args, config)
-    model, tokenizer = _load(args)
-    permuted = export_copy(model, layout, dtype)
     out = Path(args.out)
-    ckpt = export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer,
-                             overwrite=args.overwrite)
-    shards = export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer,
-                                overwrite=args.overwrite, progress=_progress_bar(),
-                                compute_dtype=next(model.parameters()).dtype, schedule=schedule)
+    ckpt, shards = out / "checkpoint", out / "shards"
+    if _memory_plan(args, config, "export").stream:  # tensor by tensor: the same tensors
+        from models.loading import DTYPES
+        from models.streamed_export import streamed_export
+
+        streamed, tokenizer = _streamed(args, config)
+        streamed_export(streamed.directory, config, layout, out, dtype=dtype, compute_dtype=DTYPES[args.dtype],
+                        tokenizer=tokenizer, overwrite=args.overwrite, progress=_progress_bar(), schedule=schedule)
+    else:
+        model, tokenizer = _load(args)
+        permuted = export_copy(model, layout, dtype)
+        ckpt = export_checkpoint(permuted, layout, ckpt, tokenizer=tokenizer, overwrite=args.overwrite)
+        shards = export_rank_shards(permuted, layout, shards, tokenizer=tokenizer,
+                                    overwrite=args.overwrite, progress=_progress_bar(),
+                                    compute_dtype=next(model.parameters()).dtype, schedule=schedule)
     print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
           f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
@@ -237,6 +282,7 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule:
     from models.calibration import CalibrationSpec, load_blocks
     from models.evaluate import evaluate
     from models.heldout import place
+    from models.streamed_model import StreamedModel
 
     layout = _layout(args, model.config)
     spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
@@ -248,17 +294,27 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule:
                           allow_overlap=getattr(args, "allow_overlap", False))
         spec = placement.eval
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
-    result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
-                      schedule=schedule, progress=_progress_bar())
+    if isinstance(model, StreamedModel):  # layer by layer: the same statistics
+        from models.streamed_evaluate import streamed_evaluate
+
+        result = streamed_evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
+                                   schedule=schedule, progress=_progress_bar())
+    else:
+        result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
+                          schedule=schedule, progress=_progress_bar())
     return result, placement.as_dict() if placement is not None else None
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from models.families import model_shape
+    from models.loading import ModelSource
     from models.schedules import resolve_schedule
 
     schedule = schedule_of(args)  # a bad --schedule fails before the weights load
-    model, tokenizer = _load(args)
+    config = _model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
+    plan = _memory_plan(args, config, "eval", tokens=args.blocks * args.seq_len,
+                        batch_tokens=min(args.blocks, args.batch_size) * args.seq_len, devices=args.devices)
+    model, tokenizer = _streamed(args, config) if plan.stream else _load(args)
     result, data = _eval_result(args, model, tokenizer, schedule)
     syncs = resolve_schedule(result.schedule, model_shape(model.config).num_layers, result.devices,
                              args.last_scale).syncs_per_token
@@ -374,9 +430,12 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                             device=args.device, devices=args.devices, delta=args.delta, schedule=schedule,
                             optimise=spec,
                             calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
-                            shards=spec.export, export_dtype=args.export_dtype, converted=_converted_cache(args))
+                            shards=spec.export, export_dtype=args.export_dtype, converted=_converted_cache(args),
+                            max_memory=_max_memory(args), stream=True if args.stream else None)
     outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
                                                        progress=_progress_bar()), keep=stages.REPORT_INPUTS)
+    if ctx.memory is not None and (ctx.max_memory is not None or ctx.memory.stream):
+        print(f"memory: {ctx.memory.describe()}", file=sys.stderr)
     seconds = {"loading": outcome.seconds["loading"], **record.seconds()}
     report = stages.build_report(ctx, seconds=seconds)
     pipeline.write_report(ctx.run_state(), report)
@@ -500,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write the permuted HF checkpoint and per-rank DTP shards")
     _add_model_args(p, "export")
+    _add_stream_flag(p)
     _add_layout_args(p)
     p.add_argument("--out", required=True, help="output directory (gets checkpoint/ and shards/)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
@@ -509,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="dense and DTP perplexity and KL(dense ‖ DTP) on a data spec")
     _add_model_args(p, "eval")
+    _add_stream_flag(p)
     _add_layout_args(p)
     p.add_argument("--data", required=True,
                    help="text file, directory of .txt, .jsonl, .npy of token ids, corpus:NAME, "
@@ -529,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("optimise", help="affinity pass + layout optimiser (+ export of the optimised layout)")
     _add_model_args(p, "optimise")  # and the calibration, the layouts scored, the export: the job spec's flags
+    _add_stream_flag(p)
     p.add_argument("--out", required=True,
                    help="output directory; rerunning with the same parameters and --out resumes: the stages an "
                         "earlier run finished (recorded in DIR/run.json) are skipped")
@@ -601,6 +663,7 @@ def _register_extensions(sub: Any) -> None:
 # only have been raised once its module was imported, so only the imported ones are looked up: a torch-free
 # command never imports torch to classify its error.
 _USER_ERRORS = {"models.assets": "AssetNotFoundError", "models.calibration": "DataError",
+                "models.memory_plan": "MemoryLimitError", "models.sizes": "SizeError",
                 "models.export": "ExportError", "models.families": "UnsupportedModelError",
                 "models.layouts.format": "LayoutError", "models.loading": "ModelLoadError"}
 

@@ -126,7 +126,33 @@ def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Setti
         problems.append(("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this "
                                      f"server runs models up to {settings.max_model_params / 1e9:.2f}B "
                                      "(DTP_LAYOUT_MAX_MODEL_PARAMS)"))
-    return problems + seq_len_problems(config, spec)
+    return problems + seq_len_problems(config, spec) + memory_problems(config, spec=spec, settings=settings)
+
+
+def memory_problems(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """The job under its memory limit (its max_memory, else the worker's): it streams when the model would
+    not fit (models.memory_plan); a job that cannot fit even streamed is refused now, naming its need."""
+    from app.core.sources import config_namespace
+    from models.memory_plan import MemoryLimitError, plan_memory
+    from models.sizes import SizeError
+
+    try:
+        limit = settings.memory_limit(spec.max_memory)
+    except SizeError as exc:
+        return [("max_memory", str(exc))]
+    if limit is None:
+        return []
+    calibration = spec.calibration
+    try:
+        plan_memory(config_namespace(config), dtype=spec.model.dtype, command="optimise", limit=limit,
+                    tokens=calibration.sequences * calibration.seq_len,
+                    batch_tokens=min(calibration.sequences, spec.batch_size) * calibration.seq_len,
+                    export=spec.export.any)
+    except MemoryLimitError as exc:
+        return [("max_memory", str(exc))]
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return []  # an unusual config: the worker's own plan decides
+    return []
 
 
 def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> list[tuple[str, str]]:

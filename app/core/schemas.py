@@ -334,6 +334,7 @@ class JobSpec(_Strict):
     batch_size: StrictInt = _spec("batch_size")
     restarts: StrictInt = _spec("restarts")
     stability: StrictBool = _spec("stability")
+    max_memory: Text | None = _spec("max_memory")
 
     @model_validator(mode="before")
     @classmethod

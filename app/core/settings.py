@@ -135,6 +135,9 @@ class Settings(BaseSettings):
                                 description="the largest distill.world_size a job may ask: the most GPUs any worker "
                                             "owns (DTP_LAYOUT_WORKER_GPUS); more is 422 at submit (it could never "
                                             "start)")
+    max_memory: str = Field(default="", description="worker memory limit of a job that gives no max_memory (e.g. "
+                                                    "16GiB; empty: none): a model that would not fit is streamed "
+                                                    "layer by layer, a job that cannot fit even so is refused")
     cuda_memory_fraction: float | None = Field(
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
                                               "workers on one GPU); a job that needs more fails with the sizes")
@@ -210,6 +213,21 @@ class Settings(BaseSettings):
         if value:
             parse_url(value)
         return value
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, value: str) -> str:
+        if value.strip():
+            from models.sizes import parse_size
+
+            parse_size(value)  # a SizeError (a ValueError) names what is accepted
+        return value.strip()
+
+    def memory_limit(self, requested: str | None) -> int | None:
+        """A job's memory limit in bytes: its own max_memory, else this setting, else None."""
+        from models.sizes import parse_size
+
+        text = requested or self.max_memory
+        return parse_size(text) if text else None
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod

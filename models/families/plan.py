@@ -90,6 +90,13 @@ class ShardingPlan:
             return "rows"
         return "rows" if isinstance(style, Colwise) else "cols"
 
+    def planned(self, param_name: str) -> tuple[int, str, ParallelStyle, str] | None:
+        """(layer, module, style, 'weight' | 'bias') of a planned linear's checkpoint tensor, else None."""
+        match = _LAYER_PARAM.match(param_name)
+        if match is None or match["module"] not in self.modules:
+            return None
+        return int(match["layer"]), match["module"], self.modules[match["module"]], match["kind"]
+
     def split_rules(self, param_names: Iterable[str]) -> dict[str, SplitRule]:
         """The manifest's `split`: the rule of every checkpoint tensor."""
         return {name: self.rule(name) for name in param_names}

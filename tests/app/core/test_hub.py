@@ -113,3 +113,21 @@ def test_local_models_are_checked_again_by_the_worker(tmp_path):
     (folder / "config.json").write_text(json.dumps({**CONFIG, "num_key_value_heads": 2**20}))
     with pytest.raises(ModelRefused, match="num_key_value_heads"):
         prepare_model(settings=settings, spec=job("grown"))
+
+
+def test_a_job_that_cannot_fit_its_memory_limit_even_streamed_is_422_on_max_memory(tmp_path):
+    settings = Settings(var_dir=tmp_path / "var")
+    folder = settings.models_dir / "small"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(SpecError) as err:
+        check_spec(settings=settings, spec=job("small", max_memory="1MiB"))
+    problem = dict(err.value.problems)["max_memory"]
+    assert "needs at least" in problem and "the memory limit (max_memory) is 1.0 MiB" in problem
+    check_spec(settings=settings, spec=job("small", max_memory="1GiB"))  # fits: accepted
+    worker_default = Settings(var_dir=tmp_path / "var", max_memory="1MiB")  # DTP_LAYOUT_MAX_MEMORY
+    with pytest.raises(SpecError, match="max_memory"):
+        check_spec(settings=worker_default, spec=job("small"))
+    assert worker_default.memory_limit("2GiB") == 2 * 2**30 and worker_default.memory_limit(None) == 2**20
+    with pytest.raises(ValueError, match="size must"):
+        Settings(var_dir=tmp_path / "var", max_memory="lots")
