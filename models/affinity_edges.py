@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from models.affinity import (
     AffinityResult,
+    LayerAccumulator,
     _accumulate_up,
     _down_weight_norms,
-    _LayerAccumulator,
     _rms_inverse,
     affinity_pass,
     sum_dtype,
@@ -72,7 +72,7 @@ class _EdgeAccumulator:
             return torch.zeros(*size, dtype=torch.float64, device=device)
 
         if self.kind == "up":  # head → later FFN
-            self.layer = _LayerAccumulator(H, I, device)
+            self.layer = LayerAccumulator(H, I, device)
         elif self.kind == "down":  # neuron → later attention: Σ α²/r²
             self.act = zeros(I)
         elif self.kind == "kv-kv":  # Σ (a_h/r)(a_h/r)ᵀ

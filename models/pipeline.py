@@ -43,8 +43,6 @@ ABLATIONS = tuple(ablation_names("fo"))
 class OptimiseSpec:
     devices: int
     delta: int = 1
-    # The communication schedule (models.schedules, canonical) the layouts are for; None: dtp:δ.
-    schedule: str | None = None
     score: str = "fo"
     random_layouts: int = 0
     ablations: bool = False
@@ -52,8 +50,9 @@ class OptimiseSpec:
     batch_size: int = 4
     restarts: int = 4  # the paper's procedure is 0 (one start, from the contiguous KV groups)
     stability: bool = False  # also optimise on each half of the calibration blocks (models.layouts.stability)
-    # The communication schedule whose J_σ the layouts optimise (issue 20; models.schedules' grammar).
-    # None: dtp:δ of `delta` for δ ≥ 2, and the paper's chain objective (J_σ of dtp:1) for δ ≤ 1.
+    # The communication schedule (models.schedules' grammar, canonical) the run is for: the layouts optimise
+    # its J_σ (issue 20), the shards are exported for it. None: dtp:δ of `delta` (for δ ≤ 1 the paper's
+    # chain objective, J_σ of dtp:1).
     schedule: str | None = None
     edge_memory_limit: int = 256 << 20  # bytes of dense further-edge matrices before neuron→neuron go top-k
     edge_top_k: int = 64

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from models.schedules import resolve_schedule
 from models.export import (
     LAYOUT_FILE,
     MANIFEST,
@@ -39,6 +38,7 @@ from models.layouts.layout import Layout, check_fits
 from models.permute import permuted_tensor
 from models.progress import Progress
 from models.safetensors_stream import SafetensorsWriter
+from models.schedules import resolve_schedule
 from models.streamed_model import CheckpointReader, return_freed_memory, skeleton
 
 SAFE_INDEX = "model.safetensors.index.json"

@@ -361,7 +361,8 @@ class JobSpec(_Strict):
         if not spec.resolvable:
             raise ValueError(f"schedule {spec}: spd:auto:K chooses its K layers by a sensitivity pass on the "
                              f"calibration blocks, which only `dtp-layout optimise --schedule spd:auto:K` runs "
-                             f"(its report.json names the layers); give the layers as spd:B (e.g. spd:1,3); accepted: {SCHEDULES_ACCEPTED}")
+                             f"(its report.json names the layers); give the layers as spd:B (e.g. spd:1,3); "
+                             f"accepted: {SCHEDULES_ACCEPTED}")
         delta = info.data.get("delta")
         if spec.kind == "dtp" and isinstance(delta, int) and delta != spec.delta:
             raise ValueError(f"schedule {spec} and delta={delta} disagree (the schedule's δ is {spec.delta}): give "
