@@ -173,7 +173,7 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config, load_model, load_tokenizer
-    from models.schedules import resolve_schedule
+    from models.schedules import parse_schedule, resolve_schedule
 
     source = ctx.source()
     # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
@@ -184,7 +184,7 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     shape = model_shape(ctx.config)
     check_devices(shape, ctx.devices)
     check_delta(shape, ctx.delta)
-    if ctx.schedule is not None:
+    if ctx.schedule is not None and parse_schedule(ctx.schedule).resolvable:  # spd:auto:K: chosen by the affinity stage
         resolve_schedule(ctx.schedule, shape.num_layers, ctx.devices)  # a ScheduleError names what does not fit
     ctx.memory = _memory_plan(ctx)
     hooks.progress("loading", 0.05)
