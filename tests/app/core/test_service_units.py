@@ -190,7 +190,7 @@ def test_settings_from_environment(monkeypatch, tmp_path):
 
 # String settings with a format of their own: a value each accepts that is not its default.
 FORMATTED = {"api_keys": f"ci:sha256:{'c' * 64}:admin:tenant=team", "corpora": "kjv",
-             "storage_url": "s3://bucket/prefix"}
+             "storage_url": "s3://bucket/prefix", "storage_quotas": "team=1000000", "max_memory": "2GiB"}
 
 
 def _not_default(name: str, field: Any, tmp_path) -> Any:
