@@ -690,7 +690,7 @@ class JobRun(Hooks):
             if self.spec.distill is not None and distilled.is_file():
                 doc = json.loads(distilled.read_text())
                 job.summary["distill"] = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
-                                          "summary": DISTILL_SUMMARY}
+                                          "world_size": doc.get("world_size", 1), "summary": DISTILL_SUMMARY}
             now = utcnow()
             job.status, job.stage, job.progress, job.eta_s = "succeeded", None, 1.0, None
             job.finished_at, job.updated_at, job.lease_until = now, now, None

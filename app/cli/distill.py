@@ -91,6 +91,7 @@ class _Bars:
 
 def cmd_distill(args: argparse.Namespace) -> int:
     from models import distill, stages
+    from models.distill.sharding import launch_rank
     from models.families import model_shape
     from models.loading import ModelSource
     from models.runner import run_stages
@@ -127,6 +128,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
         bars.close()
     summary = ctx.distill_summary
     assert summary is not None
+    if launch_rank() != 0:  # another rank of a torchrun launch: rank 0 reports
+        return 0
     print(distill.summary_table(summary))
     from models.heldout import describe_dict
 

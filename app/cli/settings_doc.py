@@ -53,6 +53,8 @@ ELSEWHERE = (
      "own servers with (default: Debian's newest `/usr/lib/postgresql/N/bin`, else `initdb` on `PATH`)"),
     ("DTP_LAYOUT_TEST_CHROMIUM", "the browser tests (`tests/browser_kit.py`)", "the Chromium to drive (default: "
      "Debian's `chromium`)"),
+    ("DTP_LAYOUT_TEST_LONG", "`tests/models/distill/test_sharded.py`", "`1`: also the long variants (a W = 2 "
+     "checkpoint resumed at W = 4); default: W = 2 resumed at W = 2 and 1 only"),
     ("DTP_LAYOUT_SCREENSHOT_DIR", "`tests/app/ui/test_ui_browser.py`", "also save the screenshots there"),
     ("DTP_LAYOUT_GPU_TEST_DEVICE", "`tests/gpu/`", "`cpu`: the GPU tests run with the CPU standing in (default "
      "`cuda`); see [benchmarks.md](benchmarks.md#gpu-check-make-gpu-check)"),

@@ -26,6 +26,7 @@ from models.distill.recipe import DistillError
 from models.distill.records import EvalRecord, write_metrics
 from models.distill.report import summarise
 from models.distill.run import distill_run
+from models.distill.sharding import launch_rank
 from models.distill.spec import DistillSpec
 from models.distill.train import StepStats
 from models.families import model_shape
@@ -64,9 +65,15 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     should_stop is asked between the dense model's evaluation batches, steps, micro-batches and
     evaluation batches; abandonable(fn) runs the data loading (which asks nothing): the worker passes
     a wrapper that a cancel can walk away from.
+    Under torchrun every rank calls this: only rank 0 writes out_dir's files and calls the callbacks
+    (`models.distill.sharding.launch_rank`); every rank returns the summary.
     """
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
+    writer = launch_rank() == 0
+    if not writer:  # another rank of a torchrun launch: the same runs, with no output, bar nor callback
+        progress = on_eval = on_step = on_run_start = None
+        plot = False
     out_dir.mkdir(parents=True, exist_ok=True)
     teacher.eval()
     config: Any = teacher.config
@@ -87,7 +94,8 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     def record(rec: EvalRecord) -> None:
         records[:] = [r for r in records if (r.layout, r.seed, r.step) != (rec.layout, rec.seed, rec.step)]
         records.append(rec)
-        write_metrics(out_dir, records)
+        if writer:
+            write_metrics(out_dir, records)
         if on_eval:
             on_eval(rec)
 
@@ -95,7 +103,8 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
         for rec in earlier:
             records[:] = [r for r in records if (r.layout, r.seed, r.step) != (rec.layout, rec.seed, rec.step)]
         records.extend(earlier)
-        write_metrics(out_dir, records)
+        if writer:
+            write_metrics(out_dir, records)
 
     for index, (name, seed) in enumerate(pairs):
         def run_progress(stage: str, fraction: float, index: int = index) -> None:
@@ -115,11 +124,13 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
                              keep_checkpoint=keep_checkpoints, world_size=spec.world_size,
                              schedule=spec.schedule)
         records[:] = [r for r in records if (r.layout, r.seed) != (name, seed)] + result.records
-        write_metrics(out_dir, records)
+        if writer:
+            write_metrics(out_dir, records)
     summary = summarise(records, spec=spec, dense_ppl=reference.dense_ppl, model_id=model_id, layouts=layouts,
                         seconds=time.perf_counter() - t0)
     summary["data"] = placement.as_dict()
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1))
+    if writer:
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1))
     if plot:
         plot_curves(summary, out_dir / "curves.png")
     return summary

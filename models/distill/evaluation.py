@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from models.distill.loss import chunked_kl_nll, chunked_nll, next_token_targets
+from models.distill.loss import chunked_kl_nll, chunked_nll, next_token_targets, teacher_hidden
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
 from models.dtp import DTPModel, gathered
@@ -34,13 +33,11 @@ class DenseReference:
     def compute(cls, teacher: nn.Module, blocks: torch.Tensor, *, recipe: DistillRecipe,
                 should_stop: ShouldStop | None = None) -> DenseReference:
         device = next(teacher.parameters()).device
-        head = lm_head(teacher)
         nll = 0.0
         with torch.no_grad(), autocast(recipe, device):
             for ids in _micro_batches(blocks, recipe, should_stop, "the dense model's evaluation"):
                 ids = ids.to(device)  # [b, S]
-                h = _teacher_hidden(teacher, ids)  # [b, S, D]
-                nll += chunked_nll(h.reshape(-1, h.shape[-1]), head, next_token_targets(ids), recipe.logit_chunk)
+                nll += gathered(teacher, _dense_nll, teacher, ids, recipe.logit_chunk)
         n, s = blocks.shape
         return cls(blocks=blocks.to(device), dense_ppl=math.exp(nll / (n * (s - 1))))
 
@@ -54,15 +51,14 @@ def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseRefe
     was_training = student.training
     student.eval()
     device = reference.blocks.device
-    head_t = lm_head(teacher)
     kl = nll = 0.0
     n, s = reference.blocks.shape
     try:
         with autocast(recipe, device):
             for ids in _micro_batches(reference.blocks, recipe, should_stop, "an evaluation"):  # [b, S]
-                flat_t = _teacher_hidden(teacher, ids)
-                flat_t = flat_t.reshape(-1, flat_t.shape[-1])  # [T, D]
-                _, nll_s, kl_sum = gathered(student, _student_sums, student, ids, flat_t, head_t, recipe.logit_chunk)
+                # both models whole at their roots (FSDP2: the teacher's method inside the student's)
+                _, nll_s, kl_sum = gathered(student, gathered, teacher, _sums, student, teacher, ids,
+                                            recipe.logit_chunk)
                 kl += kl_sum
                 nll += nll_s
     finally:
@@ -70,16 +66,18 @@ def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseRefe
     return kl / (n * s), math.exp(nll / (n * (s - 1)))
 
 
-def _student_sums(student: DTPModel, ids: torch.Tensor, flat_t: torch.Tensor, head_t: nn.Module,
-                  chunk: int) -> tuple[float, float, float]:
-    """(teacher NLL, student NLL, KL) sums of one batch; runs inside `student.gathered` (whole weights)."""
+def _sums(student: DTPModel, teacher: nn.Module, ids: torch.Tensor, chunk: int) -> tuple[float, float, float]:
+    """(teacher NLL, student NLL, KL) sums of one batch [b, S]; runs inside both models' `gathered`."""
+    flat_t = teacher_hidden(teacher, ids)
+    flat_t = flat_t.reshape(-1, flat_t.shape[-1])  # [T, D]
     flat_s = student.hidden_states(ids).reshape(flat_t.shape)  # [T, D]
-    return chunked_kl_nll(flat_t, flat_s, head_t, lm_head(student.model), next_token_targets(ids), chunk)
+    return chunked_kl_nll(flat_t, flat_s, lm_head(teacher), lm_head(student.model), next_token_targets(ids), chunk)
 
 
-def _teacher_hidden(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    teacher_any: Any = teacher
-    return teacher_any.model(ids).last_hidden_state  # [b, S, D]
+def _dense_nll(teacher: nn.Module, ids: torch.Tensor, chunk: int) -> float:
+    """The teacher's NLL sum over ids [b, S]; runs inside its `gathered` (whole LM head)."""
+    h = teacher_hidden(teacher, ids)  # [b, S, D]
+    return chunked_nll(h.reshape(-1, h.shape[-1]), lm_head(teacher), next_token_targets(ids), chunk)
 
 
 def _micro_batches(blocks: torch.Tensor, recipe: DistillRecipe, should_stop: ShouldStop | None,

@@ -118,16 +118,16 @@ def loss_and_backward(student: DTPModel, teacher: nn.Module, ids: torch.Tensor, 
 
     loss = Σ KL / kl_norm + ce_weight · Σ CE / ce_norm, so that micro-batches (and ranks) with the
     step's total token counts as norms add up to the step's per-token mean. The student's part runs
-    inside its `gathered` method (its embeddings, norm and LM head whole under FSDP2); the backward
-    is one autograd pass from the hand-formed gradients (`_HandFormedLoss`).
+    inside its `gathered` method (its embeddings, norm and LM head whole under FSDP2), the teacher's
+    inside its own, under no_grad (`models.distill.sharding.shard_teacher`); the backward is one
+    autograd pass from the hand-formed gradients (`_HandFormedLoss`).
     """
     device = ids.device
     b, s = ids.shape
-    teacher_any: Any = teacher
     with torch.no_grad(), autocast(recipe, device):
-        hidden_t = teacher_any.model(ids).last_hidden_state.reshape(b * s, -1)  # [T, D]
+        hidden_t = gathered(teacher, teacher_hidden, teacher, ids).reshape(b * s, -1)  # [T, D]
     sums = LossSums()
-    loss: torch.Tensor = gathered(student, _student_loss, student, ids, hidden_t, lm_head(teacher), recipe,
+    loss: torch.Tensor = gathered(student, _student_loss, student, teacher, ids, hidden_t, recipe,
                                   (kl_norm, ce_norm), sums)
     loss.backward()
     return sums
@@ -154,7 +154,14 @@ class _HandFormedLoss(torch.autograd.Function):
         return hidden, head, None, None, None
 
 
-def _student_loss(student: DTPModel, ids: torch.Tensor, hidden_t: torch.Tensor, head_t: nn.Module,
+def teacher_hidden(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The teacher's last hidden states [b, S, D] of ids [b, S]; call it through `gathered(teacher, ...)`."""
+    teacher_any: Any = teacher
+    hidden: torch.Tensor = teacher_any.model(ids).last_hidden_state
+    return hidden
+
+
+def _student_loss(student: DTPModel, teacher: nn.Module, ids: torch.Tensor, hidden_t: torch.Tensor,
                   recipe: DistillRecipe, norms: tuple[int, int], sums: LossSums) -> torch.Tensor:
     """The student's forward and the chunked loss of one micro-batch (run inside `student.gathered`);
     adds the sums to `sums`, returns the loss as a scalar whose backward trains the student."""
@@ -166,15 +173,32 @@ def _student_loss(student: DTPModel, ids: torch.Tensor, hidden_t: torch.Tensor, 
     flat_s = hidden_s.detach().reshape(b * s, -1)  # [T, D]
     targets = next_token_targets(ids)  # [T]
     head_s = lm_head(student.model)
+    sums.add(LossSums(kl_tokens=b * s, ce_tokens=int((targets != IGNORE).sum())))
+    scales = (1.0 / kl_norm, recipe.ce_weight / ce_norm)
+    with torch.no_grad():  # the teacher's LM head whole for the chunks, no graph through either head
+        kl, ce, grad_hidden, grad_head = gathered(teacher, _hand_formed_grads, head_s, lm_head(teacher), flat_s,
+                                                  hidden_t, targets, recipe, scales)
+    sums.kl += kl
+    sums.ce += ce
+    value = torch.tensor(kl * scales[0] + ce * scales[1], device=device)  # this micro-batch's share of the loss
+    loss: torch.Tensor = _HandFormedLoss.apply(hidden_s, head_s.weight, value,
+                                               grad_hidden.view(b, s, -1).to(hidden_s.dtype), grad_head)
+    return loss
+
+
+def _hand_formed_grads(head_s: nn.Linear, head_t: nn.Module, flat_s: torch.Tensor, hidden_t: torch.Tensor,
+                       targets: torch.Tensor, recipe: DistillRecipe, scales: tuple[float, float],
+                       ) -> tuple[float, float, torch.Tensor, torch.Tensor | None]:
+    """(Σ KL, Σ CE, d loss/d hidden [T, D], d loss/d head weight [V, D] or None), `recipe.logit_chunk`
+    tokens at a time: both heads' logits of a chunk at once, never [T, V]."""
+    device = flat_s.device
     train_head = head_s.weight.requires_grad
     grad_hidden = torch.empty_like(flat_s, dtype=torch.float32)  # [T, D]
     grad_head = torch.zeros_like(head_s.weight, dtype=torch.float32) if train_head else None  # [V, D]
-    sums.add(LossSums(kl_tokens=b * s, ce_tokens=int((targets != IGNORE).sum())))
     kl = ce = 0.0
-    scales = (1.0 / kl_norm, recipe.ce_weight / ce_norm)
-    for start in range(0, b * s, recipe.logit_chunk):
+    for start in range(0, flat_s.shape[0], recipe.logit_chunk):
         sl = slice(start, start + recipe.logit_chunk)
-        with torch.no_grad(), autocast(recipe, device):
+        with autocast(recipe, device):
             logits_s, logits_t = head_s(flat_s[sl]), head_t(hidden_t[sl])  # [t, V]
         stats = kl_ce_chunk(logits_s, logits_t, targets[sl], grad_scales=scales)
         del logits_s, logits_t
@@ -182,13 +206,8 @@ def _student_loss(student: DTPModel, ids: torch.Tensor, hidden_t: torch.Tensor, 
         assert grad_logits is not None
         kl += stats.kl
         ce += stats.ce
-        with torch.no_grad(), autocast(recipe, device):
+        with autocast(recipe, device):
             grad_hidden[sl] = grad_logits.to(head_s.weight.dtype) @ head_s.weight  # [t, D]
             if grad_head is not None:
                 grad_head += grad_logits.t().to(flat_s.dtype) @ flat_s[sl]  # [V, D]
-    sums.kl += kl
-    sums.ce += ce
-    value = torch.tensor(kl * scales[0] + ce * scales[1], device=device)  # this micro-batch's share of the loss
-    loss: torch.Tensor = _HandFormedLoss.apply(hidden_s, head_s.weight, value,
-                                               grad_hidden.view(b, s, -1).to(hidden_s.dtype), grad_head)
-    return loss
+    return kl, ce, grad_hidden, grad_head

@@ -9,6 +9,7 @@ is a pure function of (seed, step), so a resumed run follows the uninterrupted c
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from models.distill.sharding import (
     rank_device,
     run_children,
     shard_student,
+    shard_teacher,
     torchrun_world,
 )
 from models.distill.student import make_student
@@ -94,7 +96,8 @@ class _Run:
 
     def __init__(self, *, teacher: nn.Module, layout: Layout, seed: int, recipe: DistillRecipe,
                  train_blocks: torch.Tensor, reference: DenseReference, run_dir: Path, fingerprint: str,
-                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks, schedule: str | None = None) -> None:
+                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks, schedule: str | None = None,
+                 own_teacher: bool = False) -> None:
         self.teacher, self.layout, self.seed, self.recipe = teacher, layout, seed, recipe
         self.schedule = schedule  # None: the layout's dtp:δ
         self.train_blocks, self.reference, self.run_dir = train_blocks, reference, run_dir
@@ -104,6 +107,9 @@ class _Run:
         self.student = make_student(teacher, layout, recipe, schedule).to(self.device)
         if ranks.sharded:
             shard_student(self.student, self.device)
+            # The caller's teacher stays whole (run_distill builds the next run's student from it), so
+            # the launching process shards a copy; a spawned rank owns its teacher and shards it in place.
+            self.teacher = shard_teacher(teacher if own_teacher else copy.deepcopy(teacher), self.device)
         self.optimizer = make_optimizer(self.student, recipe)
         self.ckpt_path = run_dir / CHECKPOINT_DIR
         self.state = RunState()
@@ -315,7 +321,7 @@ def _rank_main(env: dict[str, str], payload: dict[str, Any]) -> None:
     payload["reference"].blocks = payload["reference"].blocks.to(device)
     ranks = _join(env, device)
     try:
-        run = _Run(**payload, hooks=RunHooks(), ranks=ranks)
+        run = _Run(**payload, hooks=RunHooks(), ranks=ranks, own_teacher=True)
         run.restore()
         run.run()
     except Cancelled:

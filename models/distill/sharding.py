@@ -10,9 +10,11 @@ the global batch's tokens (B·S / W, B divisible by W): the mean over ranks is t
 
 Each rank takes rows [r·B/W, (r+1)·B/W) of the global batch (same batch, same order as W = 1); every
 rank evaluates every held-out block (the FSDP collectives need every rank in every forward), so the
-evaluation is the W = 1 one. The frozen teacher is replicated on each rank (forward only: no
-gradients nor optimiser state). Rank 0 writes the logs and owns the hooks; the stop request is agreed
-by all ranks at each step.
+evaluation is the W = 1 one. The frozen teacher is sharded too (`shard_teacher`: each decoder layer
+and the root, resharded after every forward, so a rank holds 1/W of it between uses); every use of
+it goes through its own `gathered` method under `torch.no_grad()` (its embeddings, final norm and LM
+head whole inside, each layer gathered by its own forward). Rank 0 writes the logs and owns the
+hooks; the stop request is agreed by all ranks at each step.
 
 `Ranks.single()` is W = 1 in one process with no process group: every collective is the identity.
 """
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from models.dtp import GATHERED, DTPModel, call_through
 
@@ -119,6 +122,37 @@ def shard_student(student: DTPModel, device: torch.device) -> DTPModel:
     return student
 
 
+def shard_teacher(teacher: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 over the frozen teacher (a causal LM, in place): `fully_shard` on every decoder layer, then
+    on the root, resharded after every forward (it has no backward to wait for), parameters frozen.
+    Use it only through `gathered(teacher, ...)` under `torch.no_grad()`: the root's registered method
+    makes its embeddings, final norm and LM head whole; each layer's forward gathers that layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    inner: Any = teacher
+    for layer in inner.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    setattr(teacher, GATHERED, call_through.__get__(teacher))
+    # reshard_after_forward=True given explicitly: FSDP2 keeps an implicit root's parameters whole after
+    # its forward (for the backward a teacher never has); given, the root reshards like every layer.
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=True)
+    register_fsdp_forward_method(teacher, GATHERED)
+    return teacher
+
+
+def local_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (its shards, under FSDP2)."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm of (possibly sharded) gradients, as a plain tensor."""
     from torch.distributed.tensor import DTensor
@@ -145,6 +179,11 @@ def torchrun_world() -> int | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     return None
+
+
+def launch_rank() -> int:
+    """This process's rank when torchrun started it (RANK), else 0: only rank 0 writes a run's outputs."""
+    return int(os.environ["RANK"]) if torchrun_world() is not None else 0
 
 
 def free_port() -> int:

@@ -48,3 +48,29 @@ def run(run_dir: Path, world_size: int, *, kill_after: int | None = None) -> D.R
 def main(run_dir: str, world_size: int, kill_after: int | None) -> None:
     torch.set_num_threads(1)
     run(Path(run_dir), world_size, kill_after=kill_after)
+
+
+def compare_main(data: str, out_dir: str, calls: str) -> None:
+    """`run_distill` at W = 2 as one torchrun rank (RANK, WORLD_SIZE, MASTER_* set by the caller), on a
+    tied-embeddings model; what its callbacks saw goes to `calls` (JSON), written here, not by the run."""
+    import json
+
+    from models.calibration import CalibrationSpec
+    from tests.models.distill.kit import recipe as small_recipe
+
+    torch.set_num_threads(1)
+    teacher = tiny_model("llama-tied-headdim")  # the LM head is the embedding: one FSDP unit (the root)
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, seeds=(0,), recipe=small_recipe(steps=4), world_size=2,
+                         train=CalibrationSpec(data, sequences=16, seq_len=16),
+                         eval=CalibrationSpec(data, sequences=4, seq_len=16))
+    seen = {"progress": 0, "on_eval": 0, "on_step": 0, "on_run_start": 0}
+
+    def count(name: str):
+        def hook(*args) -> None:
+            seen[name] += 1
+        return hook
+
+    summary = D.run_distill(spec, teacher=teacher, tokenizer=None, out_dir=Path(out_dir), model_id="tiny",
+                            progress=count("progress"), on_eval=count("on_eval"), on_step=count("on_step"),
+                            on_run_start=count("on_run_start"), keep_checkpoints=False)
+    Path(calls).write_text(json.dumps({**seen, "kl": summary["layouts"]["contiguous"]["kl"]}))
