@@ -82,14 +82,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval", default="corpus:shakespeare")
     ap.add_argument("--eval-blocks", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--min-lr", type=float, default=1e-5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=6)
     ap.add_argument("--seeds", default="0,1,2", help="training seeds of the dtp:2 comparison's two layouts")
     ap.add_argument("--schedules", default=None, help="a comma-free subset, separated by spaces (default: all)")
+    ap.add_argument("--seeds-first", action="store_true",
+                    help="train the dtp:2 comparison's further seeds (not seed 0) before the listed schedules' arms")
+    ap.add_argument("--contiguous-only", default="",
+                    help="schedules (space-separated) whose contiguous arm alone is trained (no affinity pass)")
+    ap.add_argument("--step0-only", action="store_true",
+                    help="train nothing: KL at step 0 of the listed schedules' arms that have no run yet")
     ap.add_argument("--report-only", action="store_true", help="train nothing: write the docs from what exists")
     ap.add_argument("--only-seed-0", action="store_true", help="train seed 0 of every arm only (a partial study)")
     ap.add_argument("--device", default="auto")
@@ -241,6 +247,7 @@ class Study:
 
     def train(self, schedule: str, layouts: tuple[str, ...], seeds: tuple[int, ...]) -> None:
         spec = self.distill_spec(schedule, layouts, seeds)
+        layouts_dir = self.layouts(schedule) if layouts != (CONTIGUOUS,) else None
         out = self.work / "distill" / slug(schedule)
         t0 = time.perf_counter()
 
@@ -249,16 +256,46 @@ class Study:
                 f"({r.elapsed_s:.0f}s)")
 
         distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
-                            layouts_dir=self.layouts(schedule), model_id=self.args.model_name, on_eval=on_eval,
+                            layouts_dir=layouts_dir, model_id=self.args.model_name, on_eval=on_eval,
                             keep_checkpoints=False, plot=False)
         key = f"distill {schedule} {','.join(layouts)} seeds {','.join(map(str, seeds))}"
         self._timed(key, t0, add=True)
+
+    def step0(self, schedule: str, layouts: tuple[str, ...]) -> None:
+        """KL at step 0 only, for arms the budget leaves untrained (work/step0/<schedule>/<layout>.json)."""
+        from models.distill.compare import resolve_layouts
+        from models.distill.data import load_data, place_data
+        from models.distill.evaluation import DenseReference, evaluate_student
+        from models.distill.student import make_student
+
+        out = self.work / "step0" / slug(schedule)
+        todo = [n for n in layouts if not (out / f"{n}.json").exists()
+                and not (distill.run_dir_for(self.work / "distill" / slug(schedule), n, 0) / "metrics.json").exists()]
+        if n_missing := [n for n in todo if n != CONTIGUOUS and not (self.layouts(schedule) / f"{n}.json").exists()]:
+            log(f"{schedule}: no layout {n_missing}, skipped")
+            todo = [n for n in todo if n not in n_missing]
+        if not todo:
+            return
+        spec = self.distill_spec(schedule, tuple(todo), (0,))
+        placement = place_data(spec)
+        _, eval_blocks = load_data(spec, tokenizer=self.tokenizer, vocab_size=int(self.model.config.vocab_size),
+                                   placement=placement)
+        reference = DenseReference.compute(self.model, eval_blocks, recipe=spec.recipe)
+        resolved = resolve_layouts(spec.layouts, shape=self.shape, devices=self.args.devices, delta=1,
+                                   layouts_dir=self.layouts(schedule))
+        for name, lay in resolved.items():
+            student = make_student(self.model, lay, spec.recipe, spec.schedule)
+            kl, ppl = evaluate_student(student, self.model, reference, recipe=spec.recipe)
+            record = {"layout": name, "seed": 0, "step": 0, "kl": kl, "ppl": ppl}
+            atomic_write_json(out / f"{name}.json", {"records": [record], "complete": False, "step0_only": True})
+            log(f"{schedule:<12} {name:<15} step 0 only  KL {kl:.4f}  ppl {ppl:9.2f}")
 
     def records(self, schedule: str) -> list[dict[str, Any]]:
         """Every evaluation of every finished or partial run of `schedule`, from the runs' own files."""
         rows = []
         runs = self.work / "distill" / slug(schedule) / "runs"
-        for path in sorted(runs.glob("*/seed-*/metrics.json")):
+        step0 = sorted((self.work / "step0" / slug(schedule)).glob("*.json"))
+        for path in sorted(runs.glob("*/seed-*/metrics.json")) + step0:
             doc = json.loads(path.read_text())
             for r in doc["records"]:
                 rows.append({"schedule": schedule, "resolved": self.resolved_name(schedule), "layout": r["layout"],
@@ -277,8 +314,14 @@ class Study:
 
 
 def run(study: Study, schedules: list[str], seeds: tuple[int, ...], only_seed_0: bool) -> None:
-    for s in schedules:  # seed 0 of every arm: the table's row for every schedule
-        study.train(s, study.arms(s), (0,))
+    """Seed 0 of every arm (the table's row for every schedule), then the dtp:2 comparison's seeds; with
+    --seeds-first those seeds (but seed 0) come first, so that two processes can share the work."""
+    further = tuple(s for s in seeds if s != 0)
+    if study.args.seeds_first and further:
+        study.train("dtp:2", (OPTIMISED, DTP1_OPTIMISED), further)
+    contiguous_only = study.args.contiguous_only.split()
+    for s in schedules:
+        study.train(s, (CONTIGUOUS,) if s in contiguous_only else study.arms(s), (0,))
     if not only_seed_0 and "dtp:2" in schedules and len(seeds) > 1:
         study.train("dtp:2", (OPTIMISED, DTP1_OPTIMISED), seeds)  # finished seed-0 runs are skipped
 
@@ -488,9 +531,12 @@ def main(argv: list[str] | None = None) -> None:
     study = Study(args, model, tokenizer)
     schedules = schedule_names(args, study.shape.num_layers)
     if args.schedules:
-        schedules = [s for s in schedules if s in args.schedules.split()]
+        schedules = [s for s in args.schedules.split() if s in schedules]  # in the order given
     seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
-    if not args.report_only:
+    if args.step0_only:
+        for s in schedules:
+            study.step0(s, (CONTIGUOUS,) if s in args.contiguous_only.split() else study.arms(s))
+    elif not args.report_only:
         t0 = time.perf_counter()
         run(study, schedules, seeds, args.only_seed_0)
         study._timed(f"total ({args.schedules or 'all'})", t0)
