@@ -147,7 +147,9 @@ class Study:
     def __init__(self, args: argparse.Namespace, model: Any, tokenizer: Any) -> None:
         self.args, self.model, self.tokenizer = args, model, tokenizer
         self.work = Path(args.work)
-        self.shape = model_shape(model.config)
+        # --report-only loads no model: the shape is any stored layout's
+        self.shape = (model_shape(model.config) if model is not None
+                      else layout_mod.load(next((self.work / "layouts").glob("*/*.json"))).shape)
         self.calibration = CalibrationSpec(source=args.calib, sequences=args.calib_sequences,
                                            seq_len=args.calib_seq_len)
         self.blocks: torch.Tensor | None = None
@@ -403,46 +405,55 @@ def dtp2_seed_table(arms: list[dict[str, Any]], evaluations: list[dict[str, Any]
     return "\n".join(lines)
 
 
-def plot_pareto(arms: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+def _panel(ax: Any, arms: list[dict[str, Any]], values: Any, ylabel: str) -> None:
+    """One quality-vs-blocking-syncs panel: each arm's KL (mean over seeds, bar: their range), the Pareto
+    front of each schedule's better arm (dashed)."""
     markers = {OPTIMISED: ("*", 150), DTP1_OPTIMISED: ("P", 90), CONTIGUOUS: ("o", 60)}
     best: dict[str, tuple[int, float]] = {}
     for a in arms:
-        if not a["kl"]:
+        kls = values(a)
+        if not kls:
             continue
-        kl = sum(a["kl"]) / len(a["kl"])
+        kl = sum(kls) / len(kls)
         marker, size = markers[a["layout"]]
         label = a["layout"] if not a["layout_independent"] else "layout-independent"
         ax.scatter(a["blocking"], kl, marker=marker, s=size, label=label, alpha=0.8,
                    color={OPTIMISED: "C1", DTP1_OPTIMISED: "C2", CONTIGUOUS: "C0"}[a["layout"]])
-        if len(a["kl"]) > 1:
-            ax.vlines(a["blocking"], min(a["kl"]), max(a["kl"]), color="grey", lw=1)
+        if len(kls) > 1:
+            ax.vlines(a["blocking"], min(kls), max(kls), color="grey", lw=1)
         if a["schedule"] not in best or kl < best[a["schedule"]][1]:
             best[a["schedule"]] = (a["blocking"], kl)
     for s, (x, y) in best.items():
         ax.annotate(s, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    ax.scatter([60], [0.0], marker="s", color="k", label="tp (dense, KL 0)")
-    points = [*sorted(best.values()), (60, 0.0)]
     front, low = [], float("inf")
-    for x, y in sorted(points):
+    for x, y in sorted(best.values()):
         if y < low:
             front.append((x, y))
             low = y
     ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="k", lw=0.8, ls="--")
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), fontsize=8)
-    ax.set_xlabel("blocking syncs per token (exchanges with no module to hide behind)")
-    ax.set_ylabel("KL(dense ‖ schedule) after distillation, nats/token")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
+    ax.legend(unique.values(), unique.keys(), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("blocking syncs per token (tp: 60, KL 0)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="both")
+
+
+def plot_pareto(arms: list[dict[str, Any]], path: Path, title: str, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    _panel(left, arms, lambda a: [a["kl0"]] if a["kl0"] is not None else [], "KL(dense ‖ schedule), nats/token")
+    left.set_title("step 0 (no training)", fontsize=9)
+    _panel(right, arms, lambda a: a["kl"], "KL(dense ‖ schedule), nats/token")
+    right.set_title(f"after {steps} distillation steps", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -459,7 +470,7 @@ def write_outputs(study: Study, schedules: list[str], command: str) -> Path:
     atomic_write_json(Path(args.work) / "arms.json", arms)
     title = (f"{args.model_name}, L={args.devices}: {args.steps} steps of {args.batch_size} × {args.seq_len} "
              f"tokens; bars: seeds' range")
-    plot_pareto(arms, docs / "schedules_pareto.png", title)
+    plot_pareto(arms, docs / "schedules_pareto.png", title, args.steps)
     sens = study._read_json("spd_sensitivities.json", None)
     sens_text = ("" if sens is None else "SPD's per-layer sensitivities (KL(dense ‖ spd:i), nats/token, "
                  "calibration blocks, contiguous layout): " + ", ".join(f"{i}: {s:.4f}" for i, s in enumerate(sens)))
@@ -526,8 +537,10 @@ def main(argv: list[str] | None = None) -> None:
         args.model_name = args.model
     Path(args.work).mkdir(parents=True, exist_ok=True)
     source = ModelSource(args.model)
-    model, tokenizer = load_model(source, device=args.device), load_tokenizer(source)
-    log(f"loaded {args.model_name}; {torch.get_num_threads()} threads")
+    model, tokenizer = None, None
+    if not args.report_only:
+        model, tokenizer = load_model(source, device=args.device), load_tokenizer(source)
+        log(f"loaded {args.model_name}; {torch.get_num_threads()} threads")
     study = Study(args, model, tokenizer)
     schedules = schedule_names(args, study.shape.num_layers)
     if args.schedules:
