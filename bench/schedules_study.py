@@ -435,6 +435,7 @@ def _panel(ax: Any, arms: list[dict[str, Any]], values: Any, ylabel: str) -> Non
     unique = dict(zip(labels, handles, strict=True))
     ax.legend(unique.values(), unique.keys(), fontsize=7)
     ax.set_yscale("log")
+    ax.set_xlim(-3, 63)
     ax.set_xlabel("blocking syncs per token (tp: 60, KL 0)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, which="both")
