@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="train the dtp:2 comparison's further seeds (not seed 0) before the listed schedules' arms")
     ap.add_argument("--contiguous-only", default="",
                     help="schedules (space-separated) whose contiguous arm alone is trained (no affinity pass)")
+    ap.add_argument("--optimised-only", default="",
+                    help="schedules (space-separated) whose optimised arm alone is trained (the complement of "
+                         "another process's --contiguous-only)")
     ap.add_argument("--step0-only", action="store_true",
                     help="train nothing: KL at step 0 of the listed schedules' arms that have no run yet")
     ap.add_argument("--report-only", action="store_true", help="train nothing: write the docs from what exists")
@@ -321,9 +324,10 @@ def run(study: Study, schedules: list[str], seeds: tuple[int, ...], only_seed_0:
     further = tuple(s for s in seeds if s != 0)
     if study.args.seeds_first and further:
         study.train("dtp:2", (OPTIMISED, DTP1_OPTIMISED), further)
-    contiguous_only = study.args.contiguous_only.split()
+    contiguous_only, optimised_only = study.args.contiguous_only.split(), study.args.optimised_only.split()
     for s in schedules:
-        study.train(s, (CONTIGUOUS,) if s in contiguous_only else study.arms(s), (0,))
+        arms = (CONTIGUOUS,) if s in contiguous_only else (OPTIMISED,) if s in optimised_only else study.arms(s)
+        study.train(s, arms, (0,))
     if not only_seed_0 and "dtp:2" in schedules and len(seeds) > 1:
         study.train("dtp:2", (OPTIMISED, DTP1_OPTIMISED), seeds)  # finished seed-0 runs are skipped
 
