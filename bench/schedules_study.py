@@ -12,7 +12,7 @@ Affinity passes are shared where the edges allow: the chain's (dtp:1) serves dtp
 pt:4's (a superset of pt:2's edges) serves both pt schedules; spd's per-layer sensitivities are measured
 once and give both K.
 
-    .venv/bin/python bench/schedules_study.py            # the CPU study (~45 min on 2 shared cores)
+    .venv/bin/python bench/schedules_study.py            # the CPU study (6 steps per arm; ~45 core-min at load 5-7)
     .venv/bin/python bench/schedules_study.py --quick    # smoke run: tiny budget, var/schedules-quick
 
 Outputs: docs/schedules.md (table + command + times; a hand-written `## Reading` section survives
