@@ -26,6 +26,7 @@ from models.calibration import CalibrationSpec, DataError, load_blocks
 from models.export import dtype_name, export_checkpoint, export_copy, export_rank_shards
 from models.families import model_shape
 from models.heldout import source_identity
+from models.layouts.format import LayoutError
 from models.layouts.layout import Layout
 from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
 from models.layouts.stability import HALVES, half_layouts, stability_report
@@ -56,6 +57,10 @@ class OptimiseSpec:
     schedule: str | None = None
     edge_memory_limit: int = 256 << 20  # bytes of dense further-edge matrices before neuron→neuron go top-k
     edge_top_k: int = 64
+    # A job may run a layout-independent schedule (tp, ladder: a_n = b_n everywhere) to compare it with
+    # the others; its layouts then optimise the paper's dtp:δ objective (they cannot matter), where the
+    # `optimise` command refuses such a schedule outright.
+    layout_independent_ok: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule is not None:
@@ -77,8 +82,13 @@ class OptimiseSpec:
     def objective_schedule(self, num_layers: int, resolved: str | None = None) -> Schedule | None:
         """The schedule the layouts are optimised for (`models.layouts.set.objective_schedule`); `resolved`:
         the spd:B an spd:auto:K became (the affinity file's schedule)."""
-        return objective_schedule(self.schedule, delta=self.delta, num_layers=num_layers, devices=self.devices,
-                                  resolved=resolved)
+        try:
+            return objective_schedule(self.schedule, delta=self.delta, num_layers=num_layers, devices=self.devices,
+                                      resolved=resolved)
+        except LayoutError:
+            if self.layout_independent_ok:
+                return None
+            raise
 
     @property
     def chooses_spd_layers(self) -> bool:
@@ -280,7 +290,11 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: the layers whose dropped "
                      f"attention sync alone costs least KL(dense ‖ spd:i) on the calibration blocks "
                      f"(spd_sensitivities, nats per token, contiguous layout)")
-    if objective is None and spec.delta != 1:
+    if objective is None and spec.schedule is not None and spec.layout_independent_ok:
+        notes.append(f"schedule={spec.schedule}: every module's partial reaches every device before the next "
+                     f"module reads it, so the model is the same under every layout; the layouts optimise the "
+                     f"dtp:{spec.delta} objective (the layout's own δ) and do not matter for this schedule")
+    elif objective is None and spec.delta != 1:
         notes.append(f"delta={spec.delta}: the layouts optimise the dtp:1 objective (the paper's chain); at δ=0 "
                      "every module is exchanged before the next one reads it, so no layout is better than another")
     elif objective is not None:
