@@ -51,6 +51,7 @@ from app.core.settings import Settings
 from app.core.storage import Storage, sha256_file
 from tests.faults import Faults
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
+from worker.store_sweep import sweep_store
 
 BODY = spec(random_layouts=0, ablations=False, export={"checkpoint": False, "shards": True}, distill=TINY_DISTILL)
 TOLERANCE = 1e-6
@@ -160,9 +161,12 @@ def verify(settings: Settings, job_id: str, reference: dict[str, Any], *, cache:
         path = storage.path(r.storage_key)
         if not path.is_file() or path.stat().st_size != r.size or sha256_file(path) != r.sha256:
             problems.append(f"artifact {r.name}: the file does not match its row")
-    artifact_dir = storage.job_dir(job_id) / "artifacts"
-    on_disk = sorted(str(p.relative_to(artifact_dir)) for p in artifact_dir.rglob("*") if p.is_file())
-    if on_disk != sorted(n for n in names if n != "affinity.safetensors"):
+    # Each attempt publishes under its own keys (artifacts/, artifacts-2/, …); a killed attempt's objects no
+    # row lists are the store sweep's to remove: sweep, then the files left must be exactly the rows' keys.
+    sweep_store(db, storage.objects, stale_s=0)
+    on_disk = sorted(str(p.relative_to(storage.root)) for d in storage.job_dir(job_id).glob("artifacts*")
+                     for p in d.rglob("*") if p.is_file())
+    if on_disk != sorted(r.storage_key for r in rows):
         problems.append(f"files on disk {on_disk} are not the artifact rows")
     if layouts(db, job_id) != reference["layouts"]:
         problems.append("layouts differ from the reference run's")
