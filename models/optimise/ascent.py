@@ -96,12 +96,22 @@ def optimise(affinity: Affinity, devices: int, *, maximise: bool = True, move_he
     best = _ascend(affinity, devices, initial_heads=initial_heads, **kwargs)
     if not move_heads:
         return best  # every start would be the same contiguous heads
+    return best_of_restarts(best, lambda start: _ascend(affinity, devices, initial_heads=start, **kwargs),
+                            num_kv_groups=affinity.num_kv_groups, num_layers=affinity.num_layers, devices=devices,
+                            restarts=restarts, seed=seed, maximise=maximise, tol=tol)
+
+
+def best_of_restarts(best: Any, ascend: Any, *, num_kv_groups: int, num_layers: int, devices: int, restarts: int,
+                     seed: int, maximise: bool, tol: float) -> Any:
+    """`best` or a better result of `ascend(start)` from `restarts` seeded random balanced head starts
+    [N, G] (the same seeded starts for every objective: chain or schedule); better by more than `tol`
+    in report.J."""
     rng = np.random.default_rng(seed)
-    groups_row = contiguous_row(affinity.num_kv_groups, devices)
+    groups_row = contiguous_row(num_kv_groups, devices)
     sign = 1.0 if maximise else -1.0
     for _ in range(restarts):
-        start = np.stack([rng.permutation(groups_row) for _ in range(affinity.num_layers)])
-        candidate = _ascend(affinity, devices, initial_heads=start, **kwargs)
+        start = np.stack([rng.permutation(groups_row) for _ in range(num_layers)])
+        candidate = ascend(start)
         if sign * (candidate.report.J - best.report.J) > tol:
             best = candidate
     return best

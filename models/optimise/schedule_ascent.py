@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from models.optimise.ascent import _moving_layers, _step
+from models.optimise.ascent import _moving_layers, _step, best_of_restarts
 from models.optimise.assignment import balanced_assignment
 from models.optimise.edges import ScheduleAffinity, module_devices, receiver_gain, sender_gain
-from models.optimise.problem import contiguous_row
 from models.optimise.schedule_objective import (
     ScheduleBound,
     ScheduleScoreReport,
@@ -66,15 +65,11 @@ def optimise_schedule(affinity: ScheduleAffinity, devices: int, *, maximise: boo
     best = _ascend(affinity, devices, initial_heads=initial_heads, **kwargs)
     if not move_heads or affinity.layout_independent:
         return best
-    rng = np.random.default_rng(seed)
-    groups_row = contiguous_row(affinity.num_kv_groups, devices)
-    sign = 1.0 if maximise else -1.0
-    for _ in range(restarts):
-        start = np.stack([rng.permutation(groups_row) for _ in range(affinity.num_layers)])
-        candidate = _ascend(affinity, devices, initial_heads=start, **kwargs)
-        if sign * (candidate.report.J - best.report.J) > tol:
-            best = candidate
-    return best
+    result: ScheduleOptimiseResult = best_of_restarts(
+        best, lambda start: _ascend(affinity, devices, initial_heads=start, **kwargs),
+        num_kv_groups=affinity.num_kv_groups, num_layers=affinity.num_layers, devices=devices, restarts=restarts,
+        seed=seed, maximise=maximise, tol=tol)
+    return result
 
 
 def _ascend(affinity: ScheduleAffinity, devices: int, *, maximise: bool, move_heads: bool, move_neurons: bool,
