@@ -21,7 +21,7 @@ GPU_CHECK_BUDGET_S ?= 380
 GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
 	manylinux1_x86_64
 
-.PHONY: venv run demo test lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels
+.PHONY: venv run demo test test-fast test-long lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,10 +46,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy models app worker
 
+# `make test PYTEST_ARGS=--junitxml=var/junit.xml` keeps every test's time; the 20 slowest are always listed.
+PYTEST_ARGS ?=
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# The quick loop: lint and the tests that start no Celery worker, browser, venv or real model.
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not real and not worker and not browser and not install" $(PYTEST_ARGS)
+
+# Everything, with the bench-scale variants of the proofs (`long`: resuming a sharded distillation at W = 2
+# and 4 as well as at W = 1).
+test-long: $(STAMP)
+	DTP_LAYOUT_TEST_LONG=1 $(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/dtp_forward.py

@@ -154,9 +154,17 @@ class ScheduleSpec:
             span = 2 * self.block
             others = tuple(min(span * (n // span + 1), M) for n in range(M))
             return Schedule(name, devices, tuple(range(1, M + 1)), (1.0,) * M, others)
+        self.check_depth(num_layers)
         raise ScheduleError(f"schedule {name!r} needs calibration data: its K layers are chosen by the KL "
                             f"each layer's dropped sync costs on the calibration blocks (SPD's sensitivity "
-                            f"rule), which is not implemented yet; give the layers as spd:B")
+                            f"rule, models.spd_auto: the affinity stage of optimise and of a job); resolve it "
+                            f"there, or give the layers as spd:B")
+
+    def check_depth(self, num_layers: int) -> None:
+        """spd:auto:K before its layers are chosen: K must not exceed the model's layers."""
+        if self.kind == "spd-auto" and self.count > num_layers:
+            raise ScheduleError(f"schedule {str(self)!r}: K={self.count} layers to drop, but the model has "
+                                f"num_layers={num_layers}: K must be in 1 .. {num_layers}")
 
 
 def _dtp_table(name: str, devices: int, M: int, converted: int, delta: int, last_scale: LastScale) -> Schedule:
@@ -225,6 +233,16 @@ def resolve_schedule(schedule: str | ScheduleSpec, num_layers: int, devices: int
     """parse (if a string) and resolve for the model: the one entry point for callers with a string."""
     spec = parse_schedule(schedule) if isinstance(schedule, str) else schedule
     return spec.resolve(num_layers, devices, last_scale)
+
+
+def check_schedule(schedule: str | ScheduleSpec, num_layers: int, devices: int) -> None:
+    """What `resolve_schedule` checks against the model, for every schedule: spd:auto:K, whose layers the
+    calibration data chooses later, only needs K ≤ num_layers now. A ScheduleError names what does not fit."""
+    spec = parse_schedule(schedule) if isinstance(schedule, str) else schedule
+    if spec.resolvable:
+        spec.resolve(num_layers, devices)
+    else:
+        spec.check_depth(num_layers)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ Torch and the model code are imported inside the stages; this module imports wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -63,6 +64,9 @@ class DistillPlan:
     on_eval: Callable[[Any], None] | None = None
     on_step: Callable[[str, int, Any, Any], None] | None = None
     on_run_start: Callable[[str, int], None] | None = None
+    # spd:auto:K: `spec` says dtp:δ until the affinity stage has chosen the layers; the students then run
+    # the spd:B the affinity file records
+    schedule_from_affinity: bool = False
 
 
 @dataclass
@@ -173,7 +177,7 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
     from models.loading import ModelSource, load_config, load_model, load_tokenizer
-    from models.schedules import parse_schedule, resolve_schedule
+    from models.schedules import check_schedule
 
     source = ctx.source()
     # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
@@ -184,8 +188,8 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     shape = model_shape(ctx.config)
     check_devices(shape, ctx.devices)
     check_delta(shape, ctx.delta)
-    if ctx.schedule is not None and parse_schedule(ctx.schedule).resolvable:  # spd:auto:K: chosen by the affinity stage
-        resolve_schedule(ctx.schedule, shape.num_layers, ctx.devices)  # a ScheduleError names what does not fit
+    if ctx.schedule is not None:  # spd:auto:K: K checked now, its layers chosen by the affinity stage
+        check_schedule(ctx.schedule, shape.num_layers, ctx.devices)  # a ScheduleError names what does not fit
     ctx.memory = _memory_plan(ctx)
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
@@ -326,13 +330,16 @@ def _distil(ctx: RunContext, hooks: Hooks) -> Note:
 
     plan = ctx.distill
     assert plan is not None
+    spec = plan.spec
+    if plan.schedule_from_affinity:
+        spec = dataclasses.replace(spec, schedule=ctx.run_state().affinity.schedule)
     ctx.distill_summary = distill.run_distill(
-        plan.spec, teacher=ctx.model, tokenizer=ctx.tokenizer, out_dir=plan.out_dir, layouts_dir=plan.layouts_dir,
+        spec, teacher=ctx.model, tokenizer=ctx.tokenizer, out_dir=plan.out_dir, layouts_dir=plan.layouts_dir,
         model_id=ctx.model_id, progress=hooks.progress, should_stop=hooks.should_stop, on_eval=plan.on_eval,
         on_step=plan.on_step, on_run_start=plan.on_run_start, plot=plan.plot,
         keep_checkpoints=plan.keep_checkpoints, abandonable=hooks.abandonable)
-    return {"runs": len(plan.spec.layouts) * len(plan.spec.seeds),
-            "total_steps": len(plan.spec.layouts) * len(plan.spec.seeds) * plan.spec.recipe.steps}
+    runs = len(spec.layouts) * len(spec.seeds)
+    return {"runs": runs, "total_steps": runs * spec.recipe.steps}
 
 
 # ---- the list ------------------------------------------------------------------------------------------

@@ -23,6 +23,20 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(TEST_CACHE_DIR, ignore_errors=True)
 
 
+# Tests marked `long` are the bench-scale variants of proofs whose short version runs by default (`make test`
+# stays under its time budget on 2 cores); `make test-long` (DTP_LAYOUT_TEST_LONG=1) runs them too.
+LONG_TESTS = os.environ.get("DTP_LAYOUT_TEST_LONG") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if LONG_TESTS:
+        return
+    skip = pytest.mark.skip(reason="a bench-scale variant: set DTP_LAYOUT_TEST_LONG=1 (make test-long)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer, gguf path) of the real pretrained SmolLM2-135M-Instruct (dequantised, fp32)."""
@@ -136,7 +150,7 @@ def redis_broker():
 
 # Sections of the terminal summary: skipped tests carrying one of these markers, with the reason.
 SKIP_SECTIONS = {"server-backed tests skipped": SERVER_MARKERS, "GPU tests skipped": ("gpu",),
-                 "install tests skipped": ("install",)}
+                 "install tests skipped": ("install",), "long variants skipped": ("long",)}
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ from app.core.sources import ModelLocation, SourceError, forget_configs, resolve
 from app.core.storage import Storage, sha256_file, tenant_scope
 from app.core.upload_store import UploadStore
 from models.runner import Hooks, run_stages
+from models.schedules import parse_schedule
 from models.stages import REPORT_INPUTS, STAGES, AffinityStore
 from models.stages import build_report as stages_report
 from worker.converted_mirror import StoreMirror
@@ -548,11 +549,13 @@ class JobRun(Hooks):
         data = {part: CalibrationSpec(**{**fields, "source": self.data_source(fields["source"],
                                                                               f"distill.{part}.source")})
                 for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
+        # spd:auto:K: its layers are chosen by the affinity stage, before this plan runs (DistillPlan)
+        from_affinity = self.spec.schedule is not None and not parse_schedule(self.spec.schedule).resolvable
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
                               recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
                               allow_overlap=spec.allow_overlap, world_size=spec.world_size,
-                              schedule=self.spec.schedule)
+                              schedule=None if from_affinity else self.spec.schedule)
         self._total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
 
         def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:
@@ -566,7 +569,8 @@ class JobRun(Hooks):
             self.write_metrics(read_metrics_csv(out_dir / "metrics.csv"))
 
         return DistillPlan(spec=dspec, out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True,
-                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
+                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start,
+                           schedule_from_affinity=from_affinity)
 
     # -- the hooks (models.runner.Hooks) --
 
@@ -769,8 +773,9 @@ def _layout_row(job_id: str, lay: Any) -> LayoutRow:
     return LayoutRow(job_id=job_id, name=lay.name, J=float(score["J"]),
                      random_expectation=float(score["random_expectation"]),
                      upper_bound=float(score["upper_bound"]), upper_bound_exact=bool(score["upper_bound_exact"]),
-                     up_fraction=[float(x) for x in score["up_fraction"]],
-                     down_fraction=[float(x) for x in score["down_fraction"]],
+                     # None for a layer whose edge the schedule does not have (spd:B's other layers)
+                     up_fraction=[None if x is None else float(x) for x in score["up_fraction"]],
+                     down_fraction=[None if x is None else float(x) for x in score["down_fraction"]],
                      kv_group_device=lay.kv_group_device.tolist(), neuron_device=lay.neuron_device.tolist(),
                      shape=asdict(lay.shape), score=score)
 

@@ -265,8 +265,9 @@ def schedule_of(args: argparse.Namespace, *, allow_auto: bool = False) -> Any:
     spec = parse_schedule(text)  # a ScheduleError (a ValueError) names what is accepted: exit 2
     if not spec.resolvable and not allow_auto:
         raise CliError(f"--schedule {spec}: spd:auto:K chooses its K layers by the sensitivity pass (the KL each "
-                       f"layer's dropped attention sync costs on calibration data), which only `optimise` runs (its "
-                       f"report.json names the layers it chose); give the layers here as spd:B (e.g. spd:1,3)")
+                       f"layer's dropped attention sync costs on calibration data), which only `optimise` and a job's "
+                       f"affinity stage run (report.json names the layers chosen); give the layers here as spd:B "
+                       f"(e.g. spd:1,3)")
     if spec.kind == "dtp":
         if getattr(args, "delta_given", False) and args.delta != spec.delta:
             raise CliError(f"--delta {args.delta} and --schedule {spec} disagree (the schedule's δ is {spec.delta}): "

@@ -166,8 +166,8 @@ class LayoutRow(Base):
     random_expectation: Mapped[float] = mapped_column(Float)
     upper_bound: Mapped[float] = mapped_column(Float)
     upper_bound_exact: Mapped[bool] = mapped_column(Boolean, default=True)
-    up_fraction: Mapped[list[float]] = mapped_column(JSONType)
-    down_fraction: Mapped[list[float]] = mapped_column(JSONType)
+    up_fraction: Mapped[list[float | None]] = mapped_column(JSONType)  # None: the schedule has no such edge
+    down_fraction: Mapped[list[float | None]] = mapped_column(JSONType)
     kv_group_device: Mapped[list[list[int]]] = mapped_column(JSONType)
     neuron_device: Mapped[list[list[int]]] = mapped_column(JSONType)
     shape: Mapped[dict[str, Any]] = mapped_column(JSONType)

@@ -72,7 +72,7 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int,
     from models.families import family_for_config, model_shape
     from models.layouts.format import LayoutError
     from models.layouts.layout import check_delta, check_devices
-    from models.schedules import resolve_schedule
+    from models.schedules import check_schedule
 
     if problems := dimension_problems(config):
         return problems
@@ -96,7 +96,7 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int,
             problems.append((field, str(exc)))
     if schedule is not None and not problems:  # its layers, blocks and δ against the model's depth
         try:
-            resolve_schedule(schedule, shape.num_layers, devices)
+            check_schedule(schedule, shape.num_layers, devices)
         except LayoutError as exc:
             problems.append(("schedule", str(exc)))
     return problems

@@ -31,7 +31,6 @@ from models.ids import DtypeName, ExportDtypeName
 from models.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
-from models.schedules import ACCEPTED as SCHEDULES_ACCEPTED
 from models.schedules import ScheduleError, parse_schedule
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
@@ -357,12 +356,9 @@ class JobSpec(_Strict):
         shorthand), so that `delta: 2` and `schedule: "dtp:2"` are one job."""
         if value is None:
             return None
-        spec = parse_schedule(value)  # a ScheduleError is a ValueError: it names the part and what is accepted
-        if not spec.resolvable:
-            raise ValueError(f"schedule {spec}: spd:auto:K chooses its K layers by a sensitivity pass on the "
-                             f"calibration blocks, which only `dtp-layout optimise --schedule spd:auto:K` runs "
-                             f"(its report.json names the layers); give the layers as spd:B (e.g. spd:1,3); "
-                             f"accepted: {SCHEDULES_ACCEPTED}")
+        # a ScheduleError is a ValueError: it names the part and what is accepted. spd:auto:K is taken: the
+        # job's affinity stage measures each layer's sensitivity and report.json names the K layers it chose.
+        spec = parse_schedule(value)
         delta = info.data.get("delta")
         if spec.kind == "dtp" and isinstance(delta, int) and delta != spec.delta:
             raise ValueError(f"schedule {spec} and delta={delta} disagree (the schedule's δ is {spec.delta}): give "
@@ -603,8 +599,9 @@ class LayoutSummary(BaseModel):
     random_expectation: float
     upper_bound: float
     upper_bound_exact: bool
-    up_fraction: list[float]
-    down_fraction: list[float]
+    # per layer; null where the job's schedule has no such edge (spd:B: only its layers' syncs drop)
+    up_fraction: list[float | None]
+    down_fraction: list[float | None]
     link: str
 
 

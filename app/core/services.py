@@ -38,7 +38,15 @@ from app.core.errors import BrokerUnavailable, Conflict, NotFound, SpecError, re
 from app.core.model_limits import check_model_config
 from app.core.schemas import METRIC_NAMES, JobSpec
 from app.core.settings import Settings
-from app.core.sources import SourceError, fingerprint, read_config, resolve_data, resolve_model, submit_corpora
+from app.core.sources import (
+    SourceError,
+    affinity_schedule,
+    fingerprint,
+    read_config,
+    resolve_data,
+    resolve_model,
+    submit_corpora,
+)
 from app.core.storage import DamagedFile, Storage
 from app.core.timeline import stage_timeline
 from app.core.uploads import resolve_ref
@@ -113,7 +121,7 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
         raise SpecError(problems)
     fp = fingerprint(model_id=spec.model.id, revision=spec.model.revision, gguf_file=spec.model.gguf_file,
                      dtype=spec.model.dtype, calibration=spec.calibration.model_dump(), model_path=model_path,
-                     data_path=data_path)
+                     data_path=data_path, schedule=affinity_schedule(spec.effective_schedule(), spec.devices))
     return fp, {"config_checked": config is not None}
 
 

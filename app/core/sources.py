@@ -21,6 +21,7 @@ from typing import Any
 from models.assets import CORPORA as ASSET_CORPORA
 from models.assets import available_corpora
 from models.ids import GGUF_FILE, HUB_ID, REVISION, hf_dataset_refusal
+from models.schedules import parse_schedule
 
 CORPORA = tuple(ASSET_CORPORA)  # the names; which of them an install has: models.assets, submit_corpora
 # The spelling; whether the name is a hub dataset id (owner/name, not a path): models.ids.hf_dataset_refusal.
@@ -279,13 +280,27 @@ def _file_identity(path: Path, root: Path) -> list[list[Any]]:
 
 
 def fingerprint(*, model_id: str, revision: str | None, gguf_file: str | None, dtype: str,
-                calibration: dict[str, Any], model_path: Path | None = None, data_path: Path | None = None) -> str:
+                calibration: dict[str, Any], model_path: Path | None = None, data_path: Path | None = None,
+                schedule: str | None = None) -> str:
     """What the affinity result depends on: the model (and, for local files, their sizes and mtimes),
-    its revision, GGUF file and dtype, and the calibration spec (and its local files)."""
+    its revision, GGUF file and dtype, the calibration spec (and its local files), and `schedule`: what
+    besides the paper's chain the pass computes (`affinity_schedule`; None for the chain alone, so that
+    the fingerprints of dtp:1 jobs are those they had before schedules existed)."""
     key: dict[str, Any] = {"model": model_id, "revision": revision, "gguf_file": gguf_file, "dtype": dtype,
                            "calibration": calibration}
+    if schedule is not None:
+        key["schedule"] = schedule
     if model_path is not None:
         key["model_files"] = _file_identity(model_path, model_path.parent)
     if data_path is not None:
         key["data_files"] = _file_identity(data_path, data_path.parent)
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def affinity_schedule(schedule: str, devices: int) -> str | None:
+    """The part of a job's schedule its affinity file depends on: the edges of its J_σ (dtp:2 adds
+    KV→KV and neuron→neuron edges, pt:D every lag in a block), and for spd:auto:K the layers SPD's rule
+    chooses, which depend on the devices simulated. None for dtp:1, whose pass is the paper's chain."""
+    if schedule == "dtp:1":
+        return None
+    return f"{schedule}@L={devices}" if not parse_schedule(schedule).resolvable else schedule

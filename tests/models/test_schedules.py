@@ -33,6 +33,7 @@ from models.schedules import (
     Schedule,
     ScheduleError,
     ScheduleSpec,
+    check_schedule,
     parse_schedule,
     resolve_schedule,
 )
@@ -250,6 +251,17 @@ def test_schedules_that_do_not_fit_the_model_are_refused(text: str, message: str
         resolve_schedule(text, LAYERS, 2)
     with pytest.raises(ScheduleError, match=message):  # and by the simulator, before any work
         DTPModel(fresh_for_devices("llama", 2), devices=2, schedule=text)
+
+
+def test_check_schedule_takes_spd_auto_up_to_the_depth_and_checks_the_rest_as_resolve() -> None:
+    """What a job's submit and loading stage check before the affinity stage picks spd:auto:K's layers."""
+    check_schedule("spd:auto:3", LAYERS, 2)  # K = every layer: allowed
+    with pytest.raises(ScheduleError, match=r"K=4 layers to drop, but the model has num_layers=3: K must be in 1 .. 3"):
+        check_schedule("spd:auto:4", LAYERS, 2)
+    with pytest.raises(ScheduleError, match="K=4 layers to drop"):  # resolve says the same before "calibration"
+        resolve_schedule("spd:auto:4", LAYERS, 2)
+    with pytest.raises(ScheduleError, match="D=4 layers per block"):
+        check_schedule("pt:4", LAYERS, 2)
 
 
 def test_schedule_errors_are_layout_errors() -> None:

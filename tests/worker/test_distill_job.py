@@ -139,6 +139,31 @@ def test_a_job_runs_its_schedule_through_distillation_and_export(client, setting
     assert any("schedule=tp" in note for note in report["notes"])  # optimised with the dtp:1 objective
 
 
+def test_a_spd_auto_job_distils_and_exports_the_layers_its_affinity_stage_chose(client,
+                                                                                 first_worker):
+    """schedule=spd:auto:1: the affinity stage measures each layer's sensitivity; report.json names the least
+    sensitive layer (ties: the lower) as spd:i, and the manifest and the distillation use that spd:i."""
+    body = {**BODY, "schedule": "spd:auto:1", "distill": {**DISTILL, "layouts": ["optimised"], "steps": 2}}
+    job = client.post("/v1/jobs", json=body).json()
+    job = wait_for(client, job["id"], timeout=120, worker=first_worker)
+    assert job["status"] == "succeeded", job["error"]
+    assert job["spec"]["schedule"] == "spd:auto:1"
+    arts = {a["name"]: a for a in client.get(job["links"]["artifacts"]).json()["items"]}
+    report = client.get(arts["report.json"]["link"]).json()
+    sensitivities = report["spd_sensitivities"]
+    assert len(sensitivities) == 3 and all(s >= 0 for s in sensitivities)
+    chosen = f"spd:{min(range(3), key=lambda i: (sensitivities[i], i))}"
+    manifest = client.get(arts["shards/manifest.json"]["link"]).json()
+    summary = client.get(arts["distill/summary.json"]["link"]).json()
+    assert report["schedule"] == manifest["schedule"] == summary["schedule"] == chosen
+    assert any(note.startswith(f"spd:auto:1 chose {chosen}") for note in report["notes"])
+    # only the chosen layer's attention → FFN edge exists: every other layer's fraction is null
+    layouts = client.get(job["links"]["layouts"])
+    assert layouts.status_code == 200, layouts.text
+    optimised = next(lay for lay in layouts.json()["items"] if lay["name"] == "optimised")
+    assert [f is not None for f in optimised["up_fraction"]] == [f"spd:{i}" == chosen for i in range(3)]
+
+
 def test_cancel_while_distilling(client, settings, uninterrupted, first_worker):
     body = {**BODY, "export": False, "distill": {**DISTILL, "steps": 40}}
     job_id = client.post("/v1/jobs", json=body).json()["id"]

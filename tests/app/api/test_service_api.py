@@ -58,6 +58,14 @@ def test_submit_answers_202_with_id_status_and_links(client):
     same = submit(client, devices=4, random_layouts=0).json()
     other = submit(client, calibration={"seed": 1}).json()
     assert same["fingerprint"] == job["fingerprint"] != other["fingerprint"]
+    # ... and on the edges the schedule adds: a dtp:2 pass is not a dtp:1 pass (dtp:1 keeps its old key);
+    # spd:auto:K's layers depend on the devices simulated
+    dtp1 = submit(client, schedule="dtp:1").json()
+    dtp2 = submit(client, delta=2).json()
+    spd_auto = {d: submit(client, devices=d, schedule="spd:auto:2").json() for d in (2, 4)}
+    assert dtp1["fingerprint"] == job["fingerprint"]
+    assert len({job["fingerprint"], dtp2["fingerprint"], spd_auto[2]["fingerprint"], spd_auto[4]["fingerprint"]}) == 4
+    assert spd_auto[2]["spec"]["schedule"] == "spd:auto:2"
 
 
 def test_invalid_spec_names_each_bad_field(client):
@@ -86,7 +94,7 @@ def test_invalid_spec_names_each_bad_field(client):
     ({"schedule": "dtp:x"}, "schedule", "accepted: tp, dtp:δ, dtp:δ@K, ladder, spd:B"),
     ({"schedule": "ring"}, "schedule", "unknown schedule 'ring'"),
     ({"schedule": "dtp:2", "delta": 1}, "schedule", "schedule dtp:2 and delta=1 disagree"),
-    ({"schedule": "spd:auto:2"}, "schedule", "give the layers as spd:B"),
+    ({"schedule": "spd:auto:4"}, "schedule", "K=4 layers to drop, but the model has num_layers=3"),
     ({"schedule": "x" * 5000}, "schedule", "at most 4096"),
 ])
 def test_invalid_values(client, overrides, field, text):

@@ -99,7 +99,7 @@ def test_text_output_names_the_schedule_and_says_when_the_layout_does_not_matter
     [
         (["--schedule", "bogus"], ["unknown schedule 'bogus'", "accepted: tp, dtp:δ"], True),
         (["--schedule", "dtp:x"], ["δ must be an integer", "accepted:"], True),
-        (["--schedule", "spd:auto:2"], ["sensitivity pass", "only `optimise` runs", "spd:B"], True),
+        (["--schedule", "spd:auto:2"], ["sensitivity pass", "only `optimise` and a job", "spd:B"], True),
         (["--delta", "2", "--schedule", "dtp:1"], ["--delta 2", "--schedule dtp:1", "disagree"], True),
         (["--delta", "0", "--schedule", "dtp:1@2"], ["--delta 0", "--schedule dtp:1@2"], True),
         (["--schedule", "spd:7"], ["layers [7] do not exist"], False),

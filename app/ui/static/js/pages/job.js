@@ -13,7 +13,9 @@ const STAGE_PALETTE = ["#c9ced6", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#
 let spans = ["queued"];
 const stageColor = (stage) => STAGE_PALETTE[spans.indexOf(stage)] || "#bbb";
 
-const mean = (xs) => (xs && xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null);
+// A layer's fraction is null where the job's schedule has no such edge (spd:B: only its layers' syncs drop).
+const present = (xs) => (xs || []).filter((x) => x !== null && x !== undefined);
+const mean = (xs) => (present(xs).length ? present(xs).reduce((a, b) => a + b, 0) / present(xs).length : null);
 
 function card(id, title, ...children) {
   return h("section", {class: "card", id}, h("div", {class: "card-head"}, h("h2", {}, title)), ...children);
@@ -140,7 +142,7 @@ function fractionSeries(items, key) {
   const byName = new Map(items.map((l) => [l.name, l]));
   return layoutOrder(byName.keys()).map((name, i) => ({
     key: name, label: name, color: layoutColor(name, i), dash: layoutDash(name),
-    points: (byName.get(name)[key] || []).map((v, layer) => [layer, v]),
+    points: (byName.get(name)[key] || []).map((v, layer) => [layer, v]).filter(([, v]) => v !== null),
   }));
 }
 
