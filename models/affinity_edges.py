@@ -165,14 +165,44 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
     return _scores(fo.cpu().numpy(), add.cpu().numpy())
 
 
-def _sparsify(scores: dict[Pair, EdgeScores], *, memory_limit: int, top_k: int) -> dict[Pair, EdgeScores]:
-    """Neuron → neuron edges as top-k rows when all the edges' dense float64 bytes exceed memory_limit."""
-    dense_bytes = sum(m.nbytes for s in scores.values() for m in {id(v): v for v in s.values()}.values()
-                      if isinstance(m, np.ndarray))
-    if dense_bytes <= memory_limit:
-        return scores
-    return {pair: ({name: TopRows.of(np.asarray(m), top_k) for name, m in s.items()}
-                   if edge_kind(pair) == "neuron-neuron" else s) for pair, s in scores.items()}
+F64 = 8  # bytes of a float64 accumulator or score
+
+
+def dense_edge_bytes(pair: Pair, shape: ModelShape) -> int:
+    """The finished scores of one edge, dense float64 (FO and ADD; one matrix where they are one score)."""
+    G, I = shape.num_kv_groups, shape.intermediate_size
+    return {"up": 2 * G * I, "down": I * G, "kv-kv": G * G}.get(edge_kind(pair), 2 * I * I) * F64
+
+
+def accumulator_bytes(pair: Pair, shape: ModelShape) -> int:
+    """What one edge holds during the pass: its float64 sums over tokens, and for a neuron → neuron edge
+    also its dense FO and ADD while they are finalised (then kept, or cut to top-k rows)."""
+    H, hd, I = shape.num_query_heads, shape.head_dim, shape.intermediate_size
+    kind = edge_kind(pair)
+    if kind == "up":
+        return (2 * H * I + I) * F64
+    if kind == "down":
+        return I * F64
+    if kind == "kv-kv":
+        return H * hd * hd * F64
+    return (3 * I * I + I) * F64 + dense_edge_bytes(pair, shape)
+
+
+def edge_rounds(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> list[list[Pair]]:
+    """The edges split into passes over the calibration blocks whose accumulators fit `memory_limit`
+    together (an edge larger than the limit alone gets a pass of its own). Each pass after the first is
+    one more no-grad forward over the blocks: memory bought with compute (SmolLM2-135M `dtp:2`: 29
+    neuron → neuron pairs of ~94 MB each take 15 passes under the default 256 MiB)."""
+    rounds: list[list[Pair]] = []
+    used = 0
+    for pair in pairs:
+        need = accumulator_bytes(pair, shape)
+        if not rounds or used + need > memory_limit:
+            rounds.append([])
+            used = 0
+        rounds[-1].append(pair)
+        used += need
+    return rounds
 
 
 @torch.no_grad()
@@ -182,12 +212,34 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
     """The FO and ADD scores of every edge (m, t) in `pairs` (raw per-token means, not normalised).
 
     memory_limit: bytes the dense float64 edges may take; above it the neuron → neuron edges are kept as
-    the `top_k` largest entries of each row (`TopRows`, which records the kept mass).
+    the `top_k` largest entries of each row (`TopRows`, which records the kept mass). It also bounds the
+    pass's accumulators: the edges are computed in as many passes over the blocks as that takes
+    (`edge_rounds`; one pass when they fit), each finished edge cut to top-k rows before the next pass.
     """
     pairs = sorted(set(pairs))
     if not pairs:
         return {}
     shape = model_shape(model.config)
+    sparse = sum(dense_edge_bytes(p, shape) for p in pairs) > memory_limit
+    rounds = edge_rounds(pairs, shape, memory_limit)
+    scores: dict[Pair, EdgeScores] = {}
+    for index, round_pairs in enumerate(rounds):
+
+        def round_progress(stage: str, fraction: float, index: int = index) -> None:
+            if progress is not None:
+                progress(stage, (index + fraction) / len(rounds))
+
+        found = _edge_round(model, blocks, round_pairs, shape, batch_size=batch_size, token_chunk=token_chunk,
+                            progress=round_progress, should_stop=should_stop)
+        for pair, edge in found.items():  # cut now: the next pass's accumulators take the room
+            scores[pair] = ({name: TopRows.of(np.asarray(m), top_k) for name, m in edge.items()}
+                            if sparse and edge_kind(pair) == "neuron-neuron" else edge)
+    return scores
+
+
+def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: ModelShape, *, batch_size: int,
+                token_chunk: int, progress: Progress, should_stop: ShouldStop | None) -> dict[Pair, EdgeScores]:
+    """One pass over the blocks: the dense scores of `pairs`."""
     dense = DTPModel(model, devices=1, delta=0)
     layers: Any = decoder_layers(model)
     device = next(model.parameters()).device
@@ -220,11 +272,9 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
             writes = {m: w for m, w in writes.items() if last_read[m] > t}
             if t in last_read:
                 writes[t] = write
-        if progress is not None:
-            progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
+        progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
     tokens = int(blocks.numel())
-    scores = {p: _finalise_edge(accs[p], p, layers, shape, tokens) for p in pairs}
-    return _sparsify(scores, memory_limit=memory_limit, top_k=top_k)
+    return {p: _finalise_edge(accs.pop(p), p, layers, shape, tokens) for p in pairs}
 
 
 def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,

@@ -489,7 +489,8 @@ def _add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> 
                             "--edge-memory-limit (default: 64)")
         p.add_argument("--edge-memory-limit", type=int, default=256 << 20,
                        help="bytes the dense matrices of the schedule's further edges may take before the "
-                            "neuron→neuron ones are stored as top-k rows (default: 268435456)")
+                            "neuron→neuron ones are stored as top-k rows; also bounds the pass's accumulators "
+                            "(more passes over the blocks) (default: 268435456)")
 
 
 def cmd_layout(args: argparse.Namespace) -> int:

@@ -274,3 +274,31 @@ def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
         old.schedule_affinity("fo", dtp2)
     assert back.schedule_affinity("add", resolve_schedule("dtp:1", 3, 2)).edges.keys() == set(
         old.schedule_affinity("add", resolve_schedule("dtp:1", 3, 2)).edges)
+
+
+def test_edge_pass_in_rounds_keeps_its_accumulators_under_the_limit_and_the_same_scores() -> None:
+    """A limit that fits the dense edges but not every accumulator at once: several passes over the blocks,
+    each within the limit (an edge alone excepted), and every score equal to the single pass's."""
+    from models.affinity_edges import accumulator_bytes, dense_edge_bytes, edge_pass, edge_rounds
+    from models.affinity_file import AffinityResult
+    from models.schedules import resolve_schedule
+
+    model = fresh("llama")
+    shape = model_shape(model.config)
+    ids = tokens(2, 9)
+    pairs = sorted(AffinityResult.missing_edges_of(shape, resolve_schedule("pt:3", 3, 2)))
+    dense_total = sum(dense_edge_bytes(p, shape) for p in pairs)
+    # room for every finished edge (nothing is cut to top-k) but not for every accumulator at once
+    limit = max(dense_total, 2 * max(accumulator_bytes(p, shape) for p in pairs))
+    assert limit < sum(accumulator_bytes(p, shape) for p in pairs)
+    rounds = edge_rounds(pairs, shape, limit)
+    assert len(rounds) > 1 and [p for r in rounds for p in r] == pairs
+    assert all(sum(accumulator_bytes(p, shape) for p in r) <= limit for r in rounds)
+    seen: list[float] = []
+    one = edge_pass(model, ids, pairs, batch_size=1, memory_limit=1 << 40)
+    split = edge_pass(model, ids, pairs, batch_size=1, memory_limit=limit, progress=lambda _stage, f: seen.append(f))
+    assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
+    assert sorted(split) == sorted(one)
+    for p in pairs:
+        for name in ("fo", "add"):
+            np.testing.assert_array_equal(split[p][name], one[p][name])  # same sums, same order: bit-equal
