@@ -1,8 +1,9 @@
 """The proof of the streamed passes at a modest size: a synthetic Llama-shaped checkpoint of ~350 MB
 (bench/synthetic_checkpoint.py: written tensor by tensor), `dtp-layout optimise` (affinity pass, layouts and
-export) under `--max-memory` of half the weight bytes in a subprocess, its peak RSS below the limit plus the
-interpreter's base (the same command's imports, measured the same way), and its outputs equal to the
-in-memory pass and export run here. bench/streaming.py runs the same at a few GB, with `export` too."""
+export) under `--max-memory` of ~60 % of the weight bytes (the plan's streamed need) in a subprocess, its
+peak RSS below the limit plus the interpreter's base (the same command's imports, measured the same way),
+and its outputs equal to the in-memory pass and export run here. bench/streaming.py runs the same at a few
+GB, with `export` too."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from models.affinity_file import AffinityResult
 from models.export import export_checkpoint, export_copy, export_rank_shards
 from models.layouts.layout import load
 from models.layouts.set import build_layouts
-from models.loading import ModelSource, load_model
+from models.loading import ModelSource, load_config, load_model
+from models.memory_plan import plan_memory
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +32,16 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     return src, write_checkpoint(src, config)
 
 
-def test_optimise_under_half_the_weights_streams_within_the_limit_and_equals_in_memory(
+def test_optimise_under_less_than_the_weights_streams_within_the_limit_and_equals_in_memory(
         synthetic: tuple[Path, int], tmp_path: Path) -> None:
     src, weights = synthetic
     assert 300e6 < weights < 400e6
-    limit = weights // 2
+    # half the weights, or the plan's streamed need where that is more (its RUNTIME_OVERHEAD included):
+    # the proof is that the run keeps the plan's promise, well under the in-memory need
+    plan = plan_memory(load_config(ModelSource(str(src))), dtype="float32", command="optimise", limit=None,
+                       tokens=128, batch_tokens=4 * 64, devices=2, export=True)
+    limit = max(weights // 2, plan.streamed)
+    assert limit < 0.65 * weights and weights < plan.in_memory  # the weights alone would not fit
     ids = calibration_ids(tmp_path / "ids.npy", 8192, 512)
     out = tmp_path / "streamed"
     run = measured(cli("optimise", str(src), "--devices", "2", "--calib", str(ids), "--calib-sequences", "2",

@@ -12,7 +12,9 @@ from models.assets import corpus_file
 from models.runtime import DTPRuntime
 from tests.models.runtime.reference import max_logit_error, simulator_generation
 
-pytestmark = pytest.mark.real
+# ~2.5 min on 2 cores (an export and three ranks of the real model): `make test-long`; the tiny models'
+# runtime parity tests (test_parity.py, test_schedules.py) check the same path in `make test`
+pytestmark = [pytest.mark.real, pytest.mark.long]
 
 PROMPT = "In the beginning God created the heaven and the earth. And the earth was"
 NEW_TOKENS = 16
