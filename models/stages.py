@@ -64,9 +64,6 @@ class DistillPlan:
     on_eval: Callable[[Any], None] | None = None
     on_step: Callable[[str, int, Any, Any], None] | None = None
     on_run_start: Callable[[str, int], None] | None = None
-    # spd:auto:K: `spec` says dtp:δ until the affinity stage has chosen the layers; the students then run
-    # the spd:B the affinity file records
-    schedule_from_affinity: bool = False
 
 
 @dataclass
@@ -327,11 +324,13 @@ def _restore_export(ctx: RunContext) -> None:
 
 def _distil(ctx: RunContext, hooks: Hooks) -> Note:
     from models import distill
+    from models.schedules import parse_schedule
 
     plan = ctx.distill
     assert plan is not None
     spec = plan.spec
-    if plan.schedule_from_affinity:
+    if ctx.schedule is not None and not parse_schedule(ctx.schedule).resolvable:
+        # spd:auto:K (`spec` says dtp:δ until then): the students run the spd:B the affinity stage chose
         spec = dataclasses.replace(spec, schedule=ctx.run_state().affinity.schedule)
     ctx.distill_summary = distill.run_distill(
         spec, teacher=ctx.model, tokenizer=ctx.tokenizer, out_dir=plan.out_dir, layouts_dir=plan.layouts_dir,

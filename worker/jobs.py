@@ -549,7 +549,7 @@ class JobRun(Hooks):
         data = {part: CalibrationSpec(**{**fields, "source": self.data_source(fields["source"],
                                                                               f"distill.{part}.source")})
                 for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
-        # spd:auto:K: its layers are chosen by the affinity stage, before this plan runs (DistillPlan)
+        # spd:auto:K: its layers are chosen by the affinity stage; the distilling stage puts them in
         from_affinity = self.spec.schedule is not None and not parse_schedule(self.spec.schedule).resolvable
         dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
                               devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
@@ -569,8 +569,7 @@ class JobRun(Hooks):
             self.write_metrics(read_metrics_csv(out_dir / "metrics.csv"))
 
         return DistillPlan(spec=dspec, out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True,
-                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start,
-                           schedule_from_affinity=from_affinity)
+                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
 
     # -- the hooks (models.runner.Hooks) --
 

@@ -15,7 +15,10 @@ const stageColor = (stage) => STAGE_PALETTE[spans.indexOf(stage)] || "#bbb";
 
 // A layer's fraction is null where the job's schedule has no such edge (spd:B: only its layers' syncs drop).
 const present = (xs) => (xs || []).filter((x) => x !== null && x !== undefined);
-const mean = (xs) => (present(xs).length ? present(xs).reduce((a, b) => a + b, 0) / present(xs).length : null);
+const mean = (xs) => {
+  const kept = present(xs);
+  return kept.length ? kept.reduce((a, b) => a + b, 0) / kept.length : null;
+};
 
 function card(id, title, ...children) {
   return h("section", {class: "card", id}, h("div", {class: "card-head"}, h("h2", {}, title)), ...children);
