@@ -1,18 +1,18 @@
 """Kill soak: jobs on a tiny model against Postgres + Redis, the worker SIGKILLed once in each.
 
 One uninterrupted job first (the reference: its stage windows and its distillation curves). Then N
-trials: a job is submitted, the worker is SIGKILLed at a random moment of it — trial i aims at stage
-i mod 6 (loading, calibration, affinity, optimising, exporting, distilling): once the database shows
-that stage, after a uniform part of its length in the reference run (distilling: up to its last
-evaluation) — and a new worker is started,
-as a supervisor would. Every
+trials: a job is submitted, the worker is SIGKILLed at a random moment of it — trial i aims at
+i mod 7 of: the claim (the worker dies holding the job's message, before claiming it: a fault of
+tests/faults.py), loading, calibration, affinity, optimising, exporting, distilling (once the database
+shows that stage, after a uniform part of its length in the reference run; distilling: up to its last
+evaluation) — and a new worker is started, as a supervisor would. Every
 trial must end with the job `succeeded` exactly once, one artifact set (one row per name, the files
 on disk exactly the rows, every sha256 verified), the reference's layouts, and distillation curves
 equal to the reference's within 1e-6. The affinity cache is emptied before each job so that every
 stage runs. Prints the trials, the kills per stage (the stage the database showed at the kill) and
 the time to recover (kill → the job claimed again by the new worker; kill → succeeded).
 
-    .venv/bin/python bench/kill_soak.py [--trials 20] [--seed 0] [--stage-delay 0.15]
+    .venv/bin/python bench/kill_soak.py [--trials 21] [--seed 0] [--stage-delay 0.15]
 
 Postgres and Redis from DTP_LAYOUT_TEST_POSTGRES_URL / DTP_LAYOUT_TEST_REDIS_URL (default the local
 servers); a database and a Redis key prefix of its own, dropped at the end.
@@ -181,7 +181,11 @@ def verify(settings: Settings, job_id: str, reference: dict[str, Any], *, cache:
     return problems
 
 
-def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, targets: tuple[str, ...] = STAGES,
+PRE_CLAIM = "before-claim"  # the window between a worker taking a job's message and claiming the job
+TARGETS = (PRE_CLAIM, *STAGES)
+
+
+def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, targets: tuple[str, ...] = TARGETS,
              say: Any = print, stage_delay_s: float = 0.15) -> dict[str, Any]:
     """Runs the reference job and `trials` killed jobs, trial i aimed at targets[i mod len(targets)], on
     workers that sleep `stage_delay_s` per unit of work (tests/faults.py); returns the report (see the
@@ -213,17 +217,30 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
 
         for i in range(trials):
             target = targets[i % len(targets)]
-            lo, hi = windows[target]
-            delay = rng.uniform(0.0, 0.8 * (hi - lo))
-            job_id = _submit(settings, queue)
-            trial = Trial(job_id=job_id, target=target, delay_s=delay)
-            # Wait for the target stage (or anything past it) to show, then a uniform part of its length.
-            _wait(db, job_id, _reached(target), 120, target)
-            time.sleep(delay)
-            now = _job(db, job_id)
-            trial.killed_in = (now.stage or "?") if now.status == "running" else f"after {now.status}"
-            t_kill = time.time()
-            worker.kill9()
+            if target == PRE_CLAIM:
+                # A worker that kills itself at its next claim, holding the message; the job stays unclaimed.
+                worker.stop()
+                dying = Faults(stage_delay_s=stage_delay_s, die_before_claim=str(log_path.parent / f"claim-{i}"))
+                worker = WorkerProcess(settings, log_path, name=f"soak{i}-claim", faults=dying).start()
+                job_id = _submit(settings, queue)
+                trial = Trial(job_id=job_id, target=target, delay_s=0.0)
+                assert worker.proc is not None
+                worker.proc.wait(timeout=120)
+                t_kill = time.time()
+                now = _job(db, job_id)
+                trial.killed_in = PRE_CLAIM if now.status == "queued" and now.attempts == 0 else f"after {now.status}"
+            else:
+                lo, hi = windows[target]
+                delay = rng.uniform(0.0, 0.8 * (hi - lo))
+                job_id = _submit(settings, queue)
+                trial = Trial(job_id=job_id, target=target, delay_s=delay)
+                # Wait for the target stage (or anything past it) to show, then a uniform part of its length.
+                _wait(db, job_id, _reached(target), 120, target)
+                time.sleep(delay)
+                now = _job(db, job_id)
+                trial.killed_in = (now.stage or "?") if now.status == "running" else f"after {now.status}"
+                t_kill = time.time()
+                worker.kill9()
             t0 = time.monotonic()
             worker = WorkerProcess(settings, log_path, name=f"soak{i + 1}", faults=slow).start()
             restarts.append(time.monotonic() - t0)
@@ -237,7 +254,7 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
             trial.attempts = done.attempts
             trial.problems = verify(settings, job_id, reference)
             results.append(trial)
-            say(f"trial {i + 1:2d}/{trials}: aimed at {target:11s} (+{delay:5.2f} s) killed in {trial.killed_in:11s} "
+            say(f"trial {i + 1:2d}/{trials}: aimed at {target:12s} (+{trial.delay_s:5.2f} s) killed in {trial.killed_in:11s} "
                 f"attempts {trial.attempts}  reclaimed after {_fmt(trial.reclaimed_s)}  succeeded after "
                 f"{_fmt(trial.finished_s)}  {'ok' if not trial.problems else '; '.join(trial.problems)}")
         time.sleep(max(2.0, settings.lease_s * 1.5))  # nothing runs any job again
@@ -273,7 +290,7 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=21)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stage-delay", type=float, default=0.15,
                     help="the workers sleep this long per micro-batch / step and at each stage's start, so "

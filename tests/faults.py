@@ -9,18 +9,22 @@ trace of it in the production settings or code paths.
   the hard time limit can (stuck in native code);
 - hang_store_upload: the worker's S3 uploads go multipart from 1 KiB on (boto3's managed transfer, as
   for a large shard) and every part hangs before it is sent (a botocore `before-send` hook): a worker
-  killed then has begun a multipart upload it never completes.
+  killed then has begun a multipart upload it never completes;
+- die_before_claim: a file path; the first worker process to reach a claim creates the file and
+  SIGKILLs itself there, holding the job's message (the crash window between receiving a message and
+  claiming its job); the processes after it claim as usual.
 
 In this process: the `inject_faults` fixture (tests/conftest.py) patches `worker.jobs.JobRun` for the
 test. In a worker subprocess: `WorkerProcess(…, faults=…)` / `ServeProcess(…, faults=…)` start it
 with `faults.env()`: DTP_TEST_FAULTS and tests/faults_site on PYTHONPATH, whose sitecustomize patches
-`worker.jobs` the moment a process imports it (an API process never does).
+`worker.jobs` (and `worker.claiming`) the moment a process imports it (an API process never does).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +42,7 @@ class Faults:
     stage_delay_s: float = 0.0
     hang_stage: str = ""
     hang_store_upload: bool = False
+    die_before_claim: str = ""
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
         """What a subprocess's environment needs (added to `base`, default os.environ) for these faults."""
@@ -70,6 +75,31 @@ def _hang_store_uploads() -> Callable[[], None]:
     def undo() -> None:
         object_store.MULTIPART_THRESHOLD = threshold
         object_store.S3Store.__init__ = init  # type: ignore[method-assign]
+
+    return undo
+
+
+def install_claim_faults(faults: Faults) -> Callable[[], None]:
+    """Patch `worker.claiming.claim` with the faults; returns what undoes it."""
+    from worker import claiming
+
+    original = claiming.claim
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        if faults.die_before_claim:
+            marker = Path(faults.die_before_claim)
+            try:
+                marker.touch(exist_ok=False)
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    claiming.claim = claim  # type: ignore[assignment]
+
+    def undo() -> None:
+        claiming.claim = original
 
     return undo
 

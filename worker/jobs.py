@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import insert, or_, select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from app.core import events, logs
@@ -60,180 +60,24 @@ from models.runner import Hooks, run_stages
 from models.schedules import parse_schedule
 from models.stages import REPORT_INPUTS, STAGES, AffinityStore
 from models.stages import build_report as stages_report
+from worker.claiming import claim, requeue_queued, requeue_stale
 from worker.converted_mirror import StoreMirror
 from worker.device import out_of_memory_message, prepare_device
+from worker.monitor import JobStalled, Monitor, TimeLimitExceeded
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 
 log = logging.getLogger("dtp_layout.worker")
 DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
-_AUTO: Any = object()  # Monitor.report: estimate the ETA from the stage's elapsed time
 
-
-__all__ = ["Lease", "LeaseLost"]  # re-exported: the fence every write below checks (app/core/lease.py)
+# Re-exported: the fence every write below checks (app/core/lease.py), the claim and the sweeps
+# (worker/claiming.py) and the monitor (worker/monitor.py), which live apart so that the Celery task
+# can claim and start renewing the lease before it imports this module.
+__all__ = ["JobStalled", "Lease", "LeaseLost", "Monitor", "TimeLimitExceeded", "claim", "requeue_queued",
+           "requeue_stale"]
 
 
 class JobCancelled(RuntimeError):
     pass
-
-
-# ---- claiming and recovery -------------------------------------------------------------------------
-#
-# The lease and its fence (`attempts`) are app/core/lease.py's `Lease`: every write a run makes (stage
-# rows, layouts, artifacts, metrics, the affinity cache, the lease) checks, in the same transaction,
-# that the job is still at the run's attempt.
-
-def claim(db: Database, job_id: str, *, worker: str, lease_s: float) -> Job | None:
-    """Atomically take a queued job, or a running one whose lease expired. None: nothing to do."""
-    with db.transaction() as session:
-        lease = Lease.claim(session, job_id, worker=worker, lease_s=lease_s)
-        if lease is None:
-            return None
-        job = lease.fence(session)
-        job.started_at = job.started_at or utcnow()
-        events.record(session, job_id, events.CLAIMED, attempt=lease.attempt, worker=worker)
-    return job
-
-
-def _resend(db: Database, job_id: str, send: Callable[[str], None], *, where: Any, values: dict[str, Any],
-            reason: str) -> bool:
-    """One sweeper's re-enqueue of one job: the guarded update is the atomic step (of several sweeping
-    workers exactly one wins), then the message. A lost message is found again by the next sweeps."""
-    with db.transaction() as session:
-        result = session.execute(
-            update(Job).where(Job.id == job_id, *where)
-            .values(enqueued_at=db_now(), requeues=Job.requeues + 1, updated_at=utcnow(), **values)
-            .execution_options(synchronize_session=False))
-        if result.rowcount != 1:  # type: ignore[attr-defined]
-            return False
-        requeues = session.scalar(select(Job.requeues).where(Job.id == job_id))
-        events.record(session, job_id, events.REQUEUED, reason=reason, requeues=requeues)
-    try:
-        send(job_id)
-    except Exception:
-        log.exception("could not re-enqueue job %s; a later sweep sends it again", job_id)
-        return False
-    return True
-
-
-def requeue_stale(db: Database, send: Callable[[str], None]) -> list[str]:
-    """Re-enqueue running jobs whose worker stopped renewing the lease (dead, or stalled). Clearing the
-    lease makes the job claimable by whoever gets the message; should the message be lost, the job
-    (queued-like: running, no lease) is swept by `requeue_queued` later."""
-    with db.session() as session:
-        stale = session.scalars(select(Job.id).where(Job.status == "running", Job.lease_until < db_now())).all()
-    return [job_id for job_id in stale
-            if _resend(db, job_id, send, where=(Job.status == "running", Job.lease_until < db_now()),
-                       values={"lease_until": None}, reason="lease expired")]
-
-
-def requeue_queued(db: Database, send: Callable[[str], None], *, after_s: float) -> list[str]:
-    """Re-enqueue jobs that nobody holds (queued, or running with no lease) and whose message was sent
-    more than `after_s` ago: the message was lost (crash between insert and enqueue, broker purged or
-    restarted without persistence, a claim that failed on a database error). A duplicate message is
-    harmless: `claim` lets one run through."""
-    unheld = (Job.status.in_(("queued", "running")), Job.lease_until.is_(None),
-              or_(Job.enqueued_at.is_(None), Job.enqueued_at < db_now(-after_s)))
-    with db.session() as session:
-        ids = session.scalars(select(Job.id).where(*unheld).order_by(Job.created_at).limit(500)).all()
-    return [job_id for job_id in ids
-            if _resend(db, job_id, send, where=unheld, values={},
-                       reason=f"not picked up within {after_s:g} s of being queued")]
-
-
-# ---- the monitor thread ----------------------------------------------------------------------------
-
-class JobStalled(RuntimeError):
-    """No progress for DTP_LAYOUT_STALL_S: this run is abandoned and the job retried."""
-
-
-class TimeLimitExceeded(RuntimeError):
-    """The run went past its soft time limit (derived from the job's size)."""
-
-
-class Monitor(threading.Thread):
-    """Renews the lease, writes progress and ETA (at most once per tick) and reads the cancel flag.
-
-    It also watches the run: no progress for `stall_s` stops the lease renewal (`stalled`; the run
-    stops at its next check and the job is retried); past the soft time limit `over_time` is set;
-    past the hard limit `on_hard_limit` is called (the Celery task kills its own process: a solo
-    pool cannot interrupt a stage that never returns)."""
-
-    def __init__(self, db: Database, lease: Lease, lease_s: float, *, stall_s: float = float("inf"),
-                 limits: tuple[float, float] = (float("inf"), float("inf")),
-                 on_hard_limit: Callable[[], None] | None = None) -> None:
-        super().__init__(name=f"monitor-{lease.job_id[:8]}", daemon=True)
-        self.db, self.lease, self.job_id, self.lease_s = db, lease, lease.job_id, lease_s
-        self.stall_s, self.limits, self.on_hard_limit = stall_s, limits, on_hard_limit
-        self.tick = max(0.05, min(1.0, lease_s / 3, stall_s / 4))
-        self.cancel = threading.Event()
-        self.lost = threading.Event()
-        self.stalled = threading.Event()
-        self.over_time = threading.Event()
-        self.hard_hit = threading.Event()
-        self.stage: str | None = None
-        self._halt = threading.Event()
-        self._lock = threading.Lock()
-        self._fraction: float | None = None
-        self._eta: float | None = _AUTO
-        self._t0 = self._stage_t0 = self._alive = time.monotonic()
-
-    def start_stage(self, stage: str | None = None) -> None:
-        with self._lock:
-            self._fraction, self._eta, self._stage_t0 = None, _AUTO, time.monotonic()
-            self._alive, self.stage = self._stage_t0, stage
-
-    def beat(self) -> None:
-        """The stage advanced (a micro-batch, a chunk) without a new fraction to show."""
-        self._alive = time.monotonic()
-
-    def report(self, fraction: float, eta_s: float | None = _AUTO) -> None:
-        """The stage's fraction done; eta_s when the caller knows better than elapsed·(1 − f)/f (a
-        resumed stage starts part-way), None for not known yet."""
-        with self._lock:
-            self._fraction, self._eta = min(1.0, max(0.0, float(fraction))), eta_s
-            self._alive = time.monotonic()
-
-    def silent_s(self) -> float:
-        return time.monotonic() - self._alive
-
-    def _progress(self) -> dict[str, Any]:
-        with self._lock:
-            fraction, eta, t0 = self._fraction, self._eta, self._stage_t0
-            self._fraction = None
-        if fraction is None:
-            return {}
-        if eta is _AUTO:
-            elapsed = time.monotonic() - t0
-            eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
-        return {"progress": fraction, "eta_s": eta}
-
-    def flush(self) -> None:
-        if not self.stalled.is_set() and self.silent_s() > self.stall_s:
-            log.warning("job %s: no progress in %s for %.0f s; the lease is no longer renewed",
-                        self.job_id, self.stage, self.silent_s())
-            self.stalled.set()
-        elapsed = time.monotonic() - self._t0
-        if elapsed > self.limits[0]:
-            self.over_time.set()
-        if elapsed > self.limits[1] and self.on_hard_limit is not None:
-            self.on_hard_limit()
-        with self.db.transaction() as session:
-            if not self.stalled.is_set() and not self.lease.renew(session, self.lease_s, **self._progress()):
-                self.lost.set()
-            if session.scalar(select(Job.cancel_requested).where(Job.id == self.job_id)):
-                self.cancel.set()
-
-    def run(self) -> None:
-        while not self._halt.wait(self.tick):
-            try:
-                self.flush()
-            except Exception:  # a database hiccup: the lease has slack, try again next tick
-                log.warning("job %s: monitor could not update the job row", self.job_id, exc_info=True)
-
-    def stop(self) -> None:
-        self._halt.set()
-        if self.is_alive():
-            self.join(timeout=10)
 
 
 # ---- running the stages -----------------------------------------------------------------------------
@@ -847,25 +691,35 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
             enqueue: Callable[[str], None] | None = None, on_hard_limit: Callable[[], None] | None = None) -> str:
     """Claim and run the job; returns what happened: skipped, succeeded, failed, cancelled, retried
     (the run stalled; the job is queued again) or lost (another run holds the job now)."""
-    from pydantic import ValidationError
-
     job = claim(db, job_id, worker=worker, lease_s=settings.lease_s)
     if job is None:
         log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
         return "skipped"
+    return run_claimed(job, settings=settings, db=db, worker=worker, enqueue=enqueue, on_hard_limit=on_hard_limit)
+
+
+def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
+                enqueue: Callable[[str], None] | None = None, on_hard_limit: Callable[[], None] | None = None,
+                monitor: Monitor | None = None) -> str:
+    """Run a job this worker has just claimed (`claim`). `monitor`: one already renewing the lease since
+    the claim (the Celery task starts it before importing this module); made here otherwise."""
+    from pydantic import ValidationError
+
+    job_id = job.id
     lease = Lease(job_id, worker, job.attempts)
     with db.session() as session:
         logs.update(**job_log_fields(session, job))
         last_reason = events.last_requeue_reason(session, job_id) if lease.attempt > settings.max_attempts else None
-    if job.cancel_requested:
-        _end(db, lease, status="cancelled", error="cancelled by request", stage=job.stage)
-        return "cancelled"
-    if lease.attempt > settings.max_attempts:
+    if job.cancel_requested or lease.attempt > settings.max_attempts:
+        if monitor is not None:
+            monitor.stop()
+        if job.cancel_requested:
+            _end(db, lease, status="cancelled", error="cancelled by request", stage=job.stage)
+            return "cancelled"
         _end(db, lease, status="failed", stage=job.stage,
              error=f"gave up after {settings.max_attempts} attempts: {last_reason or 'the worker was lost each time'}")
         return "failed"
     runner: JobRun | None = None
-    monitor: Monitor | None = None
     try:
         # The stored spec is validated again before anything runs (the schema may have changed since
         # it was accepted); one that no longer validates fails the job, with the reason.
@@ -891,10 +745,11 @@ def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
             log.error("job %s: hard time limit exceeded in %s", job_id, monitor.stage)
             on_hard_limit()
 
-        monitor = Monitor(db, lease, settings.lease_s, stall_s=settings.stall_s, limits=limits,
-                          on_hard_limit=hard_limit)
+        if monitor is None:
+            monitor = Monitor(db, lease, settings.lease_s, stall_s=settings.stall_s)
+            monitor.start()
+        monitor.watch_limits(limits, on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
-        monitor.start()
         # After the monitor renews the lease: forgetting imports models.heldout (and so torch), which
         # can take longer than a short lease on a loaded machine, and a sweeper would requeue the job.
         _forget_earlier_reads()

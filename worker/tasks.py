@@ -1,4 +1,10 @@
-"""The Celery task: a thin shim that takes a job id, re-reads the job and runs it (`worker.jobs`).
+"""The Celery task: a thin shim that takes a job id, claims the job at once (`worker.claiming`, before
+any slow import), starts the lease's monitor and runs it (`worker.jobs`). A message for a job that
+this worker's database does not hold (another service's, sharing the broker) is logged as an error
+and handed back to the queue a bounded number of times, then dropped with an error.
+
+When a worker starts, it re-sends every job nobody holds whose message was sent before its start: a
+worker that died between taking a message and claiming its job lost the message with it.
 
 Every worker also runs a sweeper thread (at start, then every lease/2 seconds, at most 30 s apart)
 that re-enqueues jobs nobody holds: running jobs whose worker died or stalled (their lease expired),
@@ -25,37 +31,91 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_ready
+from celery.signals import task_received, worker_ready
 
 from app.core import logs
 from app.core.db import database
+from app.core.lease import Lease
 from app.core.queue import world_size_of
-from app.core.settings import get_settings
+from app.core.settings import get_settings, redacted_url
+from worker import claiming
 from worker.celery_app import TASK_NAME, app, enqueue
+from worker.monitor import Monitor
 
 log = logging.getLogger("dtp_layout.worker")
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
+# How long a job's message was held before the claim: the task's receipt (Celery's `task_received`, in
+# the consumer) to the claim's commit. Logged with every claim; the crash-window tests read it.
+_received_at: dict[str, float] = {}
+# A message for a job this worker's database does not hold goes back to the queue this many times (a
+# worker of the service that sent it may take it), then is dropped with an error: never acknowledged
+# silently as done, never passed around for ever.
+FOREIGN_REDELIVERIES = 3
+FOREIGN_RETRY_S = 1.0
+
+
+@task_received.connect
+def _note_receipt(request: Any = None, **_: Any) -> None:
+    if request is not None and getattr(request, "id", None):
+        _received_at[request.id] = time.monotonic()
+
+
 @app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_job(self: Any, job_id: str) -> str:
-    from worker import jobs
-
+    received = _received_at.pop(self.request.id, None) if self.request.id else None
     if not isinstance(job_id, str) or not JOB_ID.match(job_id):
         log.error("ignoring a task with a malformed job id %r", job_id)
         return "invalid"
     settings = get_settings()
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
     db = database(settings.database_url)
-
-    def hard_limit() -> None:
-        # `jobs.run_job` has already failed the job with the reason, under its lease, before calling this.
-        log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
-        os.kill(os.getpid(), signal.SIGKILL)
-
     with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/core/logs.py)
-        return jobs.run_job(job_id, settings=settings, db=db, worker=worker,
-                            enqueue=lambda jid: send_job(db, jid), on_hard_limit=hard_limit)
+        # Claim first, before anything slow: a worker that dies between the message and the claim loses
+        # the message, and the job would wait for a sweep (worker/claiming.py).
+        job = claiming.claim(db, job_id, worker=worker, lease_s=settings.lease_s)
+        if job is None:
+            return _not_claimed(self, db, job_id)
+        held_s = time.monotonic() - received if received is not None else float("nan")
+        log.info("job %s: claimed (attempt %d) %.3f s after its message was received", job_id, job.attempts, held_s)
+        # The lease is renewed from now on; importing the run's code (torch) happens under it.
+        monitor = Monitor(db, Lease(job_id, worker, job.attempts), settings.lease_s, stall_s=settings.stall_s)
+        monitor.start()
+        try:
+            from worker import jobs
+        except BaseException:
+            monitor.stop()
+            raise
+
+        def hard_limit() -> None:
+            # `jobs.run_claimed` has already failed the job with the reason, under its lease, before calling this.
+            log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return jobs.run_claimed(job, settings=settings, db=db, worker=worker, monitor=monitor,
+                                enqueue=lambda jid: send_job(db, jid), on_hard_limit=hard_limit)
+
+
+def _not_claimed(task: Any, db: Any, job_id: str) -> str:
+    """The claim found nothing to take: the job is finished, cancelled or leased by a live worker (a
+    duplicate message; nothing to do) — or this database does not hold it at all (a message of another
+    service sharing the broker): that is an error, and the message goes back for its own service's
+    workers, a bounded number of times."""
+    if claiming.job_exists(db, job_id):
+        log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
+        return "skipped"
+    where = redacted_url(get_settings().database_url)
+    deliveries = int(task.request.retries or 0) + 1
+    if deliveries <= FOREIGN_REDELIVERIES:
+        log.error("job %s: no such job in this worker's database (%s): the message was sent by a service with "
+                  "another database sharing this broker; handed back to the queue (delivery %d of %d)",
+                  job_id, where, deliveries, FOREIGN_REDELIVERIES + 1)
+        raise task.retry(countdown=FOREIGN_RETRY_S, max_retries=FOREIGN_REDELIVERIES)
+    log.error("job %s: no such job in this worker's database (%s) after %d deliveries: message dropped "
+              "(dead-lettered); check that each service has a broker of its own (docs/reliability.md)",
+              job_id, where, deliveries)
+    return "foreign"
 
 
 def send_job(db: Any, job_id: str) -> None:
@@ -70,7 +130,7 @@ def send_job(db: Any, job_id: str) -> None:
 
 
 def sweep_once() -> list[str]:
-    from worker.jobs import requeue_queued, requeue_stale
+    from worker.claiming import requeue_queued, requeue_stale
 
     settings = get_settings()
     db = database(settings.database_url)
@@ -103,10 +163,25 @@ def sweep_store_once() -> None:
                 stale_s=settings.multipart_stale_s)
 
 
+def sweep_at_start() -> list[str]:
+    """Re-send the jobs nobody holds whose message was sent before this worker started (the message may
+    have died with a worker before its claim: worker/claiming.py), at once rather than after REQUEUE_AFTER_S."""
+    db = database(get_settings().database_url)
+    started_at = claiming.database_clock(db)
+    sent = claiming.requeue_unclaimed(db, lambda jid: send_job(db, jid), started_at=started_at)
+    for job_id in sent:
+        log.warning("job %s: queued and unclaimed when this worker started; sent again", job_id)
+    return sent
+
+
 def _sweep_forever() -> None:
     from worker.store_sweep import STORE_SWEEP_EVERY_S
 
     settings = get_settings()
+    try:
+        sweep_at_start()
+    except Exception:
+        log.warning("sweeper: could not re-send the jobs queued before this worker started", exc_info=True)
     interval = max(0.5, min(30.0, settings.lease_s / 2, settings.requeue_after_s / 2))
     store_swept = 0.0
     while True:

@@ -31,6 +31,18 @@ def _settings(args: argparse.Namespace) -> Any:
     return settings_for_var_dir(getattr(args, "var_dir", None))
 
 
+def broker_refusal(settings: Any) -> str | None:
+    """Why this service must not start on its broker (it serves another database), or None."""
+    from app.core.broker_owner import mark_broker
+
+    try:
+        return mark_broker(settings)
+    except Exception as exc:  # a database or broker not up yet: the workers' own checks still apply
+        print(f"dtp-layout: warning: could not check which database the broker serves ({type(exc).__name__}: "
+              f"{str(exc)[:200]}); starting anyway", file=sys.stderr)
+        return None
+
+
 def worker_command(settings: Any, *, name: str, loglevel: str = "INFO") -> list[str]:
     """One Celery worker process: solo pool (the job runs in this process; nothing else touches its
     device), one message at a time, on the service's queues of every world size up to the GPUs it owns
@@ -100,6 +112,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for d in (settings.var_dir, settings.storage, settings.models_dir, settings.data_dir):
         d.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
+    if refusal := broker_refusal(settings):
+        print(f"dtp-layout serve: error: {refusal}", file=sys.stderr)
+        return 2
     from app.api.auth import bind_refusal
     from app.cli.keys import keys_exist
 
@@ -179,6 +194,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.gpus_per_worker is not None:
         settings = settings.model_copy(update={"worker_gpus": args.gpus_per_worker})
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else []
+    if refusal := broker_refusal(settings):
+        print(f"dtp-layout worker: error: {refusal}", file=sys.stderr)
+        return 2
     if not gpus:
         # One worker: replace this process, so that signals (and SIGKILL) reach the worker itself.
         cmd = worker_command(settings, name=args.name, loglevel=args.loglevel)

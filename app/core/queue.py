@@ -4,8 +4,9 @@ The API sends jobs by task name and never imports `worker/` (nor torch); `worker
 builds the worker's Celery app from the same configuration, so the only arrow is worker → app.
 
 Jobs are long and must survive a worker dying: late acknowledgement, one message prefetched per
-worker, redelivery when a worker process is lost, and a Redis visibility timeout above the longest
-job (a redelivery during a live job would be a no-op anyway: the job row is leased by its worker).
+worker, redelivery when a worker process is lost, and a Redis visibility timeout of about two leases:
+a message whose worker died before claiming its job comes back then (a redelivery during a live job
+is a no-op: the job row is leased by its worker, and the copy is acknowledged as nothing to do).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def celery_config(settings: Settings, *, publisher: bool = False) -> dict[str, A
     worker keeps the defaults: its blocking reads wait longer than any publish should)."""
     transport: dict[str, Any] = {}
     if settings.broker_url.startswith(("redis://", "rediss://")):
-        transport.update(visibility_timeout=settings.visibility_timeout_s, socket_connect_timeout=5)
+        transport.update(visibility_timeout=settings.redis_visibility_timeout_s, socket_connect_timeout=5)
         if publisher:
             transport.update(socket_connect_timeout=PUBLISH_SOCKET_TIMEOUT_S, socket_timeout=PUBLISH_SOCKET_TIMEOUT_S)
         if settings.broker_key_prefix:

@@ -6,7 +6,9 @@ a SQLite-backed Celery transport, artifacts, model and data roots), no other ser
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -27,8 +29,11 @@ class Settings(BaseSettings):
     var_dir: Path = Field(default=Path("var"), description="base of the embedded defaults below (`serve --var-dir`)")
     database_url: str = Field(default="", description="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db; "
                                                       "default sqlite:///VAR_DIR/dtp-layout.db")
-    broker_url: str = Field(default="", description="Celery broker, e.g. redis://host:6379/0; default "
-                                                    "sqla+sqlite:///VAR_DIR/broker.db")
+    broker_url: str = Field(default="", description="Celery broker, e.g. redis://host:6379/0; default: a "
+                                                    "SQLite broker derived from the database's location "
+                                                    "(VAR_DIR/broker.db for the default database, DB.broker.db "
+                                                    "beside another SQLite database, VAR_DIR/broker-HASH.db for "
+                                                    "a server database), so that two services never share one")
     broker_key_prefix: str = Field(default="", description="Redis only: a prefix for every broker key (several "
                                                            "services on one Redis)")
     storage_root: Path | None = Field(default=None, description="artifacts, per-job work directories and the affinity "
@@ -141,8 +146,11 @@ class Settings(BaseSettings):
     cuda_memory_fraction: float | None = Field(
         default=None, gt=0, le=1, description="cap each worker's share of its GPU's memory (e.g. 0.5 for two "
                                               "workers on one GPU); a job that needs more fails with the sizes")
-    visibility_timeout_s: int = Field(default=86400, ge=60,
-                                      description="Redis visibility timeout; keep it above the longest job")
+    visibility_timeout_s: int | None = Field(
+        default=None, ge=10, description="Redis visibility timeout: a message a worker took and never "
+                                         "acknowledged (it died, perhaps before claiming the job) is delivered "
+                                         "again after it; default 2 × LEASE_S, at least 10 s (a redelivery of a "
+                                         "running job's message is a no-op: the job is leased)")
     lease_s: float = Field(default=60.0, gt=0, description="a running job's lease, renewed every second by its "
                                                             "worker; once it expires the worker is presumed dead")
     max_attempts: int = Field(default=3, ge=1, description="runs of one job (worker deaths, stalls) before it is "
@@ -241,10 +249,10 @@ class Settings(BaseSettings):
         self.key_entries()  # a malformed DTP_LAYOUT_API_KEYS stops the process at start
         var = self.var_dir.expanduser().absolute()
         self.var_dir = var
+        if not self.broker_url:
+            self.broker_url = f"sqla+sqlite:///{embedded_broker_path(var, self.database_url)}"
         if not self.database_url:
             self.database_url = f"sqlite:///{var / 'dtp-layout.db'}"
-        if not self.broker_url:
-            self.broker_url = f"sqla+sqlite:///{var / 'broker.db'}"
         self.storage_root = (self.storage_root or var / "storage").expanduser().absolute()
         self.model_root = (self.model_root or var / "models").expanduser().absolute()
         self.data_root = (self.data_root or var / "data").expanduser().absolute()
@@ -254,6 +262,14 @@ class Settings(BaseSettings):
         """(soft, hard) seconds for one run of a job of `work_tokens` (app.core.budgets.work_tokens)."""
         soft = min(self.time_limit_max_s, self.time_limit_s + self.time_limit_per_mtoken_s * work_tokens / 1e6)
         return soft, soft * 1.1 + self.time_limit_grace_s
+
+    @property
+    def redis_visibility_timeout_s(self) -> int:
+        """VISIBILITY_TIMEOUT_S, or its default: twice the lease, so that a job whose worker died holding
+        its message waits about as long as one whose worker died while running it."""
+        if self.visibility_timeout_s is not None:
+            return self.visibility_timeout_s
+        return max(10, math.ceil(2 * self.lease_s))
 
     @property
     def storage(self) -> Path:
@@ -338,3 +354,29 @@ def settings_for_var_dir(var_dir: str | Path | None) -> Settings:
     """The settings from the environment, with `--var-dir` (the commands' option) over them when given:
     `serve`, `worker` and `keys` read the same service this way."""
     return Settings(var_dir=Path(var_dir)) if var_dir else Settings()
+
+
+def redacted_url(url: str) -> str:
+    """A database or broker URL fit for a log line: the password masked."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url.split("://", 1)[0] + "://…"
+
+
+def embedded_broker_path(var_dir: Path, database_url: str) -> Path:
+    """The embedded broker's file for a database: services with different databases never share a broker
+    by accident (a worker would take the other's messages). The default database keeps VAR_DIR/broker.db."""
+    if not database_url:
+        return var_dir / "broker.db"
+    if database_url.startswith("sqlite:///") and len(database_url) > len("sqlite:///"):
+        db_file = Path(database_url[len("sqlite:///"):]).expanduser()
+        db_file = db_file if db_file.is_absolute() else Path.cwd() / db_file
+        if db_file == var_dir / "dtp-layout.db":
+            return var_dir / "broker.db"
+        return db_file.with_name(db_file.name + ".broker.db")
+    digest = hashlib.sha256(redacted_url(database_url).encode()).hexdigest()[:12]
+    return var_dir / f"broker-{digest}.db"

@@ -330,7 +330,8 @@ def test_stall_stops_the_lease_renewal(tmp_path):
 @pytest.mark.worker
 def test_worker_sweeper_sends_a_job_whose_message_never_left(tmp_path, postgres_server, redis_broker):
     """The API crashed between recording the job and enqueueing it: a real worker's sweeper finds the
-    job, sends it, and the worker runs it once."""
+    job, sends it, and the worker runs it once (the worker starting after the job was recorded, its
+    start sweep is the one that finds it: worker/claiming.py `requeue_unclaimed`)."""
     from tests.service_kit import WorkerProcess, worker_settings
 
     settings = worker_settings(tmp_path, postgres_server, redis_broker, "lostmsg", requeue_after_s=1.0)
@@ -346,4 +347,4 @@ def test_worker_sweeper_sends_a_job_whose_message_never_left(tmp_path, postgres_
     job = row(settings, job_id)
     assert job.status == "succeeded", (job.status, job.error, worker.log()[-3000:])
     assert job.requeues >= 1 and events(settings, job_id)["claimed"] == 1 and events(settings, job_id)["succeeded"] == 1
-    assert "still queued" in worker.log()
+    assert "queued and unclaimed when this worker started; sent again" in worker.log()

@@ -214,7 +214,9 @@ def _not_default(name: str, field: Any, tmp_path) -> Any:
         return f"{name}-{default}-x"
     if kind in (int, float):
         upper = min((m.le for m in field.metadata if hasattr(m, "le")), default=None)
+        lower = max((m.ge for m in field.metadata if getattr(m, "ge", None) is not None), default=None)
         value = (default or 0) + (1 if kind is int else 0.25)
+        value = value if lower is None else max(value, lower)
         return value if upper is None or value <= upper else (default or 0) - 1
     raise AssertionError(f"setting {name}: no test value for its type {field.annotation!r}; add it here")
 
