@@ -254,8 +254,9 @@ def run_soak(settings: Settings, *, trials: int, seed: int = 0, log_path: Path, 
             trial.attempts = done.attempts
             trial.problems = verify(settings, job_id, reference)
             results.append(trial)
-            say(f"trial {i + 1:2d}/{trials}: aimed at {target:12s} (+{trial.delay_s:5.2f} s) killed in {trial.killed_in:11s} "
-                f"attempts {trial.attempts}  reclaimed after {_fmt(trial.reclaimed_s)}  succeeded after "
+            say(f"trial {i + 1:2d}/{trials}: aimed at {target:12s} (+{trial.delay_s:5.2f} s) "
+                f"killed in {trial.killed_in:12s} attempts {trial.attempts}  "
+                f"reclaimed after {_fmt(trial.reclaimed_s)}  succeeded after "
                 f"{_fmt(trial.finished_s)}  {'ok' if not trial.problems else '; '.join(trial.problems)}")
         time.sleep(max(2.0, settings.lease_s * 1.5))  # nothing runs any job again
         for trial in results:
