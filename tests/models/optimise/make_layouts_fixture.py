@@ -1,8 +1,9 @@
 """Writes layouts_fixture.npz: the optimiser's inputs and the layouts it returned before issue 27.
 
 The chain optimiser (dtp:1) and the schedule optimiser were two implementations until issue 27 made them
-one. This script ran once, on the two implementations, and recorded their exact layouts (and sweeps, J,
-per-edge fractions, bound) on seeded random affinities, a planted-structure affinity and a tiny real model's
+one. This script ran on the two implementations (at commit 126e2eb, `optimise` for the chain cases and
+`optimise_schedule` for the schedule cases) and recorded their exact layouts (and sweeps, J, per-edge
+fractions, bound) on seeded random affinities, a planted-structure affinity and a tiny real model's
 affinity pass; `test_layouts_fixture.py` asserts the one optimiser returns the same. The inputs are stored
 too, so the test needs neither torch nor these generators. Rerun only to add cases, never to "fix" a failure:
 
@@ -88,7 +89,6 @@ def record(arrays: dict[str, np.ndarray], key: str, result: Any) -> dict[str, An
 def main() -> None:
     from models.optimise import optimise
     from models.optimise.edges import TopRows
-    from models.optimise.schedule_ascent import optimise_schedule
 
     arrays: dict[str, np.ndarray] = {}
     cases: list[dict[str, Any]] = []
@@ -115,7 +115,7 @@ def main() -> None:
                 edges.append({"pair": [m, t], "top_rows": False})
         for k, options in enumerate(CHAIN_OPTIONS[:5]):
             key = f"schedule/{name}/L2/{k}"
-            expected = record(arrays, key, optimise_schedule(sigma, 2, **options))
+            expected = record(arrays, key, optimise(sigma, 2, **options))
             cases.append({"kind": "schedule", "key": key, "affinity": name, "schedule": sigma.schedule,
                           "num_layers": sigma.num_layers, "num_kv_groups": sigma.num_kv_groups,
                           "intermediate_size": sigma.intermediate_size, "edges": edges, "devices": 2,

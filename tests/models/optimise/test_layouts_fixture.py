@@ -19,7 +19,6 @@ import pytest
 
 from models.optimise import Affinity, optimise
 from models.optimise.edges import ScheduleAffinity, TopRows
-from models.optimise.schedule_ascent import optimise_schedule
 
 FIXTURE = Path(__file__).with_name("layouts_fixture.npz")
 
@@ -59,11 +58,9 @@ CASES = fixture()[1]
 @pytest.mark.parametrize("case", CASES, ids=[c["key"] for c in CASES])
 def test_the_optimiser_returns_the_recorded_layouts(case: dict[str, Any]) -> None:
     arrays, _ = fixture()
-    if case["kind"] == "chain":
-        result: Any = optimise(chain_affinity(case["affinity"], case["num_layers"]), case["devices"],
-                               **case["options"])
-    else:
-        result = optimise_schedule(schedule_affinity(case), case["devices"], **case["options"])
+    affinity = (chain_affinity(case["affinity"], case["num_layers"]) if case["kind"] == "chain"
+                else schedule_affinity(case))
+    result = optimise(affinity, case["devices"], **case["options"])
     np.testing.assert_array_equal(result.kv_group_device, arrays[f"{case['key']}/heads"])
     np.testing.assert_array_equal(result.neuron_device, arrays[f"{case['key']}/cells"])
     assert result.sweeps == case["sweeps"]
