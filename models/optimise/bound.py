@@ -127,7 +127,7 @@ def _edge_bound_exact(matrix: np.ndarray, devices: int) -> float:
 
 
 def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[float, bool]:
-    """Bound for one normalised edge as [G, I] (a down edge transposed); (value, exact)."""
+    """Bound for one normalised dense edge whose first axis (the smaller side) is partitioned; (value, exact)."""
     if not matrix.any():
         return 0.0, True
     if devices == 1:
