@@ -499,8 +499,6 @@ def cmd_layout(args: argparse.Namespace) -> int:
     from models.layouts.layout import Layout, check_delta, check_devices
     from models.layouts.set import affinity_for, objective_schedule
     from models.optimise import optimise, upper_bound
-    from models.optimise.schedule_ascent import optimise_schedule
-    from models.optimise.schedule_objective import schedule_upper_bound
 
     try:
         result = AffinityResult.load(args.affinity)
@@ -525,8 +523,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
                                    move_neurons=not args.heads_only, layers=layers, restarts=args.restarts)
     try:
         if sigma is not None:
-            best: Any = optimise_schedule(sigma, args.devices, bound=schedule_upper_bound(sigma, args.devices),
-                                          **options)
+            best: Any = optimise(sigma, args.devices, bound=upper_bound(sigma, args.devices), **options)
         else:
             best = optimise(affinity, args.devices, bound=upper_bound(affinity, args.devices), **options)
     except ValueError as exc:

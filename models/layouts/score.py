@@ -21,7 +21,6 @@ from models.layouts import layout as layout_mod
 from models.layouts.format import LayoutError
 from models.layouts.set import affinity_for
 from models.optimise import score, upper_bound
-from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
 from models.schedules import resolve_schedule
 
 SCORES_FORMAT = "dtp-layout-scores/1"
@@ -51,8 +50,8 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
             resolved = resolve_schedule(schedule, result.shape.num_layers, lay.devices)
             scored_for = str(resolved)
             sigma = result.schedule_affinity(score_name, resolved)
-            srep = schedule_score(sigma, lay.kv_group_device, lay.neuron_device, devices=lay.devices,
-                                  bound=schedule_upper_bound(sigma, lay.devices))
+            srep = score(sigma, lay.kv_group_device, lay.neuron_device, devices=lay.devices,
+                         bound=upper_bound(sigma, lay.devices))
             J, bound_value, exact, up, down = (srep.J, srep.upper_bound, srep.upper_bound_exact, srep.up_fraction,
                                                srep.down_fraction)
             random_expectation = srep.random_expectation
@@ -61,7 +60,7 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
             rep = score(affinity, lay.kv_group_device, lay.neuron_device, devices=lay.devices,
                         bound=upper_bound(affinity, lay.devices))
             J, bound_value, exact = rep.J, rep.upper_bound, rep.upper_bound_exact
-            up, down = list[float | None](rep.up_fraction), list[float | None](rep.down_fraction)
+            up, down = list(rep.up_fraction), list(rep.down_fraction)
             random_expectation = rep.random_expectation
         if lay.made_for != scored_for:
             warnings.append(f"{path}: layout {lay.name!r} was made for schedule {lay.made_for}, scored here "

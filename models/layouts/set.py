@@ -18,7 +18,7 @@ Every layout's `score` is its report in the run's score units (J, per-edge co-lo
 plus `scores` with the same report in FO and in ADD units whichever score built it, `objective` (the score
 it was optimised on, None for contiguous/random) and `restarts` (the extra optimiser starts it used).
 With a schedule (issue 20) every layout is optimised and scored on J_σ, the objective of that schedule's
-edges (`models.optimise.schedule_objective`), and records the schedule; without one (None), on the
+edges (`models.optimise.objective`), and records the schedule; without one (None), on the
 paper's chain objective exactly as before (which is J_σ at dtp:1).
 Pure numpy (no torch): the `score` command and the API process use it.
 """
@@ -36,9 +36,7 @@ from models.layouts import layout as layout_mod
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, ModelShape
 from models.layouts.names import RANDOM_SEED_BASE
-from models.optimise import Affinity, OptimiseResult, balanced_assignment, optimise, score, upper_bound
-from models.optimise.schedule_ascent import ScheduleOptimiseResult, optimise_schedule
-from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
+from models.optimise import Affinity, OptimiseResult, Problem, balanced_assignment, optimise, score, upper_bound
 from models.schedules import Schedule, ScheduleError, parse_schedule, resolve_schedule
 
 if TYPE_CHECKING:
@@ -95,6 +93,11 @@ def affinity_for(result: AffinityResult, score_name: str) -> Affinity:
     return Affinity(up=result.up(score_name), down=result.down)
 
 
+def objective_affinity(result: AffinityResult, score_name: str, schedule: Schedule | None) -> Problem:
+    """What a layout is optimised and scored on: `schedule`'s edges, or the paper's chain (None)."""
+    return affinity_for(result, score_name) if schedule is None else result.schedule_affinity(score_name, schedule)
+
+
 def restarts_used(variant: Variant, restarts: int) -> int:
     # Without moving KV groups every start is the contiguous one: restarts cannot change the result.
     return 0 if variant.paper_restarts or not variant.move_heads else restarts
@@ -138,7 +141,7 @@ def refuse_layout_independent(schedule: Schedule | None) -> None:
 
 
 def run_variant(result: AffinityResult, variant: Variant, *, devices: int, score_name: str,
-                restarts: int, schedule: Schedule | None = None) -> OptimiseResult | ScheduleOptimiseResult:
+                restarts: int, schedule: Schedule | None = None) -> OptimiseResult:
     """The variant's optimised layout: on J_σ of `schedule`, or on the chain objective (None)."""
     built_with = other_score(score_name) if variant.other_score else score_name
     layers = None if variant.layer_count is None else evenly_spaced_layers(result.shape.num_layers,
@@ -146,11 +149,8 @@ def run_variant(result: AffinityResult, variant: Variant, *, devices: int, score
     options: dict[str, Any] = dict(maximise=variant.maximise, move_heads=variant.move_heads,
                                    move_neurons=variant.move_neurons, layers=layers,
                                    restarts=restarts_used(variant, restarts))
-    if schedule is not None:
-        refuse_layout_independent(schedule)
-        sigma = result.schedule_affinity(built_with, schedule)
-        return optimise_schedule(sigma, devices, bound=schedule_upper_bound(sigma, devices), **options)
-    affinity = affinity_for(result, built_with)
+    refuse_layout_independent(schedule)
+    affinity = objective_affinity(result, built_with, schedule)
     return optimise(affinity, devices, bound=upper_bound(affinity, devices), **options)
 
 
@@ -159,12 +159,7 @@ def score_both(result: AffinityResult, kv_group_device: Any, neuron_device: Any,
     """The layout's report in FO and in ADD units: {"fo": {...}, "add": {...}} (J_σ with a schedule)."""
     out: dict[str, dict] = {}
     for name in SCORES:
-        if schedule is not None:
-            sigma = result.schedule_affinity(name, schedule)
-            out[name] = schedule_score(sigma, kv_group_device, neuron_device, devices=devices,
-                                       bound=schedule_upper_bound(sigma, devices)).as_dict()
-            continue
-        affinity = affinity_for(result, name)
+        affinity = objective_affinity(result, name, schedule)
         out[name] = score(affinity, kv_group_device, neuron_device, devices=devices,
                           bound=upper_bound(affinity, devices)).as_dict()
     return out

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from models.layouts.layout import Layout
 from models.layouts.set import Variant, affinity_for, neuron_agreement, run_variant
 from models.optimise import score, upper_bound
-from models.optimise.schedule_objective import schedule_score, schedule_upper_bound
 from models.schedules import Schedule
 
 if TYPE_CHECKING:
@@ -46,9 +45,9 @@ def stability_report(halves: dict[str, AffinityResult], layouts: dict[str, Layou
         devices = layouts[on].devices
         if schedule is not None:
             sigma = result.schedule_affinity(score_name, schedule)
-            sbound = schedule_upper_bound(sigma, devices)
+            sbound = upper_bound(sigma, devices)
             for built, lay in layouts.items():
-                srep = schedule_score(sigma, lay.kv_group_device, lay.neuron_device, devices=devices, bound=sbound)
+                srep = score(sigma, lay.kv_group_device, lay.neuron_device, devices=devices, bound=sbound)
                 scores.setdefault(built, {})[on] = srep.J
             per_half[on] = {"blocks": blocks[on], "tokens": result.tokens,
                             "random_expectation": srep.random_expectation, "upper_bound": sbound.value,

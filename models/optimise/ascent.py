@@ -1,8 +1,11 @@
-"""Coordinate ascent of J over the chain of blocks: the paper's layout optimiser.
+"""Coordinate ascent of J_σ over the blocks of a layout: the paper's layout optimiser, for any schedule's edges.
 
-Every block of the chain (ν_i given h_i and h_{i+1}; h_i given ν_{i-1} and ν_i) is a linear
-assignment with equal device capacities, which `balanced_assignment` solves exactly, so coordinate
-ascent over the blocks increases J monotonically to a block-wise fixed point. Pure numpy.
+J_σ is linear in each module's assignment given the others' (no edge joins a module to itself), so the
+best balanced assignment of one layer's neurons (module 2i+1), or KV groups (module 2i), given the rest
+is one transportation problem on the gain [U, L] that sums the module's incoming and outgoing edges,
+which `balanced_assignment` solves exactly. Sweeps visit layer i's neurons, then its KV groups, in layer
+order, so J_σ increases monotonically to a block-wise fixed point. On the paper's chain (dtp:1) a block
+is ν_i given h_i and h_{i+1}, or h_i given ν_{i-1} and ν_i. Pure numpy.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import numpy as np
 
 from models.optimise.assignment import REL_TOL, balanced_assignment
 from models.optimise.bound import UpperBound
+from models.optimise.edges import ScheduleAffinity, module_devices, receiver_gain, sender_gain
 from models.optimise.objective import ScoreReport, check_layout, objective, score
-from models.optimise.problem import Affinity, check_devices, contiguous_layout, contiguous_row
+from models.optimise.problem import Problem, check_devices, contiguous_layout, contiguous_row, edges_of
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,26 +28,17 @@ class OptimiseResult:
     neuron_device: np.ndarray  # [N, I]
     report: ScoreReport
     sweeps: int
-    history: list[float]  # J after each sweep
+    history: list[float]  # J_σ after each sweep
 
 
-def _one_hot(assign: np.ndarray, devices: int) -> np.ndarray:
-    return (assign[:, None] == np.arange(devices)).astype(np.float64)  # [n, L]
-
-
-def _neuron_gain(unit: Affinity, heads: np.ndarray, layer: int, devices: int) -> np.ndarray:
-    """Mass neuron k of `layer` shares with device l's KV groups of this layer and the next: [I, L]."""
-    gain = unit.up[layer].T @ _one_hot(heads[layer], devices)
-    if layer + 1 < unit.num_layers:
-        gain += unit.down[layer] @ _one_hot(heads[layer + 1], devices)
-    return gain
-
-
-def _head_gain(unit: Affinity, cells: np.ndarray, layer: int, devices: int) -> np.ndarray:
-    """Mass KV group g of `layer` shares with device l's neurons of this layer and the previous: [G, L]."""
-    gain = unit.up[layer] @ _one_hot(cells[layer], devices)
-    if layer > 0:
-        gain += unit.down[layer - 1].T @ _one_hot(cells[layer - 1], devices)
+def module_gain(unit: ScheduleAffinity, heads: np.ndarray, cells: np.ndarray, n: int, devices: int) -> np.ndarray:
+    """[U_n, L]: the mass each unit of module n shares with device l's units of every module it is joined
+    to (incoming edges m → n, then outgoing n → t)."""
+    gain = np.zeros((unit.units(n), devices))
+    for pair in unit.incoming(n):
+        gain += receiver_gain(unit.edges[pair], module_devices(heads, cells, pair[0]), devices)
+    for pair in unit.outgoing(n):
+        gain += sender_gain(unit.edges[pair], module_devices(heads, cells, pair[1]), devices)
     return gain
 
 
@@ -71,60 +66,52 @@ def _moving_layers(layers: Any, num_layers: int) -> list[int]:
     return chosen
 
 
-def optimise(affinity: Affinity, devices: int, *, maximise: bool = True, move_heads: bool = True,
+def optimise(affinity: Problem, devices: int, *, maximise: bool = True, move_heads: bool = True,
              move_neurons: bool = True, layers: Any = None, max_sweeps: int = 50, tol: float = 1e-12,
              bound: UpperBound | None = None, initial_heads: np.ndarray | None = None, restarts: int = 0,
              seed: int = 0) -> OptimiseResult:
-    """Coordinate ascent of J over the chain's blocks, from the contiguous layout.
+    """Coordinate ascent of J_σ over the blocks, from the contiguous layout: of objective (6) for the
+    paper's chain (an `Affinity`), of the schedule's edges for a `ScheduleAffinity`.
 
     Each sweep visits the chosen layers in order and replaces the layer's neurons, then its KV groups,
-    by the exact best balanced assignment given the neighbouring blocks, so J never decreases
-    (increases when minimising). Stops when a sweep gains no more than `tol`.
-    maximise=False minimises J (the anti-optimised layout); move_heads=False keeps the contiguous
+    by the exact best balanced assignment given the rest, so J_σ never decreases (increases when
+    minimising). Stops when a sweep gains no more than `tol`.
+    maximise=False minimises J_σ (the anti-optimised layout); move_heads=False keeps the contiguous
     heads (neurons only); move_neurons=False keeps the contiguous neurons (heads only); layers not in
     `layers` keep the contiguous heads and neurons. `bound` reuses a precomputed upper bound.
 
     Coordinate ascent stops at a local optimum: with I ≫ G the first neuron step fits the neurons to
     the starting heads, after which no single head step pays. `restarts` > 0 also starts from that
     many seeded random balanced head assignments (of the moving layers) and keeps the best result;
-    `initial_heads` [N, G] replaces the contiguous start.
+    `initial_heads` [N, G] replaces the contiguous start. A layout-independent schedule (no edge: tp,
+    ladder) returns the contiguous layout with J_σ = 0 and report.layout_independent set.
     """
     if restarts < 0:
         raise ValueError(f"restarts must be ≥ 0, got {restarts}")
     kwargs: dict[str, Any] = dict(maximise=maximise, move_heads=move_heads, move_neurons=move_neurons, layers=layers,
-                  max_sweeps=max_sweeps, tol=tol, bound=bound)
+                                  max_sweeps=max_sweeps, tol=tol, bound=bound)
     best = _ascend(affinity, devices, initial_heads=initial_heads, **kwargs)
-    if not move_heads:
-        return best  # every start would be the same contiguous heads
-    return best_of_restarts(best, lambda start: _ascend(affinity, devices, initial_heads=start, **kwargs),
-                            num_kv_groups=affinity.num_kv_groups, num_layers=affinity.num_layers, devices=devices,
-                            restarts=restarts, seed=seed, maximise=maximise, tol=tol)
-
-
-def best_of_restarts(best: Any, ascend: Any, *, num_kv_groups: int, num_layers: int, devices: int, restarts: int,
-                     seed: int, maximise: bool, tol: float) -> Any:
-    """`best` or a better result of `ascend(start)` from `restarts` seeded random balanced head starts
-    [N, G] (the same seeded starts for every objective: chain or schedule); better by more than `tol`
-    in report.J."""
+    if not move_heads or edges_of(affinity).layout_independent:
+        return best  # every start would give the same layout
     rng = np.random.default_rng(seed)
-    groups_row = contiguous_row(num_kv_groups, devices)
+    groups_row = contiguous_row(affinity.num_kv_groups, devices)
     sign = 1.0 if maximise else -1.0
     for _ in range(restarts):
-        start = np.stack([rng.permutation(groups_row) for _ in range(num_layers)])
-        candidate = ascend(start)
+        start = np.stack([rng.permutation(groups_row) for _ in range(affinity.num_layers)])  # [N, G]
+        candidate = _ascend(affinity, devices, initial_heads=start, **kwargs)
         if sign * (candidate.report.J - best.report.J) > tol:
             best = candidate
     return best
 
 
-def _ascend(affinity: Affinity, devices: int, *, maximise: bool, move_heads: bool, move_neurons: bool,
+def _ascend(affinity: Problem, devices: int, *, maximise: bool, move_heads: bool, move_neurons: bool,
             layers: Any, max_sweeps: int, tol: float, bound: UpperBound | None,
             initial_heads: np.ndarray | None) -> OptimiseResult:
     """One coordinate ascent from `initial_heads` (default contiguous) and contiguous neurons."""
     check_devices(affinity, devices)
     if max_sweeps < 1:
         raise ValueError(f"max_sweeps must be at least 1, got {max_sweeps}")
-    unit = affinity.normalised()
+    unit = edges_of(affinity).normalised()
     moving = _moving_layers(layers, affinity.num_layers)
     heads, cells = contiguous_layout(affinity, devices)
     if initial_heads is not None:
@@ -132,12 +119,12 @@ def _ascend(affinity: Affinity, devices: int, *, maximise: bool, move_heads: boo
     sign = 1.0 if maximise else -1.0
     previous = objective(unit, heads, cells)
     history: list[float] = []
-    for _ in range(max_sweeps):
+    for _ in range(0 if unit.layout_independent else max_sweeps):
         for i in moving:
             if move_neurons:
-                cells[i] = _step(_neuron_gain(unit, heads, i, devices), cells[i], maximise)
+                cells[i] = _step(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise)
             if move_heads:
-                heads[i] = _step(_head_gain(unit, cells, i, devices), heads[i], maximise)
+                heads[i] = _step(module_gain(unit, heads, cells, 2 * i, devices), heads[i], maximise)
         history.append(objective(unit, heads, cells))
         if sign * (history[-1] - previous) <= tol:
             break
@@ -148,27 +135,27 @@ def _ascend(affinity: Affinity, devices: int, *, maximise: bool, move_heads: boo
     return OptimiseResult(heads, cells, report, len(history), history)
 
 
-def block_improvement(affinity: Affinity, kv_group_device: Any, neuron_device: Any, *, devices: int | None = None,
+def block_improvement(affinity: Problem, kv_group_device: Any, neuron_device: Any, *, devices: int | None = None,
                       maximise: bool = True, move_heads: bool = True, move_neurons: bool = True,
                       layers: Any = None) -> float:
-    """Largest gain in J (decrease when minimising) that one exact block step of the optimiser could make.
+    """Largest gain in J_σ (decrease when minimising) that one exact block step of the optimiser could make.
 
     Zero (up to rounding) at a fixed point of `optimise` with the same options.
     """
     heads, cells, devices = check_layout(affinity, kv_group_device, neuron_device, devices)
-    unit = affinity.normalised()
+    unit = edges_of(affinity).normalised()
     best = 0.0
     for i in _moving_layers(layers, affinity.num_layers):
         if move_neurons:
-            best = max(best, _best_block(_neuron_gain(unit, heads, i, devices), cells[i], maximise)[1])
+            best = max(best, _best_block(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise)[1])
         if move_heads:
-            best = max(best, _best_block(_head_gain(unit, cells, i, devices), heads[i], maximise)[1])
+            best = max(best, _best_block(module_gain(unit, heads, cells, 2 * i, devices), heads[i], maximise)[1])
     return best
 
 
-def is_block_optimal(affinity: Affinity, kv_group_device: Any, neuron_device: Any, *, devices: int | None = None,
+def is_block_optimal(affinity: Problem, kv_group_device: Any, neuron_device: Any, *, devices: int | None = None,
                      maximise: bool = True, move_heads: bool = True, move_neurons: bool = True,
                      layers: Any = None, atol: float = 1e-9) -> bool:
-    """True when no single block step (neurons of a layer, or KV groups of a layer) improves J by > atol."""
+    """True when no single block step (neurons of a layer, or KV groups of a layer) improves J_σ by > atol."""
     return block_improvement(affinity, kv_group_device, neuron_device, devices=devices, maximise=maximise,
                              move_heads=move_heads, move_neurons=move_neurons, layers=layers) <= atol

@@ -1,8 +1,9 @@
-"""The upper bound of J: Σ over edges of the best co-located fraction of that edge optimised alone.
+"""The upper bound of J_σ: Σ over the edges of the best co-located fraction of that edge optimised alone.
 
-No layout can beat it, since J is the sum of the edges' fractions. Per edge, exact by branch and
-bound over the balanced partitions of the KV groups (each solved by an exact balanced assignment of
-the neurons) where they are few enough, otherwise a looser valid bound. Pure numpy.
+No layout can beat it, since J_σ is the sum of the edges' fractions. Per dense edge, exact by branch
+and bound over the balanced partitions of its smaller side (the KV groups of a chain edge), each solved
+by an exact balanced assignment of the other side, where they are few enough, otherwise a looser valid
+bound; a top-k edge (`TopRows`) gets the looser bound without being densified. Pure numpy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from functools import lru_cache
 import numpy as np
 
 from models.optimise.assignment import REL_TOL, balanced_assignment
-from models.optimise.problem import Affinity, check_devices
+from models.optimise.edges import EdgeMatrix, Pair, TopRows
+from models.optimise.problem import Problem, check_devices, edges_of
 
 _GAIN_CHUNK = 1 << 22  # floats per temporary when scoring group partitions in bulk
 
@@ -27,9 +29,17 @@ class UpperBound:
     devices: int
     value: float
     exact: bool
-    up: list[float]
-    down: list[float]
+    edges: dict[Pair, float]  # per edge (m, t), in edge order
 
+    @property
+    def up(self) -> list[float]:
+        """The chain's up edges (2i, 2i+1) that the schedule has."""
+        return [v for (m, t), v in self.edges.items() if m % 2 == 0 and t == m + 1]
+
+    @property
+    def down(self) -> list[float]:
+        """The chain's down edges (2i+1, 2i+2) that the schedule has."""
+        return [v for (m, t), v in self.edges.items() if m % 2 == 1 and t == m + 1]
 
 
 def partition_count(groups: int, devices: int) -> int:
@@ -117,7 +127,7 @@ def _edge_bound_exact(matrix: np.ndarray, devices: int) -> float:
 
 
 def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[float, bool]:
-    """Bound for one normalised edge as [G, I] (a down edge transposed); (value, exact)."""
+    """Bound for one normalised dense edge whose first axis (the smaller side) is partitioned; (value, exact)."""
     if not matrix.any():
         return 0.0, True
     if devices == 1:
@@ -127,25 +137,44 @@ def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[
     return _edge_bound_exact(matrix, devices), True
 
 
-def upper_bound(affinity: Affinity, devices: int, *, max_partitions: int = 20000) -> UpperBound:
-    """Σ over edges of the best co-located fraction of that edge optimised alone (cached per affinity).
+def _top_rows_bound(matrix: TopRows, devices: int) -> float:
+    """A valid bound of a top-k edge without densifying it: each sender shares a device with C/L receivers
+    and each receiver with R/L senders, so neither collects more than its largest kept entries."""
+    rows, cols = matrix.shape
+    by_row = -np.sort(-matrix.values, axis=1)[:, : cols // devices].sum()  # [R, k] rows, largest first
+    col, value = matrix.indices.ravel(), matrix.values.ravel()
+    order = np.lexsort((-value, col))  # by column, largest first within one
+    col, value = col[order], value[order]
+    starts = np.searchsorted(col, col, side="left")  # first entry of each entry's column
+    rank = np.arange(len(col)) - starts  # the entry's place within its column
+    by_col = value[rank < rows // devices].sum()
+    return float(min(by_row, by_col, 1.0))
 
-    No layout can beat it, since J is the sum of the edges' fractions. Exact where the group partitions
-    number at most `max_partitions`, otherwise a looser valid bound with exact=False.
+
+def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int) -> tuple[float, bool]:
+    """The best co-located fraction of one normalised edge alone; (value, exact)."""
+    if isinstance(matrix, TopRows):
+        return _top_rows_bound(matrix, devices), False
+    rows, cols = matrix.shape
+    # _edge_bound enumerates the partitions of its first axis: give it the smaller side
+    # (a chain's down edge [I, G] is bounded as its transpose).
+    return _edge_bound(matrix if rows <= cols else matrix.T, devices, max_partitions)
+
+
+def upper_bound(affinity: Problem, devices: int, *, max_partitions: int = 20000) -> UpperBound:
+    """Σ over the edges of the best co-located fraction of that edge optimised alone (cached per affinity).
+
+    No layout can beat it, since J_σ is the sum of the edges' fractions. Exact where every dense edge's
+    partitions number at most `max_partitions` and no edge is top-k, otherwise a looser valid bound with
+    exact=False.
     """
     check_devices(affinity, devices)
+    sigma = edges_of(affinity)
     key = ("upper_bound", devices, max_partitions)
-    if key not in affinity._cache:
-        unit = affinity.normalised()
-        up = [_edge_bound(m, devices, max_partitions) for m in unit.up]
-        down = [_edge_bound(m.T, devices, max_partitions) for m in unit.down]
-        affinity._cache[key] = UpperBound(
-            devices=int(devices),
-            value=float(sum(v for v, _ in up) + sum(v for v, _ in down)),
-            exact=all(e for _, e in up) and all(e for _, e in down),
-            up=[v for v, _ in up],
-            down=[v for v, _ in down],
-        )
-    result: UpperBound = affinity._cache[key]
+    if key not in sigma._cache:
+        unit = sigma.normalised()
+        per = {p: _one_edge_bound(m, devices, max_partitions) for p, m in unit.edges.items()}
+        sigma._cache[key] = UpperBound(int(devices), float(sum(v for v, _ in per.values())),
+                                       all(e for _, e in per.values()), {p: v for p, (v, _) in per.items()})
+    result: UpperBound = sigma._cache[key]
     return result
-

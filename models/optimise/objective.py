@@ -1,25 +1,31 @@
-"""Objective (6) of the paper: the co-located normalised affinity J of a balanced layout.
+"""J_σ, the layout objective of a communication schedule, and its report; at dtp:1 objective (6) of the paper.
 
 A layout puts KV group g of layer i on device h_i(g) and FFN neuron k on device ν_i(k), balanced
 (G/L groups and I/L neurons per device). With every edge normalised to unit mass,
 
-    J = Σ_i Σ_{g,k: h_i(g)=ν_i(k)} Ŝup_i[g, k] + Σ_{i<N-1} Σ_{k,g: ν_i(k)=h_{i+1}(g)} Ŝdown_i[k, g],
+    J_σ(layout) = Σ_{(m, t) edges of σ}  Σ_{u ∈ m, v ∈ t}  Ŝ_{m→t}[u, v] · 1[dev(u) = dev(v)]
 
-in [0, 2N-1]; a uniformly random layout scores (2N-1)/L in expectation. Pure numpy.
+over the edges of `models.optimise.edges`. At dtp:1 the edges are the paper's chain (an `Affinity`):
+
+    J = Σ_i Σ_{g,k: h_i(g)=ν_i(k)} Ŝup_i[g, k] + Σ_{i<N-1} Σ_{k,g: ν_i(k)=h_{i+1}(g)} Ŝdown_i[k, g],   (6)
+
+in [0, 2N-1]; a uniformly random layout scores (2N-1)/L in expectation (in general the number of edges
+carrying mass over L). tp and ladder have no edge and J_σ = 0 for every layout. Pure numpy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from models.optimise.bound import UpperBound, upper_bound
-from models.optimise.problem import Affinity, check_devices
+from models.optimise.edges import Pair, ScheduleAffinity, co_located, edge_kind, edge_name, module_devices
+from models.optimise.problem import Affinity, Problem, check_devices, edges_of
 
 
-def check_layout(affinity: Affinity, kv_group_device: Any, neuron_device: Any,
+def check_layout(affinity: Problem, kv_group_device: Any, neuron_device: Any,
                  devices: int | None) -> tuple[np.ndarray, np.ndarray, int]:
     """The device arrays as int64 [N, G] and [N, I] and L; ValueError unless balanced over L devices."""
     n, groups, neurons = affinity.num_layers, affinity.num_kv_groups, affinity.intermediate_size
@@ -46,76 +52,78 @@ def check_layout(affinity: Affinity, kv_group_device: Any, neuron_device: Any,
     return heads.astype(np.int64), cells.astype(np.int64), int(devices)
 
 
-def _stacked(unit: Affinity) -> tuple[np.ndarray, np.ndarray]:
-    """All up matrices [N, G, I] and down matrices [N-1, I, G], stacked once per affinity."""
-    if "stacked" not in unit._cache:
-        groups, neurons = unit.num_kv_groups, unit.intermediate_size
-        down = np.stack(unit.down) if unit.down else np.zeros((0, neurons, groups))
-        unit._cache["stacked"] = (np.stack(unit.up), down)
-    stacked: tuple[np.ndarray, np.ndarray] = unit._cache["stacked"]
-    return stacked
+def edge_fractions(unit: ScheduleAffinity, heads: np.ndarray, cells: np.ndarray) -> dict[Pair, float]:
+    """The co-located fraction of every edge of a normalised affinity, in edge order."""
+    return {pair: co_located(matrix, module_devices(heads, cells, pair[0]), module_devices(heads, cells, pair[1]))
+            for pair, matrix in unit.edges.items()}
 
 
-def _co_located(unit: Affinity, heads: np.ndarray, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Co-located mass of each up edge [N] and each down edge [N-1] of a normalised affinity."""
-    up, down = _stacked(unit)  # [N, G, I], [N-1, I, G]
-    up_together = heads[:, :, None] == cells[:, None, :]  # [N, G, I]
-    up_fraction = np.where(up_together, up, 0.0).sum(axis=(1, 2))
-    down_together = cells[:-1, :, None] == heads[1:, None, :]  # [N-1, I, G]
-    down_fraction = np.where(down_together, down, 0.0).sum(axis=(1, 2))
-    return up_fraction, down_fraction
-
-
-
-def objective(unit: Affinity, heads: np.ndarray, cells: np.ndarray) -> float:
-    """J of checked [N, G] / [N, I] device arrays over a normalised affinity."""
-    up_fraction, down_fraction = _co_located(unit, heads, cells)
-    return float(up_fraction.sum() + down_fraction.sum())
+def objective(unit: Problem, heads: np.ndarray, cells: np.ndarray) -> float:
+    """J_σ of checked [N, G] / [N, I] device arrays over a normalised affinity (J of (6) for a chain)."""
+    return float(sum(edge_fractions(edges_of(unit), heads, cells).values()))
 
 
 @dataclass(frozen=True)
 class ScoreReport:
+    """J_σ of a layout with its per-edge co-located fractions, the random expectation and the upper bound.
+
+    up_fraction / down_fraction: the chain's edges (layer i's up, layer i's down), None where the schedule
+    lacks them. `schedule` is None for the paper's chain (an `Affinity`), whose `as_dict` keeps the keys
+    of objective (6)'s report; a schedule's also names the schedule and lists every edge.
+    """
+
     J: float
     devices: int
     random_expectation: float
-    up_fraction: list[float]
-    down_fraction: list[float]
+    up_fraction: list[float | None]
+    down_fraction: list[float | None]
     upper_bound: float
     upper_bound_exact: bool
+    schedule: str | None = None
+    edges: list[dict[str, Any]] = field(default_factory=list)  # {"from", "to", "name", "kind", "fraction",
+    #                                                             "upper_bound", ["kept_mass"]}
+    layout_independent: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "J": self.J,
-            "devices": self.devices,
-            "random_expectation": self.random_expectation,
-            "up_fraction": list(self.up_fraction),
-            "down_fraction": list(self.down_fraction),
-            "upper_bound": self.upper_bound,
-            "upper_bound_exact": self.upper_bound_exact,
-        }
+        head: dict[str, Any] = {"J": self.J, "devices": self.devices, "random_expectation": self.random_expectation}
+        per_edge: dict[str, Any] = {}
+        if self.schedule is not None:
+            head |= {"schedule": self.schedule, "layout_independent": self.layout_independent}
+            per_edge = {"edges": [dict(e) for e in self.edges]}
+        return {**head, "up_fraction": list(self.up_fraction), "down_fraction": list(self.down_fraction),
+                **per_edge, "upper_bound": self.upper_bound, "upper_bound_exact": self.upper_bound_exact}
 
 
-def score(affinity: Affinity, kv_group_device: Any, neuron_device: Any, *, devices: int | None = None,
+def score(affinity: Problem, kv_group_device: Any, neuron_device: Any, *, devices: int | None = None,
           bound: UpperBound | None = None) -> ScoreReport:
-    """Objective (6) of a balanced layout, its per-edge co-located fractions and the upper bound.
+    """J_σ (objective (6) for a chain) of a balanced layout, its per-edge fractions and the upper bound.
 
     kv_group_device: [N, G] ints; neuron_device: [N, I] ints. `devices` defaults to the largest id + 1.
-    The random expectation is the total normalised mass over L: (2N-1)/L unless an edge is all zero.
+    The random expectation is the total normalised mass over L: (2N-1)/L for a chain unless an edge is
+    all zero.
     """
     heads, cells, devices = check_layout(affinity, kv_group_device, neuron_device, devices)
-    unit = affinity.normalised()
-    up_fraction, down_fraction = _co_located(unit, heads, cells)
+    sigma = edges_of(affinity)
+    unit = sigma.normalised()
+    fractions = edge_fractions(unit, heads, cells)
     if bound is None:
         bound = upper_bound(affinity, devices)
     elif bound.devices != devices:
         raise ValueError(f"bound was computed for L={bound.devices} devices, the layout has L={devices}")
+    kept = sigma.kept_mass()
+    edges = []
+    for pair, fraction in fractions.items():
+        row: dict[str, Any] = {"from": pair[0], "to": pair[1], "name": edge_name(pair), "kind": edge_kind(pair),
+                               "fraction": fraction, "upper_bound": bound.edges[pair]}
+        if pair in kept:
+            row["kept_mass"] = kept[pair]
+        edges.append(row)
+    n = sigma.num_layers
     return ScoreReport(
-        J=float(up_fraction.sum() + down_fraction.sum()),
-        devices=devices,
-        random_expectation=float(unit.edge_masses().sum() / devices),
-        up_fraction=up_fraction.tolist(),
-        down_fraction=down_fraction.tolist(),
-        upper_bound=bound.value,
-        upper_bound_exact=bound.exact,
-    )
-
+        J=float(sum(fractions.values())), devices=devices,
+        random_expectation=float(sum(unit.edge_masses().values()) / devices),
+        up_fraction=[fractions.get((2 * i, 2 * i + 1)) for i in range(n)],
+        down_fraction=[fractions.get((2 * i + 1, 2 * i + 2)) for i in range(n - 1)],
+        upper_bound=bound.value, upper_bound_exact=bound.exact,
+        schedule=None if isinstance(affinity, Affinity) else sigma.schedule, edges=edges,
+        layout_independent=sigma.layout_independent)

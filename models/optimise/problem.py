@@ -1,8 +1,11 @@
-"""The optimiser's input: per-layer affinity matrices (the edges of the layer chain) and device counts.
+"""The optimiser's input: the paper's chain of per-layer affinity matrices, or a schedule's edges; device counts.
 
-A model with N layers, G KV groups and I FFN neurons per layer has 2N-1 edges: the up edge of layer i
-([G, I], neurons of layer i on the KV groups of layer i) and the down edge of layer i < N-1 ([I, G],
-KV groups of layer i+1 on the neurons of layer i). L devices must divide both G and I. Pure numpy.
+A model with N layers, G KV groups and I FFN neurons per layer has, in the paper's chain (dtp:1), 2N-1
+edges: the up edge of layer i ([G, I], neurons of layer i on the KV groups of layer i) and the down edge
+of layer i < N-1 ([I, G], KV groups of layer i+1 on the neurons of layer i). `Affinity` holds them;
+`Affinity.edges()` is the same chain as the edges of J_σ at dtp:1 (`models.optimise.edges`), which is
+what the objective, the bound and the ascent read (`edges_of`). A schedule's `ScheduleAffinity` is the
+other kind of input. L devices must divide both G and I. Pure numpy.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from models.optimise.edges import ScheduleAffinity, chain_affinity
 
 
 def _unit_mass(matrix: np.ndarray) -> np.ndarray:
@@ -68,6 +73,22 @@ class Affinity:
         """Total mass of each edge, up edges then down edges: [2N-1]."""
         return np.array([m.sum() for m in [*self.up, *self.down]])
 
+    def edges(self) -> ScheduleAffinity:
+        """The chain as the edges of J_σ at dtp:1: up[i] on (2i, 2i+1), down[i] on (2i+1, 2i+2); cached."""
+        if "edges" not in self._cache:
+            self._cache["edges"] = chain_affinity(self.up, self.down)
+        result: ScheduleAffinity = self._cache["edges"]
+        return result
+
+
+# What the objective, the bound and the ascent take: the paper's chain, or a schedule's edges.
+Problem = Affinity | ScheduleAffinity
+
+
+def edges_of(affinity: Problem) -> ScheduleAffinity:
+    """The edges J_σ sums over: a schedule's own, or the chain's (J_σ at dtp:1 is objective (6))."""
+    return affinity.edges() if isinstance(affinity, Affinity) else affinity
+
 
 def _check_matrix(matrix: np.ndarray, name: str, shape: tuple[int, int], like: str) -> None:
     if matrix.shape != shape:
@@ -92,12 +113,11 @@ def _validate_affinity(up: list[np.ndarray], down: list[np.ndarray]) -> None:
         _check_matrix(matrix, f"down[{i}]", (neurons, groups), "[I, G] with G, I of up[0]")
 
 
-
 def valid_device_counts(groups: int, neurons: int) -> list[int]:
     return [d for d in range(1, groups + 1) if groups % d == 0 and neurons % d == 0]
 
 
-def check_devices(affinity: Affinity, devices: int) -> None:
+def check_devices(affinity: Problem, devices: int) -> None:
     """Raise ValueError unless `devices` divides both the KV groups and the FFN width."""
     groups, neurons = affinity.num_kv_groups, affinity.intermediate_size
     if not isinstance(devices, int | np.integer) or devices < 1:
@@ -114,8 +134,7 @@ def contiguous_row(width: int, devices: int) -> np.ndarray:
     return np.repeat(np.arange(devices), width // devices)
 
 
-
-def contiguous_layout(affinity: Affinity, devices: int) -> tuple[np.ndarray, np.ndarray]:
+def contiguous_layout(affinity: Problem, devices: int) -> tuple[np.ndarray, np.ndarray]:
     """The storage-order layout as arrays: kv_group_device [N, G], neuron_device [N, I]."""
     check_devices(affinity, devices)
     n = affinity.num_layers

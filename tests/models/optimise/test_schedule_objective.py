@@ -11,10 +11,11 @@ import itertools
 import numpy as np
 import pytest
 
+from models.optimise import block_improvement as schedule_block_improvement
 from models.optimise import optimise, score
+from models.optimise import optimise as optimise_schedule
+from models.optimise import score as schedule_score
 from models.optimise.edges import ScheduleAffinity, TopRows, chain_affinity, schedule_pairs
-from models.optimise.schedule_ascent import optimise_schedule, schedule_block_improvement
-from models.optimise.schedule_objective import schedule_score
 from models.schedules import resolve_schedule
 from tests.models.optimise.kit import affinity_of, all_balanced, random_layout
 
@@ -170,7 +171,7 @@ def test_top_rows_edges() -> None:
 def test_top_rows_bound_is_valid_and_the_relaxed_bound_of_the_kept_entries() -> None:
     """Bound of a top-k edge: no balanced pair of assignments beats it (all enumerated), and it is the
     literal relaxed bound (each unit's largest shares) of the kept entries written densely."""
-    from models.optimise.schedule_objective import _one_edge_bound
+    from models.optimise.bound import _one_edge_bound
 
     rng = np.random.default_rng(5)
     matrix = rng.lognormal(0.0, 1.5, (NEURONS, NEURONS))
