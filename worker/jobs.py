@@ -48,10 +48,11 @@ from sqlalchemy.orm import Session
 
 from app.core import events, logs
 from app.core.db import Artifact, Database, Job, LayoutRow, Metric, db_now, utcnow
+from app.core.events import job_log_fields
 from app.core.hub import prepare_model
+from app.core.jobstate import DISTILL_SUMMARY
 from app.core.lease import Lease, LeaseLost
 from app.core.schemas import METRIC_NAMES, JobSpec
-from app.core.services import DISTILL_SUMMARY, job_log_fields
 from app.core.settings import Settings
 from app.core.sources import ModelLocation, SourceError, forget_configs, resolve_data
 from app.core.storage import Storage, sha256_file, tenant_scope
