@@ -35,7 +35,7 @@ from models.stage_names import STAGES as STAGE_ORDER
 
 class AffinityStore:
     """Where the affinity pass's result is kept: here, the run directory itself (the worker keeps it in
-    a per-tenant cache shared by jobs of the same fingerprint: worker.jobs)."""
+    a per-tenant cache shared by jobs of the same fingerprint: worker.publishing.CachedAffinity)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / AFFINITY_FILE
