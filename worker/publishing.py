@@ -9,7 +9,7 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -20,6 +20,7 @@ from app.core.db import Artifact, Database, Job, LayoutRow, utcnow
 from app.core.jobstate import DISTILL_SUMMARY
 from app.core.schemas import JobSpec
 from app.core.storage import Storage, sha256_file
+from models.run_files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
 from models.runner import Hooks
 from models.stages import AffinityStore
 from worker.metrics import read_metrics_csv, upsert_metrics
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from worker.run import JobRun
 
 log = logging.getLogger("dtp_layout.worker")
-DISTILL_FILES = ("metrics.csv", "summary.json", "curves.png")
+DISTILL_FILES = tuple(PurePosixPath(a.pattern).name for a in published_by("distilling"))  # under work/distill/
 
 AFFINITY_COPY = "affinity.cached.safetensors"  # the work directory's copy of the cache entry the stages read
 
@@ -91,6 +92,8 @@ class Publishing(Hooks):
             have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
         out = []
         for name, kind, path in files:
+            if kind != kind_of(name):  # every file published is declared (models/run_files.py ARTIFACTS)
+                raise UndeclaredArtifact(f"artifact {name!r} is declared as {kind_of(name)!r}, not {kind!r}")
             if name in have:
                 continue
             self.check()
@@ -122,7 +125,7 @@ class Publishing(Hooks):
     def _record_affinity(self, note: dict[str, Any]) -> None:
         from models.run_files import AFFINITY_FILE
 
-        published = self.upload([(AFFINITY_FILE, "affinity", self.work / AFFINITY_COPY)])
+        published = self.upload([(AFFINITY_FILE, kind_of(AFFINITY_FILE), self.work / AFFINITY_COPY)])
 
         def record(session: Session, job: Job) -> None:
             job.affinity_cached = note["cached"]
@@ -153,7 +156,7 @@ class Publishing(Hooks):
     def _record_export(self, note: dict[str, Any]) -> None:
         from models.run_files import EXPORT_DIRS
 
-        files = [(f"{sub}/{p.name}", sub, p) for sub in EXPORT_DIRS
+        files = [(f"{sub}/{p.name}", kind_of(f"{sub}/{p.name}"), p) for sub in EXPORT_DIRS
                  for p in sorted((self.work / sub).glob("*")) if p.is_file()]
         published = self.upload(files)
         self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
@@ -177,7 +180,7 @@ class Publishing(Hooks):
         files = []
         for name in DISTILL_FILES:
             shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
-            files.append((f"distill/{name}", "distill", staging / name))
+            files.append((f"{DISTILL_DIR}/{name}", kind_of(f"{DISTILL_DIR}/{name}"), staging / name))
 
         published = self.upload(files)
 
@@ -198,7 +201,7 @@ class Publishing(Hooks):
             report["job"] = {"id": self.job_id, "fingerprint": self.fingerprint,
                              "affinity_cached": bool(job.affinity_cached)}
         _write_json(report_file, report)
-        published = self.upload([("report.json", "report", report_file)])
+        published = self.upload([(REPORT_FILE, kind_of(REPORT_FILE), report_file)])
         with self.db.transaction() as session:
             job = self._owned(session)
             self._artifact_rows(session, published)

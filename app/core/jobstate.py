@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from models.run_files import DISTILL_SUMMARY  # the artifact a distilling job's summary points to
 from models.stage_names import STAGES, Stage
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 STATUSES: tuple[str, ...] = get_args(Status)
 ACTIVE: tuple[str, ...] = ("queued", "running")  # a worker has it, or will: counted against budgets
 FINISHED: tuple[str, ...] = tuple(s for s in STATUSES if s not in ACTIVE)
-# The artifact a distilling job's summary points to (the worker records it), which GET /v1/jobs/{id}/metrics
-# reads the headline from.
-DISTILL_SUMMARY = "distill/summary.json"
 
 __all__ = ["ACTIVE", "DISTILL_SUMMARY", "FINISHED", "STAGES", "STATUSES", "Stage", "Status"]
