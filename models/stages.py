@@ -28,14 +28,23 @@ from pathlib import Path
 from typing import Any
 
 from models.atomic import atomic_write_json
-from models.run_files import AFFINITY_FILE, BLOCKS_FILE, EXPORT_DIRS, LAYOUTS_DIR, STABILITY_DIR, STABILITY_FILE
+from models.run_files import (
+    AFFINITY_FILE,
+    ARTIFACTS,
+    BLOCKS_FILE,
+    DISTILL_DIR,
+    EXPORT_DIRS,
+    LAYOUTS_DIR,
+    STABILITY_DIR,
+    STABILITY_FILE,
+)
 from models.runner import Hooks, Note, Stage, StageContext
 from models.stage_names import STAGES as STAGE_ORDER
 
 
 class AffinityStore:
     """Where the affinity pass's result is kept: here, the run directory itself (the worker keeps it in
-    a per-tenant cache shared by jobs of the same fingerprint: worker.jobs)."""
+    a per-tenant cache shared by jobs of the same fingerprint: worker.publishing.CachedAffinity)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / AFFINITY_FILE
@@ -354,13 +363,25 @@ STAGES: tuple[Stage[RunContext], ...] = (
           applies=_stability, restore=_restore_stability),
     Stage("exporting", _export, inputs=(LAYOUTS_DIR,), outputs=EXPORT_DIRS, applies=_exporting,
           restore=_restore_export),
-    Stage("distilling", _distil, inputs=(LAYOUTS_DIR,), outputs=("distill",), applies=_distilling,
+    Stage("distilling", _distil, inputs=(LAYOUTS_DIR,), outputs=(DISTILL_DIR,), applies=_distilling,
           checks_stop=True),
 )
 # The names are declared once, dependency-free (models.stage_names: the API and the dashboard read them
 # without importing this module); the stage list must run them in that order.
 if tuple(stage.name for stage in STAGES) != STAGE_ORDER:
     raise RuntimeError(f"models.stages runs {[s.name for s in STAGES]}, models.stage_names says {list(STAGE_ORDER)}")
+
+
+def _check_artifacts() -> None:
+    """What a stage publishes is declared once (models.run_files.ARTIFACTS), each from the stage's own outputs."""
+    outputs = {stage.name: stage.outputs for stage in STAGES}
+    for artifact in ARTIFACTS:
+        if artifact.stage is not None and artifact.pattern.split("/")[0] not in outputs.get(artifact.stage, ()):
+            raise RuntimeError(f"models.run_files.ARTIFACTS: {artifact.pattern!r} is published by {artifact.stage!r}, "
+                               "which does not write it")
+
+
+_check_artifacts()
 # What the report reads after the run: restored from finished stages even when nothing runs after them.
 REPORT_INPUTS = (AFFINITY_FILE, LAYOUTS_DIR, STABILITY_FILE, *EXPORT_DIRS)
 

@@ -35,7 +35,7 @@ def _probe(body: str, faults: Faults | None, tmp_path) -> dict:
 def test_a_worker_process_started_with_faults_has_them(tmp_path):
     body = "from worker.jobs import JobRun\nextra = {'patched': JobRun.should_stop.__module__}"
     assert _probe(body, Faults(stage_delay_s=0.1), tmp_path)["patched"] == "tests.faults"
-    assert _probe(body, None, tmp_path)["patched"] == "worker.jobs"  # without them: the real code
+    assert _probe(body, None, tmp_path)["patched"] == "worker.run"  # without them: the real code
 
 
 def test_an_api_process_with_the_same_environment_loads_neither_worker_nor_faults(tmp_path):

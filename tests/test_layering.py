@@ -3,12 +3,14 @@
     models      ↛ app, worker
     app.core    ↛ app.api, app.ui, app.cli.main, app.client.http, worker
     app.client.http  ↛ app.api, app.ui, app.cli.main, worker, torch, transformers
-    worker      ↛ app.api, app.ui, app.cli.main, app.client.http
+    worker      ↛ app.api, app.ui, app.cli.main, app.client.http, app.core.services (the API's route logic:
+                  the worker reads app/core's domain modules, never the API's service module)
     app.api     ↛ worker, torch, transformers (also through what it imports at module level)
     app.ui      ↛ worker, torch, transformers (likewise)
 
 Every `import` counts, also those inside functions (a lazy import is still a dependency), except
-under `if TYPE_CHECKING:`. The API's torch-freedom is also checked transitively: following the
+under `if TYPE_CHECKING:`; with the same rule, no two files of app/ (app/core included) or worker/ import
+each other, however indirectly. The API's torch-freedom is also checked transitively: following the
 module-level imports from app.api and app.ui must never reach torch or transformers.
 """
 
@@ -26,7 +28,7 @@ FORBIDDEN = {
     "models": ("app", "worker"),
     "app.core": ("app.api", "app.ui", "app.cli.main", "app.client.http", "worker"),
     "app.client.http": ("app.api", "app.ui", "app.cli.main", "worker", "torch", "transformers"),
-    "worker": ("app.api", "app.ui", "app.cli.main", "app.client.http"),
+    "worker": ("app.api", "app.ui", "app.cli.main", "app.client.http", "app.core.services"),
     "app.api": ("worker", "torch", "transformers"),
     "app.ui": ("worker", "torch", "transformers"),
 }
@@ -155,3 +157,6 @@ def test_app_and_worker_import_graphs_are_acyclic():
         graph = import_graph(ROOT, package)
         assert len(graph) > 5, package
         assert circles(graph) == [], package
+    # app/core's files among them, their imports inside functions counted and those under TYPE_CHECKING
+    # not (tests/models/test_import_graph.py checks the graph on small packages of both kinds).
+    assert sum(m.startswith("app.core.") for m in import_graph(ROOT, "app")) > 20

@@ -102,3 +102,24 @@ def test_the_dashboard_reads_the_names_from_the_server():
         '  stability: "#b", exporting: "#a", distilling: "#f"};'))
     assert any(set(DTYPE_NAMES) <= s for s in _js_string_lists(
         'select([["float32", "float32"], ["bfloat16", "bfloat16"], ["float16", "float16"]])'))
+
+
+def _prose_stage_lists(text: str) -> list[list[str]]:
+    """Runs of three or more back-quoted stage names in a text (`loading`, `calibration`, … in prose)."""
+    quoted = "|".join(re.escape(f"`{stage}`") for stage in STAGES)
+    return [re.findall(r"`(\w+)`", run)
+            for run in re.findall(rf"(?:(?:{quoted})[^`]{{0,40}}){{3,}}", text)]
+
+
+def test_the_api_reports_the_stage_list_it_is_given():
+    # The OpenAPI description is built from the one list (it once left out `stability`): whatever it
+    # names as the stages is the whole list, in order, and no source of app/ spells out a part of it.
+    from app.api.main import DESCRIPTION
+
+    assert _prose_stage_lists(DESCRIPTION) == [list(STAGES)]
+    partial = [str(path.relative_to(REPO)) for path in sorted((REPO / "app").rglob("*.py"))
+               if any(run != list(STAGES) for run in _prose_stage_lists(path.read_text()))]
+    assert partial == []
+    assert _prose_stage_lists("(`loading`, `calibration`, `affinity`, `optimising`, `exporting`, and `distilling` "
+                              "when the spec asks)") == [["loading", "calibration", "affinity", "optimising",
+                                                          "exporting", "distilling"]]

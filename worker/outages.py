@@ -1,5 +1,5 @@
 """Failures of what surrounds a job rather than of the job: a full storage volume and an unreachable
-database. `worker.jobs.run_job` asks these before it decides how a job ends.
+database. `worker.failures.ended_by` asks these before it decides how a job ends.
 
 - Disk full: the job ends `failed` with "no space left on the storage volume …" (not the library's
   wording, which varies: numpy reports a short write without an errno, safetensors a Rust I/O error),

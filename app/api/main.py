@@ -24,6 +24,7 @@ from app.api.routers import health, uploads, v1_router
 from app.core import logs
 from app.core.db import database
 from app.core.job_stats import CachedStats, job_stats
+from app.core.jobstate import STAGES
 from app.core.keys import KeyRing
 from app.core.queue import JobQueue
 from app.core.settings import Settings, get_settings
@@ -31,16 +32,18 @@ from app.core.storage import Storage
 from app.ui.docs.router import router as docs_router
 from app.ui.router import router as ui_router
 
-DESCRIPTION = """\
+# The stage list is models/stage_names.py's (through app.core.jobstate), never spelled out here.
+DESCRIPTION = f"""\
 Affinity-aware layouts for Delayed Tensor Parallelism as a service: POST a model and a calibration
 spec, a worker runs the affinity pass and the layout optimiser, and the optimised layout, its scores
 and the permuted / per-rank sharded checkpoints come back as downloadable artifacts.
 
 A job moves `queued → running → succeeded | failed | cancelled`; while running it reports its stage
-(`loading`, `calibration`, `affinity`, `optimising`, `exporting`, and `distilling` when the spec asks
-for distillation), the fraction of the stage done and an ETA. The distillation curves come from
-`GET /v1/jobs/{id}/metrics` as they are produced.
+(those its spec asks for, in this order: {", ".join(f"`{stage}`" for stage in STAGES)}), the fraction
+of the stage done and an ETA. The distillation curves come from `GET /v1/jobs/{{id}}/metrics` as they
+are produced.
 
+""" + """\
 **Keys and tenants.** Once the server has any API key, every /v1 call needs `X-API-Key`. A key
 belongs to a tenant and sees only its tenant's jobs (another tenant's job is a 404); an admin key
 sees and cancels all.

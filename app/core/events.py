@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core.db import JobEvent, utcnow
+from app.core.db import Job, JobEvent, utcnow
 
 SUBMITTED, CLAIMED, STAGE_START, STAGE_DONE = "submitted", "claimed", "stage-start", "stage-done"
 REQUEUED, CANCEL_REQUESTED = "requeued", "cancel-requested"
@@ -53,6 +53,12 @@ def submitted_request_id(session: Session, job_id: str) -> str | None:
     """The id of the request that submitted the job."""
     return session.scalar(select(JobEvent.request_id).where(JobEvent.job_id == job_id, JobEvent.kind == SUBMITTED)
                           .order_by(JobEvent.id).limit(1))
+
+
+def job_log_fields(session: Session, job: Job) -> dict[str, str | None]:
+    """The log context of a job's run on a worker: its tenant, and the id of the request that
+    submitted it (its `submitted` event), so that the worker's lines join the API's."""
+    return {"tenant": job.owner, "request_id": submitted_request_id(session, job.id)}
 
 
 def last_requeue_reason(session: Session, job_id: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from models.run_files import DISTILL_SUMMARY  # the artifact a distilling job's summary points to
 from models.stage_names import STAGES, Stage
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -13,4 +14,4 @@ STATUSES: tuple[str, ...] = get_args(Status)
 ACTIVE: tuple[str, ...] = ("queued", "running")  # a worker has it, or will: counted against budgets
 FINISHED: tuple[str, ...] = tuple(s for s in STATUSES if s not in ACTIVE)
 
-__all__ = ["ACTIVE", "FINISHED", "STAGES", "STATUSES", "Stage", "Status"]
+__all__ = ["ACTIVE", "DISTILL_SUMMARY", "FINISHED", "STAGES", "STATUSES", "Stage", "Status"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -31,6 +31,7 @@ from models.ids import DtypeName, ExportDtypeName
 from models.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
+from models.run_files import ARTIFACTS
 from models.schedules import ScheduleError, parse_schedule
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
@@ -457,6 +458,7 @@ _SPEC_INFO_EXAMPLE: dict[str, Any] = {
     "ablations": {score: {"paper": ablation_names(score, 0), "restarts": ablation_names(score, 1)}
                   for score in SCORES},
     "random_seed_base": RANDOM_SEED_BASE, "statuses": list(STATUSES), "stages": list(STAGES),
+    "artifacts": [asdict(a) for a in ARTIFACTS],
     "fields": [{"path": "calibration.seq_len", "kind": "int", "required": False, "nullable": False, "default": 1024,
                 "doc": jobspec.BY_PATH["calibration.seq_len"].rule.doc, "ge": 2, "le": jobspec.MAX_SEQ_LEN}]}
 
@@ -479,6 +481,16 @@ class SpecFieldOut(BaseModel):
     pattern: str | None = None
     choices: list[str] | None = None
     item: dict[str, Any] | None = Field(default=None, description="a list's item rule (kind and bounds)")
+
+
+class ArtifactSpecOut(BaseModel):
+    """One kind of artifact a job publishes, as models/run_files.py declares it."""
+
+    kind: str = Field(description="the `kind` of GET /v1/jobs/{id}/artifacts")
+    stage: str | None = Field(description="the stage that publishes it; null: the run's end")
+    pattern: str = Field(description="the artifact names it covers: one name, or `dir/*`")
+    content_type: str | None = Field(description="what a download is served as; null: by the file's extension")
+    doc: str
 
 
 class SpecInfo(BaseModel):
@@ -508,6 +520,8 @@ class SpecInfo(BaseModel):
                                                    " dotted paths in declaration order")
     statuses: list[str] = Field(description="a job's status names")
     stages: list[str] = Field(description="a job's stage names, in the order a job runs them")
+    artifacts: list[ArtifactSpecOut] = Field(description="the artifacts a job publishes, by kind (every artifact's "
+                                                         "name falls under one)")
 
 
 class Links(BaseModel):

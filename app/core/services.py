@@ -35,6 +35,7 @@ from app.core.db import (
     write_transaction,
 )
 from app.core.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
+from app.core.jobstate import DISTILL_SUMMARY
 from app.core.model_limits import check_model_config
 from app.core.schemas import METRIC_NAMES, JobSpec
 from app.core.settings import Settings
@@ -54,7 +55,6 @@ from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import canonical_layout_name
 
 log = logging.getLogger(__name__)
-DISTILL_SUMMARY = "distill/summary.json"  # the artifact GET /v1/jobs/{id}/metrics reads the headline from
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 _STORED_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,255}")  # what a layout or artifact name can be
 
@@ -63,12 +63,6 @@ __all__ = ["BrokerUnavailable", "Conflict", "NotFound", "SpecError"]  # re-expor
 
 def _aware(dt: datetime | None) -> datetime | None:
     return None if dt is None else dt.replace(tzinfo=UTC)
-
-
-def job_log_fields(session: Session, job: Job) -> dict[str, str | None]:
-    """The log context of a job's run on a worker: its tenant, and the id of the request that
-    submitted it (its `submitted` event), so that the worker's lines join the API's."""
-    return {"tenant": job.owner, "request_id": events.submitted_request_id(session, job.id)}
 
 
 # ---- submit ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ server has, so that a form that starts from it submits a job that runs. Torch-fr
 from __future__ import annotations
 
 import copy
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from models.affinity_scores import SCORES
 from models.assets import CORPORA, available_corpora
 from models.layouts.names import RANDOM_SEED_BASE
 from models.layouts.set import ablation_names
+from models.run_files import ARTIFACTS
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".npy")  # what models.calibration reads from a file
 MAX_DATA_NAMES = 200
@@ -140,4 +142,5 @@ def spec_info(*, settings: Settings) -> dict[str, Any]:
         "fields": declared_fields(),
         "statuses": list(STATUSES),
         "stages": list(STAGES),
+        "artifacts": [asdict(a) for a in ARTIFACTS],
     }

@@ -19,7 +19,8 @@ from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import submit_job
 from tests.service_kit import job_history, make_settings, provision, spec
-from worker import jobs
+from worker import failures, metrics, publishing
+from worker import run as job_run
 from worker.jobs import (
     JobRun,
     Lease,
@@ -168,7 +169,8 @@ def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage, inje
 def test_fencing_by_attempt_and_leases_on_the_database_clock(tmp_path, postgres_server, monkeypatch):
     settings, db, job_id = postgres_job(tmp_path, postgres_server, "dtp_fence")
     # The worker's clock is an hour off: leases still follow the database's.
-    monkeypatch.setattr(jobs, "utcnow", _skewed)
+    for module in (job_run, publishing, failures, metrics):
+        monkeypatch.setattr(module, "utcnow", _skewed)
     first = claim(db, job_id, worker="same:1", lease_s=30)
     with db.session() as session:
         now = session.scalar(select(db_now()))

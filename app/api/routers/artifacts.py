@@ -28,6 +28,7 @@ from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable
 from app.core.object_store import ObjectChanged
 from app.core.schemas import ArtifactList, ArtifactOut
 from app.core.storage import DamagedFile, Storage, StoreUnavailable, VerifiedObject
+from models.run_files import artifact_spec
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
@@ -35,6 +36,17 @@ router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
 JobId = Annotated[str, Path(max_length=64, description="the job id (32 hex digits)")]
 REDIRECT_HEADER = "X-Store-Redirect"  # `json`: a redirect answered as 200 {"location", "expires_s"} instead of 307
 MEDIA_TYPES = ("application/octet-stream", "application/json", "text/csv", "image/png")
+
+
+def media_type(name: str) -> str:
+    """What an artifact is served as: its declared content type (models/run_files.py ARTIFACTS), else by the
+    file's extension (JSON always as JSON)."""
+    declared = artifact_spec(name)
+    if declared is not None and declared.content_type is not None:
+        return declared.content_type
+    filename = PurePosixPath(name).name
+    return "application/json" if filename.endswith(".json") else (
+        mimetypes.guess_type(filename)[0] or "application/octet-stream")
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | str | None:
@@ -142,8 +154,7 @@ def download(request: Request, job_id: JobId, name: Annotated[str, Path(max_leng
     if _not_modified(request, headers["ETag"]):
         f.close()
         return Response(status_code=304, headers=headers)
-    media = "application/json" if filename.endswith(".json") else (
-        mimetypes.guess_type(filename)[0] or "application/octet-stream")
+    media = media_type(art.name)
     start, end, status = 0, size - 1, 200
     range_header, if_range = request.headers.get("range"), request.headers.get("if-range")
     if range_header and (if_range is None or if_range.strip() == headers["ETag"]):

@@ -17,9 +17,8 @@ from app.api.main import create_app
 from app.core import logs
 from app.core.db import Job, database, utcnow
 from app.core.errors import ServiceUnavailable
-from app.core.events import CLAIMED, REQUEUED, SUBMITTED, job_events, record
+from app.core.events import CLAIMED, REQUEUED, SUBMITTED, job_events, job_log_fields, record
 from app.core.migrate import upgrade
-from app.core.services import job_log_fields
 from tests.app.conftest import api_keys_setting
 from tests.service_kit import make_settings, provision, seed_finished_job, spec
 

@@ -106,3 +106,12 @@ def test_keyed_like_the_rest_of_v1(settings):
         assert c.get("/v1/spec", headers={"X-API-Key": "k1"}).status_code == 200
         r = c.get("/v1/spec?source=x", headers={"X-API-Key": "k1"})
         assert r.status_code == 422 and r.json()["detail"][0]["field"] == "source"
+
+
+def test_the_artifacts_are_the_declared_ones(info):
+    # what the dashboard's artifact list reads what each kind is from (models/run_files.py ARTIFACTS)
+    from dataclasses import asdict
+
+    from models.run_files import ARTIFACTS
+
+    assert info["artifacts"] == [asdict(a) for a in ARTIFACTS]

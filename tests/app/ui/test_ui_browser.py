@@ -265,6 +265,10 @@ def test_the_form_as_it_opens_submits_the_servers_example_and_it_succeeds(keyed_
         page.wait_for_url(re.compile(r".*/ui/jobs/[0-9a-f]{32}$"))
         job_id = page.url.rsplit("/", 1)[1]
         page.wait_for_selector("#job-header .badge[data-status=succeeded]", timeout=150_000)
+        # The artifact list says what each kind is, as the server declares it (GET /v1/spec `artifacts`).
+        cell = page.wait_for_selector("#artifacts-table tr[data-artifact='report.json'] td:nth-child(2)")
+        assert cell.text_content() == "report"
+        assert cell.get_attribute("title") == next(a["doc"] for a in info["artifacts"] if a["kind"] == "report")
 
         # "Submit again": the form shows that job's spec, not the example.
         page.goto(f"{url}/ui/submit?from={job_id}")

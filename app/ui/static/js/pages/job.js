@@ -194,7 +194,14 @@ function headline(summary, spec) {
 
 // ---- artifacts -----------------------------------------------------------------------------------
 
-function artifactsTable(job, items) {
+/** kind → what its files are, from the declared artifacts (GET /v1/spec `artifacts`: a kind may have several). */
+function artifactKinds(declared) {
+  const out = {};
+  for (const a of declared || []) out[a.kind] = out[a.kind] ? `${out[a.kind]}; ${a.doc}` : a.doc;
+  return out;
+}
+
+function artifactsTable(job, items, kinds = {}) {
   if (!items.length) return [h("p", {class: "muted"}, ACTIVE.has(job.status) ? "Artifacts appear as stages finish." : "No artifacts.")];
   const total = items.reduce((a, x) => a + x.size, 0);
   const status = h("p", {class: "muted", id: "download-status", role: "status"});
@@ -216,7 +223,7 @@ function artifactsTable(job, items) {
     });
     return h("tr", {"data-artifact": a.name},
       h("td", {class: "mono name-cell", title: a.name}, a.name),
-      h("td", {class: "hide-narrow"}, a.kind),
+      h("td", {class: "hide-narrow", title: kinds[a.kind]}, a.kind),
       h("td", {class: "num"}, bytes(a.size)),
       h("td", {class: "mono hide-narrow", title: a.sha256}, a.sha256.slice(0, 12), "…", copyButton(a.sha256, "sha256")),
       h("td", {class: "nowrap"}, link, " ", copyButton(curlFor(path, {output: filename}), "curl")));
@@ -332,7 +339,10 @@ export function renderJob(container, {id}) {
       return;
     }
     const {items} = await api(`v1/jobs/${id}/artifacts`);
-    replace(artifactsBody, artifactsTable(job, items));
+    // what each kind is: the server's declaration (GET /v1/spec `artifacts`); without it, the bare kinds
+    let kinds = {};
+    try { kinds = artifactKinds((await specInfo()).artifacts); } catch { /* the table still shows */ }
+    replace(artifactsBody, artifactsTable(job, items, kinds));
   }
 
   async function tick() {

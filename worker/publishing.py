@@ -1,0 +1,240 @@
+"""What a run publishes: each finished stage's files uploaded to the store and recorded with the stage (the
+recorders: the `after` hook), report.json and the job's summary once it succeeds, and the affinity stage's
+result in the per-tenant cache (`CachedAffinity`). `Publishing` is the part of `worker.run.JobRun` that does
+it; every row is written inside the run's fence (`_owned`): a run that lost the job records nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.core import events
+from app.core.db import Artifact, Database, Job, LayoutRow, utcnow
+from app.core.jobstate import DISTILL_SUMMARY
+from app.core.schemas import JobSpec
+from app.core.storage import Storage, sha256_file
+from models.run_files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
+from models.runner import Hooks
+from models.stages import AffinityStore
+from worker.metrics import read_metrics_csv, upsert_metrics
+
+if TYPE_CHECKING:
+    from worker.run import JobRun
+
+log = logging.getLogger("dtp_layout.worker")
+DISTILL_FILES = tuple(PurePosixPath(a.pattern).name for a in published_by("distilling"))  # under work/distill/
+
+AFFINITY_COPY = "affinity.cached.safetensors"  # the work directory's copy of the cache entry the stages read
+
+
+class CachedAffinity(AffinityStore):
+    """The affinity stage's result in the per-tenant cache (the store's affinity/<tenant>/<fingerprint>/),
+    shared by the tenant's jobs with the same fingerprint, never by another tenant's. The stages read a
+    copy in the work directory (fetched from the store on a hit); the job's `affinity.safetensors`
+    artifact is that copy, published under the job's own key (deleting another job never takes it)."""
+
+    def __init__(self, run: JobRun) -> None:
+        self.run = run
+        self.key = Storage.affinity_key(run.fingerprint, tenant=run.owner)
+        self.path = run.work / AFFINITY_COPY
+        self.computed_here = run.work / "affinity.computed"  # survives a crash between caching and recording
+
+    def lookup(self) -> bool | None:
+        if not self.path.is_file():
+            if self.run.storage.objects.head(self.key) is None:
+                return None
+            self.run.storage.objects.fetch(self.key, self.path)
+        return not self.computed_here.exists()
+
+    def publish(self, produced: Path) -> None:
+        self.computed_here.touch()
+        produced.replace(self.path)
+        with self.run.db.transaction() as session:
+            self.run._owned(session)  # a run that lost the job leaves the cache alone
+        if self.run.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
+            self.run.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
+
+
+class Publishing(Hooks):
+    """The stages' recorders and the uploads they make, as methods of the run (`worker.run.JobRun`)."""
+
+    # the run's, set by JobRun
+    db: Database
+    storage: Storage
+    spec: JobSpec
+    job_id: str
+    attempt: int
+    fingerprint: str
+    work: Path
+    _trained: int
+
+    if TYPE_CHECKING:
+        def check(self) -> None: ...
+
+        def _owned(self, session: Session) -> Job: ...
+
+        def complete(self, stage: str, also: Callable[[Session, Job], None] | None = None, **note: Any) -> None: ...
+
+    def upload(self, files: list[tuple[str, str, Path]]) -> list[tuple[str, str, str, int, str]]:
+        """(name, kind, key, size, sha256) of files about to be published: hashed and put in the store
+        before the transaction that records their rows (the job row is not held locked while hashing or
+        uploading, and a row is never visible before its object is whole). Each goes to this attempt's
+        key (Storage.artifact_key): a run that lost the job can upload, but never over the winner's
+        objects, and never records a row; what no row lists is swept."""
+        with self.db.session() as session:
+            have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        out = []
+        for name, kind, path in files:
+            if kind != kind_of(name):  # every file published is declared (models/run_files.py ARTIFACTS)
+                raise UndeclaredArtifact(f"artifact {name!r} is declared as {kind_of(name)!r}, not {kind!r}")
+            if name in have:
+                continue
+            self.check()
+            size, digest = path.stat().st_size, sha256_file(path)
+            key = Storage.artifact_key(self.job_id, name, self.attempt)
+            self.storage.publish(path, key, sha256=digest)
+            out.append((name, kind, key, size, digest))
+        return out
+
+    def _artifact_rows(self, session: Session, files: list[tuple[str, str, str, int, str]]) -> None:
+        """Add the rows of uploaded files (skipping names already recorded); called inside `complete`,
+        after `_owned`: a run that lost the job records nothing."""
+        have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        for name, kind, key, size, digest in files:
+            if name in have:
+                continue
+            session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=size, sha256=digest,
+                                 storage_key=key))
+
+    def after(self, stage: Any, note: dict[str, Any], seconds: float) -> None:
+        record = {"affinity": self._record_affinity, "optimising": self._record_layouts,
+                  "stability": self._record_stability, "exporting": self._record_export,
+                  "distilling": self._record_distill}.get(stage.name)
+        if record is None:
+            self.complete(stage.name, **note)
+        else:
+            record(note)
+
+    def _record_affinity(self, note: dict[str, Any]) -> None:
+        from models.run_files import AFFINITY_FILE
+
+        published = self.upload([(AFFINITY_FILE, kind_of(AFFINITY_FILE), self.work / AFFINITY_COPY)])
+
+        def record(session: Session, job: Job) -> None:
+            job.affinity_cached = note["cached"]
+            self._artifact_rows(session, published)
+
+        self.complete("affinity", record, **note)
+
+    def _record_layouts(self, note: dict[str, Any]) -> None:
+        from models.layouts.layout import load
+
+        layouts = [load(p) for p in sorted((self.work / "layouts").glob("*.json"))]
+
+        def record(session: Session, _job: Job) -> None:
+            have = set(session.scalars(select(LayoutRow.name).where(LayoutRow.job_id == self.job_id)).all())
+            for lay in layouts:
+                if lay.name not in have:
+                    session.add(_layout_row(self.job_id, lay))
+
+        self.complete("optimising", record, **note)
+
+    def _record_stability(self, note: dict[str, Any]) -> None:
+        from models.run_files import STABILITY_FILE
+
+        # Published once the job succeeds, inside report.json (and the job's summary).
+        assert (self.work / STABILITY_FILE).is_file()
+        self.complete("stability", **note)
+
+    def _record_export(self, note: dict[str, Any]) -> None:
+        from models.run_files import EXPORT_DIRS
+
+        files = [(f"{sub}/{p.name}", kind_of(f"{sub}/{p.name}"), p) for sub in EXPORT_DIRS
+                 for p in sorted((self.work / sub).glob("*")) if p.is_file()]
+        published = self.upload(files)
+        self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
+                      **note, files=len(files))
+
+    def _record_distill(self, note: dict[str, Any]) -> None:
+        """summary.json with the data specs as submitted, then the files published and the metrics
+        upserted with the stage."""
+        out_dir = self.work / "distill"
+        assert self.spec.distill is not None
+        shown = dict(zip(("train", "eval"), self.spec.distill.data_specs(self.spec.calibration), strict=True))
+        summary_file = out_dir / "summary.json"
+        summary = json.loads(summary_file.read_text())
+        for part, fields in shown.items():
+            # the blocks actually read (held-out placement may have moved them), under the submitted name
+            summary[part] = {**fields, **summary.get(part, {}), "source": fields["source"]}
+        _write_json(summary_file, summary)
+        staging = self.work / "distill-publish"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        files = []
+        for name in DISTILL_FILES:
+            shutil.copyfile(out_dir / name, staging / name)  # the work directory keeps its copy
+            files.append((f"{DISTILL_DIR}/{name}", kind_of(f"{DISTILL_DIR}/{name}"), staging / name))
+
+        published = self.upload(files)
+
+        def record(session: Session, _job: Job) -> None:
+            upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
+            self._artifact_rows(session, published)
+
+        # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
+        self.complete("distilling", record, **note, steps_trained=self._trained)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def _finish(self, report: dict[str, Any]) -> None:
+        report_file = self.work / "report.json"
+        with self.db.session() as session:
+            job = session.get(Job, self.job_id)
+            assert job is not None
+            report["seconds"] = dict(job.timings or {})
+            report["job"] = {"id": self.job_id, "fingerprint": self.fingerprint,
+                             "affinity_cached": bool(job.affinity_cached)}
+        _write_json(report_file, report)
+        published = self.upload([(REPORT_FILE, kind_of(REPORT_FILE), report_file)])
+        with self.db.transaction() as session:
+            job = self._owned(session)
+            self._artifact_rows(session, published)
+            job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
+                                                             "upper_bound_exact", "notes")}
+            job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
+            if "stability" in report:
+                job.summary["stability"] = report["stability"]
+            distilled = self.work / "distill" / "summary.json"
+            if self.spec.distill is not None and distilled.is_file():
+                doc = json.loads(distilled.read_text())
+                job.summary["distill"] = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
+                                          "world_size": doc.get("world_size", 1), "summary": DISTILL_SUMMARY}
+            now = utcnow()
+            job.status, job.stage, job.progress, job.eta_s = "succeeded", None, 1.0, None
+            job.finished_at, job.updated_at, job.lease_until = now, now, None
+            events.record(session, self.job_id, "succeeded", attempt=job.attempts)
+        log.info("job %s: succeeded", self.job_id)
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+def _layout_row(job_id: str, lay: Any) -> LayoutRow:
+    from dataclasses import asdict
+
+    score = lay.score or {}
+    return LayoutRow(job_id=job_id, name=lay.name, J=float(score["J"]),
+                     random_expectation=float(score["random_expectation"]),
+                     upper_bound=float(score["upper_bound"]), upper_bound_exact=bool(score["upper_bound_exact"]),
+                     # None for a layer whose edge the schedule does not have (spd:B's other layers)
+                     up_fraction=[None if x is None else float(x) for x in score["up_fraction"]],
+                     down_fraction=[None if x is None else float(x) for x in score["down_fraction"]],
+                     kv_group_device=lay.kv_group_device.tolist(), neuron_device=lay.neuron_device.tolist(),
+                     shape=asdict(lay.shape), score=score)

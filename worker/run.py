@@ -1,0 +1,338 @@
+"""One attempt at a job (`JobRun`): the stages of `models/stages.py` run by `models.runner` with this worker's
+hooks — the lease, cancel checks and fencing, the stage rows, the job's spec in the stages' terms (its data
+sources resolved) — and, through `Publishing` (worker/publishing.py), the recorders of each finished stage.
+Torch is imported inside the methods that need it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.core import events, logs
+from app.core.db import Database, Job, utcnow
+from app.core.hub import prepare_model
+from app.core.lease import Lease, LeaseLost
+from app.core.schemas import JobSpec
+from app.core.settings import Settings
+from app.core.sources import ModelLocation, SourceError, resolve_data
+from app.core.storage import Storage, tenant_scope
+from app.core.upload_store import UploadStore
+from models.runner import run_stages
+from models.schedules import parse_schedule
+from models.stages import REPORT_INPUTS, STAGES
+from models.stages import build_report as stages_report
+from worker.converted_mirror import StoreMirror
+from worker.device import prepare_device
+from worker.metrics import read_metrics_csv, upsert_metrics
+from worker.monitor import JobStalled, Monitor, TimeLimitExceeded
+from worker.publishing import CachedAffinity, Publishing
+
+log = logging.getLogger("dtp_layout.worker")
+
+
+class JobCancelled(RuntimeError):
+    pass
+
+
+class JobRun(Publishing):
+    """One attempt at a job: the stages of models.stages, with this worker's lease, cancel checks,
+    fencing and database recording as the runner's hooks."""
+
+    def __init__(self, *, db: Database, settings: Settings, job: Job, spec: JobSpec, worker: str,
+                 monitor: Monitor) -> None:
+        self.db, self.settings, self.worker, self.monitor = db, settings, worker, monitor
+        self.job_id, self.attempt, self.spec = job.id, job.attempts, spec
+        self.lease = Lease(job.id, worker, job.attempts)
+        self.fingerprint, self.owner = job.fingerprint, job.owner
+        self.done: list[str] = list(job.stages_done or [])
+        self.storage = Storage.from_settings(settings)
+        self.work = self.storage.work_dir(job.id) / str(self.attempt)
+        self.stage: str | None = None
+        self._stage_t0 = self._stage_mono = 0.0
+        self._trained = self._total_steps = 0  # the distilling stage's steps, for its ETA
+
+    # -- bookkeeping --
+
+    def check(self) -> None:
+        if self.monitor.lost.is_set():
+            raise LeaseLost(f"job {self.job_id}: lease lost to another worker")
+        if self.monitor.cancel.is_set():
+            raise JobCancelled(f"cancelled during {self.stage}")
+        if self.monitor.stalled.is_set():
+            raise JobStalled(f"stalled in stage {self.stage} for {self.monitor.silent_s():.0f} s "
+                             f"(no progress; DTP_LAYOUT_STALL_S={self.settings.stall_s:g})")
+        if self.monitor.over_time.is_set():
+            raise TimeLimitExceeded(f"exceeded its time limit of {self.monitor.limits[0]:g} s in stage "
+                                    f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
+
+    def should_stop(self) -> bool:
+        """Between micro-batches: the flags the monitor read."""
+        self.monitor.beat()
+        if self.monitor.cancel.is_set():
+            return True
+        self.check()
+        return False
+
+    def progress(self, _name: str, fraction: float) -> None:
+        if self.stage == "distilling":
+            # Steps trained in this attempt set the pace: a resumed stage starts part-way.
+            elapsed = time.monotonic() - self._stage_mono
+            self.monitor.report(fraction, eta_s=elapsed / self._trained * self._total_steps * (1 - fraction)
+                                if self._trained else None)
+            return
+        self.monitor.report(fraction)
+        if self.stage == "exporting":
+            self.check()
+
+    def abandonable(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (a download, loading weights, reading a calibration set: nothing in it checks our
+        flags) in a thread and wait for it while checking them: a cancel, a lost lease or a stall ends
+        the wait within a tick, leaving the thread to finish or hang on its own (its results go to this
+        attempt's work directory, which no later attempt reads)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # re-raised in the job's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name=f"{self.stage}-{self.job_id[:8]}", daemon=True).start()
+        while not done.wait(min(0.25, self.monitor.tick)):
+            self.check()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _owned(self, session: Session) -> Job:
+        """The job row, locked, if this run still holds it (the fence: same worker, same attempt)."""
+        return self.lease.fence(session)
+
+    def prepare_work(self) -> None:
+        """This attempt's work directory, seeded with a copy of the latest earlier attempt's (finished
+        stages' outputs and distillation checkpoints; not the exports, which are redone). A worker
+        that lost the job keeps writing, if at all, into its own directory only."""
+        parent = self.work.parent
+        earlier = sorted((int(p.name) for p in parent.iterdir() if p.name.isdigit() and int(p.name) < self.attempt),
+                         reverse=True) if parent.is_dir() else []
+        shutil.rmtree(self.work, ignore_errors=True)
+        skip = shutil.ignore_patterns("checkpoint", "shards", "distill-publish", "*.tmp", "*.tmp.npy")
+        if earlier:
+            shutil.copytree(parent / str(earlier[0]), self.work, ignore=skip)
+            for n in earlier:
+                shutil.rmtree(parent / str(n), ignore_errors=True)
+        elif parent.is_dir():
+            # A job started before per-attempt directories: its files are in work/ itself.
+            legacy = [p for p in parent.iterdir() if not p.name.isdigit()]
+            ignored = skip(str(parent), [p.name for p in legacy])
+            for p in legacy:
+                if p.name in ignored:
+                    continue
+                if p.is_dir():
+                    shutil.copytree(p, self.work / p.name, ignore=skip)
+                else:
+                    self.work.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(p, self.work / p.name)
+        self.work.mkdir(parents=True, exist_ok=True)
+
+    def enter(self, stage: str, **note: Any) -> None:
+        self.check()
+        self.stage, self._stage_t0 = stage, time.perf_counter()
+        logs.update(stage=stage)
+        self.monitor.start_stage(stage)
+        with self.db.transaction() as session:
+            job = self._owned(session)
+            job.stage, job.progress, job.eta_s, job.stage_started_at = stage, 0.0, None, utcnow()
+            events.record(session, self.job_id, events.STAGE_START, stage=stage, attempt=job.attempts, **note)
+        log.info("job %s: %s", self.job_id, stage)
+
+    def complete(self, stage: str, also: Callable[[Session, Job], None] | None = None, **note: Any) -> None:
+        """Record the stage as done (with whatever `also` writes) in one transaction."""
+        seconds = time.perf_counter() - self._stage_t0
+        with self.db.transaction() as session:
+            job = self._owned(session)
+            if also is not None:
+                also(session, job)
+            if stage not in (job.stages_done or []):
+                job.stages_done = [*(job.stages_done or []), stage]
+            job.timings = {**(job.timings or {}), stage: round((job.timings or {}).get(stage, 0.0) + seconds, 3)}
+            job.progress, job.eta_s, job.updated_at = 1.0, 0.0, utcnow()
+            events.record(session, self.job_id, events.STAGE_DONE, stage=stage, attempt=job.attempts,
+                          seconds=round(seconds, 3), **note)
+        if stage not in self.done:
+            self.done.append(stage)
+
+    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+        """Evaluation rows (layout, seed, step, kl, ppl, loss, lr) into the metrics table, if this
+        worker still holds the job (the job row's lock also serialises writers)."""
+        with self.db.transaction() as session:
+            self._owned(session)
+            upsert_metrics(session, self.job_id, rows)
+
+    # -- the stages: models.stages, run by models.runner with this run's hooks --
+
+    def run(self) -> None:
+        from models.heldout import source_identity
+
+        self.check_quota()
+        self.prepare_work()
+        ctx = self.context()
+        run_stages(STAGES, ctx, self, keep=REPORT_INPUTS)
+        self.check()
+        self.stage = None
+        summary_file = self.work / "distill" / "summary.json"
+        held_out = json.loads(summary_file.read_text()).get("data") if ctx.distill and summary_file.is_file() else None
+        self._finish(stages_report(ctx, calibration_identity=source_identity(ctx.calibration.source,
+                                                                             ctx.calibration.text_field),
+                                   data=held_out))
+
+    def check_quota(self) -> None:
+        """Before the job writes anything: its tenant must be under its storage quota (checked at submit
+        too; other jobs may have filled it since). Over it, the job fails naming the quota."""
+        from app.core.errors import ApiError
+        from app.core.usage import check_quota
+
+        with self.db.session() as session:
+            try:
+                check_quota(session, settings=self.settings, tenant=self.owner, asked=0,
+                            what="this job (its artifacts)")
+            except ApiError as exc:
+                raise ValueError(exc.detail) from None
+
+    def upload_path(self, ref: str, *, kind: str, field: str) -> Path:
+        """A local copy of the job's tenant's upload (the store's own files on a local store): the file of a
+        one-file upload, else the directory."""
+        from app.core.uploads import local_path
+
+        return local_path(db=self.db, store=UploadStore(self.storage), ref=ref, tenant=self.owner, kind=kind,
+                          field=field, cache=self.storage.root / "cache" / "uploads")
+
+    def data_source(self, source: str, field: str) -> str:
+        """What models.calibration reads for a spec's data source: an upload's local copy, a corpus, a hub
+        dataset, or a name under the data root as its absolute path."""
+        if source.startswith("upload:"):
+            return str(self.upload_path(source, kind="data", field=field))
+        return resolve_data(self.settings.data_dir, source, field=field)
+
+    def model_location(self) -> ModelLocation:
+        """Where the model is loaded from: an upload (its config checked again), else `prepare_model`."""
+        spec = self.spec
+        if not spec.model.id.startswith("upload:"):
+            return prepare_model(settings=self.settings, spec=spec)
+        from app.core.model_limits import check_model_config
+        from app.core.sources import read_config
+
+        location = ModelLocation(path=self.upload_path(spec.model.id, kind="model", field="model.id"))
+        config = read_config(location)
+        if config is not None and (problems := check_model_config(config, spec=spec, settings=self.settings)):
+            raise SourceError(problems[0][0], "; ".join(f"{field}: {message}" for field, message in problems))
+        return location
+
+    def context(self) -> Any:
+        """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
+        from models import pipeline
+        from models.calibration import CalibrationSpec
+        from models.converted import ConvertedCache
+        from models.loading import ModelSource
+        from models.stages import RunContext
+
+        spec = self.spec
+        shown = CalibrationSpec(**spec.calibration.model_dump())
+        calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
+                                         "source": self.data_source(spec.calibration.source, "calibration.source")})
+        distill = self.distill_plan(calibration) if spec.distill is not None else None
+
+        def source() -> ModelSource:
+            # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
+            location = self.model_location()
+            if location.path is None or not location.path.is_absolute():
+                # Loaded by absolute path only: a name would be resolved against the working directory.
+                raise SourceError("model.id", f"model {spec.model.id!r} did not resolve to a file under the "
+                                              "model root or the hub cache")
+            return ModelSource(**location.loader_args())
+
+        return RunContext(
+            run_dir=self.work, model_id=spec.model.id, source=source, dtype=spec.model.dtype,
+            device=self.settings.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
+            optimise=pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
+                                           score=spec.score,
+                                           random_layouts=spec.random_layouts, ablations=spec.ablations,
+                                           export=spec.export.any, batch_size=spec.batch_size,
+                                           restarts=spec.restarts, stability=spec.stability,
+                                           layout_independent_ok=True),
+            calibration=calibration, calibration_shown=shown, checkpoint=spec.export.checkpoint,
+            shards=spec.export.shards, export_dtype=spec.export.dtype, distill=distill,
+            affinity=CachedAffinity(self), max_memory=self.settings.memory_limit(spec.max_memory),
+            # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
+            # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
+            # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
+            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
+                                     mirror=None if self.storage.local else StoreMirror(self.storage.objects)))
+
+    def distill_plan(self, calibration: Any) -> Any:
+        """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
+        evaluation written to the metrics table as it is produced."""
+        from models import distill as D
+        from models.calibration import CalibrationSpec
+        from models.stages import DistillPlan
+
+        spec = self.spec.distill
+        assert spec is not None
+        out_dir = self.work / "distill"
+        data = {part: CalibrationSpec(**{**fields, "source": self.data_source(fields["source"],
+                                                                              f"distill.{part}.source")})
+                for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
+        # spd:auto:K: its layers are chosen by the affinity stage; the distilling stage puts them in
+        from_affinity = self.spec.schedule is not None and not parse_schedule(self.spec.schedule).resolvable
+        dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
+                              devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
+                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
+                              allow_overlap=spec.allow_overlap, world_size=spec.world_size,
+                              schedule=None if from_affinity else self.spec.schedule)
+        self._total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
+
+        def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:
+            self._trained += 1
+
+        def on_eval(record: Any) -> None:
+            self.write_metrics([record.as_dict()])
+
+        def on_run_start(_layout: str, _seed: int) -> None:
+            # Evaluations read back from earlier attempts (finished runs, checkpoints) are in metrics.csv.
+            self.write_metrics(read_metrics_csv(out_dir / "metrics.csv"))
+
+        return DistillPlan(spec=dspec, out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True,
+                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
+
+    # -- the hooks (models.runner.Hooks) --
+
+    def is_done(self, stage: Any) -> bool:
+        return stage.name in self.done
+
+    def skipped(self, stage: Any) -> None:
+        log.info("job %s: %s was done by an earlier attempt", self.job_id, stage.name)
+
+    def before(self, stage: Any) -> None:
+        # The device this attempt runs on is recorded with its first stage (the job view's `device`).
+        note = ({"device": prepare_device(self.settings.device, self.settings.cuda_memory_fraction)}
+                if stage.name == "loading" else {})
+        self.enter(stage.name, **note)
+        self._trained, self._stage_mono = 0, time.monotonic()
+
+    def execute(self, stage: Any, fn: Callable[[], Any]) -> Any:
+        """A stage that polls should_stop runs here; any other in a thread a cancel walks away from
+        (loading weights, reading a calibration set or writing a large checkpoint report nothing for minutes)."""
+        note = fn() if stage.checks_stop else self.abandonable(fn)
+        self.check()
+        return note
