@@ -266,6 +266,7 @@ class CachedAffinity(AffinityStore):
         with self.run.db.transaction() as session:
             self.run._owned(session)  # a run that lost the job leaves the cache alone
         if self.run.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
+            self.run.reserve([self.path])  # the tenant's cache entry counts against its quota too
             self.run.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
 
 
@@ -408,6 +409,7 @@ class JobRun(Hooks):
         objects, and never records a row; what no row lists is swept."""
         with self.db.session() as session:
             have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        self.reserve([path for name, _kind, path in files if name not in have])
         out = []
         for name, kind, path in files:
             if name in have:
@@ -418,6 +420,18 @@ class JobRun(Hooks):
             self.storage.publish(path, key, sha256=digest)
             out.append((name, kind, key, size, digest))
         return out
+
+    def reserve(self, paths: list[Path]) -> None:
+        """The job's quota reservation raised to cover `paths` before they reach the store: past the
+        tenant's quota the job fails naming it, and nothing of them is published (app.core.usage)."""
+        from app.core.errors import ApiError
+        from app.core.usage import reserve_more
+
+        try:
+            reserve_more(self.db, settings=self.settings, job_id=self.job_id, tenant=self.owner,
+                         publishing=sum(p.stat().st_size for p in paths))
+        except ApiError as exc:
+            raise ValueError(exc.detail) from None
 
     def _artifact_rows(self, session: Session, files: list[tuple[str, str, str, int, str]]) -> None:
         """Add the rows of uploaded files (skipping names already recorded); called inside `complete`,
@@ -499,9 +513,9 @@ class JobRun(Hooks):
         """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
         from models import pipeline
         from models.calibration import CalibrationSpec
-        from models.converted import ConvertedCache
         from models.loading import ModelSource
         from models.stages import RunContext
+        from worker.derived_data import OwnedConvertedCache, converted_recorder
 
         spec = self.spec
         shown = CalibrationSpec(**spec.calibration.model_dump())
@@ -533,8 +547,12 @@ class JobRun(Hooks):
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
             # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
-            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
-                                     mirror=None if self.storage.local else StoreMirror(self.storage.objects)))
+            # Each entry loaded is recorded with its owner and needers (worker.derived_data).
+            converted=OwnedConvertedCache(
+                self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
+                mirror=None if self.storage.local else StoreMirror(self.storage.objects),
+                on_entry=converted_recorder(self.db, owner=self.owner, namespace=tenant_scope(self.owner),
+                                            job_id=self.job_id, model_id=spec.model.id)))
 
     def distill_plan(self, calibration: Any) -> Any:
         """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
@@ -604,8 +622,10 @@ class JobRun(Hooks):
 
     def _record_affinity(self, note: dict[str, Any]) -> None:
         from models.run_files import AFFINITY_FILE
+        from worker.derived_data import record_affinity
 
         published = self.upload([(AFFINITY_FILE, "affinity", self.work / AFFINITY_COPY)])
+        record_affinity(self.db, self.storage, owner=self.owner, fingerprint=self.fingerprint, job_id=self.job_id)
 
         def record(session: Session, job: Job) -> None:
             job.affinity_cached = note["cached"]
