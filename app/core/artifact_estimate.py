@@ -18,9 +18,9 @@ from typing import Any
 
 from app.core.model_limits import parameter_count
 from app.core.schemas import JobSpec
+from models.ids import DTYPE_BYTES
 
 SMALL_FILES_BYTES = 1 << 20  # report.json (tens of KiB), summary.json, metrics.csv, curves.png (~100 KiB)
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def _dimension(config: dict[str, Any], name: str) -> int:
@@ -38,7 +38,7 @@ def export_bytes(spec: JobSpec, config: dict[str, Any]) -> int:
     copies = int(spec.export.checkpoint) + int(spec.export.shards)
     if not copies:
         return 0
-    per_parameter = DTYPE_BYTES.get(spec.export.dtype if spec.export.dtype != "auto" else spec.model.dtype, 4)
+    per_parameter = DTYPE_BYTES[spec.export.dtype if spec.export.dtype != "auto" else spec.model.dtype]
     return copies * (parameter_count(config) or 0) * per_parameter
 
 

@@ -125,3 +125,26 @@ def test_the_workers_reservations_never_pass_the_quota(world):
             for job_id in jobs:
                 session.get(Job, job_id).status = "cancelled"
         delete_jobs(settings, jobs)
+
+
+def test_a_job_that_would_pass_the_quota_is_429_at_submit(world):
+    """The issue's case: at 1.5 MB of 2 MB a job went to 126 % through its artifacts. Now its expected
+    artifacts (the tiny model's affinity twice, an exported checkpoint, 1 MiB of reports) are reserved
+    at submit: 429 naming them."""
+    from app.core.artifact_estimate import expected_artifact_bytes
+    from app.core.schemas import JobSpec
+    from app.core.sources import read_config, resolve_model
+
+    settings, client, h = world
+    held = client.post("/v1/uploads", json=_declaration(1_500_000), headers=h)
+    assert held.status_code == 201, held.text
+    try:
+        config = read_config(resolve_model(settings.models_dir, spec()["model"]["id"]))
+        exported = spec(export={"checkpoint": True, "shards": False, "dtype": "float32"})
+        expected = expected_artifact_bytes(JobSpec.model_validate(exported), config)
+        assert expected > SMALL_FILES_BYTES + 4 * (config["num_hidden_layers"] * config["intermediate_size"])
+        r = client.post("/v1/jobs", json=exported, headers=h)
+        assert r.status_code == 429 and r.json()["error"] == "storage_quota", r.text
+        assert f"expected {expected} bytes" in r.json()["detail"] and "1500000 bytes used" in r.json()["detail"]
+    finally:
+        assert client.delete(f"/v1/uploads/{held.json()['id']}", headers=h).status_code == 204
