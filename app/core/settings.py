@@ -43,7 +43,9 @@ class Settings(BaseSettings):
     storage_redirect: bool = Field(default=False, description="S3 store only: artifact downloads answer 307 to a "
                                                               "presigned URL of the object (expiring after "
                                                               "PRESIGN_EXPIRY_S) instead of streaming it through "
-                                                              "the API")
+                                                              "the API; the URL shows the tenant the store's "
+                                                              "endpoint, bucket, object key and access-key id "
+                                                              "(docs/security.md)")
     presign_expiry_s: int = Field(default=300, ge=10, le=3600, description="lifetime of a presigned download URL "
                                                                            "(STORAGE_REDIRECT)")
     multipart_stale_s: float = Field(default=86400.0, ge=60, description="the workers' sweeper aborts multipart "
