@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 
 from app.core.db import Database, Job, Upload, utcnow
 from app.core.derived import prefixes_known
@@ -33,6 +33,7 @@ from app.core.uploads import remove_upload
 
 log = logging.getLogger("dtp_layout.worker")
 GRACE_S = 600.0  # a local copy younger than this may be a job's, about to be recorded
+CHUNK = 1000
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,10 @@ def expire_open_uploads(db: Database, storage: Storage, *, ttl_s: float, limit: 
     """Uploads declared more than `ttl_s` ago and still open: removed (parts aborted, objects and rows)."""
     cutoff = utcnow() - timedelta(seconds=ttl_s)
     with db.session() as session:
-        ids = list(session.scalars(select(Upload.id).where(Upload.status == "open", Upload.created_at < cutoff)
+        # one being completed right now is left to its request (a mark older than the TTL is a dead one)
+        ids = list(session.scalars(select(Upload.id).where(Upload.status == "open", Upload.created_at < cutoff,
+                                                           or_(Upload.completing_at.is_(None),
+                                                               Upload.completing_at < cutoff))
                                    .order_by(Upload.created_at).limit(limit)).all())
     store = UploadStore(storage)
     for upload_id in ids:
@@ -104,10 +108,11 @@ def sweep_work_dirs(db: Database, root: Path, *, grace_s: float) -> int:
     if not jobs.is_dir():
         return 0
     dirs = {d.name: d for d in jobs.iterdir() if d.is_dir()}
+    names, alive = list(dirs), set()
     with db.session() as session:
-        alive = set(session.scalars(select(Job.id).where(Job.id.in_(list(dirs)),
-                                                         ~(Job.status.in_(FINISHED) & Job.expired_at.is_not(None))))
-                    .all()) if dirs else set()
+        for i in range(0, len(names), CHUNK):  # below the bind-parameter limits of SQLite and Postgres
+            alive |= set(session.scalars(select(Job.id).where(
+                Job.id.in_(names[i:i + CHUNK]), ~(Job.status.in_(FINISHED) & Job.expired_at.is_not(None)))).all())
     return sum(_remove(d) for name, d in dirs.items() if name not in alive and _old(d, grace_s))
 
 

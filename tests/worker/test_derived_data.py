@@ -181,3 +181,47 @@ def test_nothing_is_left_after_a_tenant_deletes_everything(tmp_path, postgres_se
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved
+
+
+def test_the_owned_sweep_removes_local_copies_nobody_owns_and_keeps_the_rest(world):
+    from app.core.db import Upload, utcnow
+
+    settings, db, storage = world
+    root = storage.root
+    kept_upload, live_job = "a" * 32, seed_job_row(settings, "succeeded")
+    expired_job = seed_job_row(settings, "succeeded", expired=True)
+    with db.transaction() as session:
+        session.add(Upload(id=kept_upload, owner="team-s", kind="data", name="k", status="complete", part_size=1,
+                           size=1, charged=1, storage_prefix="uploads/x/" + kept_upload, created_at=utcnow()))
+    recorded = "b" * 32
+    with db.session() as session:
+        derived.record(session, owner="team-s", kind="converted", prefix=f"converted/t-s/{recorded}/", size=1,
+                       needers=[derived.upload_needer(kept_upload)])
+    made = {
+        "cache/uploads/" + kept_upload + "/ids.npy": True, "cache/uploads/" + "c" * 32 + "/ids.npy": False,
+        f"converted/t-s/{recorded}/manifest.json": True, "converted/t-s/" + "d" * 32 + "/manifest.json": False,
+        f"jobs/{live_job}/work/1/blocks.npy": True, f"jobs/{expired_job}/work/1/blocks.npy": False,
+    }
+    for rel in made:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    (root / "converted/t-s" / f".{'d' * 32}.lock").write_bytes(b"")
+    young = sweep_owned(db, storage, open_ttl_s=3600)  # everything younger than the grace period: kept
+    assert young.local_removed == 0 and all((root / rel).exists() for rel in made)
+    swept = sweep_owned(db, storage, open_ttl_s=3600, grace_s=0)
+    assert swept.local_removed == 3
+    assert {rel: (root / rel).exists() for rel in made} == made
+    assert not (root / "converted/t-s" / f".{'d' * 32}.lock").exists()
+
+
+def seed_job_row(settings, status: str, *, expired: bool = False) -> str:
+    from app.core.db import utcnow
+    from tests.service_kit import seed_job
+
+    job_id = seed_job(settings, status="cancelled")
+    with database(settings.database_url).transaction() as session:
+        job = session.get(Job, job_id)
+        job.status = status
+        if expired:
+            job.expired_at, job.expired_reason = utcnow(), "deleted"
+    return job_id
