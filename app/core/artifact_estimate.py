@@ -9,7 +9,9 @@ From the model's config (when the API can read it without downloading weights) a
   twice (the job's artifact and the tenant's cache entry, app.core.derived);
 - export: the checkpoint and the rank shards each hold every parameter once, at the export dtype
   (auto: the model's dtype; float32 assumed, the largest);
-- report.json, layouts, distillation summary, metrics and curves: SMALL_FILES_BYTES.
+- report.json, layouts, distillation summary, metrics and curves: SMALL_FILES_BYTES;
+- a GGUF model's converted copy (app.core.derived; made once per tenant and model, reserved by every
+  job that loads one: the reservation ends with the job, the copy is then counted as `converted`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,15 @@ def export_bytes(spec: JobSpec, config: dict[str, Any]) -> int:
     return copies * (parameter_count(config) or 0) * per_parameter
 
 
-def expected_artifact_bytes(spec: JobSpec, config: dict[str, Any] | None) -> int:
-    """The bytes the job's artifacts are expected to take (SMALL_FILES_BYTES alone without a config)."""
+def converted_bytes(spec: JobSpec, config: dict[str, Any]) -> int:
+    """A GGUF model's converted copy: every parameter at the model's dtype."""
+    return (parameter_count(config) or 0) * DTYPE_BYTES[spec.model.dtype]
+
+
+def expected_artifact_bytes(spec: JobSpec, config: dict[str, Any] | None, *, converts: bool = False) -> int:
+    """The bytes the job's artifacts (and, with `converts`, a GGUF model's converted copy) are expected to
+    take; SMALL_FILES_BYTES alone without a config."""
     if not config:
         return SMALL_FILES_BYTES
-    return SMALL_FILES_BYTES + 2 * affinity_bytes(config) + export_bytes(spec, config)
+    return (SMALL_FILES_BYTES + 2 * affinity_bytes(config) + export_bytes(spec, config)
+            + (converted_bytes(spec, config) if converts else 0))

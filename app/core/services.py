@@ -88,10 +88,12 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
     model_path: Path | None = None
     data_path: Path | None = None
     config: dict[str, Any] | None = None
+    gguf = spec.model.gguf_file is not None or spec.model.id.endswith(".gguf")  # loaded through a converted copy
     if spec.model.id.startswith("upload:"):
         try:
             upload = _upload(uploads, spec.model.id, "model", "model.id")
             config = dict(upload.config or {}) or None
+            gguf = any(f.path.endswith(".gguf") for f in upload.files)
             for field, value in (("model.revision", spec.model.revision), ("model.gguf_file", spec.model.gguf_file)):
                 if value is not None:
                     problems.append((field, f"{field.split('.')[1]} does not apply to an upload (it is one model)"))
@@ -123,7 +125,7 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
     fp = fingerprint(model_id=spec.model.id, revision=spec.model.revision, gguf_file=spec.model.gguf_file,
                      dtype=spec.model.dtype, calibration=spec.calibration.model_dump(), model_path=model_path,
                      data_path=data_path, schedule=affinity_schedule(spec.effective_schedule(), spec.devices))
-    return fp, {"config_checked": config is not None, "config": config}
+    return fp, {"config_checked": config is not None, "config": config, "gguf": gguf}
 
 
 def _upload(uploads: UploadLookup | None, ref: str, kind: str, field: str) -> Any:
@@ -193,7 +195,7 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
     session.rollback()  # the uploads' reads: end that transaction before the write one
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
-        reserved = expected_artifact_bytes(spec, found["config"])
+        reserved = expected_artifact_bytes(spec, found["config"], converts=found["gguf"])
         usage.check_quota(session, settings=settings, tenant=caller.tenant, asked=reserved,
                           what=f"a job (its artifacts, expected {reserved} bytes)", field="quota")
         job = Job(id=new_id(), spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,

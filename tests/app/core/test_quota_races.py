@@ -148,3 +148,17 @@ def test_a_job_that_would_pass_the_quota_is_429_at_submit(world):
         assert f"expected {expected} bytes" in r.json()["detail"] and "1500000 bytes used" in r.json()["detail"]
     finally:
         assert client.delete(f"/v1/uploads/{held.json()['id']}", headers=h).status_code == 204
+
+
+def test_a_gguf_jobs_reservation_holds_its_converted_copy():
+    from app.core.artifact_estimate import affinity_bytes, expected_artifact_bytes
+    from app.core.model_limits import parameter_count
+    from app.core.schemas import JobSpec
+
+    config = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 256, "vocab_size": 1000}
+    job = JobSpec.model_validate(spec(model={"id": "tiny.gguf", "dtype": "bfloat16"}))
+    plain = expected_artifact_bytes(job, config)
+    assert plain == SMALL_FILES_BYTES + 2 * affinity_bytes(config) == SMALL_FILES_BYTES + 2 * 3 * 4 * 2 * 256 * 8
+    assert expected_artifact_bytes(job, config, converts=True) - plain == parameter_count(config) * 2
+    assert expected_artifact_bytes(job, None, converts=True) == SMALL_FILES_BYTES  # nothing known before it runs

@@ -103,7 +103,7 @@ def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
     fp, found = check_spec(settings=settings, spec=JobSpec.model_validate({**body, "devices": 2}))
     assert found["config_checked"] is True and found["config"]["num_hidden_layers"] and len(fp) == 64
     _, unknown = check_spec(settings=settings, spec=JobSpec.model_validate({**body, "model": {"id": "acme/other"}}))
-    assert unknown == {"config_checked": False, "config": None}
+    assert unknown == {"config_checked": False, "config": None, "gguf": False}
 
 
 def test_calibration_fields_match_models_calibration():
