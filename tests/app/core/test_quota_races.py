@@ -157,7 +157,8 @@ def test_a_gguf_jobs_reservation_holds_its_converted_copy():
 
     config = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 256, "vocab_size": 1000}
-    job = JobSpec.model_validate(spec(model={"id": "tiny.gguf", "dtype": "bfloat16"}))
+    job = JobSpec.model_validate(spec(model={"id": "tiny.gguf", "dtype": "bfloat16"},
+                                      export={"checkpoint": False, "shards": False, "dtype": "auto"}))
     plain = expected_artifact_bytes(job, config)
     assert plain == SMALL_FILES_BYTES + 2 * affinity_bytes(config) == SMALL_FILES_BYTES + 2 * 3 * 4 * 2 * 256 * 8
     assert expected_artifact_bytes(job, config, converts=True) - plain == parameter_count(config) * 2
