@@ -289,7 +289,6 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
     parts = _parts(session, [upload.id])
     # What the checks need, read once: the transaction ends before the (long) assembling.
     uid, prefix, kind, part_size = upload.id, upload.storage_prefix, upload.kind, upload.part_size
-    upload_id = uid
     files = [(f.index, f.path, f.size, f.sha256, f.multipart, f.done) for f in upload.files]
     sent = {key: [Part(number=p.number, etag=p.etag or "", size=p.size) for p in have] for key, have in parts.items()}
     received = {key: {p.number for p in have} for key, have in parts.items()}
@@ -302,7 +301,7 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
             shown = ", ".join(map(str, lacking[:20])) + ("…" if len(lacking) > 20 else "")
             missing.append(f"{path}: parts {shown} of {len(need)}")
     if missing:
-        raise Conflict(f"upload {upload_id!r} is missing parts ({'; '.join(missing)[:1000]}); send them, then "
+        raise Conflict(f"upload {uid!r} is missing parts ({'; '.join(missing)[:1000]}); send them, then "
                        "complete it", field="upload_id", code="upload_incomplete")
     problems = []
     for index, path, size, sha256, multipart, done in files:
@@ -337,7 +336,7 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
     with write_transaction(session):
         finished = session.get(Upload, uid, with_for_update=True)
         if finished is None:  # deleted meanwhile
-            raise NotFound(f"no upload {upload_id!r} (deleted while it was being completed)", field="upload_id")
+            raise NotFound(f"no upload {uid!r} (deleted while it was being completed)", field="upload_id")
         finished.status, finished.completed_at, finished.config = "complete", utcnow(), config
 
 
