@@ -16,6 +16,7 @@ UPLOAD_REF = re.compile(r"^upload:([0-9a-f]{32})$")
 # What a model is loaded and its passes run in (torch's names; models.loading maps them to torch dtypes).
 DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPE_NAMES: tuple[DtypeName, ...] = get_args(DtypeName)
+DTYPE_BYTES: dict[DtypeName, int] = dict(zip(DTYPE_NAMES, (4, 2, 2), strict=True))  # bytes per element, in order
 # What exported weights are stored in: one of those, or `auto`, the source checkpoint's own dtype.
 ExportDtypeName = Literal["auto", DtypeName]
 EXPORT_DTYPE_NAMES: tuple[ExportDtypeName, ...] = get_args(ExportDtypeName)

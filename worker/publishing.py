@@ -19,6 +19,7 @@ from app.core import events
 from app.core.db import Artifact, Database, Job, LayoutRow, utcnow
 from app.core.jobstate import DISTILL_SUMMARY
 from app.core.schemas import JobSpec
+from app.core.settings import Settings
 from app.core.storage import Storage, sha256_file
 from models.run_files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
 from models.runner import Hooks
@@ -59,6 +60,7 @@ class CachedAffinity(AffinityStore):
         with self.run.db.transaction() as session:
             self.run._owned(session)  # a run that lost the job leaves the cache alone
         if self.run.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
+            self.run.reserve([self.path])  # the tenant's cache entry counts against its quota too
             self.run.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
 
 
@@ -67,8 +69,10 @@ class Publishing(Hooks):
 
     # the run's, set by JobRun
     db: Database
+    settings: Settings
     storage: Storage
     spec: JobSpec
+    owner: str | None
     job_id: str
     attempt: int
     fingerprint: str
@@ -90,6 +94,7 @@ class Publishing(Hooks):
         objects, and never records a row; what no row lists is swept."""
         with self.db.session() as session:
             have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
+        self.reserve([path for name, _kind, path in files if name not in have])
         out = []
         for name, kind, path in files:
             if kind != kind_of(name):  # every file published is declared (models/run_files.py ARTIFACTS)
@@ -102,6 +107,18 @@ class Publishing(Hooks):
             self.storage.publish(path, key, sha256=digest)
             out.append((name, kind, key, size, digest))
         return out
+
+    def reserve(self, paths: list[Path]) -> None:
+        """The job's quota reservation raised to cover `paths` before they reach the store: past the
+        tenant's quota the job fails naming it, and nothing of them is published (app.core.usage)."""
+        from app.core.errors import ApiError
+        from app.core.usage import reserve_more
+
+        try:
+            reserve_more(self.db, settings=self.settings, job_id=self.job_id, tenant=self.owner,
+                         publishing=sum(p.stat().st_size for p in paths))
+        except ApiError as exc:
+            raise ValueError(exc.detail) from None
 
     def _artifact_rows(self, session: Session, files: list[tuple[str, str, str, int, str]]) -> None:
         """Add the rows of uploaded files (skipping names already recorded); called inside `complete`,
@@ -124,8 +141,10 @@ class Publishing(Hooks):
 
     def _record_affinity(self, note: dict[str, Any]) -> None:
         from models.run_files import AFFINITY_FILE
+        from worker.derived_data import record_affinity
 
         published = self.upload([(AFFINITY_FILE, kind_of(AFFINITY_FILE), self.work / AFFINITY_COPY)])
+        record_affinity(self.db, self.storage, owner=self.owner, fingerprint=self.fingerprint, job_id=self.job_id)
 
         def record(session: Session, job: Job) -> None:
             job.affinity_cached = note["cached"]

@@ -243,9 +243,9 @@ class JobRun(Publishing):
         """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
         from models import pipeline
         from models.calibration import CalibrationSpec
-        from models.converted import ConvertedCache
         from models.loading import ModelSource
         from models.stages import RunContext
+        from worker.derived_data import OwnedConvertedCache, converted_recorder
 
         spec = self.spec
         shown = CalibrationSpec(**spec.calibration.model_dump())
@@ -277,8 +277,12 @@ class JobRun(Publishing):
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
             # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
-            converted=ConvertedCache(self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
-                                     mirror=None if self.storage.local else StoreMirror(self.storage.objects)))
+            # Each entry loaded is recorded with its owner and needers (worker.derived_data).
+            converted=OwnedConvertedCache(
+                self.storage.path(Storage.CONVERTED), namespace=tenant_scope(self.owner),
+                mirror=None if self.storage.local else StoreMirror(self.storage.objects),
+                on_entry=converted_recorder(self.db, owner=self.owner, namespace=tenant_scope(self.owner),
+                                            job_id=self.job_id, model_id=spec.model.id)))
 
     def distill_plan(self, calibration: Any) -> Any:
         """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each

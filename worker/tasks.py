@@ -11,7 +11,8 @@ that re-enqueues jobs nobody holds: running jobs whose worker died or stalled (t
 so a job killed mid-stage resumes on another worker after its last finished stage, and jobs still
 queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost); and, every
 STORE_SWEEP_EVERY_S, sweeps the object store (worker.store_sweep: stale multipart uploads, objects no
-artifact row lists). With DTP_LAYOUT_RETENTION_DAYS set, it also removes the artifacts of jobs finished
+artifact row lists) and what no upload or job owns (worker.owned_sweep: expired open uploads, local
+copies). With DTP_LAYOUT_RETENTION_DAYS set, it also removes the artifacts of jobs finished
 longer ago than that (app.core.usage.expire_finished: the rows stay, marked expired).
 
 Time limits: the solo pool cannot interrupt a task, so Celery's time limits would be ignored; the
@@ -156,11 +157,13 @@ def sweep_once() -> list[str]:
 
 def sweep_store_once() -> None:
     from app.core.storage import Storage
+    from worker.owned_sweep import sweep_owned
     from worker.store_sweep import sweep_store
 
     settings = get_settings()
-    sweep_store(database(settings.database_url), Storage.from_settings(settings).objects,
-                stale_s=settings.multipart_stale_s)
+    storage = Storage.from_settings(settings)
+    sweep_store(database(settings.database_url), storage.objects, stale_s=settings.multipart_stale_s)
+    sweep_owned(database(settings.database_url), storage, open_ttl_s=settings.upload_open_ttl_s)
 
 
 def sweep_at_start() -> list[str]:

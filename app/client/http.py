@@ -233,9 +233,15 @@ class LayoutClient:
         job: dict[str, Any] = self._json("DELETE", f"/v1/jobs/{_segment(job_id)}")
         return job
 
-    def uploads(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = self._json("GET", "/v1/uploads")["items"]
-        return items
+    def uploads(self, *, limit: int = 1000) -> list[dict[str, Any]]:
+        """Newest first, following `next` until `limit` uploads."""
+        out: list[dict[str, Any]] = []
+        while len(out) < limit:
+            page = self._json("GET", "/v1/uploads", params={"limit": min(200, limit - len(out)), "offset": len(out)})
+            out += page["items"]
+            if not page.get("next") or not page["items"]:
+                break
+        return out[:limit]
 
     def create_upload(self, body: dict[str, Any]) -> dict[str, Any]:
         upload: dict[str, Any] = self._json("POST", "/v1/uploads", json=body)

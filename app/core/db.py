@@ -117,6 +117,9 @@ class Job(Base):
     # (`deleted`) or by the retention sweep (`retention`); the row, its layouts and scores stay.
     expired_at: Mapped[datetime | None] = mapped_column(DateTime)
     expired_reason: Mapped[str | None] = mapped_column(String(16))
+    # The artifact bytes the job holds against its tenant's quota while queued or running (migration
+    # 0007): estimated at submit, raised by the worker before it publishes more (app.core.usage).
+    reserved_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     layouts: Mapped[list[LayoutRow]] = relationship(back_populates="job", cascade="all, delete-orphan",
                                                     passive_deletes=True)
@@ -218,6 +221,7 @@ class Upload(Base):
     `storage_prefix`; a job names it `upload:<id>`."""
 
     __tablename__ = "uploads"
+    __table_args__ = (Index("ix_uploads_owner_status", "owner", "status"),)
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     owner: Mapped[str | None] = mapped_column(String(100), index=True)
@@ -226,6 +230,9 @@ class Upload(Base):
     status: Mapped[str] = mapped_column(String(16), default="open")  # open | complete
     part_size: Mapped[int] = mapped_column(BigInteger)
     size: Mapped[int] = mapped_column(BigInteger)  # the declared bytes of every file
+    # What it counts against the quota (migration 0007): each file at least DTP_LAYOUT_UPLOAD_MIN_FILE_BYTES.
+    charged: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    completing_at: Mapped[datetime | None] = mapped_column(DateTime)  # one `complete` call at a time
     storage_prefix: Mapped[str] = mapped_column(String(200))
     config: Mapped[dict[str, Any] | None] = mapped_column(NullableJSON)  # a model's config, checked at completion
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
@@ -265,6 +272,31 @@ class UploadPart(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     etag: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class DerivedData(Base):
+    """Data made from a tenant's upload or job and kept for its later jobs (migration 0007): a converted
+    model (`converted`), an affinity cache entry (`affinity`), under `prefix` in the store. Counted in
+    its owner's usage; removed with the last upload or job that needs it (DerivedNeed)."""
+
+    __tablename__ = "derived_data"
+    __table_args__ = (UniqueConstraint("prefix", name="uq_derived_data_prefix"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    owner: Mapped[str | None] = mapped_column(String(100), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    prefix: Mapped[str] = mapped_column(String(300))
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+class DerivedNeed(Base):
+    """An upload or a job (`upload:<id>`, `job:<id>`) that keeps a DerivedData entry alive."""
+
+    __tablename__ = "derived_needs"
+
+    derived_id: Mapped[int] = mapped_column(ForeignKey("derived_data.id", ondelete="CASCADE"), primary_key=True)
+    needer: Mapped[str] = mapped_column(String(40), primary_key=True, index=True)
 
 
 class ApiKey(Base):

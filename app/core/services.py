@@ -19,7 +19,8 @@ from typing import Any
 from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
-from app.core import budgets, events, hub, logs, usage
+from app.core import budgets, derived, events, hub, logs, usage
+from app.core.artifact_estimate import expected_artifact_bytes
 from app.core.caller import Caller
 from app.core.db import (
     FINISHED,
@@ -81,10 +82,12 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
     model_path: Path | None = None
     data_path: Path | None = None
     config: dict[str, Any] | None = None
+    gguf = spec.model.gguf_file is not None or spec.model.id.endswith(".gguf")  # loaded through a converted copy
     if spec.model.id.startswith("upload:"):
         try:
             upload = _upload(uploads, spec.model.id, "model", "model.id")
             config = dict(upload.config or {}) or None
+            gguf = any(f.path.endswith(".gguf") for f in upload.files)
             for field, value in (("model.revision", spec.model.revision), ("model.gguf_file", spec.model.gguf_file)):
                 if value is not None:
                     problems.append((field, f"{field.split('.')[1]} does not apply to an upload (it is one model)"))
@@ -116,7 +119,7 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
     fp = fingerprint(model_id=spec.model.id, revision=spec.model.revision, gguf_file=spec.model.gguf_file,
                      dtype=spec.model.dtype, calibration=spec.calibration.model_dump(), model_path=model_path,
                      data_path=data_path, schedule=affinity_schedule(spec.effective_schedule(), spec.devices))
-    return fp, {"config_checked": config is not None}
+    return fp, {"config_checked": config is not None, "config": config, "gguf": gguf}
 
 
 def _upload(uploads: UploadLookup | None, ref: str, kind: str, field: str) -> Any:
@@ -175,7 +178,8 @@ def distill_problems(*, settings: Settings, spec: JobSpec,
 
 def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: Caller,
                enqueue: Callable[[str], None], request_id: str | None = None) -> Job:
-    """Check the spec (422), the tenant's capacity (429), record the job and enqueue it (503 when the
+    """Check the spec (422), the tenant's capacity (429) and quota with the job's expected artifacts reserved
+    (429 `storage_quota`: app.core.artifact_estimate), record the job and enqueue it (503 when the
     broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
     request's id goes into the job's `submitted` event."""
     def uploads(ref: str, kind: str, field: str) -> Any:
@@ -185,9 +189,12 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
     session.rollback()  # the uploads' reads: end that transaction before the write one
     with write_transaction(session):
         budgets.check_capacity(session, tenant=caller.tenant, spec=spec, settings=settings)
-        usage.check_quota(session, settings=settings, tenant=caller.tenant, asked=0, what="a job (its artifacts)")
+        reserved = expected_artifact_bytes(spec, found["config"], converts=found["gguf"])
+        usage.check_quota(session, settings=settings, tenant=caller.tenant, asked=reserved,
+                          what=f"a job (its artifacts, expected {reserved} bytes)", field="quota")
         job = Job(id=new_id(), spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
-                  revision=spec.model.revision, devices=spec.devices, delta=spec.delta, score=spec.score,
+                  reserved_bytes=reserved, revision=spec.model.revision, devices=spec.devices, delta=spec.delta,
+                  score=spec.score,
                   status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
                   cancel_requested=False, affinity_cached=False, attempts=0)
         session.add(job)
@@ -308,6 +315,7 @@ def delete_job(*, session: Session, storage: Storage, job_id: str, caller: Calle
             job.expired_at, job.expired_reason, job.updated_at = utcnow(), "deleted", utcnow()
     # After the commit: a download that raced the delete sees the mark (410) or a file still there.
     usage.remove_job_files(storage, job_id)
+    derived.release(session, storage.objects, derived.job_needer(job_id))  # its affinity entry, converted copies
     return job
 
 

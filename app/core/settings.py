@@ -48,7 +48,9 @@ class Settings(BaseSettings):
     storage_redirect: bool = Field(default=False, description="S3 store only: artifact downloads answer 307 to a "
                                                               "presigned URL of the object (expiring after "
                                                               "PRESIGN_EXPIRY_S) instead of streaming it through "
-                                                              "the API")
+                                                              "the API; the URL shows the tenant the store's "
+                                                              "endpoint, bucket, object key and access-key id "
+                                                              "(docs/security.md)")
     presign_expiry_s: int = Field(default=300, ge=10, le=3600, description="lifetime of a presigned download URL "
                                                                            "(STORAGE_REDIRECT)")
     multipart_stale_s: float = Field(default=86400.0, ge=60, description="the workers' sweeper aborts multipart "
@@ -118,6 +120,21 @@ class Settings(BaseSettings):
     upload_part_timeout_s: float = Field(default=600.0, gt=0, le=86400, description="an upload part's body must arrive "
                                                                                    "within this (instead of "
                                                                                    "BODY_TIMEOUT_S); else 408")
+    upload_max_files: int = Field(default=64, ge=1, le=256, description="the most files one upload may declare; "
+                                                                        "more is 422 `files`")
+    upload_max_open: int = Field(default=8, ge=1, le=10_000, description="a tenant's open (declared, not complete) "
+                                                                         "uploads; one more is 429 `too_many_open_"
+                                                                         "uploads` (complete or delete one)")
+    upload_min_file_bytes: int = Field(default=4096, ge=0, le=1 << 30, description="a declared file counts at least "
+                                                                                   "this many bytes against the "
+                                                                                   "quota (an empty file still costs "
+                                                                                   "a row, a multipart upload and a "
+                                                                                   "store object)")
+    upload_open_ttl_s: float = Field(default=86400.0, ge=60, le=30 * 86400, description="an upload still open this "
+                                                                                       "long after it was declared "
+                                                                                       "is removed by the workers' "
+                                                                                       "sweeper (its parts, rows and "
+                                                                                       "quota released)")
     storage_quota_bytes: int = Field(default=100 << 30, ge=0, description="bytes a tenant may keep in the store: its "
                                                                           "uploads (declared sizes, open ones too) "
                                                                           "and its jobs' artifacts; an upload past it "

@@ -54,6 +54,8 @@ class UploadOut(BaseModel):
     status: Literal["open", "complete"]
     owner: str | None
     size: int = Field(description="bytes of every declared file")
+    charged: int = Field(description="what the upload counts against the quota: each file at least "
+                                     "DTP_LAYOUT_UPLOAD_MIN_FILE_BYTES")
     part_size: int = Field(description="bytes of every part but a file's last")
     received_bytes: int
     created_at: datetime
@@ -66,12 +68,21 @@ class UploadOut(BaseModel):
 
 class UploadList(BaseModel):
     items: list[UploadOut]
+    total: int = Field(description="the caller's uploads in all")
+    limit: int
+    offset: int
+    next: str | None = Field(description="the next page's URL; null on the last page")
 
 
 class UsageOut(BaseModel):
     tenant: str | None
     quota_bytes: int = Field(description="the tenant's storage quota; 0: none")
-    used_bytes: int = Field(description="uploads (declared sizes) + artifacts of jobs not expired")
-    bytes: dict[str, int] = Field(description="by kind: uploads_model, uploads_data, artifacts")
-    counts: dict[str, int] = Field(description="uploads (open, complete), jobs, jobs_expired, artifacts")
+    used_bytes: int = Field(description="the sum of `bytes`: what counts against the quota")
+    bytes: dict[str, int] = Field(description="by kind: uploads_model, uploads_data (declared sizes, each file at "
+                                              "least DTP_LAYOUT_UPLOAD_MIN_FILE_BYTES), artifacts (of jobs not "
+                                              "expired), reserved (queued and running jobs' expected artifacts not "
+                                              "yet published), converted (GGUF models' converted copies), affinity "
+                                              "(affinity cache entries)")
+    counts: dict[str, int] = Field(description="uploads (open, complete), jobs, jobs_expired, artifacts, derived "
+                                               "(converted copies and affinity entries kept)")
     retention_days: float = Field(description="finished jobs' artifacts are removed after this many days; 0: never")

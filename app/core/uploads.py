@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from app.core import derived
 from app.core.caller import Caller
 from app.core.db import Database, Job, Upload, UploadFile, UploadPart, new_id, utcnow, write_transaction
-from app.core.errors import Conflict, NotFound, SpecError
+from app.core.errors import Conflict, NotFound, PayloadTooLarge, SpecError, TooManyRequests
 from app.core.model_limits import upload_config_problems
 from app.core.object_store import BadPart, ObjectMissing, Part
 from app.core.settings import Settings
@@ -44,15 +45,53 @@ from app.core.usage import check_quota
 log = logging.getLogger(__name__)
 ACTIVE = ("queued", "running")
 MAX_SAFETENSORS_HEADER = 100 << 20
+# A `complete` mark older than this is a request that died (the API process was killed) and is taken
+# over; a live completion takes seconds per GB (hashing), far below it.
+COMPLETING_STALE_S = 3600.0
 
 
 # ---- declaring -----------------------------------------------------------------------------------------
 
 def create_upload(*, session: Session, settings: Settings, store: UploadStore, caller: Caller,
                   body: UploadIn) -> Upload:
-    """Check every file's name and kind for the upload's kind, the sizes, the part count and the quota;
-    record the upload, open. Raises SpecError naming each bad file, 413/429 past the quota."""
+    """Check every file's name and kind for the upload's kind, the sizes, the part count, the files per
+    upload, the tenant's open uploads and the quota; record the upload, open. Raises SpecError naming
+    each bad file, 413/429 past the quota, 429 past the open uploads."""
+    _check_declaration(settings, body)
+    total = sum(f.size for f in body.files)
+    if total > settings.upload_max_bytes:
+        raise PayloadTooLarge(f"the upload declares {total} bytes; this server takes at most "
+                              f"{settings.upload_max_bytes} per upload (DTP_LAYOUT_UPLOAD_MAX_BYTES)", field="files")
+    charged = sum(max(f.size, settings.upload_min_file_bytes) for f in body.files)
+    upload_id = new_id()
+    prefix = UploadStore.prefix(upload_id, tenant=caller.tenant)
+    with write_transaction(session):  # fails fast, before the store is asked for anything
+        _check_room(session, settings, caller.tenant, total, charged)
+    multiparts = [store.begin_file(prefix, i, f.path) for i, f in enumerate(body.files)]
+    try:
+        with write_transaction(session):  # again, under the tenant's lock, with the rows: two at once cannot both pass
+            _check_room(session, settings, caller.tenant, total, charged)
+            upload = Upload(id=upload_id, owner=caller.tenant, kind=body.kind, name=body.name, status="open",
+                            part_size=settings.upload_part_bytes, size=total, charged=charged, storage_prefix=prefix,
+                            created_at=utcnow())
+            session.add(upload)
+            session.flush()
+            for i, f in enumerate(body.files):
+                session.add(UploadFile(upload_id=upload_id, index=i, path=f.path, size=f.size, sha256=f.sha256,
+                                       multipart=multiparts[i], done=False))
+    except BaseException:
+        for f, multipart in zip(body.files, multiparts, strict=True):
+            store.abort(prefix, f.path, multipart)
+        raise
+    return upload
+
+
+def _check_declaration(settings: Settings, body: UploadIn) -> None:
+    """422 naming each bad file: its name for the kind, declared twice, too many parts; too many files."""
     problems: list[tuple[str, str]] = []
+    if len(body.files) > settings.upload_max_files:
+        problems.append(("files", f"{len(body.files)} files declared; this server takes at most "
+                                  f"{settings.upload_max_files} per upload (DTP_LAYOUT_UPLOAD_MAX_FILES)"))
     seen: set[str] = set()
     part_size = settings.upload_part_bytes
     for i, f in enumerate(body.files):
@@ -68,33 +107,23 @@ def create_upload(*, session: Session, settings: Settings, store: UploadStore, c
         problems.append(("files", problem))
     if problems:
         raise SpecError(problems)
-    total = sum(f.size for f in body.files)
-    if total > settings.upload_max_bytes:
-        from app.core.errors import PayloadTooLarge
 
-        raise PayloadTooLarge(f"the upload declares {total} bytes; this server takes at most "
-                              f"{settings.upload_max_bytes} per upload (DTP_LAYOUT_UPLOAD_MAX_BYTES)", field="files")
-    upload_id = new_id()
-    prefix = UploadStore.prefix(upload_id, tenant=caller.tenant)
-    with write_transaction(session):  # fails fast, before the store is asked for anything
-        check_quota(session, settings=settings, tenant=caller.tenant, asked=total, what=f"an upload of {total} bytes")
-    multiparts = [store.begin_file(prefix, i, f.path) for i, f in enumerate(body.files)]
-    try:
-        with write_transaction(session):  # again, with the rows: two uploads at once cannot both pass
-            check_quota(session, settings=settings, tenant=caller.tenant, asked=total,
-                        what=f"an upload of {total} bytes")
-            upload = Upload(id=upload_id, owner=caller.tenant, kind=body.kind, name=body.name, status="open",
-                            part_size=part_size, size=total, storage_prefix=prefix, created_at=utcnow())
-            session.add(upload)
-            session.flush()
-            for i, f in enumerate(body.files):
-                session.add(UploadFile(upload_id=upload_id, index=i, path=f.path, size=f.size, sha256=f.sha256,
-                                       multipart=multiparts[i], done=False))
-    except BaseException:
-        for f, multipart in zip(body.files, multiparts, strict=True):
-            store.abort(prefix, f.path, multipart)
-        raise
-    return upload
+
+def _check_room(session: Session, settings: Settings, tenant: str | None, total: int, charged: int) -> None:
+    """The tenant's open uploads under DTP_LAYOUT_UPLOAD_MAX_OPEN and its quota with `charged` more
+    (check_quota takes the tenant's lock: call inside the transaction that records the upload)."""
+    what = f"an upload of {total} bytes" + (f" (counted as {charged}: each file at least "
+                                            f"{settings.upload_min_file_bytes} bytes, DTP_LAYOUT_UPLOAD_MIN_FILE_BYTES)"
+                                            if charged != total else "")
+    check_quota(session, settings=settings, tenant=tenant, asked=charged, what=what)
+    owner = Upload.owner.is_(None) if tenant is None else Upload.owner == tenant
+    opened = int(session.scalar(select(func.count()).select_from(Upload).where(owner, Upload.status == "open")) or 0)
+    if opened >= settings.upload_max_open:
+        raise TooManyRequests(f"the tenant has {opened} open uploads, the most it may have "
+                              f"(DTP_LAYOUT_UPLOAD_MAX_OPEN={settings.upload_max_open}): complete or delete one "
+                              f"(open uploads are removed {settings.upload_open_ttl_s:g} s after they were "
+                              "declared, DTP_LAYOUT_UPLOAD_OPEN_TTL_S)", field="files", retry_after_s=60,
+                              code="too_many_open_uploads")
 
 
 # ---- reading -------------------------------------------------------------------------------------------
@@ -132,7 +161,8 @@ def upload_view(upload: Upload, parts: dict[tuple[str, int], list[UploadPart]], 
                       list(range(1, part_count(f.size, upload.part_size) + 1)), "done": f.done})
     url = f"{base}/v1/uploads/{upload.id}"
     return {"id": upload.id, "ref": f"upload:{upload.id}", "kind": upload.kind, "name": upload.name,
-            "status": upload.status, "owner": upload.owner, "size": upload.size, "part_size": upload.part_size,
+            "status": upload.status, "owner": upload.owner, "size": upload.size, "charged": upload.charged,
+            "part_size": upload.part_size,
             "received_bytes": received, "created_at": upload.created_at.isoformat() + "Z",
             "completed_at": upload.completed_at.isoformat() + "Z" if upload.completed_at else None,
             "config": upload.config, "files": files,
@@ -145,13 +175,16 @@ def read_upload(*, session: Session, upload_id: str, caller: Caller, base: str =
     return upload_view(upload, _parts(session, [upload.id]), base=base)
 
 
-def list_uploads(*, session: Session, caller: Caller, base: str = "", limit: int = 200) -> list[dict[str, Any]]:
+def list_uploads(*, session: Session, caller: Caller, base: str = "", limit: int = 50,
+                 offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """A page of the caller's uploads (newest first) and how many it has in all."""
     query = select(Upload)
     if not caller.admin:
         query = query.where(Upload.owner == caller.tenant)
-    rows = list(session.scalars(query.order_by(Upload.created_at.desc(), Upload.id).limit(limit)).all())
+    total = int(session.scalar(select(func.count()).select_from(query.subquery())) or 0)
+    rows = list(session.scalars(query.order_by(Upload.created_at.desc(), Upload.id).limit(limit).offset(offset)).all())
     parts = _parts(session, [u.id for u in rows])
-    return [upload_view(u, parts, base=base) for u in rows]
+    return [upload_view(u, parts, base=base) for u in rows], total
 
 
 # ---- parts ---------------------------------------------------------------------------------------------
@@ -214,9 +247,45 @@ def complete_upload(*, session: Session, settings: Settings, store: UploadStore,
     """Assemble each file from its parts and verify its sha256 (a mismatch: the file's parts and bytes are
     dropped, 422 naming it, the rest kept to resume); then a model's config (or GGUF metadata), its
     safetensors headers, a .npy's header. A refused model or data file: the whole upload removed, 422."""
-    upload = get_upload(session=session, upload_id=upload_id, caller=caller)
+    upload = _claim_completion(session, upload_id, caller)
     if upload.status == "complete":
         return upload
+    uid = upload.id
+    try:
+        _assemble_and_check(session=session, settings=settings, store=store, upload=upload)
+    finally:
+        _release_completion(session, uid)
+    return get_upload(session=session, upload_id=upload_id, caller=caller)
+
+
+def _claim_completion(session: Session, upload_id: str, caller: Caller) -> Upload:
+    """The upload, marked as being completed by this request (`completing_at`, under its row lock): a
+    second `complete` meanwhile is 409, so that two never assemble the same parts (on the local store the
+    loser read files the winner had moved: a 500; on S3 a misleading 422). A mark older than
+    COMPLETING_STALE_S is a request that died: taken over. A complete upload is returned as it is."""
+    with write_transaction(session):
+        upload = get_upload(session=session, upload_id=upload_id, caller=caller, lock=True)
+        if upload.status == "complete":
+            return upload
+        started = upload.completing_at
+        if started is not None and (utcnow() - started).total_seconds() < COMPLETING_STALE_S:
+            raise Conflict(f"upload {upload_id!r} is being completed by another request (since "
+                           f"{started.isoformat()}Z); GET it to see when it is complete", field="upload_id",
+                           code="upload_completing")
+        upload.completing_at = utcnow()
+    return upload
+
+
+def _release_completion(session: Session, upload_id: str) -> None:
+    session.rollback()
+    with write_transaction(session):
+        row = session.get(Upload, upload_id)
+        if row is not None:
+            row.completing_at = None
+
+
+def _assemble_and_check(*, session: Session, settings: Settings, store: UploadStore, upload: Upload) -> None:
+    """Assemble each file and verify it, then check the contents; marks the upload complete."""
     parts = _parts(session, [upload.id])
     # What the checks need, read once: the transaction ends before the (long) assembling.
     uid, prefix, kind, part_size = upload.id, upload.storage_prefix, upload.kind, upload.part_size
@@ -232,7 +301,7 @@ def complete_upload(*, session: Session, settings: Settings, store: UploadStore,
             shown = ", ".join(map(str, lacking[:20])) + ("…" if len(lacking) > 20 else "")
             missing.append(f"{path}: parts {shown} of {len(need)}")
     if missing:
-        raise Conflict(f"upload {upload_id!r} is missing parts ({'; '.join(missing)[:1000]}); send them, then "
+        raise Conflict(f"upload {uid!r} is missing parts ({'; '.join(missing)[:1000]}); send them, then "
                        "complete it", field="upload_id", code="upload_incomplete")
     problems = []
     for index, path, size, sha256, multipart, done in files:
@@ -265,9 +334,10 @@ def complete_upload(*, session: Session, settings: Settings, store: UploadStore,
         remove_upload(session=session, store=store, upload_id=uid)
         raise
     with write_transaction(session):
-        finished = get_upload(session=session, upload_id=upload_id, caller=caller, lock=True)
+        finished = session.get(Upload, uid, with_for_update=True)
+        if finished is None:  # deleted meanwhile
+            raise NotFound(f"no upload {uid!r} (deleted while it was being completed)", field="upload_id")
         finished.status, finished.completed_at, finished.config = "complete", utcnow(), config
-    return finished
 
 
 def content_check(*, settings: Settings, store: UploadStore, kind: str, prefix: str,
@@ -372,6 +442,7 @@ def remove_upload(*, session: Session, store: UploadStore, upload_id: str) -> No
         session.execute(delete(UploadPart).where(UploadPart.upload_id == upload_id))
         session.execute(delete(UploadFile).where(UploadFile.upload_id == upload_id))
         session.execute(delete(Upload).where(Upload.id == upload_id))
+    derived.release(session, store.objects, derived.upload_needer(upload_id))  # its converted copies
 
 
 def delete_upload(*, session: Session, store: UploadStore, upload_id: str, caller: Caller) -> None:

@@ -4,8 +4,9 @@ listed and deleted.
     POST   /v1/uploads                                  {kind, name, files: [{path, size, sha256}]} → 201, the upload
     PUT    /v1/uploads/{id}/files/{path}/parts/{n}      the part's bytes (exactly part_size, the last the rest)
     GET    /v1/uploads/{id}                             which parts are in (a client resumes with the others)
-    POST   /v1/uploads/{id}/complete                    assemble, verify each file's sha256, check the model
-    GET    /v1/uploads                                  the tenant's uploads
+    POST   /v1/uploads/{id}/complete                    assemble, verify each file's sha256, check the model (409
+                                                        while another `complete` of it runs)
+    GET    /v1/uploads?limit=&offset=                   a page of the tenant's uploads (`next`: the following)
     DELETE /v1/uploads/{id}                             its objects and rows (409 while a job names it)
 
 A part's body is streamed to a spool file while its sha256 is computed, never held in memory; a part
@@ -19,9 +20,10 @@ import os
 import tempfile
 from pathlib import Path as FsPath
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 import anyio
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
@@ -29,6 +31,7 @@ from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, SettingsDep, Sto
 from app.api.errors import responses
 from app.core import uploads
 from app.core.errors import SpecError
+from app.core.schemas import INT32_MAX
 from app.core.storage import Storage
 from app.core.upload_schemas import UploadIn, UploadList, UploadOut
 from app.core.upload_store import PartsExpired, UploadStore
@@ -57,10 +60,18 @@ def create(session: SessionDep, settings: SettingsDep, storage: StorageDep, call
                         headers={"Location": view["links"]["self"]})
 
 
-@router.get("", response_model=UploadList, operation_id="list_uploads", summary="The tenant's uploads (newest first)",
+@router.get("", response_model=UploadList, operation_id="list_uploads",
+            summary="A page of the tenant's uploads (newest first; `next` links the following page)",
             responses=responses())
-async def list_(db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    return {"items": await db.run(lambda s: uploads.list_uploads(session=s, caller=caller, base=base))}
+async def list_(request: Request, db: DbDep, caller: CallerDep, base: BaseUrl,
+                limit: Annotated[int, Query(ge=1, le=200)] = 50,
+                offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> dict[str, Any]:
+    items, total = await db.run(lambda s: uploads.list_uploads(session=s, caller=caller, base=base, limit=limit,
+                                                                offset=offset))
+    nxt = None
+    if offset + len(items) < total:
+        nxt = f"{base}/v1/uploads?" + urlencode({"limit": limit, "offset": offset + limit})
+    return {"items": items, "total": total, "limit": limit, "offset": offset, "next": nxt}
 
 
 @router.get("/{upload_id}", response_model=UploadOut, operation_id="get_upload",

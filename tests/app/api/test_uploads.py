@@ -349,7 +349,7 @@ def test_another_tenant_gets_404_on_the_api_and_422_in_a_job_spec(world):
 
 def test_quota_413_and_429_name_the_quota_used_and_asked(world):
     settings, _client, _keys, _objects = world
-    tight = settings.model_copy(update={"storage_quotas": "team-q=3000"})
+    tight = settings.model_copy(update={"storage_quotas": "team-q=3000", "upload_min_file_bytes": 0})
     db = database(settings.database_url)
     key = create_key(db, name=f"q{uuid.uuid4().hex[:8]}", tenant="team-q")
     with TestClient(create_app(tight)) as c:
@@ -363,19 +363,25 @@ def test_quota_413_and_429_name_the_quota_used_and_asked(world):
         assert "2000 bytes used, 1500 asked" in r.json()["detail"]
         usage = c.get("/v1/usage", headers=h).json()
         assert usage == {"tenant": "team-q", "quota_bytes": 3000, "used_bytes": 2000,
-                         "bytes": {"uploads_model": 0, "uploads_data": 2000, "artifacts": 0},
+                         "bytes": {"uploads_model": 0, "uploads_data": 2000, "artifacts": 0, "reserved": 0,
+                                   "converted": 0, "affinity": 0},
                          "counts": {"uploads_open": 0, "uploads_complete": 1, "jobs": 0, "jobs_expired": 0,
-                                    "artifacts": 0}, "retention_days": 0.0}
-        # a finished job's artifacts count; at the quota a job is refused before it writes
+                                    "artifacts": 0, "derived": 0}, "retention_days": 0.0}
+        # a finished job's artifacts count; a job whose expected artifacts do not fit is refused before it runs
         # 5033 bytes of artifacts: a 33-byte report.json, 5000 random bytes
         job_id, _ = seed_finished_job(settings, model_id="q-model", owner="team-q")
         assert c.get("/v1/usage", headers=h).json()["bytes"]["artifacts"] == 5033
         r = c.post("/v1/jobs", json=spec(), headers=h)
-        assert r.status_code == 429 and r.json()["error"] == "storage_quota", r.text
+        assert r.status_code == 413 and r.json()["field"] == "quota" and "expected" in r.json()["detail"], r.text
         assert c.delete(f"/v1/jobs/{job_id}", headers=h).status_code == 200
         assert c.delete(f"/v1/uploads/{first['id']}", headers=h).status_code == 204
         assert c.get("/v1/usage", headers=h).json()["used_bytes"] == 0
-        assert c.post("/v1/jobs", json=spec(), headers=h).status_code == 202
+    roomy = settings.model_copy(update={"storage_quotas": f"team-q={8 << 20}"})
+    with TestClient(create_app(roomy)) as c:
+        r = c.post("/v1/jobs", json=spec(), headers=h)
+        assert r.status_code == 202, r.text
+        reserved = c.get("/v1/usage", headers=h).json()["bytes"]["reserved"]
+        assert reserved >= 1 << 20  # the job's expected artifacts, held while it is queued
 
 
 def test_delete_job_removes_its_artifacts_and_downloads_are_410(world):

@@ -69,6 +69,8 @@ def test_upload_a_model_and_data_run_a_job_on_them_then_delete(env, tmp_path):
     got = json.loads(out)
     assert got and all(hashlib.sha256((tmp_path / "out" / r["name"]).read_bytes()).hexdigest() == r["sha256"]
                        for r in got)
+    with LayoutClient(env.url, API_KEYS["alice"]) as client:  # the job's affinity cache entry is the tenant's
+        assert client.usage()["bytes"]["affinity"] > 0
     # the upload is in use only while a job runs; the job finished: delete-upload works after delete
     code, out, err = run("delete", job_id)
     assert code == 0 and "artifacts removed" in err
@@ -80,7 +82,8 @@ def test_upload_a_model_and_data_run_a_job_on_them_then_delete(env, tmp_path):
     assert code == 2 and "410" in err
     code, out, _ = run("usage", "--json")
     usage = json.loads(out)
-    assert usage["bytes"]["uploads_model"] == model["size"] and usage["counts"]["jobs_expired"] >= 1
+    assert usage["bytes"]["uploads_model"] == model["charged"] >= model["size"]  # each file at least the minimum
+    assert usage["counts"]["jobs_expired"] >= 1 and usage["bytes"]["affinity"] == 0  # the job's entry went with it
     for upload_id in (model["id"], data_id):
         assert run("delete-upload", upload_id)[0] == 0
     code, _out, err = run("delete-upload", data_id)

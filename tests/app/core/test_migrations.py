@@ -16,7 +16,7 @@ from app.core.db import Base
 from app.core.migrate import REPO_ROOT, downgrade, upgrade
 
 TABLES = {"jobs", "job_events", "layouts", "artifacts", "metrics", "api_keys", "uploads", "upload_files",
-          "upload_parts"}
+          "upload_parts", "derived_data", "derived_needs"}
 
 
 def _tables(url: str) -> set[str]:

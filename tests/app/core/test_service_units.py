@@ -101,9 +101,9 @@ def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
         check_spec(settings=settings, spec=JobSpec.model_validate(body))
     assert err.value.problems[0][0] == "devices" and "valid L for this model: 1, 2" in err.value.problems[0][1]
     fp, found = check_spec(settings=settings, spec=JobSpec.model_validate({**body, "devices": 2}))
-    assert found == {"config_checked": True} and len(fp) == 64
+    assert found["config_checked"] is True and found["config"]["num_hidden_layers"] and len(fp) == 64
     _, unknown = check_spec(settings=settings, spec=JobSpec.model_validate({**body, "model": {"id": "acme/other"}}))
-    assert unknown == {"config_checked": False}
+    assert unknown == {"config_checked": False, "config": None, "gguf": False}
 
 
 def test_calibration_fields_match_models_calibration():

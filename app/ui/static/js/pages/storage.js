@@ -4,7 +4,8 @@
 import {api, apiPut, sha256Hex} from "../api.js";
 import {bytes, copyButton, h, progressBar, replace, shortId, when} from "../dom.js";
 
-const KIND_NAMES = {uploads_model: "model uploads", uploads_data: "data uploads", artifacts: "job artifacts"};
+const KIND_NAMES = {uploads_model: "model uploads", uploads_data: "data uploads", artifacts: "job artifacts",
+                    reserved: "reserved by running jobs", converted: "converted models", affinity: "affinity cache"};
 
 function usageCard(usage) {
   const quota = usage.quota_bytes;
@@ -106,9 +107,11 @@ export function renderStorage(container) {
 
   async function load() {
     try {
-      const [u, {items}] = await Promise.all([api("v1/usage"), api("v1/uploads")]);
+      const [u, {items, total}] = await Promise.all([api("v1/usage"), api("v1/uploads")]);  // the first page: newest 50
       replace(usage, ...usageCard(u));
-      replace(listBody, uploadsTable(items, remove));
+      replace(listBody, uploadsTable(items, remove),
+              total > items.length ? h("p", {class: "muted", id: "uploads-more"},
+                                       `The newest ${items.length} of ${total} uploads.`) : null);
     } catch (err) {
       replace(usage, h("p", {class: "error-box"}, err.message));
     }
