@@ -64,7 +64,8 @@ def _run(tmp_path, uploaded):
     session = SimpleNamespace(scalars=lambda _query: SimpleNamespace(all=lambda: []))
     db = SimpleNamespace(session=lambda: contextlib.nullcontext(session))
     storage = SimpleNamespace(publish=lambda path, key, sha256: uploaded.append(key))
-    run = SimpleNamespace(db=db, storage=storage, job_id="0" * 32, attempt=1, check=lambda: None)
+    run = SimpleNamespace(db=db, storage=storage, job_id="0" * 32, attempt=1, check=lambda: None,
+                          reserve=lambda paths: None)  # the quota's reservation: tests/app/core/test_quota_races.py
     (tmp_path / "f").write_text("x")
     return run, tmp_path / "f"
 
