@@ -17,6 +17,7 @@ import anyio
 from fastapi import FastAPI
 
 from app.api import auth, body_limit, errors, request_context
+from app.api.check_slots import CheckSlots
 from app.api.deps import Db
 from app.api.metrics import Metrics
 from app.api.ratelimit import RateLimiter
@@ -97,6 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = KeyRing(settings, db)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, settings.rate_limit_burst)
     app.state.queue = JobQueue(settings)
+    app.state.upload_checks = CheckSlots(total=settings.upload_checks_max, per_tenant=settings.upload_checks_per_tenant)
     stats = CachedStats(lambda: job_stats(db=db), settings.metrics_cache_s)
     app.state.metrics = metrics = Metrics(stats.get)
     # an oversized or stalled body never reaches the app
