@@ -10,6 +10,7 @@ through `app/core/queue.py`. Run it with `dtp-layout serve` (embedded default) o
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -29,6 +30,7 @@ from app.core.keys import KeyRing
 from app.core.queue import JobQueue
 from app.core.settings import Settings, get_settings
 from app.core.storage import Storage
+from app.core.upload_checks import start_checker
 from app.ui.docs.router import router as docs_router
 from app.ui.router import router as ui_router
 
@@ -83,6 +85,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The worker threads that run sync routes: as many as the database pool has connections.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         freeze_startup_heap()
+        # The upload checks' fork server imports in the background: startup does not wait for it.
+        threading.Thread(target=start_checker, name="upload-checker", daemon=True).start()
         yield
 
     # /docs and /redoc come from this package (app/ui/docs), not from FastAPI's CDN pages.

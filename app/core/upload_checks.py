@@ -204,11 +204,20 @@ _preloaded = False
 
 def _preload() -> None:
     """The fork server imports this module once; each check's child is a fork of it (milliseconds),
-    not a new interpreter importing the service again (a second on a busy machine)."""
+    not a new interpreter importing the service again (a second or two on a busy machine)."""
     global _preloaded
     if not _preloaded:
         multiprocessing.set_forkserver_preload([__name__])
         _preloaded = True
+
+
+def start_checker() -> None:
+    """Start the fork server now (the API's startup, in the background), so that the first completion
+    does not wait for its imports."""
+    from multiprocessing import forkserver
+
+    _preload()
+    forkserver.ensure_running()
 
 
 def check_contents(*, settings: Settings, kind: str, prefix: str, names: list[str]) -> dict[str, Any] | None:
