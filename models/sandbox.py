@@ -40,6 +40,7 @@ class ChildLimits:
     memory_setting: str = ""
     cpu_setting: str = ""
     timeout_setting: str = ""
+    nice: int = 0  # added to the child's niceness: a check must not slow the process that serves others
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def limit_self(limits: ChildLimits) -> None:
     used = resource.getrusage(resource.RUSAGE_SELF)
     spent = int(used.ru_utime + used.ru_stime)  # a forked child starts with its parent's count at zero
     resource.setrlimit(resource.RLIMIT_CPU, (spent + limits.cpu_s, spent + limits.cpu_s + _CPU_GRACE_S))
+    if limits.nice:
+        os.nice(limits.nice)
 
 
 def _child(conn: Connection, target: Callable[..., Any], args: tuple[Any, ...], limits: ChildLimits) -> None:

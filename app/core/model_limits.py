@@ -107,6 +107,12 @@ def seq_len_problems(config: dict[str, Any], spec: JobSpec) -> list[tuple[str, s
             for field, n in lengths if n > limit]
 
 
+def too_many_parameters(params: int, settings: Settings) -> str:
+    return (f"the model has {params:,} parameters (counted from its config, its family's defaults filling what it "
+            f"leaves out); this server runs models of up to {settings.max_model_params:,} "
+            "(DTP_LAYOUT_MAX_MODEL_PARAMS)")
+
+
 def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """Every reason this server refuses to run `spec` on a model with this config."""
     config = with_family_defaults(config)
@@ -115,9 +121,7 @@ def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Setti
         return problems
     params = parameter_count(config)
     if params is not None and params > settings.max_model_params:
-        problems.append(("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this "
-                                     f"server runs models up to {settings.max_model_params / 1e9:.2f}B "
-                                     "(DTP_LAYOUT_MAX_MODEL_PARAMS)"))
+        problems.append(("model.id", too_many_parameters(params, settings)))
     return problems + seq_len_problems(config, spec) + memory_problems(config, spec=spec, settings=settings)
 
 
@@ -162,6 +166,5 @@ def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> lis
         return [("model.id", str(exc))]
     params = parameter_count(config)
     if params is not None and params > settings.max_model_params:
-        return [("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this server "
-                             f"runs models up to {settings.max_model_params / 1e9:.2f}B (DTP_LAYOUT_MAX_MODEL_PARAMS)")]
+        return [("model.id", too_many_parameters(params, settings))]
     return []

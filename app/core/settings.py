@@ -315,7 +315,7 @@ class Settings(BaseSettings):
                            timeout_s=self.upload_check_timeout_s,
                            memory_setting="DTP_LAYOUT_UPLOAD_CHECK_MEMORY_BYTES",
                            cpu_setting="DTP_LAYOUT_UPLOAD_CHECK_CPU_S",
-                           timeout_setting="DTP_LAYOUT_UPLOAD_CHECK_TIMEOUT_S")
+                           timeout_setting="DTP_LAYOUT_UPLOAD_CHECK_TIMEOUT_S", nice=10)
 
     def time_limits(self, work_tokens: int) -> tuple[float, float]:
         """(soft, hard) seconds for one run of a job of `work_tokens` (app.core.budgets.work_tokens)."""
