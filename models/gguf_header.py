@@ -49,7 +49,7 @@ class GGUFError(ValueError):
 
 @dataclass(frozen=True)
 class GGUFLimits:
-    """The most a header may hold (the settings DTP_LAYOUT_GGUF_*; real models are far below each)."""
+    """The most a header may hold (the settings GGUF_MAX_METADATA_BYTES etc.; real models are far below each)."""
 
     max_metadata_bytes: int = 64 << 20  # the header (metadata and tensor table) as a whole
     max_array_items: int = 1 << 21  # elements of one array (a vocabulary of 262,144 tokens is 2^18)

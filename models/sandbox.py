@@ -45,9 +45,10 @@ class ChildLimits:
 
 @dataclass(frozen=True)
 class TokenizerLimits:
-    """The tokenizer's child process (DTP_LAYOUT_TOKENIZER_*): address space it may add beyond what it
-    inherits, plus `bytes_per_token` per token asked (the ids, their pieces and the copy sent back);
-    CPU seconds, plus `cpu_s_per_mtoken` per million tokens; twice the CPU time as wall clock."""
+    """The tokenizer's child process (the settings TOKENIZER_MEMORY_BYTES, TOKENIZER_CPU_S,
+    TOKENIZER_CPU_S_PER_MTOKEN): address space it may add beyond what it inherits, plus
+    `bytes_per_token` per token asked (the ids, their pieces and the copy sent back); CPU seconds, plus
+    `cpu_s_per_mtoken` per million tokens; twice the CPU time as wall clock."""
 
     memory_bytes: int = 2 << 30
     cpu_s: int = 300

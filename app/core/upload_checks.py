@@ -221,9 +221,10 @@ def start_checker() -> None:
 
 
 def check_contents(*, settings: Settings, kind: str, prefix: str, names: list[str]) -> dict[str, Any] | None:
-    """`content_check` in a child process under the DTP_LAYOUT_UPLOAD_CHECK_* limits. SpecError (422)
-    for a refused file, or for one whose reading crashed, panicked or passed a limit; StoreUnreachable
-    (503) when the store could not be read."""
+    """`content_check` in a child process under the upload-check limits (the settings
+    UPLOAD_CHECK_MEMORY_BYTES, UPLOAD_CHECK_CPU_S, UPLOAD_CHECK_TIMEOUT_S). SpecError (422) for a
+    refused file, or for one whose reading crashed, panicked or passed a limit; StoreUnreachable (503)
+    when the store could not be read."""
     _preload()
     try:
         store_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
