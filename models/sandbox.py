@@ -16,6 +16,7 @@ names it: "while reading tokenizer.json"). Its return value must pickle. Linux (
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import resource
@@ -92,6 +93,7 @@ def _child(conn: Connection, target: Callable[..., Any], args: tuple[Any, ...], 
     def report(text: str) -> None:
         conn.send(("doing", text))
 
+    faulthandler.disable()  # a crash is the parent's to report (exit status), not a traceback on stderr
     try:
         limit_self(limits)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread: the CPU limit counts them all
