@@ -191,7 +191,11 @@ def read_gguf_config(path: Path, *, limits: GGUFLimits | None = None) -> dict[st
         if size == 0:
             raise GGUFError("the file is empty")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            return read_header(view, file_size=size, limits=limits).config()  # pages read: the header's only
+            try:
+                return read_header(view, file_size=size, limits=limits).config()  # pages read: the header's only
+            except GGUFError as exc:
+                problem = str(exc)  # only the text: the traceback's frames hold views that keep the mapping open
+    raise GGUFError(problem)
 
 
 def _read_gguf_config(path: Path) -> dict[str, Any] | None:
