@@ -9,6 +9,7 @@ fresh process whose peak memory is read from the kernel."""
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 import os
 import struct
@@ -50,6 +51,12 @@ def service(tmp_path_factory, postgres_server):
                          "api_threads": 4, "upload_checks_max": 4, "upload_checks_per_tenant": 2,
                          "upload_check_cpu_s": 20})
     try:
+        # One ordinary completion first: the check's fork server finishes its imports (started in the
+        # background at the API's startup; seconds on a loaded machine), so the cases time the checks.
+        ids = io.BytesIO()
+        np.save(ids, np.arange(256, dtype=np.int32))
+        r, _took = svc.complete("other", svc.send("other", "data", {"ids.npy": ids.getvalue()}))
+        assert r.status_code == 200, r.text
         yield svc
     finally:
         svc.stop()
@@ -160,14 +167,18 @@ JSON_CASES = [
                               "header-deep", "header-offsets"])
 def test_json_past_its_bounds_is_422_naming_the_file_and_the_rule(service, name, files, rule):
     """On Postgres, where a NaN used to become a 503 database_error that left the upload open."""
-    message = refused(service, files)
+    before = service.peak_rss_mib()
+    with Bystander(service):
+        message = refused(service, files)
     assert f"'{name}'" in message and rule in message, message
+    assert service.peak_rss_mib() - before < 50
 
 
 def test_an_omitted_field_takes_the_familys_default_in_the_parameter_limit(service):
     """The issue's bypass: no intermediate_size under MAX_MODEL_PARAMS=10^6 (transformers builds 11008)."""
     config = {k: v for k, v in TINY_CONFIG.items() if k != "intermediate_size"} | {"hidden_size": 256}
-    message = refused(service, model(config=json.dumps(config).encode()))
+    with Bystander(service):
+        message = refused(service, model(config=json.dumps(config).encode()))
     assert "DTP_LAYOUT_MAX_MODEL_PARAMS" in message, message
 
 

@@ -148,6 +148,6 @@ def test_a_hostile_gguf_from_the_hub_or_the_model_root_is_refused_before_any_loa
     (settings.models_dir / "hostile.gguf").write_bytes(hostile)
     for spec in (job("acme/hostile", model={"id": "acme/hostile", "gguf_file": "m.gguf"}), job("hostile.gguf")):
         t0 = time.perf_counter()
-        with pytest.raises(ModelRefused, match="4611686018427387904 elements.*DTP_LAYOUT_GGUF_MAX_ARRAY_ITEMS"):
+        with pytest.raises(ModelRefused, match=r"4611686018427387904 elements.*DTP_LAYOUT_GGUF_MAX_ARRAY_ITEMS"):
             prepare_model(settings=settings, spec=spec)
         assert time.perf_counter() - t0 < 1
