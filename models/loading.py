@@ -123,6 +123,14 @@ def load_tokenizer(source: ModelSource) -> Any | None:
         return AutoTokenizer.from_pretrained(where, **source.kwargs())
     except (OSError, ValueError, TypeError):
         return None
+    except BaseException as exc:
+        # The `tokenizers` library panics on some malformed tokenizer.json files: pyo3's PanicException
+        # is a BaseException (not importable by name), which would escape the job's `except Exception`
+        # and kill the worker process on every attempt. A ValueError fails the job once, saying why.
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ModelLoadError(f"model {source.path_or_id!r}: its tokenizer cannot be loaded (PanicException: "
+                             f"{str(exc)[:300]})") from None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -136,6 +136,9 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
         # After the monitor renews the lease: forgetting imports models.heldout (and so torch), which
         # can take longer than a short lease on a loaded machine, and a sweeper would requeue the job.
         _forget_earlier_reads()
+        from models.calibration import set_tokenizer_limits
+
+        set_tokenizer_limits(settings.tokenizer_limits())  # the tokenizer's child process (models.sandbox)
         runner.run()
         return "succeeded"
     except Exception as exc:

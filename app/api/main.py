@@ -10,6 +10,7 @@ through `app/core/queue.py`. Run it with `dtp-layout serve` (embedded default) o
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,6 +18,7 @@ import anyio
 from fastapi import FastAPI
 
 from app.api import auth, body_limit, errors, request_context
+from app.api.check_slots import CheckSlots
 from app.api.deps import Db
 from app.api.metrics import Metrics
 from app.api.ratelimit import RateLimiter
@@ -29,6 +31,7 @@ from app.core.keys import KeyRing
 from app.core.queue import JobQueue
 from app.core.settings import Settings, get_settings
 from app.core.storage import Storage
+from app.core.upload_checks import start_checker
 from app.ui.docs.router import router as docs_router
 from app.ui.router import router as ui_router
 
@@ -85,6 +88,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The worker threads that run sync routes: as many as the database pool has connections.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         freeze_startup_heap()
+        # The upload checks' fork server imports in the background: startup does not wait for it.
+        threading.Thread(target=start_checker, name="upload-checker", daemon=True).start()
         yield
 
     # /docs and /redoc come from this package (app/ui/docs), not from FastAPI's CDN pages.
@@ -100,6 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = KeyRing(settings, db)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, settings.rate_limit_burst)
     app.state.queue = JobQueue(settings)
+    app.state.upload_checks = CheckSlots(total=settings.upload_checks_max, per_tenant=settings.upload_checks_per_tenant)
     stats = CachedStats(lambda: job_stats(db=db), settings.metrics_cache_s)
     app.state.metrics = metrics = Metrics(stats.get)
     # an oversized or stalled body never reaches the app

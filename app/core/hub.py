@@ -17,7 +17,8 @@ from typing import Any
 
 from app.core.schemas import JobSpec
 from app.core.settings import Settings
-from app.core.sources import MAX_CONFIG_BYTES, ModelLocation, SourceError, gguf_config, read_config, resolve_model
+from app.core.sources import MAX_CONFIG_BYTES, ModelLocation, SourceError, read_config, read_gguf_config, resolve_model
+from models.gguf_header import GGUFError, GGUFLimits
 
 SNAPSHOT_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]  # never pickles
 
@@ -55,7 +56,17 @@ class ModelRefused(SourceError):
     """The model's config breaks the server's limits (app.core.model_limits)."""
 
 
-def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None]) -> ModelLocation:
+def bounded_gguf_config(path: Path, limits: GGUFLimits) -> dict[str, Any]:
+    """A GGUF file's config from its header read with bounds (models.gguf_header), or ModelRefused: a
+    file whose header the bounded reader refuses is never handed to a loader that loops over what the
+    file declares (a hub repository is anyone's)."""
+    try:
+        return read_gguf_config(path, limits=limits)
+    except (OSError, GGUFError) as exc:
+        raise ModelRefused("model.id", f"GGUF file {path.name!r}: cannot read its header: {exc}") from None
+
+
+def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], limits: GGUFLimits) -> ModelLocation:
     """The hub model as a local snapshot directory, its config checked before any weight is fetched."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
@@ -63,7 +74,7 @@ def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None]) -> 
     repo, revision = str(location.hub_id), location.revision
     if location.gguf_file:
         path = Path(hf_hub_download(repo, location.gguf_file, revision=revision))
-        check(gguf_config(path) or {})
+        check(bounded_gguf_config(path, limits))
         return ModelLocation(path=path.parent.absolute(), gguf_file=location.gguf_file)
     config_path = Path(hf_hub_download(repo, "config.json", revision=revision))
     if config_path.stat().st_size > MAX_CONFIG_BYTES:
@@ -87,14 +98,16 @@ def prepare_model(*, settings: Settings, spec: JobSpec) -> ModelLocation:
     location = resolve_model(settings.models_dir, spec.model.id, revision=spec.model.revision,
                              gguf_file=spec.model.gguf_file)
     if location.hub_id is None:
-        config = read_config(location)
+        gguf = location.path if location.path and location.path.suffix == ".gguf" else (
+            location.path / location.gguf_file if location.path and location.gguf_file else None)
+        config = bounded_gguf_config(gguf, settings.gguf_limits()) if gguf is not None else read_config(location)
         if config is not None:
             check(config)
         return location
     if problem := model_problem(settings, location.hub_id):
         raise SourceError("model.id", problem)
     try:
-        return _fetch(location, check)
+        return _fetch(location, check, settings.gguf_limits())
     except ModelRefused:
         raise
     except Exception as exc:  # network, missing repo or file, offline cache miss: the job fails naming the id

@@ -4,7 +4,10 @@ Dimensions are capped before anything else looks at them (a crafted config with 
 in microseconds, not a loop; the valid device counts that `models.layouts.layout` lists are the divisors of
 gcd(G, I), found in O(√gcd)), the parameter count estimated from the config is held under
 DTP_LAYOUT_MAX_MODEL_PARAMS, and every sequence length of the job must fit the model's
-`max_position_embeddings`. The API runs these checks at submit
+`max_position_embeddings`. Every check reads the config the worker will build: the fields a config
+leaves out take its family's defaults first (models.families.defaults), so omitting
+`intermediate_size` is an 11,008-wide FFN here as in transformers, not a skipped check. The API runs
+these checks at submit
 when it can read the config without downloading weights; the worker runs the same checks before it
 loads any weight (`app.core.hub.prepare_model`). Torch-free.
 """
@@ -15,6 +18,9 @@ from typing import Any, TypeGuard
 
 from app.core.schemas import JobSpec
 from app.core.settings import Settings
+from models.families.defaults import parameter_count, with_family_defaults
+
+__all__ = ["check_config", "check_model_config", "dimension_problems", "parameter_count", "upload_config_problems"]
 
 # The config fields a layout is computed from, and the largest value accepted for each (a documented
 # limit: the largest public models are far below every one of these).
@@ -48,22 +54,6 @@ def dimension_problems(config: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-def parameter_count(config: dict[str, Any]) -> int | None:
-    """Parameters of a llama-style decoder from its config (attention, SwiGLU FFN, norms, embeddings);
-    None when a dimension it needs is missing."""
-    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
-    heads, width = config.get("num_attention_heads"), config.get("intermediate_size")
-    if not (_is_int(hidden) and _is_int(layers) and _is_int(heads) and _is_int(width)) or min(hidden, heads) < 1:
-        return None
-    groups = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    vocab = config.get("vocab_size") or 0
-    attention = hidden * heads * head_dim * 2 + hidden * groups * head_dim * 2  # q, o; k, v
-    per_layer = attention + 3 * hidden * width + 2 * hidden  # + gate, up, down; two norms
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
-    return layers * per_layer + embeddings + hidden
-
-
 def check_config(config: dict[str, Any], *, devices: int, delta: int,
                  schedule: str | None = None) -> list[tuple[str, str]]:
     """(field, message) for every reason the job would fail its loading stage: the dimension limits,
@@ -74,6 +64,7 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int,
     from models.layouts.layout import check_delta, check_devices
     from models.schedules import check_schedule
 
+    config = with_family_defaults(config)
     if problems := dimension_problems(config):
         return problems
     ns = config_namespace(config)
@@ -116,16 +107,21 @@ def seq_len_problems(config: dict[str, Any], spec: JobSpec) -> list[tuple[str, s
             for field, n in lengths if n > limit]
 
 
+def too_many_parameters(params: int, settings: Settings) -> str:
+    return (f"the model has {params:,} parameters (counted from its config, its family's defaults filling what it "
+            f"leaves out); this server runs models of up to {settings.max_model_params:,} "
+            "(DTP_LAYOUT_MAX_MODEL_PARAMS)")
+
+
 def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """Every reason this server refuses to run `spec` on a model with this config."""
+    config = with_family_defaults(config)
     problems = check_config(config, devices=spec.devices, delta=spec.delta, schedule=spec.schedule)
     if any(field == "model.id" for field, _ in problems):
         return problems
     params = parameter_count(config)
     if params is not None and params > settings.max_model_params:
-        problems.append(("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this "
-                                     f"server runs models up to {settings.max_model_params / 1e9:.2f}B "
-                                     "(DTP_LAYOUT_MAX_MODEL_PARAMS)"))
+        problems.append(("model.id", too_many_parameters(params, settings)))
     return problems + seq_len_problems(config, spec) + memory_problems(config, spec=spec, settings=settings)
 
 
@@ -161,6 +157,7 @@ def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> lis
     from app.core.sources import config_namespace
     from models.families import family_for_config
 
+    config = with_family_defaults(config)
     if problems := dimension_problems(config):
         return problems
     try:
@@ -169,6 +166,5 @@ def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> lis
         return [("model.id", str(exc))]
     params = parameter_count(config)
     if params is not None and params > settings.max_model_params:
-        return [("model.id", f"the model has about {params / 1e9:.2f}B parameters (from its config); this server "
-                             f"runs models up to {settings.max_model_params / 1e9:.2f}B (DTP_LAYOUT_MAX_MODEL_PARAMS)")]
+        return [("model.id", too_many_parameters(params, settings))]
     return []

@@ -17,7 +17,9 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.gguf_header import GGUFLimits
 from models.jobspec import MAX_WORLD_SIZE
+from models.sandbox import ChildLimits, TokenizerLimits
 
 # Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -103,6 +105,56 @@ class Settings(BaseSettings):
                                                                     "seq_len, every run's and the dense model's")
     max_model_params: int = Field(default=10_000_000_000, ge=1, description="parameter count of a model, estimated "
                                                                             "from its config, that a job may load")
+    # Tenant content is parsed with bounds (docs/security.md, "Parsing what a tenant sends"): each limit
+    # is far above what a real model's files hold.
+    gguf_max_metadata_bytes: int = Field(default=GGUFLimits.max_metadata_bytes, ge=1 << 16,
+                                         description="a GGUF file's header (metadata and tensor table) may be "
+                                                     "this long; longer is 422")
+    gguf_max_array_items: int = Field(default=GGUFLimits.max_array_items, ge=1,
+                                      description="elements of one GGUF metadata array (a vocabulary's tokens); "
+                                                  "more is 422 before any element is read")
+    gguf_max_entries: int = Field(default=GGUFLimits.max_entries, ge=1,
+                                  description="metadata entries of a GGUF file; more is 422")
+    gguf_max_tensors: int = Field(default=GGUFLimits.max_tensors, ge=1,
+                                  description="tensors a GGUF file may declare; more is 422")
+    safetensors_max_header_bytes: int = Field(default=16 << 20, ge=1 << 10, description="a .safetensors file's "
+                                                                                        "JSON header may be this "
+                                                                                        "long; longer is 422 "
+                                                                                        "before it is read")
+    json_max_bytes: int = Field(default=64 << 20, ge=1 << 10, description="a tenant's JSON file (tokenizer.json, "
+                                                                          "tokenizer_config.json, an index; "
+                                                                          "config.json: 1 MiB) may be this long")
+    json_max_depth: int = Field(default=64, ge=4, le=10_000, description="arrays and objects in a tenant's JSON file "
+                                                                         "(and a safetensors header) may nest this "
+                                                                         "deep; deeper is 422")
+    upload_checks_max: int = Field(default=4, ge=1, le=256, description="upload completions checked at once per API "
+                                                                        "process (each in a child process, off the "
+                                                                        "threads that answer requests); more is 503 "
+                                                                        "with Retry-After")
+    upload_checks_per_tenant: int = Field(default=2, ge=1, le=256, description="one tenant's upload completions "
+                                                                               "checked at once; more is 429 with "
+                                                                               "Retry-After")
+    upload_check_memory_bytes: int = Field(default=2 << 30, ge=256 << 20, description="address space the child "
+                                                                                      "process checking an upload "
+                                                                                      "may use (RLIMIT_AS); past it "
+                                                                                      "the upload is 422")
+    upload_check_cpu_s: int = Field(default=60, ge=1, le=3600, description="CPU seconds the child checking an upload "
+                                                                           "may use (RLIMIT_CPU); past it 422")
+    upload_check_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="wall-clock seconds a child "
+                                                                                    "checking an upload may take; "
+                                                                                    "then it is killed and the "
+                                                                                    "upload is 422")
+    tokenizer_memory_bytes: int = Field(default=TokenizerLimits.memory_bytes, ge=256 << 20,
+                                        description="the worker tokenises text in a child process: address "
+                                                    "space it may add to what it inherits, plus 32 bytes per "
+                                                    "token asked (RLIMIT_AS); past it the job fails once, "
+                                                    "naming the data")
+    tokenizer_cpu_s: int = Field(default=TokenizerLimits.cpu_s, ge=1,
+                                 description="CPU seconds of that child, plus TOKENIZER_CPU_S_PER_MTOKEN per "
+                                             "million tokens asked (RLIMIT_CPU; twice it, wall clock)")
+    tokenizer_cpu_s_per_mtoken: float = Field(default=TokenizerLimits.cpu_s_per_mtoken, ge=0,
+                                              description="CPU seconds added to TOKENIZER_CPU_S per million "
+                                                          "tokens a job tokenises")
     hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none: hub ids are "
                                                      "422) or comma-separated owners and owner/name ids")
     hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
@@ -274,6 +326,21 @@ class Settings(BaseSettings):
         self.model_root = (self.model_root or var / "models").expanduser().absolute()
         self.data_root = (self.data_root or var / "data").expanduser().absolute()
         return self
+
+    def gguf_limits(self) -> GGUFLimits:
+        return GGUFLimits(max_metadata_bytes=self.gguf_max_metadata_bytes, max_array_items=self.gguf_max_array_items,
+                          max_entries=self.gguf_max_entries, max_tensors=self.gguf_max_tensors)
+
+    def tokenizer_limits(self) -> TokenizerLimits:
+        return TokenizerLimits(memory_bytes=self.tokenizer_memory_bytes, cpu_s=self.tokenizer_cpu_s,
+                               cpu_s_per_mtoken=self.tokenizer_cpu_s_per_mtoken)
+
+    def upload_check_limits(self) -> ChildLimits:
+        return ChildLimits(memory_bytes=self.upload_check_memory_bytes, cpu_s=self.upload_check_cpu_s,
+                           timeout_s=self.upload_check_timeout_s,
+                           memory_setting="DTP_LAYOUT_UPLOAD_CHECK_MEMORY_BYTES",
+                           cpu_setting="DTP_LAYOUT_UPLOAD_CHECK_CPU_S",
+                           timeout_setting="DTP_LAYOUT_UPLOAD_CHECK_TIMEOUT_S", nice=10)
 
     def time_limits(self, work_tokens: int) -> tuple[float, float]:
         """(soft, hard) seconds for one run of a job of `work_tokens` (app.core.budgets.work_tokens)."""

@@ -9,11 +9,7 @@ checked against app.core.upload_files before it becomes part of a storage key.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +21,10 @@ from app.core import derived
 from app.core.caller import Caller
 from app.core.db import Database, Job, Upload, UploadFile, UploadPart, new_id, utcnow, write_transaction
 from app.core.errors import Conflict, NotFound, PayloadTooLarge, SpecError, TooManyRequests
-from app.core.model_limits import upload_config_problems
 from app.core.object_store import BadPart, ObjectMissing, Part
 from app.core.settings import Settings
-from app.core.sources import MAX_CONFIG_BYTES, SourceError
+from app.core.sources import SourceError
+from app.core.upload_checks import check_contents
 from app.core.upload_files import (
     MAX_PARTS,
     UPLOAD_ID,
@@ -44,7 +40,6 @@ from app.core.usage import check_quota
 
 log = logging.getLogger(__name__)
 ACTIVE = ("queued", "running")
-MAX_SAFETENSORS_HEADER = 100 << 20
 # A `complete` mark older than this is a request that died (the API process was killed) and is taken
 # over; a live completion takes seconds per GB (hashing), far below it.
 COMPLETING_STALE_S = 3600.0
@@ -245,8 +240,10 @@ def record_part(*, session: Session, upload_id: str, index: int, number: int, si
 def complete_upload(*, session: Session, settings: Settings, store: UploadStore, upload_id: str,
                     caller: Caller) -> Upload:
     """Assemble each file from its parts and verify its sha256 (a mismatch: the file's parts and bytes are
-    dropped, 422 naming it, the rest kept to resume); then a model's config (or GGUF metadata), its
-    safetensors headers, a .npy's header. A refused model or data file: the whole upload removed, 422."""
+    dropped, 422 naming it, the rest kept to resume); then what the files hold (app.core.upload_checks,
+    in a child process under limits). A refused model or data file: the whole upload removed, 422; a
+    store that cannot be read: 503, the upload left open to complete again. One request at a time: a
+    second `complete` meanwhile is 409 (`_claim_completion`)."""
     upload = _claim_completion(session, upload_id, caller)
     if upload.status == "complete":
         return upload
@@ -328,8 +325,8 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
             session.execute(delete(UploadPart).where(UploadPart.upload_id == uid, UploadPart.file_index == index))
     if problems:
         raise SpecError(problems)
-    try:
-        config = content_check(settings=settings, store=store, kind=kind, prefix=prefix, names=[f[1] for f in files])
+    try:  # in a child process under limits (app.core.upload_checks): no file can hang or grow this one
+        config = check_contents(settings=settings, kind=kind, prefix=prefix, names=[f[1] for f in files])
     except SpecError:
         remove_upload(session=session, store=store, upload_id=uid)
         raise
@@ -338,76 +335,6 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
         if finished is None:  # deleted meanwhile
             raise NotFound(f"no upload {uid!r} (deleted while it was being completed)", field="upload_id")
         finished.status, finished.completed_at, finished.config = "complete", utcnow(), config
-
-
-def content_check(*, settings: Settings, store: UploadStore, kind: str, prefix: str,
-                  names: list[str]) -> dict[str, Any] | None:
-    """What a file's name cannot tell: a model's config within the server's limits, each .safetensors a
-    safetensors file (not a renamed pickle), a .npy an integer array that needs no unpickling. Returns a
-    model's config; raises SpecError naming the file."""
-    if kind == "data":
-        for name in names:
-            if name.endswith(".npy"):
-                _check_npy(store.read_head(store.file_key(prefix, name), 1 << 16), name)
-        return None
-    for name in names:
-        if name.endswith(".safetensors"):
-            _check_safetensors(store, store.file_key(prefix, name), name)
-    if names[0].endswith(".gguf"):
-        from app.core.sources import _read_gguf_config
-
-        path, scratch = store.scratch_copy(prefix, names[0])
-        try:
-            config = _read_gguf_config(path)
-        finally:
-            if scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
-        if config is None:
-            raise SpecError([("files.0.path", f"{names[0]!r}: cannot read its GGUF metadata (not a GGUF file, or the "
-                                              "gguf package is missing on the server)")])
-    else:
-        raw = store.read_head(store.file_key(prefix, "config.json"), MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise SpecError([("files", f"config.json is larger than {MAX_CONFIG_BYTES} bytes")])
-        try:
-            config = json.loads(raw)
-        except ValueError as exc:
-            raise SpecError([("files", f"config.json is not JSON: {str(exc)[:200]}")]) from None
-        if not isinstance(config, dict):
-            raise SpecError([("files", "config.json is not a JSON object")])
-    if problems := upload_config_problems(config, settings=settings):
-        raise SpecError([("files", f"the model's config is refused: {message}") for _field, message in problems])
-    return {k: v for k, v in config.items() if isinstance(v, int | str | float | bool) and len(str(k)) <= 100}
-
-
-def _check_safetensors(store: UploadStore, key: str, name: str) -> None:
-    head = store.read_head(key, 8)
-    if len(head) < 8:
-        raise SpecError([("files", f"{name!r} is not a safetensors file (shorter than its 8-byte header length)")])
-    (length,) = struct.unpack("<Q", head)
-    if not 2 <= length <= MAX_SAFETENSORS_HEADER:
-        raise SpecError([("files", f"{name!r} is not a safetensors file (header length {length})")])
-    try:
-        header = json.loads(store.read_head(key, 8 + length)[8:])
-    except ValueError:
-        header = None
-    if not isinstance(header, dict):
-        raise SpecError([("files", f"{name!r} is not a safetensors file (its header is not a JSON object)")])
-
-
-def _check_npy(head: bytes, name: str) -> None:
-    import numpy as np
-
-    f = io.BytesIO(head)
-    try:
-        version = np.lib.format.read_magic(f)
-        shape, _order, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                                else np.lib.format.read_array_header_2_0(f))
-    except (ValueError, OSError, SyntaxError) as exc:
-        raise SpecError([("files", f"{name!r} is not a .npy file: {str(exc)[:200]}")]) from None
-    if dtype.hasobject or dtype.kind not in "iu" or len(shape) not in (1, 2):
-        raise SpecError([("files", f"{name!r} holds {dtype} of shape {shape}; a data upload's .npy holds integer "
-                                   "token ids, 1-D or 2-D (never objects: they would need unpickling)")])
 
 
 # ---- deleting ------------------------------------------------------------------------------------------

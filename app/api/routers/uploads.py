@@ -27,6 +27,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
+from app.api.check_slots import CheckSlots
 from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, SettingsDep, StorageDep, releases_session
 from app.api.errors import responses
 from app.core import uploads
@@ -134,13 +135,24 @@ async def _spool(request: Request, directory: FsPath, expected: int) -> tuple[Fs
 
 
 @router.post("/{upload_id}/complete", response_model=UploadOut, operation_id="complete_upload",
-             summary="Assemble the files, verify each sha256, check the model's config", responses=responses(404, 409))
-@releases_session
-def complete(upload_id: UploadId, session: SessionDep, settings: SettingsDep, storage: StorageDep,
-             caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    uploads.complete_upload(session=session, settings=settings, store=store_of(storage), upload_id=upload_id,
-                            caller=caller)
-    return uploads.read_upload(session=session, upload_id=upload_id, caller=caller, base=base)
+             summary="Assemble the files, verify each sha256, check the model's config",
+             responses=responses(404, 409, 429, 503, _429="this tenant's completions being checked are at "
+                                                          "DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT",
+                                 _503="DTP_LAYOUT_UPLOAD_CHECKS_MAX completions are being checked, or the "
+                                      "object store did not answer"))
+async def complete(request: Request, upload_id: UploadId, db: DbDep, settings: SettingsDep, storage: StorageDep,
+                   caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
+    slots: CheckSlots = request.app.state.upload_checks
+    store = store_of(storage)
+
+    def run() -> None:  # in a thread of the completions' own limiter, with its own session
+        with db.database.session() as session:
+            uploads.complete_upload(session=session, settings=settings, store=store, upload_id=upload_id,
+                                    caller=caller)
+
+    with slots.slot(caller.tenant):
+        await anyio.to_thread.run_sync(run, limiter=slots.limiter)
+    return await db.run(lambda s: uploads.read_upload(session=s, upload_id=upload_id, caller=caller, base=base))
 
 
 @router.delete("/{upload_id}", status_code=204, operation_id="delete_upload",

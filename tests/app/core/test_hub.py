@@ -131,3 +131,23 @@ def test_a_job_that_cannot_fit_its_memory_limit_even_streamed_is_422_on_max_memo
     assert worker_default.memory_limit("2GiB") == 2 * 2**30 and worker_default.memory_limit(None) == 2**20
     with pytest.raises(ValueError, match="size must"):
         Settings(var_dir=tmp_path / "var", max_memory="lots")
+
+
+def test_a_hostile_gguf_from_the_hub_or_the_model_root_is_refused_before_any_loader(tmp_path, hub_cache):
+    """A hub repository is anyone's: a GGUF whose header declares a 2^62-element array is refused by the
+    bounded reader (models.gguf_header) in milliseconds, never handed to a loader that loops over it."""
+    import struct
+    import time
+
+    hostile = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<I", 9)
+               + struct.pack("<IQ", 0, 1 << 62))
+    _cache, put = hub_cache
+    put("acme/hostile", {"m.gguf": hostile})
+    settings = Settings(var_dir=tmp_path / "var")
+    settings.models_dir.mkdir(parents=True)
+    (settings.models_dir / "hostile.gguf").write_bytes(hostile)
+    for spec in (job("acme/hostile", model={"id": "acme/hostile", "gguf_file": "m.gguf"}), job("hostile.gguf")):
+        t0 = time.perf_counter()
+        with pytest.raises(ModelRefused, match=r"4611686018427387904 elements.*DTP_LAYOUT_GGUF_MAX_ARRAY_ITEMS"):
+            prepare_model(settings=settings, spec=spec)
+        assert time.perf_counter() - t0 < 1

@@ -1,0 +1,240 @@
+"""What a completed upload's files hold, read as hostile input: each reader bounded by the file's own
+size and by the settings' limits, and all of them run in a child process (models.sandbox) under an
+address-space limit, a CPU-time limit and a wall-clock timeout, so no file can hang, grow or crash the
+API process. Every refusal is a SpecError naming the file and the rule (a 422); the caller removes
+the refused upload.
+
+    config = check_contents(settings=settings, kind="model", prefix=prefix, names=names)
+
+A model upload: config.json (1 MiB, JSON_MAX_DEPTH, finite numbers) under the server's limits for its
+family; each .safetensors header (SAFETENSORS_MAX_HEADER_BYTES, refused before it is read; a JSON
+object of tensors whose byte ranges lie inside the file); every other JSON file (JSON_MAX_BYTES,
+depth, finite numbers); tokenizer.json loaded by the `tokenizers` library, where the server has it,
+and run over probe text that trips runaway regexes; or a .gguf file's header (models.gguf_header, the
+GGUF_* limits). A data upload: a .npy's header (integers, 1-D or 2-D, never objects). Text is not
+read here: the worker reads only the tokens a job needs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import multiprocessing
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from app.core.errors import SpecError, StoreUnreachable
+from app.core.model_limits import upload_config_problems
+from app.core.settings import Settings
+from app.core.sources import MAX_CONFIG_BYTES
+from app.core.storage import Storage, StoreUnavailable
+from app.core.upload_store import UploadStore
+from models.bounded_json import JsonRefused, load_bounded, load_object
+from models.gguf_header import GGUFError, read_header
+from models.sandbox import ChildFailed, run_limited
+
+# JSON files a model upload may hold that are configs (small) rather than vocabularies.
+CONFIG_FILES = frozenset({"config.json", "generation_config.json"})
+NPY_HEAD = 1 << 16  # a .npy header is at most this long (numpy writes under 4 KiB; it refuses > 10,000)
+# Text the tokenizer must get through: runs of one character end a catastrophic regex like `(a|aa)+$`.
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 \n"
+              + "a" * 4096 + "!\n" + " " * 4096 + "\n" + "ab" * 2048 + "?\n")
+Report = Callable[[str], None]
+
+
+def _problem(name: str, rule: str) -> SpecError:
+    return SpecError([("files", f"{name!r}: {rule}")])
+
+
+def _read(store: UploadStore, prefix: str, name: str, limit: int) -> bytes:
+    return store.read_head(store.file_key(prefix, name), limit)
+
+
+def _json(store: UploadStore, prefix: str, name: str, *, max_bytes: int, depth: int) -> Any:
+    raw = _read(store, prefix, name, max_bytes + 1)
+    try:
+        return load_bounded(raw, name=name, max_bytes=max_bytes, max_depth=depth)
+    except JsonRefused as exc:
+        raise _problem(name, exc.rule) from None
+
+
+def check_safetensors(store: UploadStore, prefix: str, name: str, settings: Settings) -> None:
+    """The header's length within the limit before a byte of it is read, then a bounded JSON object
+    whose tensors' byte ranges lie inside the file."""
+    info = store.objects.head(store.file_key(prefix, name))
+    size = info.size if info is not None else 0
+    head = _read(store, prefix, name, 8)
+    if len(head) < 8:
+        raise _problem(name, "is not a safetensors file (shorter than its 8-byte header length)")
+    (length,) = struct.unpack("<Q", head)
+    limit = settings.safetensors_max_header_bytes
+    if length > limit:
+        raise _problem(name, f"is not a safetensors file this server reads: it declares a {length}-byte header; "
+                             f"headers are at most {limit} bytes (DTP_LAYOUT_SAFETENSORS_MAX_HEADER_BYTES)")
+    if not 2 <= length <= size - 8:
+        raise _problem(name, f"is not a safetensors file (header length {length}, file {size} bytes)")
+    raw = _read(store, prefix, name, 8 + length)[8:]
+    try:
+        header = load_object(raw, name=name, max_bytes=limit, max_depth=settings.json_max_depth)
+    except JsonRefused as exc:
+        raise _problem(name, f"is not a safetensors file: its header {exc.rule}") from None
+    data = size - 8 - length
+    for tensor, entry in header.items():
+        if tensor == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data):
+            raise _problem(name, f"tensor {str(tensor)[:100]!r} has no byte range inside the file's {data} bytes "
+                                 "of data")
+
+
+def check_tokenizer(raw: bytes, name: str) -> None:
+    """The `tokenizers` library loads it and tokenises the probe text (where the server has the
+    library; the worker's own tokenizer runs in a limited child regardless)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return
+    tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    tokenizer.encode(PROBE_TEXT)
+
+
+def check_model(store: UploadStore, prefix: str, names: list[str], settings: Settings,
+                report: Report) -> dict[str, Any]:
+    config: Any = None
+    for name in names:
+        if name.endswith(".safetensors"):
+            report(name)
+            check_safetensors(store, prefix, name, settings)
+    if names[0].endswith(".gguf"):
+        return gguf_config(store, prefix, names[0], settings, report)
+    for name in names:
+        if name.endswith(".json"):
+            report(name)
+            limit = MAX_CONFIG_BYTES if name in CONFIG_FILES else settings.json_max_bytes
+            value = _json(store, prefix, name, max_bytes=limit, depth=settings.json_max_depth)
+            if name == "tokenizer.json":
+                check_tokenizer(_read(store, prefix, name, limit), name)
+            if name == "config.json":
+                config = value
+    report("config.json")
+    if not isinstance(config, dict):
+        raise _problem("config.json", "is not a JSON object")
+    return config
+
+
+def gguf_config(store: UploadStore, prefix: str, name: str, settings: Settings, report: Report) -> dict[str, Any]:
+    """The architecture fields of the GGUF header: no more of the file read than its header."""
+    report(name)
+    limits = settings.gguf_limits()
+    info = store.objects.head(store.file_key(prefix, name))
+    size = info.size if info is not None else 0
+    try:
+        return read_header(_read(store, prefix, name, limits.max_metadata_bytes), file_size=size,
+                           limits=limits).config()
+    except GGUFError as exc:
+        raise _problem(name, f"cannot read its GGUF header: {exc}") from None
+
+
+def check_npy(head: bytes, name: str) -> None:
+    import numpy as np
+
+    f = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(f)
+        shape, _order, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                else np.lib.format.read_array_header_2_0(f))
+    except (ValueError, OSError, SyntaxError) as exc:
+        raise _problem(name, f"is not a .npy file: {str(exc)[:200]}") from None
+    if dtype.hasobject or dtype.kind not in "iu" or len(shape) not in (1, 2):
+        raise _problem(name, f"holds {dtype} of shape {shape}; a data upload's .npy holds integer token ids, 1-D "
+                             "or 2-D (never objects: they would need unpickling)")
+
+
+def stored_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's scalar fields, as the upload row keeps them: what every database's JSON column
+    takes (finite numbers, 64-bit integers, strings without NUL, bounded)."""
+    def storable(value: Any) -> bool:
+        if isinstance(value, bool | str):
+            return not isinstance(value, str) or (len(value) <= 1000 and "\x00" not in value)
+        if isinstance(value, int):
+            return -(1 << 63) <= value < 1 << 63
+        return isinstance(value, float) and math.isfinite(value)
+
+    return {k: v for k, v in config.items() if len(str(k)) <= 100 and "\x00" not in k and storable(v)}
+
+
+def content_check(*, settings: Settings, store: UploadStore, kind: str, prefix: str, names: list[str],
+                  report: Report = lambda _name: None) -> dict[str, Any] | None:
+    """In this process: what a file's name cannot tell (module docstring). Returns a model's config as
+    stored; raises SpecError naming the file."""
+    if kind == "data":
+        for name in names:
+            if name.endswith(".npy"):
+                report(name)
+                check_npy(_read(store, prefix, name, NPY_HEAD), name)
+        return None
+    config = check_model(store, prefix, names, settings, report)
+    if problems := upload_config_problems(config, settings=settings):
+        raise SpecError([("files", f"the model's config is refused: {message}") for _field, message in problems])
+    return stored_config(config)
+
+
+def _in_child(settings: Settings, store_env: dict[str, str], kind: str, prefix: str, names: list[str],
+              report: Report) -> tuple[str, Any]:
+    """The child's side: ("ok", config), ("refused", problems) or ("unavailable", message) — plain
+    values that pickle (an exception's class might not). `store_env`: the caller's AWS_* variables (the
+    fork server's environment is the one it started with)."""
+    os.environ.update(store_env)
+    store = UploadStore(Storage.from_settings(settings))
+    try:
+        return "ok", content_check(settings=settings, store=store, kind=kind, prefix=prefix, names=names,
+                                   report=report)
+    except SpecError as exc:
+        return "refused", exc.problems
+    except StoreUnavailable as exc:
+        return "unavailable", str(exc)
+
+
+_preloaded = False
+
+
+def _preload() -> None:
+    """The fork server imports this module once; each check's child is a fork of it (milliseconds),
+    not a new interpreter importing the service again (a second or two on a busy machine)."""
+    global _preloaded
+    if not _preloaded:
+        multiprocessing.set_forkserver_preload([__name__])
+        _preloaded = True
+
+
+def start_checker() -> None:
+    """Start the fork server now (the API's startup, in the background), so that the first completion
+    does not wait for its imports."""
+    from multiprocessing import forkserver
+
+    _preload()
+    forkserver.ensure_running()
+
+
+def check_contents(*, settings: Settings, kind: str, prefix: str, names: list[str]) -> dict[str, Any] | None:
+    """`content_check` in a child process under the upload-check limits (the settings
+    UPLOAD_CHECK_MEMORY_BYTES, UPLOAD_CHECK_CPU_S, UPLOAD_CHECK_TIMEOUT_S). SpecError (422) for a
+    refused file, or for one whose reading crashed, panicked or passed a limit; StoreUnreachable (503)
+    when the store could not be read."""
+    _preload()
+    try:
+        store_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+        outcome, value = run_limited(_in_child, (settings, store_env, kind, prefix, names),
+                                     limits=settings.upload_check_limits(), what=names[0], start_method="forkserver")
+    except ChildFailed as exc:
+        raise SpecError([("files", str(exc))]) from None
+    if outcome == "refused":
+        raise SpecError([tuple(problem) for problem in value])
+    if outcome == "unavailable":  # not the tenant's fault: the upload stays open, to complete again
+        raise StoreUnreachable(f"the object store did not answer while the upload was checked ({value[:200]}); "
+                               "complete it again", field="upload_id", headers={"Retry-After": "5"})
+    return value
