@@ -17,6 +17,7 @@ names it: "while reading tokenizer.json"). Its return value must pickle. Linux (
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing
 import os
 import resource
@@ -79,7 +80,9 @@ def _address_space() -> int:
 
 
 def limit_self(limits: ChildLimits) -> None:
-    """Apply the limits to the calling process (the child, first thing)."""
+    """Apply the limits to the calling process (the child, first thing). Garbage the child inherited is
+    collected first: freed after the limit was set, it would give the child its address space as headroom."""
+    gc.collect()
     cap = _address_space() + limits.memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     used = resource.getrusage(resource.RUSAGE_SELF)

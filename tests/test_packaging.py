@@ -18,6 +18,7 @@ def test_pyproject_applies_without_warnings():
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        warnings.simplefilter("ignore", ResourceWarning)  # another test's file closed by the collector here
         dist = apply_configuration(Distribution(), REPO / "pyproject.toml")
     assert [str(w.message) for w in caught] == []
     assert dist.metadata.license_expression == "Apache-2.0"

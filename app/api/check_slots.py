@@ -6,7 +6,9 @@ completions as API threads would leave no thread for another tenant's `GET /v1/j
 Here each completion holds a slot: at most DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT of one tenant's (more
 is 429) and DTP_LAYOUT_UPLOAD_CHECKS_MAX in all (more is 503), both with Retry-After, and it runs in
 a thread of its own capacity limiter, never one of the DTP_LAYOUT_API_THREADS that serve the others.
-Slots are counted on the event loop's thread: no lock.
+Slots are counted on the event loop's thread: no lock. A second `complete` of an upload this process is
+already completing is 409 before any slot is counted (the database's mark says the same across processes):
+a retry of the same upload never spends the tenant's slots nor answers 429 for them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from contextlib import contextmanager
 
 import anyio
 
-from app.core.errors import ServiceUnavailable, TooManyRequests
+from app.core.errors import Conflict, ServiceUnavailable, TooManyRequests
 
 RETRY_AFTER_S = 5
 
@@ -25,6 +27,7 @@ class CheckSlots:
     def __init__(self, *, total: int, per_tenant: int) -> None:
         self.total, self.per_tenant = total, per_tenant
         self.held: dict[str, int] = {}
+        self.completing: set[tuple[str, str]] = set()  # (tenant, upload id): scoped, so no other tenant learns of it
         self._limiter: anyio.CapacityLimiter | None = None
 
     @property
@@ -35,9 +38,13 @@ class CheckSlots:
         return self._limiter
 
     @contextmanager
-    def slot(self, tenant: str | None) -> Iterator[None]:
-        """Hold one slot for `tenant` while the block runs; 429 or 503 (Retry-After) when none is free."""
+    def slot(self, tenant: str | None, upload_id: str) -> Iterator[None]:
+        """Hold one slot for `tenant` while the block runs; 409 when this tenant's `upload_id` is already
+        being completed here, else 429 or 503 (Retry-After) when no slot is free."""
         key = tenant or ""
+        if (key, upload_id) in self.completing:
+            raise Conflict(f"upload {upload_id!r} is being completed by another request; GET it to see when it "
+                           "is complete", field="upload_id", code="upload_completing")
         if self.held.get(key, 0) >= self.per_tenant:
             raise TooManyRequests(f"{self.per_tenant} of this tenant's upload completions are being checked; "
                                   "complete this one when they are done (DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT)",
@@ -47,9 +54,11 @@ class CheckSlots:
                                      "shortly (DTP_LAYOUT_UPLOAD_CHECKS_MAX)", field="upload_id",
                                      headers={"Retry-After": str(RETRY_AFTER_S)}, code="checks_busy")
         self.held[key] = self.held.get(key, 0) + 1
+        self.completing.add((key, upload_id))
         try:
             yield
         finally:
+            self.completing.discard((key, upload_id))
             self.held[key] -= 1
             if not self.held[key]:
                 del self.held[key]

@@ -24,7 +24,8 @@ def _value(x, report):
 
 def _allocate(report):
     report("huge.bin")
-    return len(bytearray(1 << 30))  # 1 GiB, past the 256 MiB the child may add
+    held = [bytearray(1 << 30) for _ in range(4)]  # 4 GiB, past the 256 MiB the child may add
+    return len(held)
 
 
 def _spin(report):

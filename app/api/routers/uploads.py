@@ -150,7 +150,7 @@ async def complete(request: Request, upload_id: UploadId, db: DbDep, settings: S
             uploads.complete_upload(session=session, settings=settings, store=store, upload_id=upload_id,
                                     caller=caller)
 
-    with slots.slot(caller.tenant):
+    with slots.slot(caller.tenant, upload_id):
         await anyio.to_thread.run_sync(run, limiter=slots.limiter)
     return await db.run(lambda s: uploads.read_upload(session=s, upload_id=upload_id, caller=caller, base=base))
 
