@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import interleaved_times, qwen3_06b_shaped
-from models.affinity import affinity_pass
+from models.affinity.scoring import affinity_pass
 
 
 def main() -> None:

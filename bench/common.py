@@ -57,7 +57,7 @@ def dtp_vs_dense_times(model: PreTrainedModel, ids: torch.Tensor, *, devices: in
                        sync: Callable[[], object] | None = None) -> dict[str, float]:
     """Median seconds of the dense HF forward and the DTP simulator's on `ids` [B, S], with and without
     the LM head (`dense`, `dtp`, `dense_layers`, `dtp_layers`), interleaved, under inference mode."""
-    from models.dtp import DTPModel
+    from models.sim.dtp import DTPModel
 
     dtp = DTPModel(model, devices=devices, delta=delta).eval()
     with torch.inference_mode():

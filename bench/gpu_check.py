@@ -290,7 +290,7 @@ def random_blocks(n: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def stage_affinity(check: Check, model: Any, rec: dict[str, Any]) -> Any:
-    from models.affinity import affinity_pass
+    from models.affinity.scoring import affinity_pass
 
     s = check.sizes
     blocks = random_blocks(s.calib_sequences, s.calib_seq_len, model.config.vocab_size, seed=1)  # [n, S]
@@ -339,8 +339,8 @@ def stage_optimise(check: Check, affinity: Any, rec: dict[str, Any]) -> dict[str
 def stage_export(check: Check, model: Any, layouts: dict[str, Any], rec: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
-    from models import pipeline
-    from models.export import checkpoint_state, permuted_copy, rank_slice, read_manifest
+    from models.export.resident import checkpoint_state, permuted_copy, rank_slice, read_manifest
+    from models.run import pipeline
 
     work = Path(tempfile.mkdtemp(prefix="dtp-gpu-check-export-"))
     try:

@@ -6,7 +6,7 @@ file's size costs the worker.
 2. A second tenant's `GET /v1/jobs` latency (p50 / p99 / max over its requests) alone, then while N
    hostile tenants keep completing slow uploads (a GGUF whose 2,000,000-string array is walked in the
    check's child process) for `--seconds`; the hostile answers by status.
-3. The worker's reader (models.calibration.load_blocks, 2 × 64 tokens) in a fresh process per file:
+3. The worker's reader (models.data.calibration.load_blocks, 2 × 64 tokens) in a fresh process per file:
    the peak RSS it adds for .npy files of 4 KiB to 3 GiB and text files of 1 to 256 MiB.
 
     .venv/bin/python bench/hostile_uploads.py                 # N = 4 hostile tenants, 15 s
@@ -140,7 +140,7 @@ def bystander_under_load(service: Service, hostile: int, seconds: float) -> dict
 
 _READ = """
 import json, sys
-from models.calibration import CalibrationSpec, load_blocks
+from models.data.calibration import CalibrationSpec, load_blocks
 from tests.tiny import byte_tokenizer
 def peak():
     with open("/proc/self/status") as f:

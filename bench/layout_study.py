@@ -38,12 +38,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import score_kl
-from models import distill, pipeline
-from models.atomic import atomic_write_json
-from models.calibration import CalibrationSpec
+from models import distill
+from models.data.calibration import CalibrationSpec
+from models.io.atomic import atomic_write_json
+from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts.names import RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
-from models.loading import ModelSource, load_model, load_tokenizer
+from models.run import pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 NOTES_MARKER = "## Reading"
@@ -144,7 +145,7 @@ def distill_spec(args: argparse.Namespace) -> distill.DistillSpec:
         steps=args.steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup, eval_every=args.eval_every, checkpoint_every=2,
         eval_batch_size=4)
-    # Held out by content (models.heldout): training starts after the calibration blocks where it reads
+    # Held out by content (models.data.heldout): training starts after the calibration blocks where it reads
     # the same text, evaluation after both.
     train = CalibrationSpec(source=args.train, sequences=args.steps * args.batch_size, seq_len=args.seq_len)
     evaluation = CalibrationSpec(source=args.eval, sequences=args.eval_blocks, seq_len=args.seq_len)
@@ -288,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = " ".join([".venv/bin/python bench/layout_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     if args.model is None:
-        from models.assets import smollm2_gguf
+        from models.io.assets import smollm2_gguf
 
         args.model = str(smollm2_gguf())
         args.model_name = "SmolLM2-135M-Instruct (packaged GGUF)"

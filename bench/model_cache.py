@@ -48,8 +48,8 @@ def child(mode: str, gguf: str, root: str, dtype: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    from models.converted import ConvertedCache
-    from models.loading import ModelSource, load_config, load_model, load_tokenizer
+    from models.io.converted import ConvertedCache
+    from models.io.loading import ModelSource, load_config, load_model, load_tokenizer
 
     base = rss_mb()
     t0 = time.perf_counter()
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, args.gguf, args.root, args.dtype)))
         return 0
 
-    from models.assets import smollm2_gguf
+    from models.io.assets import smollm2_gguf
 
     gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
     runs: list[dict[str, Any]] = []

@@ -36,11 +36,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.export import export_rank_shards, permuted_copy
+from models.export.resident import export_rank_shards, permuted_copy
 from models.families import model_shape
 from models.layouts import layout as lay
 from models.runtime import DTPRuntime
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 
 # SmolLM2-135M's dimensions (HuggingFaceTB/SmolLM2-135M config).
 SMOLLM2_135M = dict(

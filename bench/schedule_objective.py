@@ -19,14 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.affinity_edges import schedule_affinity_pass
-from models.assets import smollm2_gguf
-from models.calibration import CalibrationSpec, load_blocks
+from models.affinity.edges import schedule_affinity_pass
+from models.data.calibration import CalibrationSpec, load_blocks
 from models.families import model_shape
+from models.io.assets import smollm2_gguf
+from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts.set import build_layouts
-from models.loading import ModelSource, load_model, load_tokenizer
 from models.optimise.edges import TopRows
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 
 
 def main() -> None:

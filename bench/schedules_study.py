@@ -38,17 +38,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.layout_study import NOTES_MARKER, log
-from models import distill, pipeline
-from models.affinity_file import AffinityResult
-from models.atomic import atomic_write_json
-from models.calibration import CalibrationSpec, load_blocks
+from models import distill
+from models.affinity.file import AffinityResult
+from models.data.calibration import CalibrationSpec, load_blocks
 from models.families import model_shape
+from models.io.atomic import atomic_write_json
+from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts import layout as layout_mod
 from models.layouts.set import build_layouts, scored_layout
-from models.loading import ModelSource, load_model, load_tokenizer
-from models.run_files import AFFINITY_FILE
-from models.schedules import Schedule, parse_schedule, resolve_schedule
-from models.spd_auto import least_sensitive, spd_sensitivities
+from models.run import pipeline
+from models.run.files import AFFINITY_FILE
+from models.schedules.grammar import Schedule, parse_schedule, resolve_schedule
+from models.schedules.spd_auto import least_sensitive, spd_sensitivities
 
 REPO = Path(__file__).resolve().parent.parent
 CONTIGUOUS, OPTIMISED, DTP1_OPTIMISED = "contiguous", "optimised", "optimised-dtp1"
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = " ".join([".venv/bin/python bench/schedules_study.py", *(shlex.quote(a) for a in (argv or sys.argv[1:]))])
     if args.model is None:
-        from models.assets import smollm2_gguf
+        from models.io.assets import smollm2_gguf
 
         args.model = str(smollm2_gguf())
         args.model_name = "SmolLM2-135M-Instruct (packaged GGUF)"

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from models.affinity_scores import SCORES
+from models.affinity.names import SCORES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,7 +88,7 @@ def plot(result: dict[str, Any], path: Path, *, title: str) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from models.atomic import atomic_write_bytes
+    from models.io.atomic import atomic_write_bytes
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     for ax, key, corr, label in ((axes[0], "kl", result["trained"], f"after {result['step']} steps"),

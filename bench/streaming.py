@@ -27,8 +27,10 @@ _WRAPPER = ("import json, resource, subprocess, sys, time; t = time.perf_counter
             "json.dump({'rc': r.returncode, 'wall_s': w, "
             "'peak_rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}, open(sys.argv[1], 'w'))")
 COMMAND_IMPORTS = ("import torch, transformers, safetensors; from transformers import AutoModelForCausalLM; "
-                   "import app.cli.main, models.stages, models.pipeline, models.affinity, models.layouts.set, "
-                   "models.streamed_affinity, models.streamed_export, models.streamed_evaluate, models.calibration")
+                   "import app.cli.main, models.run.stages, models.run.pipeline, models.affinity.scoring, "
+                   "models.layouts.set, "
+                   "models.affinity.streamed, models.export.streamed, models.evaluation.streamed, "
+                   "models.data.calibration")
 
 
 def measured(cmd: list[str], where: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     """Every tensor of the safetensors files under a equal (bitwise, same dtype) to b's, one at a time."""
     import torch
 
-    from models.streamed_model import CheckpointReader
+    from models.streaming.layer_source import CheckpointReader
 
     ra, rb = CheckpointReader(a), CheckpointReader(b)
     if set(ra.names()) != set(rb.names()):
@@ -68,7 +70,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 
 def same_affinity(a: Path, b: Path, rtol: float = 1e-5) -> bool:
-    from models.affinity_file import AffinityResult
+    from models.affinity.file import AffinityResult
 
     x, y = AffinityResult.load(a), AffinityResult.load(b)
     pairs = zip(x.up_fo + x.up_add + x.down, y.up_fo + y.up_add + y.down, strict=True)
@@ -153,7 +155,7 @@ def run(work: Path, *, hidden: int, intermediate: int, layers: int, heads: int, 
 
 
 def _weight_bytes(src: Path) -> int:
-    from models.streamed_model import CheckpointReader
+    from models.streaming.layer_source import CheckpointReader
 
     reader = CheckpointReader(src)
     sizes = {"F32": 4, "BF16": 2, "F16": 2}

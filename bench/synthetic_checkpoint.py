@@ -1,5 +1,5 @@
 """A synthetic Llama-shaped checkpoint of any size, random weights, written tensor by tensor with
-`models.safetensors_stream.SafetensorsWriter` (one tensor in memory at a time: making a checkpoint of a
+`models.streaming.safetensors_reader.SafetensorsWriter` (one tensor in memory at a time: making a checkpoint of a
 few GB needs a few MB), in files of at most 2 GB with the index `save_pretrained` writes.
 
     python -m bench.synthetic_checkpoint OUT --hidden 2048 --intermediate 5632 --layers 24
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from models.safetensors_stream import SafetensorsWriter
-from models.streamed_export import DEFAULT_SHARD_BYTES, SAFE_INDEX, _file_groups, checkpoint_names
+from models.export.streamed import DEFAULT_SHARD_BYTES, SAFE_INDEX, _file_groups, checkpoint_names
+from models.streaming.safetensors_reader import SafetensorsWriter
 
 
 def llama_config(*, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> Any:

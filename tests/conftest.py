@@ -12,7 +12,7 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-# The model commands keep converted GGUF copies (models.converted) and the concatenated corpus under
+# The model commands keep converted GGUF copies (models.io.converted) and the concatenated corpus under
 # $DTP_LAYOUT_CACHE_DIR: this session's, and the processes it starts, go to a directory of its own, never
 # into the user's cache (set here, at import, so that every subprocess inherits it).
 TEST_CACHE_DIR = tempfile.mkdtemp(prefix="dtp-layout-test-cache-")
@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer, gguf path) of the real pretrained SmolLM2-135M-Instruct (dequantised, fp32)."""
-    from models.assets import AssetNotFoundError, smollm2_gguf
-    from models.loading import ModelSource, load_model, load_tokenizer
+    from models.io.assets import AssetNotFoundError, smollm2_gguf
+    from models.io.loading import ModelSource, load_model, load_tokenizer
 
     try:
         path = smollm2_gguf()

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from app.core.jobstate import STAGES, STATUSES
-from models.affinity_scores import SCORES
-from models.ids import DTYPE_NAMES
+from models.affinity.names import SCORES
+from models.io.ids import DTYPE_NAMES
 from models.layouts.format import LAYOUT_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,11 +66,11 @@ def test_each_name_is_written_in_its_one_module():
     found = writers()
     assert {what: sorted({line.split(":")[0] for line in lines}) for what, lines in found.items()} == {
         "format": ["models/layouts/format.py"],
-        "scores": ["models/affinity_scores.py"],
-        "dtypes": ["models/ids.py"],
+        "scores": ["models/affinity/names.py"],
+        "dtypes": ["models/io/ids.py"],
         "seed base": ["models/layouts/names.py"],
         "statuses": ["app/core/jobstate.py"],
-        "stages": ["models/stage_names.py"],
+        "stages": ["models/run/stage_names.py"],
     }, found
     assert all(len(lines) == 1 for lines in found.values()), found
 

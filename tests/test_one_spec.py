@@ -1,4 +1,4 @@
-"""One job spec (issue 21): every field declared in models/jobspec.py reaches the API's request schema, the
+"""One job spec (issue 21): every field declared in models/run/jobspec.py reaches the API's request schema, the
 command lines of `optimise` and `distill` (where it applies), `dtp-layout client submit` and the dashboard's
 form (through GET /v1/spec), with the same default; and a value given on a command line arrives at the
 field's path. Torch-free: the command lines are parsed, not run; the API is the embedded SQLite one."""
@@ -18,7 +18,7 @@ from app.cli.main import build_parser
 from app.cli.spec_flags import command_flags, spec_values
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
-from models.jobspec import FIELDS, GROUPS, SpecField, command_default
+from models.run.jobspec import FIELDS, GROUPS, SpecField, command_default
 from tests import browser_kit
 from tests.service_kit import ServeProcess, make_settings, provision
 

@@ -1,4 +1,4 @@
-"""The converted-model cache shared through the object store (models.converted.EntryMirror): a GGUF
+"""The converted-model cache shared through the object store (models.io.converted.EntryMirror): a GGUF
 converted by one worker is pulled by the others instead of being dequantised again. Entries live under
 the store's `converted/NAMESPACE/ENTRY/` keys; each worker keeps its local copy under
 STORAGE_ROOT/converted/ (the directory transformers loads from)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from app.core.object_store import ObjectStore
 from app.core.storage import Storage
-from models.converted import MANIFEST
+from models.io.converted import MANIFEST
 
 
 class StoreMirror:

@@ -13,8 +13,8 @@ from app.core import derived
 from app.core.db import Database
 from app.core.storage import Storage
 from app.core.upload_files import ref_id
-from models.converted import ConvertedCache
-from models.loading import ModelSource
+from models.io.converted import ConvertedCache
+from models.io.loading import ModelSource
 
 
 def entry_bytes(directory: Path) -> int:

@@ -72,7 +72,7 @@ def resolve(setting: str) -> Any:
     """The torch.device a worker with DTP_LAYOUT_DEVICE=`setting` uses (`cuda` means the current device)."""
     import torch
 
-    from models.loading import resolve_device
+    from models.io.loading import resolve_device
 
     device = resolve_device(setting)
     if device.type == "cuda" and device.index is None:

@@ -80,8 +80,8 @@ def public_error(message: str, *, job_id: str, tenant: str | None) -> str:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from models.assets import AssetNotFoundError
-    from models.export import ExportError
+    from models.export.resident import ExportError
+    from models.io.assets import AssetNotFoundError
 
     return (ValueError, AssetNotFoundError, ExportError, OSError)
 
@@ -98,7 +98,7 @@ def ended_by(exc: Exception, *, db: Database, lease: Lease, settings: Settings, 
         log.warning("job %s: %s", job_id, exc)
         return _retry(db, lease, reason=str(exc), stage=stage, max_attempts=settings.max_attempts,
                       enqueue=enqueue)
-    from models.affinity import Cancelled
+    from models.affinity.scoring import Cancelled
 
     if isinstance(exc, JobCancelled | Cancelled):
         _end(db, lease, status="cancelled", error="cancelled by request", stage=stage)

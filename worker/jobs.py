@@ -1,4 +1,4 @@
-"""Running one job: the stages of `models/stages.py` through `models.runner`, resumable, idempotent
+"""Running one job: the stages of `models/run/stages.py` through `models.run.runner`, resumable, idempotent
 and cancellable; `JobRun` is the runner's hooks (lease, cancel checks, fencing, database recording).
 
 A job is leased by the worker that claims it (`worker`, `lease_until`); a monitor thread renews the
@@ -7,7 +7,7 @@ renewing; any worker's sweeper then re-enqueues the job, and the next run resume
 stage recorded in `stages_done`:
 
 - loading      model and tokenizer (re-done on resume: they live in memory); a GGUF model is loaded from
-               its converted copy, STORAGE_ROOT/converted/<tenant>/<entry>/ (`models.converted`), made by
+               its converted copy, STORAGE_ROOT/converted/<tenant>/<entry>/ (`models.io.converted`), made by
                the tenant's first job that loads it and reused by the later ones, never by another tenant's;
 - calibration  token blocks → work/blocks.npy;
 - affinity     → STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors, shared by the
@@ -133,12 +133,12 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
             monitor.start()
         monitor.watch_limits(limits, on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
-        # After the monitor renews the lease: forgetting imports models.heldout (and so torch), which
+        # After the monitor renews the lease: forgetting imports models.data.heldout (and so torch), which
         # can take longer than a short lease on a loaded machine, and a sweeper would requeue the job.
         _forget_earlier_reads()
-        from models.calibration import set_tokenizer_limits
+        from models.data.calibration import set_tokenizer_limits
 
-        set_tokenizer_limits(settings.tokenizer_limits())  # the tokenizer's child process (models.sandbox)
+        set_tokenizer_limits(settings.tokenizer_limits())  # the tokenizer's child process (models.io.sandbox)
         runner.run()
         return "succeeded"
     except Exception as exc:
@@ -155,7 +155,7 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
 def _forget_earlier_reads() -> None:
     """Empty the process's caches of what earlier jobs read (GGUF metadata, content hashes of data
     files): a job's speed must not tell its tenant what another tenant's job named."""
-    from models.heldout import forget_hashes
+    from models.data.heldout import forget_hashes
 
     forget_configs()
     forget_hashes()

@@ -21,9 +21,9 @@ from app.core.jobstate import DISTILL_SUMMARY
 from app.core.schemas import JobSpec
 from app.core.settings import Settings
 from app.core.storage import Storage, sha256_file
-from models.run_files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
-from models.runner import Hooks
-from models.stages import AffinityStore
+from models.run.files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
+from models.run.runner import Hooks
+from models.run.stages import AffinityStore
 from worker.metrics import read_metrics_csv, upsert_metrics
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Publishing(Hooks):
         self.reserve([path for name, _kind, path in files if name not in have])
         out = []
         for name, kind, path in files:
-            if kind != kind_of(name):  # every file published is declared (models/run_files.py ARTIFACTS)
+            if kind != kind_of(name):  # every file published is declared (models/run/files.py ARTIFACTS)
                 raise UndeclaredArtifact(f"artifact {name!r} is declared as {kind_of(name)!r}, not {kind!r}")
             if name in have:
                 continue
@@ -140,7 +140,7 @@ class Publishing(Hooks):
             record(note)
 
     def _record_affinity(self, note: dict[str, Any]) -> None:
-        from models.run_files import AFFINITY_FILE
+        from models.run.files import AFFINITY_FILE
         from worker.derived_data import record_affinity
 
         published = self.upload([(AFFINITY_FILE, kind_of(AFFINITY_FILE), self.work / AFFINITY_COPY)])
@@ -166,14 +166,14 @@ class Publishing(Hooks):
         self.complete("optimising", record, **note)
 
     def _record_stability(self, note: dict[str, Any]) -> None:
-        from models.run_files import STABILITY_FILE
+        from models.run.files import STABILITY_FILE
 
         # Published once the job succeeds, inside report.json (and the job's summary).
         assert (self.work / STABILITY_FILE).is_file()
         self.complete("stability", **note)
 
     def _record_export(self, note: dict[str, Any]) -> None:
-        from models.run_files import EXPORT_DIRS
+        from models.run.files import EXPORT_DIRS
 
         files = [(f"{sub}/{p.name}", kind_of(f"{sub}/{p.name}"), p) for sub in EXPORT_DIRS
                  for p in sorted((self.work / sub).glob("*")) if p.is_file()]

@@ -1,4 +1,4 @@
-"""One attempt at a job (`JobRun`): the stages of `models/stages.py` run by `models.runner` with this worker's
+"""One attempt at a job (`JobRun`): the stages of `models/run/stages.py` run by `models.run.runner` with this worker's
 hooks — the lease, cancel checks and fencing, the stage rows, the job's spec in the stages' terms (its data
 sources resolved) — and, through `Publishing` (worker/publishing.py), the recorders of each finished stage.
 Torch is imported inside the methods that need it."""
@@ -25,10 +25,10 @@ from app.core.settings import Settings
 from app.core.sources import ModelLocation, SourceError, resolve_data
 from app.core.storage import Storage, tenant_scope
 from app.core.upload_store import UploadStore
-from models.runner import run_stages
-from models.schedules import parse_schedule
-from models.stages import REPORT_INPUTS, STAGES
-from models.stages import build_report as stages_report
+from models.run.runner import run_stages
+from models.run.stages import REPORT_INPUTS, STAGES
+from models.run.stages import build_report as stages_report
+from models.schedules.grammar import parse_schedule
 from worker.converted_mirror import StoreMirror
 from worker.device import prepare_device
 from worker.metrics import read_metrics_csv, upsert_metrics
@@ -43,7 +43,7 @@ class JobCancelled(RuntimeError):
 
 
 class JobRun(Publishing):
-    """One attempt at a job: the stages of models.stages, with this worker's lease, cancel checks,
+    """One attempt at a job: the stages of models.run.stages, with this worker's lease, cancel checks,
     fencing and database recording as the runner's hooks."""
 
     def __init__(self, *, db: Database, settings: Settings, job: Job, spec: JobSpec, worker: str,
@@ -180,10 +180,10 @@ class JobRun(Publishing):
             self._owned(session)
             upsert_metrics(session, self.job_id, rows)
 
-    # -- the stages: models.stages, run by models.runner with this run's hooks --
+    # -- the stages: models.run.stages, run by models.run.runner with this run's hooks --
 
     def run(self) -> None:
-        from models.heldout import source_identity
+        from models.data.heldout import source_identity
 
         self.check_quota()
         self.prepare_work()
@@ -219,7 +219,7 @@ class JobRun(Publishing):
                           field=field, cache=self.storage.root / "cache" / "uploads")
 
     def data_source(self, source: str, field: str) -> str:
-        """What models.calibration reads for a spec's data source: an upload's local copy, a corpus, a hub
+        """What models.data.calibration reads for a spec's data source: an upload's local copy, a corpus, a hub
         dataset, or a name under the data root as its absolute path."""
         if source.startswith("upload:"):
             return str(self.upload_path(source, kind="data", field=field))
@@ -241,10 +241,10 @@ class JobRun(Publishing):
 
     def context(self) -> Any:
         """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
-        from models import pipeline
-        from models.calibration import CalibrationSpec
-        from models.loading import ModelSource
-        from models.stages import RunContext
+        from models.data.calibration import CalibrationSpec
+        from models.io.loading import ModelSource
+        from models.run import pipeline
+        from models.run.stages import RunContext
         from worker.derived_data import OwnedConvertedCache, converted_recorder
 
         spec = self.spec
@@ -288,8 +288,8 @@ class JobRun(Publishing):
         """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
         evaluation written to the metrics table as it is produced."""
         from models import distill as D
-        from models.calibration import CalibrationSpec
-        from models.stages import DistillPlan
+        from models.data.calibration import CalibrationSpec
+        from models.run.stages import DistillPlan
 
         spec = self.spec.distill
         assert spec is not None
@@ -319,7 +319,7 @@ class JobRun(Publishing):
         return DistillPlan(spec=dspec, out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True,
                            keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
 
-    # -- the hooks (models.runner.Hooks) --
+    # -- the hooks (models.run.runner.Hooks) --
 
     def is_done(self, stage: Any) -> bool:
         return stage.name in self.done

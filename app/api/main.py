@@ -35,7 +35,7 @@ from app.core.upload_checks import start_checker
 from app.ui.docs.router import router as docs_router
 from app.ui.router import router as ui_router
 
-# The stage list is models/stage_names.py's (through app.core.jobstate), never spelled out here.
+# The stage list is models/run/stage_names.py's (through app.core.jobstate), never spelled out here.
 DESCRIPTION = f"""\
 Affinity-aware layouts for Delayed Tensor Parallelism as a service: POST a model and a calibration
 spec, a worker runs the affinity pass and the layout optimiser, and the optimised layout, its scores

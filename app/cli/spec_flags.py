@@ -1,4 +1,4 @@
-"""The command-line flags of the job spec's fields, generated from their one declaration (models/jobspec.py):
+"""The command-line flags of the job spec's fields, generated from their one declaration (models/run/jobspec.py):
 `dtp-layout optimise`, `distill`, `export`, `eval` and `dtp-layout client submit` add them with
 `add_spec_flags` and read them back, as dotted spec paths, with `spec_values`.
 
@@ -15,8 +15,8 @@ import argparse
 import json
 from typing import Any
 
-from models.fields import NO_DEFAULT, Command, Flag
-from models.jobspec import FIELDS, GROUPS, SpecField, SpecGroup, command_default
+from models.run.fields import NO_DEFAULT, Command, Flag
+from models.run.jobspec import FIELDS, GROUPS, SpecField, SpecGroup, command_default
 
 SUBMIT: Command = "submit"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from app.core.model_limits import parameter_count
 from app.core.schemas import JobSpec
-from models.ids import DTYPE_BYTES
+from models.io.ids import DTYPE_BYTES
 
 SMALL_FILES_BYTES = 1 << 20  # report.json (tens of KiB), summary.json, metrics.csv, curves.png (~100 KiB)
 

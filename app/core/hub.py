@@ -18,7 +18,7 @@ from typing import Any
 from app.core.schemas import JobSpec
 from app.core.settings import Settings
 from app.core.sources import MAX_CONFIG_BYTES, ModelLocation, SourceError, read_config, read_gguf_config, resolve_model
-from models.gguf_header import GGUFError, GGUFLimits
+from models.io.gguf_header import GGUFError, GGUFLimits
 
 SNAPSHOT_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]  # never pickles
 
@@ -57,7 +57,7 @@ class ModelRefused(SourceError):
 
 
 def bounded_gguf_config(path: Path, limits: GGUFLimits) -> dict[str, Any]:
-    """A GGUF file's config from its header read with bounds (models.gguf_header), or ModelRefused: a
+    """A GGUF file's config from its header read with bounds (models.io.gguf_header), or ModelRefused: a
     file whose header the bounded reader refuses is never handed to a loader that loops over what the
     file declares (a hub repository is anyone's)."""
     try:

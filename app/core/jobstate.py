@@ -1,4 +1,4 @@
-"""A job's status names and stage names, each defined once (the stages are models/stage_names.py's, the
+"""A job's status names and stage names, each defined once (the stages are models/run/stage_names.py's, the
 order a run takes). The database, the API's models, the client, /metrics and (through GET /v1/spec) the
 dashboard all read them from here."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from models.run_files import DISTILL_SUMMARY  # the artifact a distilling job's summary points to
-from models.stage_names import STAGES, Stage
+from models.run.files import DISTILL_SUMMARY  # the artifact a distilling job's summary points to
+from models.run.stage_names import STAGES, Stage
 
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 STATUSES: tuple[str, ...] = get_args(Status)

@@ -62,7 +62,7 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int,
     from models.families import family_for_config, model_shape
     from models.layouts.format import LayoutError
     from models.layouts.layout import check_delta, check_devices
-    from models.schedules import check_schedule
+    from models.schedules.grammar import check_schedule
 
     config = with_family_defaults(config)
     if problems := dimension_problems(config):
@@ -127,10 +127,10 @@ def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Setti
 
 def memory_problems(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """The job under its memory limit (its max_memory, else the worker's): it streams when the model would
-    not fit (models.memory_plan); a job that cannot fit even streamed is refused now, naming its need."""
+    not fit (models.streaming.memory_plan); a job that cannot fit even streamed is refused now, naming its need."""
     from app.core.sources import config_namespace
-    from models.memory_plan import MemoryLimitError, plan_memory
-    from models.sizes import SizeError
+    from models.io.sizes import SizeError
+    from models.streaming.memory_plan import MemoryLimitError, plan_memory
 
     try:
         limit = settings.memory_limit(spec.max_memory)

@@ -342,7 +342,7 @@ class LocalStore:
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for name in sorted(filenames):
                 if name.startswith("."):
-                    continue  # lock files and temporaries of models.converted: not objects
+                    continue  # lock files and temporaries of models.io.converted: not objects
                 path = Path(dirpath) / name
                 key = path.relative_to(self.root).as_posix()
                 try:

@@ -23,16 +23,16 @@ from pydantic import (
 
 from app.core import safe_text
 from app.core.jobstate import STAGES, STATUSES, Stage, Status
-from models import jobspec
-from models.affinity_scores import SCORES, ScoreName
+from models.affinity.names import SCORES, ScoreName
 from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # torch-free
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
-from models.ids import DtypeName, ExportDtypeName
-from models.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
+from models.io.ids import DtypeName, ExportDtypeName
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.layouts.set import ablation_names
-from models.run_files import ARTIFACTS
-from models.schedules import ScheduleError, parse_schedule
+from models.run import jobspec
+from models.run.files import ARTIFACTS
+from models.run.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
+from models.schedules.grammar import ScheduleError, parse_schedule
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
 MetricName = Literal["kl", "ppl", "loss", "lr"]
@@ -97,14 +97,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# ---- the job spec's fields: each one's default, bounds, help and examples are models/jobspec.py's ------------
+# ---- the job spec's fields: each one's default, bounds, help and examples are models/run/jobspec.py's ------------
 #
 # The annotations below give each field its Python type (for type checkers and pydantic's strict kinds);
 # everything else a field accepts comes from its one declaration, and `_declared` refuses, at import, a
 # model whose fields are not exactly the declared ones.
 
 def _spec(path: str) -> Any:
-    """The pydantic Field of a declared job-spec field (`models.jobspec.BY_PATH[path]`)."""
+    """The pydantic Field of a declared job-spec field (`models.run.jobspec.BY_PATH[path]`)."""
     declared = jobspec.BY_PATH[path]
     rule = declared.rule
     kwargs: dict[str, Any] = {"description": rule.doc}
@@ -144,7 +144,7 @@ def _declared(model: type[BaseModel], group: str, *, also: tuple[str, ...] = ())
     blocks named in `also`): a field added to one and not the other would silently drift."""
     declared = set(jobspec.group_fields(group)) | set(also)
     if set(model.model_fields) != declared:
-        raise TypeError(f"{model.__name__} has {sorted(model.model_fields)}, models/jobspec.py declares "
+        raise TypeError(f"{model.__name__} has {sorted(model.model_fields)}, models/run/jobspec.py declares "
                         f"{sorted(declared)} for {group or 'the top level'}")
 
 
@@ -156,7 +156,7 @@ class ModelRef(_Strict):
 
 
 class CalibrationIn(_Strict):
-    """The calibration spec of `models/calibration.py`; a file source is a name under the data root."""
+    """The calibration spec of `models/data/calibration.py`; a file source is a name under the data root."""
 
     source: Text = _spec("calibration.source")
     sequences: StrictInt = _spec("calibration.sequences")
@@ -396,7 +396,7 @@ for _model, _group_path, _blocks in ((ModelRef, "model", ()), (CalibrationIn, "c
 if any(replace(a.rule, flags=()) != replace(b.rule, flags=()) or a.default != b.default
        for a, b in zip(jobspec.group_fields("distill.train").values(), jobspec.group_fields("distill.eval").values(),
                        strict=True)):
-    raise TypeError("models/jobspec.py declares distill.train and distill.eval differently; one request model "
+    raise TypeError("models/run/jobspec.py declares distill.train and distill.eval differently; one request model "
                     "(DistillDataIn) serves both")
 
 
@@ -484,7 +484,7 @@ class SpecFieldOut(BaseModel):
 
 
 class ArtifactSpecOut(BaseModel):
-    """One kind of artifact a job publishes, as models/run_files.py declares it."""
+    """One kind of artifact a job publishes, as models/run/files.py declares it."""
 
     kind: str = Field(description="the `kind` of GET /v1/jobs/{id}/artifacts")
     stage: str | None = Field(description="the stage that publishes it; null: the run's end")
@@ -516,7 +516,8 @@ class SpecInfo(BaseModel):
                     "(`restarts`)")
     random_seed_base: int = Field(description="random layouts are random-<base>, random-<base+1>, …")
     max_calibration_tokens: int = Field(description="the most calibration.sequences × seq_len this server takes")
-    fields: list[SpecFieldOut] = Field(description="every field of the job spec as it is declared (models/jobspec.py),"
+    fields: list[SpecFieldOut] = Field(description="every field of the job spec as it is declared "
+                                         "(models/run/jobspec.py),"
                                                    " dotted paths in declaration order")
     statuses: list[str] = Field(description="a job's status names")
     stages: list[str] = Field(description="a job's stage names, in the order a job runs them")

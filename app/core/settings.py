@@ -17,9 +17,9 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from models.gguf_header import GGUFLimits
-from models.jobspec import MAX_WORLD_SIZE
-from models.sandbox import ChildLimits, TokenizerLimits
+from models.io.gguf_header import GGUFLimits
+from models.io.sandbox import ChildLimits, TokenizerLimits
+from models.run.jobspec import MAX_WORLD_SIZE
 
 # Key and tenant names: what `keys create` accepts and the jobs' `owner` column (String(100)) holds.
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -266,7 +266,7 @@ class Settings(BaseSettings):
     @field_validator("corpora")
     @classmethod
     def _corpora(cls, value: str) -> str:
-        from models.assets import CORPORA
+        from models.io.assets import CORPORA
 
         names = [n.strip() for n in value.split(",") if n.strip()]
         if value.strip().lower() not in ("", "auto") and any(n not in CORPORA for n in names):
@@ -294,14 +294,14 @@ class Settings(BaseSettings):
     @classmethod
     def _max_memory(cls, value: str) -> str:
         if value.strip():
-            from models.sizes import parse_size
+            from models.io.sizes import parse_size
 
             parse_size(value)  # a SizeError (a ValueError) names what is accepted
         return value.strip()
 
     def memory_limit(self, requested: str | None) -> int | None:
         """A job's memory limit in bytes: its own max_memory, else this setting, else None."""
-        from models.sizes import parse_size
+        from models.io.sizes import parse_size
 
         text = requested or self.max_memory
         return parse_size(text) if text else None

@@ -20,15 +20,15 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
-from models.assets import CORPORA as ASSET_CORPORA
-from models.assets import available_corpora
-from models.bounded_json import load_object
-from models.gguf_header import GGUFError, GGUFLimits, read_header
-from models.ids import GGUF_FILE, HUB_ID, REVISION, hf_dataset_refusal
-from models.schedules import parse_schedule
+from models.io.assets import CORPORA as ASSET_CORPORA
+from models.io.assets import available_corpora
+from models.io.bounded_json import load_object
+from models.io.gguf_header import GGUFError, GGUFLimits, read_header
+from models.io.ids import GGUF_FILE, HUB_ID, REVISION, hf_dataset_refusal
+from models.schedules.grammar import parse_schedule
 
-CORPORA = tuple(ASSET_CORPORA)  # the names; which of them an install has: models.assets, submit_corpora
-# The spelling; whether the name is a hub dataset id (owner/name, not a path): models.ids.hf_dataset_refusal.
+CORPORA = tuple(ASSET_CORPORA)  # the names; which of them an install has: models.io.assets, submit_corpora
+# The spelling; whether the name is a hub dataset id (owner/name, not a path): models.io.ids.hf_dataset_refusal.
 HF_SOURCE = re.compile(r"^hf:[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?(:[A-Za-z0-9._-]*){0,2}$")
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+=@-]*$")
 
@@ -79,7 +79,7 @@ class ModelLocation:
         return self.path is not None
 
     def loader_args(self) -> dict[str, Any]:
-        """Keyword arguments for `models.loading.ModelSource`."""
+        """Keyword arguments for `models.io.loading.ModelSource`."""
         if self.path is not None:
             return {"path_or_id": str(self.path), "revision": None,
                     "gguf_file": None if self.path.suffix == ".gguf" else self.gguf_file}
@@ -133,7 +133,7 @@ def submit_corpora(setting: str) -> list[str]:
 
 def resolve_data(data_root: Path, source: str, field: str = "calibration.source", *,
                  corpora: Collection[str] | None = None) -> str:
-    """The source string `models.calibration` reads: corpus:/hf: as they are, a name as its absolute path.
+    """The source string `models.data.calibration` reads: corpus:/hf: as they are, a name as its absolute path.
     `field` is the spec field named in errors (calibration.source, distill.train.source, …); `corpora`,
     when given, the corpus names the workers have (the API's submit check; the worker reads and refuses
     a missing one itself)."""
@@ -182,7 +182,7 @@ def gguf_config(path: Path, *, scope: str | None = None) -> dict[str, Any] | Non
 
 
 def read_gguf_config(path: Path, *, limits: GGUFLimits | None = None) -> dict[str, Any]:
-    """The architecture fields of a GGUF file's header, read with bounds (models.gguf_header: no count
+    """The architecture fields of a GGUF file's header, read with bounds (models.io.gguf_header: no count
     or length is looped over before it is checked against the file's size and `limits`). Raises
     GGUFError (a ValueError) saying what is wrong."""
     limits = limits or GGUFLimits()

@@ -2,8 +2,8 @@
 for anyone writing a spec by hand.
 
 The defaults are read off the request models (`app.core.schemas.field_defaults`, themselves generated from
-the one declaration, models/jobspec.py, whose every field `fields` lists), the corpora off
-`models.assets.available_corpora` (what this install has, not what the code knows of), the data root
+the one declaration, models/run/jobspec.py, whose every field `fields` lists), the corpora off
+`models.io.assets.available_corpora` (what this install has, not what the code knows of), the data root
 off the disk. The example is the API's first example with its calibration source swapped for one this
 server has, so that a form that starts from it submits a job that runs. Torch-free.
 """
@@ -26,14 +26,14 @@ from app.core.schemas import (
 )
 from app.core.settings import Settings
 from app.core.sources import check_name
-from models import jobspec
-from models.affinity_scores import SCORES
-from models.assets import CORPORA, available_corpora
+from models.affinity.names import SCORES
+from models.io.assets import CORPORA, available_corpora
 from models.layouts.names import RANDOM_SEED_BASE
 from models.layouts.set import ablation_names
-from models.run_files import ARTIFACTS
+from models.run import jobspec
+from models.run.files import ARTIFACTS
 
-DATA_SUFFIXES = (".txt", ".jsonl", ".npy")  # what models.calibration reads from a file
+DATA_SUFFIXES = (".txt", ".jsonl", ".npy")  # what models.data.calibration reads from a file
 MAX_DATA_NAMES = 200
 
 
@@ -97,7 +97,7 @@ def _json_default(value: Any) -> Any:
 
 
 def declared_fields() -> list[dict[str, Any]]:
-    """Every field of the job spec as models/jobspec.py declares it (what the form draws its inputs,
+    """Every field of the job spec as models/run/jobspec.py declares it (what the form draws its inputs,
     choices, bounds and placeholders from): path, kind, default (absent where required), doc, and the
     rule's bounds, choices, lengths and item rule where it has them."""
     out = []

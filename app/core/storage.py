@@ -5,7 +5,7 @@ artifacts and the affinity and converted-model caches.
     STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors   one per tenant and fingerprint,
                                                                          shared by that tenant's jobs only
     STORAGE_ROOT/converted/<tenant>/<entry>/                             a GGUF model's converted copy
-                                                                         (models.converted), per tenant too
+                                                                         (models.io.converted), per tenant too
     STORAGE_ROOT/jobs/<job id>/work/                                     stage outputs (resume after a crash)
     STORAGE_ROOT/jobs/<job id>/artifacts/<name>                          published files, one per artifact row
                                                                          (attempt 1; attempt N>1 publishes under
@@ -204,7 +204,7 @@ class VerifiedObjects:
 
 
 class Storage:
-    CONVERTED = "converted"  # the root of models.converted.ConvertedCache; its namespace: tenant_scope(tenant)
+    CONVERTED = "converted"  # the root of models.io.converted.ConvertedCache; its namespace: tenant_scope(tenant)
 
     def __init__(self, root: Path, objects: ObjectStore | None = None) -> None:
         self.root = Path(root).absolute()

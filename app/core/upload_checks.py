@@ -1,5 +1,5 @@
 """What a completed upload's files hold, read as hostile input: each reader bounded by the file's own
-size and by the settings' limits, and all of them run in a child process (models.sandbox) under an
+size and by the settings' limits, and all of them run in a child process (models.io.sandbox) under an
 address-space limit, a CPU-time limit and a wall-clock timeout, so no file can hang, grow or crash the
 API process. Every refusal is a SpecError naming the file and the rule (a 422); the caller removes
 the refused upload.
@@ -10,7 +10,7 @@ A model upload: config.json (1 MiB, JSON_MAX_DEPTH, finite numbers) under the se
 family; each .safetensors header (SAFETENSORS_MAX_HEADER_BYTES, refused before it is read; a JSON
 object of tensors whose byte ranges lie inside the file); every other JSON file (JSON_MAX_BYTES,
 depth, finite numbers); tokenizer.json loaded by the `tokenizers` library, where the server has it,
-and run over probe text that trips runaway regexes; or a .gguf file's header (models.gguf_header, the
+and run over probe text that trips runaway regexes; or a .gguf file's header (models.io.gguf_header, the
 GGUF_* limits). A data upload: a .npy's header (integers, 1-D or 2-D, never objects). Text is not
 read here: the worker reads only the tokens a job needs.
 """
@@ -31,9 +31,9 @@ from app.core.settings import Settings
 from app.core.sources import MAX_CONFIG_BYTES
 from app.core.storage import Storage, StoreUnavailable
 from app.core.upload_store import UploadStore
-from models.bounded_json import JsonRefused, load_bounded, load_object
-from models.gguf_header import GGUFError, read_header
-from models.sandbox import ChildFailed, run_limited
+from models.io.bounded_json import JsonRefused, load_bounded, load_object
+from models.io.gguf_header import GGUFError, read_header
+from models.io.sandbox import ChildFailed, run_limited
 
 # JSON files a model upload may hold that are configs (small) rather than vocabularies.
 CONFIG_FILES = frozenset({"config.json", "generation_config.json"})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Literal, get_args
 
-from models.ids import UPLOAD_REF
+from models.io.ids import UPLOAD_REF
 
 UploadKind = Literal["model", "data"]
 UPLOAD_KINDS: tuple[UploadKind, ...] = get_args(UploadKind)

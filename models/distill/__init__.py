@@ -50,8 +50,8 @@ _EXPORTS: dict[str, str] = {
 # Shared with the rest of the package, re-exported here where distillation callers used to find them.
 _ELSEWHERE: dict[str, str] = {
     "resolve_layout": "models.layouts.resolve",
-    "Progress": "models.progress",
-    "ShouldStop": "models.progress",
+    "Progress": "models.run.progress",
+    "ShouldStop": "models.run.progress",
 }
 
 __all__ = sorted([*_EXPORTS, *_ELSEWHERE])
@@ -125,5 +125,5 @@ if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
     from models.distill.train import make_optimizer as make_optimizer
     from models.distill.train import train_step as train_step
     from models.layouts.resolve import resolve_layout as resolve_layout
-    from models.progress import Progress as Progress
-    from models.progress import ShouldStop as ShouldStop
+    from models.run.progress import Progress as Progress
+    from models.run.progress import ShouldStop as ShouldStop

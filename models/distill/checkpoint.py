@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from models.atomic import atomic_write_json
 from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.records import EvalRecord, RunState
 from models.distill.sharding import Ranks
 from models.distill.train import StepStats
-from models.dtp import DTPModel
+from models.io.atomic import atomic_write_json
 from models.layouts.layout import Layout
+from models.sim.dtp import DTPModel
 
 CHECKPOINT_FORMAT = "dtp-layout-distill-checkpoint/2"
 CHECKPOINT_DIR = "checkpoint"

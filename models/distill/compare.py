@@ -18,7 +18,6 @@ from typing import Any
 
 from torch import nn
 
-from models.atomic import atomic_write_text
 from models.distill.data import load_data, place_data
 from models.distill.evaluation import DenseReference
 from models.distill.plot import plot_curves
@@ -30,9 +29,10 @@ from models.distill.sharding import launch_rank
 from models.distill.spec import DistillSpec
 from models.distill.train import StepStats
 from models.families import model_shape
+from models.io.atomic import atomic_write_text
 from models.layouts.layout import Layout, ModelShape
 from models.layouts.resolve import resolve_layout
-from models.progress import Progress, ShouldStop
+from models.run.progress import Progress, ShouldStop
 
 
 def resolve_layouts(names: Sequence[str], *, shape: ModelShape, devices: int, delta: int,

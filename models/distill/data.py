@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.calibration import load_blocks
+from models.data.calibration import load_blocks
+from models.data.heldout import Placement, place
 from models.distill.spec import DistillSpec
-from models.heldout import Placement, place
 
 
 @lru_cache(maxsize=8)
@@ -34,7 +34,7 @@ def batch_indices(step: int, *, batch_size: int, num_blocks: int, seed: int) -> 
 
 
 def place_data(spec: DistillSpec) -> Placement:
-    """Where training and evaluation read (`models.heldout.place`): training after the calibration
+    """Where training and evaluation read (`models.data.heldout.place`): training after the calibration
     blocks and evaluation after both, where they share a text, unless the spec allows overlap."""
     return place(spec.train, spec.eval, calibration=spec.calibration, calibration_identity=spec.calibration_identity,
                  allow_overlap=spec.allow_overlap)

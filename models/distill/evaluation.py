@@ -18,8 +18,8 @@ from torch import nn
 from models.distill.loss import chunked_kl_nll, chunked_nll, next_token_targets, teacher_hidden
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
-from models.dtp import DTPModel, gathered
-from models.progress import Cancelled, ShouldStop
+from models.run.progress import Cancelled, ShouldStop
+from models.sim.dtp import DTPModel, gathered
 
 
 @dataclass

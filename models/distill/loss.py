@@ -6,7 +6,7 @@ model's fp32 logits for the whole batch ever exist and autograd never stores a [
 decoder stack is then back-propagated once from the resulting hidden-state gradient.
 
 `kl_ce_chunk` is the one implementation of the per-chunk statistics: training (with the gradient),
-the evaluation of a run, and `models.evaluate` (dense vs DTP) all use it.
+the evaluation of a run, and `models.evaluation.resident` (dense vs DTP) all use it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
-from models.dtp import DTPModel, gathered
+from models.sim.dtp import DTPModel, gathered
 
 IGNORE = -100  # target of a position with no next token: counted in KL, not in CE
 

@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from models.atomic import atomic_write_bytes
+from models.io.atomic import atomic_write_bytes
 
 
 def plot_curves(summary: dict[str, Any], path: Path) -> Path:

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models.atomic import atomic_write_text
 from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.train import StepStats
+from models.io.atomic import atomic_write_text
 from models.layouts.layout import Layout
 
 RUN_FORMAT = "dtp-layout-distill-run/1"

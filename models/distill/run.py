@@ -50,7 +50,7 @@ from models.distill.sharding import (
 from models.distill.student import make_student
 from models.distill.train import StepStats, make_optimizer, train_step
 from models.layouts.layout import Layout
-from models.progress import Cancelled, Progress, ShouldStop
+from models.run.progress import Cancelled, Progress, ShouldStop
 
 STAGE = "distilling"
 
@@ -210,7 +210,7 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                 keep_checkpoint: bool = True, world_size: int = 1, schedule: str | None = None) -> RunResult:
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
 
-    schedule: the communication schedule the student simulates (`models.schedules`; None: the
+    schedule: the communication schedule the student simulates (`models.schedules.grammar`; None: the
     layout's dtp:δ).
 
     train_blocks: [n, S] token ids; each step reads batch_size of them (see `batch_indices`).

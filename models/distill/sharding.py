@@ -2,7 +2,7 @@
 
 Every rank builds the same student, then `shard_student` applies `fully_shard` to each decoder
 layer and then to the root, as torchtitan does. The simulator reads weights outside `forward()`
-(`models.dtp.gathered`): each layer and the root get a `gathered` method registered with
+(`models.sim.dtp.gathered`): each layer and the root get a `gathered` method registered with
 `register_fsdp_forward_method`, so the parameters are all-gathered around it and the gradients
 reduce-scattered after its backward. FSDP2 averages the gradients over the ranks (a custom divide
 factor would need PREMUL_SUM, which gloo lacks), so each rank normalises its loss by its own share of
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.dtp import GATHERED, DTPModel, call_through
+from models.sim.dtp import GATHERED, DTPModel, call_through
 
 BACKEND_TIMEOUT = timedelta(minutes=10)  # a rank that died leaves the others waiting at most this long
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.calibration import CalibrationSpec
+from models.data.calibration import CalibrationSpec
 from models.distill.recipe import DistillError, DistillRecipe
-from models.schedules import ScheduleError, parse_schedule
+from models.schedules.grammar import ScheduleError, parse_schedule
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,12 @@ class DistillSpec:
     reference: str = "contiguous"  # the headline compares `candidate` against `reference`
     candidate: str = "optimised"
     # The calibration the layouts were optimised on (and its identity as recorded then): training
-    # skips its blocks where it shares their text, unless allow_overlap (see models.heldout).
+    # skips its blocks where it shares their text, unless allow_overlap (see models.data.heldout).
     calibration: CalibrationSpec | None = None
     calibration_identity: str | None = None
     allow_overlap: bool = False
     world_size: int = 1  # ranks each run trains on (models.distill.sharding); the curves do not depend on it
-    # The communication schedule every student simulates (`models.schedules`, canonical); None: dtp:δ.
+    # The communication schedule every student simulates (`models.schedules.grammar`, canonical); None: dtp:δ.
     schedule: str | None = None
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The student and the teacher: the DTP model of a layout over an fp32 copy of the frozen dense model.
 
 A permutation does not change the dense model, so the teacher is the dense model itself; the
-student is the DTP simulator (L, δ, or any communication schedule: `models.schedules`) over the
+student is the DTP simulator (L, δ, or any communication schedule: `models.schedules.grammar`) over the
 permuted weights of the layout.
 """
 
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from models.distill.recipe import DistillRecipe
-from models.dtp import DTPModel
-from models.export import permuted_copy
+from models.export.resident import permuted_copy
 from models.layouts.layout import Layout
+from models.sim.dtp import DTPModel
 
 
 def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe, schedule: str | None = None) -> DTPModel:

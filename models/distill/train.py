@@ -13,8 +13,8 @@ from models.distill.recipe import DistillRecipe
 from models.distill.schedule import learning_rate
 from models.distill.sharding import Ranks, total_norm
 from models.distill.student import trainable_parameters
-from models.dtp import DTPModel
-from models.progress import Cancelled, ShouldStop
+from models.run.progress import Cancelled, ShouldStop
+from models.sim.dtp import DTPModel
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ group are consecutive and follow it. Every tensor the plan does not name (embedd
 norm gains, the LM head) is replicated.
 
 Everything else is derived from the plan: the permutation that realises a layout
-(`models.permute`), the simulator's per-device views (`models.partials`), the export's split into
-rank shards and the manifest's `split` rules (`models.export`), and the runtime's check of each
+(`models.sim.permute`), the simulator's per-device views (`models.sim.partials`), the export's split into
+rank shards and the manifest's `split` rules (`models.export.resident`), and the runtime's check of each
 rank's tensors (`models.runtime`). This module imports no torch: the API process reads families.
 """
 

@@ -11,7 +11,7 @@ and scored. One module per concept, each importing only those above it in this l
 
 Torch-free. Every public name is importable from `models.layouts`; the submodules load on first use,
 so importing one of them (say `models.layouts.names`, for the CLI's help) loads nothing else. Eager
-imports here would close a circle: `models.affinity_file` needs `ModelShape` (so runs this package
+imports here would close a circle: `models.affinity.file` needs `ModelShape` (so runs this package
 first), and `score.py` reads affinity files.
 """
 

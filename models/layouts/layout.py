@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from models.atomic import atomic_write_json
+from models.io.atomic import atomic_write_json
 from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import CONTIGUOUS, random_name
-from models.schedules import MAX_SCHEDULE_CHARS
+from models.schedules.grammar import MAX_SCHEDULE_CHARS
 
 
 @dataclass(frozen=True)

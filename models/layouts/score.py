@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from models.affinity_file import AffinityResult
+from models.affinity.file import AffinityResult
 from models.layouts import layout as layout_mod
 from models.layouts.format import LayoutError
 from models.layouts.set import affinity_for
 from models.optimise import score, upper_bound
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 
 SCORES_FORMAT = "dtp-layout-scores/1"
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from models.layouts.layout import Layout
 from models.layouts.set import Variant, affinity_for, neuron_agreement, run_variant
 from models.optimise import score, upper_bound
-from models.schedules import Schedule
+from models.schedules.grammar import Schedule
 
 if TYPE_CHECKING:
-    from models.affinity_file import AffinityResult
+    from models.affinity.file import AffinityResult
 
 HALVES = ("first", "second")
 

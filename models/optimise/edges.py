@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from models.schedules import Schedule
+from models.schedules.grammar import Schedule
 
 Pair = tuple[int, int]
 

@@ -2,7 +2,7 @@
 
 One process per rank (gloo on CPU, NCCL with one GPU per rank). Each rank checks the manifest,
 the model shape and its shard's sha256 before any compute, keeps its own residual stream, and runs
-the communication schedule the shards were made for (`models.schedules`; tp, dtp:δ, dtp:δ@K, ladder,
+the communication schedule the shards were made for (`models.schedules.grammar`; tp, dtp:δ, dtp:δ@K, ladder,
 spd:B, pt:D, all from the schedule's table: `models.runtime.arrivals`): each exchange is started
 asynchronously once its partials are computed and waited for only where they arrive. Prefill and
 cached decoding, greedy or seeded sampling.

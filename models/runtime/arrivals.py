@@ -1,6 +1,6 @@
 """What a rank does around each module under a communication schedule, read off its table (b_n, s_n, a_n).
 
-Torch-free. The schedule (`models.schedules.Schedule`) says, per module n, when this rank's own
+Torch-free. The schedule (`models.schedules.grammar.Schedule`) says, per module n, when this rank's own
 partial enters its stream (b_n, scaled by s_n) and when the other ranks' partials do (a_n). The
 partials that arrive at the same point t travel as one exchange: the all-reduce of their sum, started
 as soon as the last of them is computed and waited for only before module t. So, for every preset:
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.schedules import Schedule
+from models.schedules.grammar import Schedule
 
 __all__ = ["Arrival", "ArrivalPlan"]
 

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_ids(path: str) -> Any:
-    from models.calibration import read_token_ids
+    from models.data.calibration import read_token_ids
 
     ids = read_token_ids(Path(path), label=f"--ids {path}")
     if ids.ndim not in (1, 2) or ids.size == 0:

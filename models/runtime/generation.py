@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from models.runtime.errors import ShardError
-from models.schedules import ScheduleError, resolve_schedule
+from models.schedules.grammar import ScheduleError, resolve_schedule
 
 LAST_SCALES = ("sqrt", "one")
 

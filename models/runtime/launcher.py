@@ -232,7 +232,7 @@ class DTPRuntime:
                  return_logits: bool = False) -> GenerationResult:
         """Generate from token ids ([S] or [B, S]): prefill, then cached decoding on every rank.
 
-        schedule: the communication schedule (`models.schedules`): None runs the shards' own (the
+        schedule: the communication schedule (`models.schedules.grammar`): None runs the shards' own (the
         manifest's); another one is refused (ShardError naming both). schedule_override runs the
         shards at another schedule anyway, e.g. "tp" (a blocking all-reduce after every module) as
         the timing baseline; its tokens are not the exported model's. delta=δ is short for

@@ -1,10 +1,10 @@
 """One rank: its shard of the model, the DTP forward with the exchange, and the generation loop.
 
-The forward is the simulator's recurrence under the communication schedule (`models.schedules`) on
+The forward is the simulator's recurrence under the communication schedule (`models.schedules.grammar`) on
 this rank's stream alone, as `models.runtime.arrivals` reads it off the table: after module n the
 rank starts the exchange that n completes (the sum of the partials arriving together), and before
 module t it adds its own partials due at t (scaled by s_m) and waits for the exchange due at t, only
-then. The module math is the simulator's (`models.partials.ShardedDecoder`) on this rank's weights.
+then. The module math is the simulator's (`models.sim.partials.ShardedDecoder`) on this rank's weights.
 The final norm is applied per rank and the normed states are summed onto rank 0, which applies the
 LM head, chooses the next token and broadcasts it.
 """
@@ -22,7 +22,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from models.partials import DTPCache, ShardedDecoder, rms_norm
 from models.runtime.arrivals import ArrivalPlan
 from models.runtime.errors import RankFailure, ShardError
 from models.runtime.exchange import Exchange
@@ -44,7 +43,8 @@ from models.runtime.shards import (
     read_shard_set,
     rotary_for,
 )
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
+from models.sim.partials import DTPCache, ShardedDecoder, rms_norm
 
 # How long a rank waits for the others to finish checking and loading their shards (hashing and reading a
 # large shard can take minutes; a rank that dies meanwhile is noticed by its heartbeat, not this limit).

@@ -19,13 +19,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from models.export import MANIFEST, SHARDS_FORMAT, sha256_file
+from models.export.resident import MANIFEST, SHARDS_FORMAT, sha256_file
 from models.families import Family, UnsupportedModelError, family_for_config, model_shape
 from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias, stacked_weight
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, ModelShape, check_fits, from_json_dict
 from models.runtime.errors import ShardError
-from models.schedules import ScheduleError, resolve_schedule
+from models.schedules.grammar import ScheduleError, resolve_schedule
 
 
 @dataclass(frozen=True)
@@ -249,7 +249,7 @@ def load_rank_tensors(shards: ShardSet, rank: int, device: torch.device) -> dict
 
 
 class RankWeights:
-    """One rank's weights as the module math wants them (`models.partials.StackedWeights`, P = 1)."""
+    """One rank's weights as the module math wants them (`models.sim.partials.StackedWeights`, P = 1)."""
 
     parts = 1
 

@@ -1,7 +1,7 @@
 """bench/schedules_study.py's bookkeeping: which affinity pass may serve which schedule, and the blocking syncs.
 
 Checked against the issue's preset formulas transcribed here (issue 20, "The schedule"), not against
-models.schedules: the study's reuse of one affinity pass for several schedules is only sound when the
+models.schedules.grammar: the study's reuse of one affinity pass for several schedules is only sound when the
 serving pass scores every edge b_m ≤ t < a_m of the served schedule.
 """
 
@@ -12,7 +12,7 @@ import math
 import pytest
 
 from bench.schedules_study import affinity_source, blocking_syncs
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 
 LAYERS, DEVICES = 30, 3
 M = 2 * LAYERS

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from models import distill as D
-from models.affinity import affinity_pass
-from models.dtp import DTPModel
+from models.affinity.scoring import affinity_pass
 from models.families import model_shape
 from models.layouts.layout import random
-from models.permute import permute_
+from models.sim.dtp import DTPModel
+from models.sim.permute import permute_
 from tests.tiny import FAMILY_CASES, tiny_model, tokens
 
 pytestmark = pytest.mark.gpu

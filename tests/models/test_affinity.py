@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.affinity import AffinityResult, Cancelled, affinity_pass
+from models.affinity.scoring import AffinityResult, Cancelled, affinity_pass
 from tests.tiny import tiny_model, tokens
 
 

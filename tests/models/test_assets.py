@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from models import assets
+from models.io import assets
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,8 +55,8 @@ def _documented_corpus_names() -> set[str]:
 # Run inside a copy of the checkout that has no ../shared: each name → sha256 of its text, or the refusal.
 _PROBE = """
 import hashlib, json, sys, types
-from models.assets import AssetNotFoundError, corpus_file
-from models.calibration import CalibrationSpec, DataError, load_blocks
+from models.io.assets import AssetNotFoundError, corpus_file
+from models.data.calibration import CalibrationSpec, DataError, load_blocks
 out = {}
 for name in sys.argv[1:]:
     try:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from models.atomic import atomic_write, atomic_write_json, atomic_write_text
+from models.io.atomic import atomic_write, atomic_write_json, atomic_write_text
 
 
 def test_writes_create_parents_and_replace_whole_files(tmp_path):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from models.calibration import CalibrationSpec, DataError, load_blocks
+from models.data.calibration import CalibrationSpec, DataError, load_blocks
 
 
 class CharTokenizer:

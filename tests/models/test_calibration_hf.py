@@ -1,6 +1,6 @@
 """`hf:` sources offline, through the code that reads a hub dataset: a small dataset written into a
 temporary Hugging Face datasets cache (the layout a dataset loaded once leaves behind), read with the
-hub offline by `app.core.sources` + `models.calibration` (text field, split, streaming)."""
+hub offline by `app.core.sources` + `models.data.calibration` (text field, split, streaming)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ shutil.move(builder.cache_dir, target)
 
 # 2. Read it as a job or a command would.
 import datasets
-# Recorded in a file: the text is read in the tokenizer's child process (models.sandbox), not here.
+# Recorded in a file: the text is read in the tokenizer's child process (models.io.sandbox), not here.
 calls_file = root / "calls.jsonl"
 load = datasets.load_dataset
 def recording(*args, **kwargs):
@@ -52,7 +52,7 @@ def recording(*args, **kwargs):
 datasets.load_dataset = recording
 
 from app.core.sources import resolve_data
-from models.calibration import CalibrationSpec, DataError, load_blocks
+from models.data.calibration import CalibrationSpec, DataError, load_blocks
 
 class Bytes:  # a tokenizer: one id per byte, EOS 0
     eos_token_id = 0

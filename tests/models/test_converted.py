@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.converted import MANIFEST, ConvertedCache, publish
-from models.loading import ModelLoadError, ModelSource, load_config, load_model, load_tokenizer
+from models.io.converted import MANIFEST, ConvertedCache, publish
+from models.io.loading import ModelLoadError, ModelSource, load_config, load_model, load_tokenizer
 from tests.tiny import tiny_gguf, tiny_model, tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,8 +155,8 @@ def test_an_unwritable_cache_is_a_load_error_naming_it(tmp_path, gguf_file):
 
 CONVERT = """
 import sys, json
-from models.converted import ConvertedCache
-from models.loading import ModelSource
+from models.io.converted import ConvertedCache
+from models.io.loading import ModelSource
 writes = []
 write = ConvertedCache._write
 ConvertedCache._write = staticmethod(lambda *args: (writes.append(1), write(*args))[1])  # count conversions

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from models.dtp import DTPCache, DTPModel
 from models.families import UnsupportedModelError, model_shape
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random
-from models.permute import permute_, unpermute_
+from models.sim.dtp import DTPCache, DTPModel
+from models.sim.permute import permute_, unpermute_
 from tests.tiny import FAMILY_CASES, fresh, tiny_model, tokens
 
 CASES = sorted(FAMILY_CASES)

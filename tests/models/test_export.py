@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from models.dtp import DTPModel
-from models.export import (
+from models.export.resident import (
     ExportError,
     atomic_dir,
     export_checkpoint,
@@ -21,6 +20,7 @@ from models.export import (
 )
 from models.families import model_shape
 from models.layouts import layout as lay
+from models.sim.dtp import DTPModel
 from tests.tiny import tiny_model, tokens
 
 

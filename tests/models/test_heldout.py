@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from models import distill as D
-from models import heldout
-from models.calibration import CalibrationSpec
+from models.data import heldout
+from models.data.calibration import CalibrationSpec
 from tests.tiny import tiny_model
 
 

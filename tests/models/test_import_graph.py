@@ -120,7 +120,7 @@ def test_models_import_graph_is_acyclic():
     assert len(graph) > 50 and graph["models.layouts.resolve"] >= {"models.layouts.names", "models.layouts.layout"}
     # The affinity file needs ModelShape and `rescore` reads the affinity file: acyclic only because
     # models/layouts/__init__.py loads its submodules lazily.
-    assert "models.layouts" in graph["models.affinity_file"] and graph["models.layouts"] == set()
+    assert "models.layouts" in graph["models.affinity.file"] and graph["models.layouts"] == set()
     assert circles(graph) == []
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.families import UnsupportedModelError
-from models.loading import ModelLoadError, ModelSource, load_config, load_model
+from models.io.loading import ModelLoadError, ModelSource, load_config, load_model
 from tests.tiny import tiny_model, tokens
 
 
@@ -71,8 +71,8 @@ def test_unsupported_architecture_is_refused_before_weights(tmp_path):
 def test_a_tokenizer_that_panics_while_loading_is_a_model_load_error(tmp_path, monkeypatch):
     """pyo3's PanicException derives from BaseException: escaping as it is, it would pass the worker's
     `except Exception` and kill the process on every attempt; it becomes a ModelLoadError (a ValueError)."""
-    import models.loading
-    from models.loading import load_tokenizer
+    import models.io.loading
+    from models.io.loading import load_tokenizer
 
     class PanicException(BaseException):  # the name pyo3 gives it; the class is not importable
         pass
@@ -81,13 +81,13 @@ def test_a_tokenizer_that_panics_while_loading_is_a_model_load_error(tmp_path, m
         raise PanicException("called `Result::unwrap()` on an `Err` value")
 
     tiny_model("llama").save_pretrained(tmp_path)
-    monkeypatch.setattr(models.loading.AutoTokenizer, "from_pretrained", panics)
+    monkeypatch.setattr(models.io.loading.AutoTokenizer, "from_pretrained", panics)
     with pytest.raises(ModelLoadError, match="PanicException: called `Result::unwrap"):
         load_tokenizer(ModelSource(str(tmp_path)))
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models.loading.AutoTokenizer, "from_pretrained", interrupted)
+    monkeypatch.setattr(models.io.loading.AutoTokenizer, "from_pretrained", interrupted)
     with pytest.raises(KeyboardInterrupt):  # any other BaseException goes on as it was
         load_tokenizer(ModelSource(str(tmp_path)))

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 from models.families import model_shape
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random
-from models.permute import permute_, unpermute_
+from models.sim.permute import permute_, unpermute_
 from tests.tiny import FAMILY_CASES, fresh, tokens
 
 CASES = sorted(FAMILY_CASES)

@@ -6,16 +6,16 @@ import importlib
 
 import pytest
 
-from models import progress
+from models.run import progress
 
 
-@pytest.mark.parametrize("module", ["models.affinity", "models.distill", "models.distill.run", "models.evaluate",
-                                    "models.export", "models.pipeline"])
+@pytest.mark.parametrize("module", ["models.affinity.scoring", "models.distill", "models.distill.run",
+                                    "models.evaluation.resident", "models.export.resident", "models.run.pipeline"])
 def test_every_stage_reports_through_the_same_progress_type(module):
     assert importlib.import_module(module).Progress is progress.Progress
 
 
 def test_cancelled_is_one_error_wherever_it_is_imported_from():
-    from models.affinity import Cancelled
+    from models.affinity.scoring import Cancelled
 
     assert Cancelled is progress.Cancelled and issubclass(Cancelled, RuntimeError)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from app.cli.main import main
-from models.assets import corpus_file
-from models.export import permuted_copy
+from models.export.resident import permuted_copy
 from models.families import model_shape
+from models.io.assets import corpus_file
 from models.layouts import layout as lay
 
 pytestmark = pytest.mark.real
@@ -52,7 +52,7 @@ def test_smollm2_optimise_end_to_end(smollm2, tmp_path, capsys):
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from models.affinity import AffinityResult
+    from models.affinity.scoring import AffinityResult
     from models.layouts.layout import load
     from models.layouts.set import affinity_for
     from models.optimise import is_block_optimal
@@ -91,7 +91,7 @@ def test_smollm2_distillation_reduces_the_kl(smollm2, tmp_path):
     dense model on held-out Shakespeare, the blocks after the training ones (short sequences and a high
     learning rate, so that 4 steps show it)."""
     from models import distill
-    from models.calibration import CalibrationSpec
+    from models.data.calibration import CalibrationSpec
 
     model, tokenizer, _ = smollm2
     recipe = distill.DistillRecipe(steps=4, batch_size=2, micro_batch_size=2, lr=2e-4, min_lr=2e-5, warmup_steps=1,

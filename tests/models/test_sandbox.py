@@ -1,4 +1,4 @@
-"""models.sandbox: a parser run in a child process comes back as its value, or as one ChildFailed (a
+"""models.io.sandbox: a parser run in a child process comes back as its value, or as one ChildFailed (a
 ValueError) saying which limit or crash ended it and what the child was reading — never as a dead or
 hung caller. Each way out is driven for real: an allocation past RLIMIT_AS, a loop past RLIMIT_CPU, a
 sleep past the wall clock, a segfault, a BaseException the caller's `except Exception` would miss."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from models.sandbox import ChildFailed, ChildLimits, run_limited
+from models.io.sandbox import ChildFailed, ChildLimits, run_limited
 
 LIMITS = ChildLimits(memory_bytes=256 << 20, cpu_s=2, timeout_s=20, memory_setting="MEM", cpu_setting="CPU",
                      timeout_setting="WALL")

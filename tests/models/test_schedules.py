@@ -7,7 +7,7 @@ The equation (before module t, per device l):
 
 output lm_head(mean_l final_norm(X_l)) with every arrival ≤ M included. The reference below rebuilds
 every X_l from that sum at every t (nothing incremental), from tables transcribed here from the issue's
-preset definitions (not from models.schedules), with the per-head / per-neuron partials of
+preset definitions (not from models.schedules.grammar), with the per-head / per-neuron partials of
 test_dtp's reference on the unpermuted model.
 """
 
@@ -20,14 +20,11 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from models.dtp import DTPCache, DTPModel
-from models.evaluate import evaluate
+from models.evaluation.resident import evaluate
 from models.families import model_shape
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random
-from models.partials import rms_norm
-from models.permute import permute_
-from models.schedules import (
+from models.schedules.grammar import (
     ACCEPTED,
     NEVER,
     Schedule,
@@ -37,6 +34,9 @@ from models.schedules import (
     parse_schedule,
     resolve_schedule,
 )
+from models.sim.dtp import DTPCache, DTPModel
+from models.sim.partials import rms_norm
+from models.sim.permute import permute_
 from tests.models.test_dtp import ref_attention_partial, ref_ffn_partial, ref_rms_norm
 from tests.tiny import FAMILY_CASES, fresh_for_devices, tokens
 
@@ -372,7 +372,7 @@ def test_ladder_does_not_depend_on_the_layout(case: str, devices: int) -> None:
 # ---- c. dtp:1 is today's simulator, bit for bit ---------------------------------------------------
 
 class LegacySchedule:
-    """models.dtp.DTPSchedule as of 24bb243 (before schedules), verbatim but for the dataclass."""
+    """models.sim.dtp.DTPSchedule as of 24bb243 (before schedules), verbatim but for the dataclass."""
 
     def __init__(self, devices: int, delta: int, num_modules: int, last_scale: str = "sqrt") -> None:
         self.devices, self.delta, self.num_modules, self.last_scale = devices, delta, num_modules, last_scale
@@ -394,7 +394,7 @@ class LegacySchedule:
 
 def legacy_logits(dtp: DTPModel, input_ids: torch.Tensor, delta: int, last_scale: str = "sqrt",
                   cache: DTPCache | None = None) -> torch.Tensor:
-    """DTPModel.hidden_states + forward as of 24bb243, verbatim, on the same module partials (models.partials
+    """DTPModel.hidden_states + forward as of 24bb243, verbatim, on the same module partials (models.sim.partials
     is unchanged)."""
     schedule = LegacySchedule(dtp.devices, delta, dtp.num_modules, last_scale)
     inner = dtp.model.model

@@ -12,7 +12,7 @@ the stream x_t through its module's pre-norm (γ, r = rms(x_t)). With p = γ ⊙
 the sender's write is removed from its input, with the norm's rms held (as the paper's scores do). The
 checks: Δ equals the central finite difference with r held (to 1e-8, fp64); with r free the difference is
 exactly the rms term the scores neglect; and for the paper's two edge kinds (head → same-layer neuron,
-neuron → next-layer group) the construction reproduces `models.affinity`'s up FO, up ADD and down scores.
+neuron → next-layer group) the construction reproduces `models.affinity.scoring`'s up FO, up ADD and down scores.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models.affinity import affinity_pass
-from models.affinity_edges import schedule_affinity_pass
+from models.affinity.edges import schedule_affinity_pass
+from models.affinity.scoring import affinity_pass
 from models.families import model_shape
 from tests.tiny import fresh, tokens
 
@@ -157,7 +157,7 @@ def test_first_order_effect_is_the_derivative_with_rms_held(setup: tuple, sender
 
 
 def test_paper_edges_are_models_affinity_scores() -> None:
-    """The construction at the paper's two edge kinds gives models.affinity's up FO, up ADD and down."""
+    """The construction at the paper's two edge kinds gives models.affinity.scoring's up FO, up ADD and down."""
     model = fresh("qwen2").double()
     ids = tokens(2, 7)
     trace = dense_trace(model, ids)
@@ -210,7 +210,7 @@ def construction_scores(model: Any, trace: dict, m: int, t: int) -> dict[str, np
 def test_schedule_edges_of_the_pass_are_the_constructions_scores() -> None:
     """pt:3 on the 3-layer model joins every pair of modules: each further edge the pass scores equals the
     construction (the paper's chain edges are checked above)."""
-    from models.schedules import resolve_schedule
+    from models.schedules.grammar import resolve_schedule
 
     model = fresh("qwen2").double()
     ids = tokens(2, 7)
@@ -231,9 +231,9 @@ def test_schedule_edges_of_the_pass_are_the_constructions_scores() -> None:
 
 
 def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
-    from models.affinity_file import AffinityResult
+    from models.affinity.file import AffinityResult
     from models.optimise.edges import TopRows
-    from models.schedules import resolve_schedule
+    from models.schedules.grammar import resolve_schedule
 
     model = fresh("llama")
     ids = tokens(2, 9)
@@ -279,9 +279,9 @@ def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
 def test_edge_pass_in_rounds_keeps_its_accumulators_under_the_limit_and_the_same_scores() -> None:
     """A limit that fits the dense edges but not every accumulator at once: several passes over the blocks,
     each within the limit (an edge alone excepted), and every score equal to the single pass's."""
-    from models.affinity_edges import accumulator_bytes, dense_edge_bytes, edge_pass, edge_rounds
-    from models.affinity_file import AffinityResult
-    from models.schedules import resolve_schedule
+    from models.affinity.edges import accumulator_bytes, dense_edge_bytes, edge_pass, edge_rounds
+    from models.affinity.file import AffinityResult
+    from models.schedules.grammar import resolve_schedule
 
     model = fresh("llama")
     shape = model_shape(model.config)

@@ -12,8 +12,8 @@ import torch
 
 from models.families import model_shape
 from models.layouts.layout import contiguous
-from models.schedules import ScheduleError, parse_schedule
-from models.spd_auto import least_sensitive, resolve_spd_auto, spd_sensitivities
+from models.schedules.grammar import ScheduleError, parse_schedule
+from models.schedules.spd_auto import least_sensitive, resolve_spd_auto, spd_sensitivities
 from tests.models.test_schedules import literal_tables, ref_schedule_logits
 from tests.tiny import fresh, tokens
 

@@ -13,18 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.affinity import affinity_pass
-from models.evaluate import evaluate
-from models.export import export_checkpoint, export_copy, export_rank_shards, load_rank_shards
+from models.affinity.scoring import affinity_pass
+from models.affinity.streamed import streamed_affinity_pass
+from models.evaluation.resident import evaluate
+from models.evaluation.streamed import streamed_evaluate
+from models.export.resident import export_checkpoint, export_copy, export_rank_shards, load_rank_shards
+from models.export.streamed import streamed_export
 from models.families import model_shape
+from models.io.sizes import SizeError, parse_size
 from models.layouts.resolve import resolve_layout
-from models.memory_plan import MemoryLimitError, plan_memory
-from models.safetensors_stream import SafetensorsWriter
-from models.sizes import SizeError, parse_size
-from models.streamed_affinity import streamed_affinity_pass
-from models.streamed_evaluate import streamed_evaluate
-from models.streamed_export import streamed_export
-from models.streamed_model import CheckpointReader, StreamedModel
+from models.streaming.layer_source import CheckpointReader, StreamedModel
+from models.streaming.memory_plan import MemoryLimitError, plan_memory
+from models.streaming.safetensors_reader import SafetensorsWriter
 from tests.tiny import FAMILY_CASES, THREE_WAY, tiny_model, tokens
 
 CASES = [(case, devices) for case in FAMILY_CASES for devices in (2, 3)]

@@ -16,13 +16,13 @@ import torch
 
 from bench.streaming import base_rss, calibration_ids, cli, measured, same_shards, same_tensors
 from bench.synthetic_checkpoint import llama_config, write_checkpoint
-from models.affinity import affinity_pass
-from models.affinity_file import AffinityResult
-from models.export import export_checkpoint, export_copy, export_rank_shards
+from models.affinity.file import AffinityResult
+from models.affinity.scoring import affinity_pass
+from models.export.resident import export_checkpoint, export_copy, export_rank_shards
+from models.io.loading import ModelSource, load_config, load_model
 from models.layouts.layout import load
 from models.layouts.set import build_layouts
-from models.loading import ModelSource, load_config, load_model
-from models.memory_plan import plan_memory
+from models.streaming.memory_plan import plan_memory
 
 
 @pytest.fixture(scope="module")

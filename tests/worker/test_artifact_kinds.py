@@ -1,4 +1,4 @@
-"""Artifact kinds are declared once (models/run_files.py ARTIFACTS: kind, stage, names, content type): each
+"""Artifact kinds are declared once (models/run/files.py ARTIFACTS: kind, stage, names, content type): each
 stage publishes only what it writes, the worker publishes nothing declared nowhere, a download is served as
 its declaration says (as the old rule by extension did), and the stages' recorders take their kinds from it."""
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.api.routers.artifacts import MEDIA_TYPES, media_type
-from models import stages
-from models.run_files import (
+from models.run import stages
+from models.run.files import (
     ARTIFACT_KINDS,
     ARTIFACTS,
     DISTILL_SUMMARY,
@@ -24,7 +24,7 @@ from models.run_files import (
     kind_of,
     published_by,
 )
-from models.stage_names import STAGES
+from models.run.stage_names import STAGES
 from worker.publishing import DISTILL_FILES, Publishing
 
 

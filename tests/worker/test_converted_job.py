@@ -18,7 +18,7 @@ from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import submit_job
 from app.core.storage import Storage, tenant_scope
-from models.converted import MANIFEST
+from models.io.converted import MANIFEST
 from tests.service_kit import make_settings, provision, spec
 from tests.tiny import GGUF_TINY, tiny_gguf
 from worker.jobs import run_job
@@ -65,10 +65,10 @@ def entries(settings, tenant: str) -> dict[str, tuple[int, int]]:
 
 def direct_layouts(settings, tmp_path, sequences: int) -> dict[str, float]:
     """The layouts' J of the same stages on the same inputs, the GGUF dequantised on load (no cache)."""
-    from models import pipeline, stages
-    from models.calibration import CalibrationSpec
-    from models.loading import ModelSource
-    from models.runner import Hooks, run_stages
+    from models.data.calibration import CalibrationSpec
+    from models.io.loading import ModelSource
+    from models.run import pipeline, stages
+    from models.run.runner import Hooks, run_stages
 
     body = job_spec(sequences)
     calibration = CalibrationSpec(**{**body.calibration.model_dump(),

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from models.converted import MANIFEST, ConvertedCache
-from models.loading import ModelSource
+from models.io.converted import MANIFEST, ConvertedCache
+from models.io.loading import ModelSource
 from tests.tiny import tiny_gguf
 from worker.converted_mirror import StoreMirror
 

@@ -14,7 +14,7 @@ from app.core.events import job_events
 from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import job_view, submit_job
-from models.loading import ModelLoadError
+from models.io.loading import ModelLoadError
 from tests.service_kit import make_settings, provision, spec
 from worker import device as D
 from worker.jobs import run_job
@@ -105,8 +105,7 @@ def submit(settings, db, **overrides) -> str:
 
 
 def test_out_of_memory_fails_the_job_with_the_sizes_then_the_next_job_runs(embedded, monkeypatch):
-    from models import pipeline
-
+    from models.run import pipeline
     settings, db = embedded
     real_stage = pipeline.stage_affinity
 

@@ -16,7 +16,7 @@ from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import job_view, submit_job
 from app.core.storage import Storage
-from models.run_files import kind_of
+from models.run.files import kind_of
 from tests.service_kit import make_settings, provision, spec
 from worker.jobs import run_job
 
@@ -62,7 +62,7 @@ def test_a_stability_job_records_the_stability_report(embedded):
     assert layouts == ["contiguous", "optimised"]  # the halves' layouts are the stage's own, not the job's
     done = next(e for e in history if e["event"] == "stage-done" and e["stage"] == "stability")
     assert done["transfer"] == stability["transfer"]
-    with db.session() as session:  # what it published is declared (models/run_files.py ARTIFACTS), kind and all
+    with db.session() as session:  # what it published is declared (models/run/files.py ARTIFACTS), kind and all
         published = {(a.name, a.kind) for a in session.scalars(select(Artifact).where(Artifact.job_id == first))}
     assert published == {("affinity.safetensors", "affinity"), ("report.json", "report")}
     assert all(kind_of(name) == kind for name, kind in published)

@@ -1,5 +1,5 @@
 """A job under a memory limit its model does not fit in memory (run in process on SQLite, as a worker runs
-it): the loading stage chooses to stream (models.memory_plan), the affinity pass and the export run layer
+it): the loading stage chooses to stream (models.streaming.memory_plan), the affinity pass and the export run layer
 by layer and tensor by tensor, and the outputs equal those of the same job without a limit."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from app.core.migrate import upgrade
 from app.core.schemas import JobSpec
 from app.core.services import submit_job
 from app.core.storage import Storage
-from models.memory_plan import plan_memory
-from models.streamed_model import StreamedModel
+from models.streaming.layer_source import StreamedModel
+from models.streaming.memory_plan import plan_memory
 from tests.service_kit import TINY_MODEL, job_history, make_settings, provision, spec
 from worker.jobs import run_job
 

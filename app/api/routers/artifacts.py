@@ -28,7 +28,7 @@ from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable
 from app.core.object_store import ObjectChanged
 from app.core.schemas import ArtifactList, ArtifactOut
 from app.core.storage import DamagedFile, Storage, StoreUnavailable, VerifiedObject
-from models.run_files import artifact_spec
+from models.run.files import artifact_spec
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs/{job_id}/artifacts", tags=["artifacts"])
@@ -39,7 +39,7 @@ MEDIA_TYPES = ("application/octet-stream", "application/json", "text/csv", "imag
 
 
 def media_type(name: str) -> str:
-    """What an artifact is served as: its declared content type (models/run_files.py ARTIFACTS), else by the
+    """What an artifact is served as: its declared content type (models/run/files.py ARTIFACTS), else by the
     file's extension (JSON always as JSON)."""
     declared = artifact_spec(name)
     if declared is not None and declared.content_type is not None:

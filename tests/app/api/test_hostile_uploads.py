@@ -265,7 +265,7 @@ def test_a_tokenizer_that_panics_on_the_jobs_text_fails_the_job_once_naming_the_
 
 _READ = """
 import json, resource, sys
-from models.calibration import CalibrationSpec, load_blocks
+from models.data.calibration import CalibrationSpec, load_blocks
 from tests.tiny import byte_tokenizer
 
 def peak_kib():

@@ -25,8 +25,8 @@ from app.core.migrate import upgrade
 from app.core.settings import Settings
 from app.core.sources import SourceError, resolve_data
 from app.core.storage import tenant_scope
-from models.assets import CORPORA, corpus_available, smollm2_gguf
-from models.calibration import CalibrationSpec, DataError, load_blocks
+from models.data.calibration import CalibrationSpec, DataError, load_blocks
+from models.io.assets import CORPORA, corpus_available, smollm2_gguf
 from tests.app.conftest import api_keys_setting
 from tests.service_kit import (
     CALIB,

@@ -11,8 +11,8 @@ from app.api.main import create_app
 from app.core.migrate import upgrade
 from app.core.schemas import DistillJobSpec, JobSpec
 from app.core.spec_info import data_catalogue, spec_info
-from models.assets import available_corpora
 from models.distill.recipe import DistillRecipe
+from models.io.assets import available_corpora
 from tests.app.conftest import api_keys_setting
 from tests.service_kit import CALIB, make_settings, provision
 
@@ -109,9 +109,9 @@ def test_keyed_like_the_rest_of_v1(settings):
 
 
 def test_the_artifacts_are_the_declared_ones(info):
-    # what the dashboard's artifact list reads what each kind is from (models/run_files.py ARTIFACTS)
+    # what the dashboard's artifact list reads what each kind is from (models/run/files.py ARTIFACTS)
     from dataclasses import asdict
 
-    from models.run_files import ARTIFACTS
+    from models.run.files import ARTIFACTS
 
     assert info["artifacts"] == [asdict(a) for a in ARTIFACTS]

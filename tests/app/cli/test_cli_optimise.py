@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from app.cli.main import main
-from models.affinity import AffinityResult
+from models.affinity.scoring import AffinityResult
 from models.layouts.layout import load
 from models.layouts.set import affinity_for
 from models.optimise import is_block_optimal
@@ -174,8 +174,7 @@ def test_rerun_in_the_same_out_skips_every_finished_stage(checkpoint, calib, tmp
 
 
 def test_an_interrupted_run_resumes_where_it_stopped(checkpoint, calib, tmp_path, capsys, monkeypatch):
-    from models import pipeline
-
+    from models.run import pipeline
     whole = tmp_path / "whole"
     assert main(["optimise", str(checkpoint), "--calib", str(calib), *RUN_ARGS, "--out", str(whole)]) == 0
 
@@ -221,7 +220,7 @@ def test_a_gguf_model_is_converted_once_and_the_copy_gives_the_direct_layouts(tm
     """The model commands load a GGUF through the converted-model cache ($DTP_LAYOUT_CACHE_DIR/converted,
     a directory of this test session's: tests/conftest.py): the first load converts, later ones (any
     command) read the copy; --no-convert-cache dequantises the GGUF and leaves the cache alone."""
-    from models.converted import MANIFEST, ConvertedCache
+    from models.io.converted import MANIFEST, ConvertedCache
 
     gguf, calib = tmp_path / "tiny.gguf", tmp_path / "ids96.npy"
     tiny_gguf(gguf)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from app.cli.main import main
-from models.affinity_file import AffinityResult
+from models.affinity.file import AffinityResult
 from models.layouts.layout import contiguous, load
 from models.optimise import block_improvement as schedule_block_improvement
 from models.optimise import score as schedule_score
 from models.optimise.edges import edge_kind
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 from tests.tiny import tiny_model
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from app.cli.main import main
-from models.affinity_file import AffinityResult
+from models.affinity.file import AffinityResult
 from models.layouts.layout import ModelShape, contiguous, random
 from models.optimise import Affinity
 from tests.models.optimise.kit import literal_J

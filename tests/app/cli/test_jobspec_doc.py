@@ -1,10 +1,10 @@
-"""docs/service.md's job-spec tables are generated from the job spec (models/jobspec.py) and cannot drift:
+"""docs/service.md's job-spec tables are generated from the job spec (models/run/jobspec.py) and cannot drift:
 regenerated here and compared, and every declared field has its row with its doc."""
 
 from __future__ import annotations
 
 from app.cli.jobspec_doc import DOC_PATH, REGIONS, begin_marker, end_marker, main, render
-from models.jobspec import FIELDS, GROUPS
+from models.run.jobspec import FIELDS, GROUPS
 
 
 def test_the_tables_are_what_the_job_spec_generates():

@@ -135,7 +135,7 @@ def test_a_job_that_cannot_fit_its_memory_limit_even_streamed_is_422_on_max_memo
 
 def test_a_hostile_gguf_from_the_hub_or_the_model_root_is_refused_before_any_loader(tmp_path, hub_cache):
     """A hub repository is anyone's: a GGUF whose header declares a 2^62-element array is refused by the
-    bounded reader (models.gguf_header) in milliseconds, never handed to a loader that loops over it."""
+    bounded reader (models.io.gguf_header) in milliseconds, never handed to a loader that loops over it."""
     import struct
     import time
 

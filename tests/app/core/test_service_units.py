@@ -107,7 +107,7 @@ def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
 
 
 def test_calibration_fields_match_models_calibration():
-    from models.calibration import CalibrationSpec
+    from models.data.calibration import CalibrationSpec
 
     assert set(CalibrationIn.model_fields) == {f.name for f in dataclasses.fields(CalibrationSpec)}
     defaults = CalibrationSpec(source="corpus:kjv")
@@ -121,7 +121,7 @@ def test_job_spec_defaults_and_export_shorthand():
 
 
 def test_layout_names_match_models_pipeline():
-    from models.pipeline import ABLATIONS
+    from models.run.pipeline import ABLATIONS
 
     assert tuple(ABLATIONS) == ABLATION_LAYOUTS
     spec = JobSpec.model_validate({"model": {"id": "x"}, "devices": 2, "calibration": {"source": "corpus:kjv"},

@@ -55,7 +55,7 @@ def compare_main(data: str, out_dir: str, calls: str) -> None:
     tied-embeddings model; what its callbacks saw goes to `calls` (JSON), written here, not by the run."""
     import json
 
-    from models.calibration import CalibrationSpec
+    from models.data.calibration import CalibrationSpec
     from tests.models.distill.kit import recipe as small_recipe
 
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models import distill as D
-from models.calibration import CalibrationSpec
+from models.data.calibration import CalibrationSpec
 from models.families import model_shape
 from models.layouts import layout as lay
 from models.layouts.format import LayoutError

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from models import distill as D
-from models.calibration import CalibrationSpec
+from models.data.calibration import CalibrationSpec
 
 
 def test_batch_order_depends_only_on_seed_and_step():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from models import distill as D
-from models.calibration import CalibrationSpec
+from models.data.calibration import CalibrationSpec
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillError, DistillRecipe
 
 REPO = Path(__file__).resolve().parents[3]

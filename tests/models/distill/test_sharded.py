@@ -28,7 +28,7 @@ from models import distill as D
 from models.distill.loss import loss_and_backward, teacher_hidden
 from models.distill.sharding import Ranks, free_port, local_bytes, shard_student, shard_teacher
 from models.distill.student import lm_head
-from models.dtp import gathered
+from models.sim.dtp import gathered
 from tests.models.distill import sharded_kit as kit
 from tests.models.distill.kit import VOCAB, layout_of
 

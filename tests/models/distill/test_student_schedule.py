@@ -44,7 +44,7 @@ def test_a_run_distils_the_schedule_and_records_it(setup, tmp_path):
 
 
 def test_the_spec_takes_a_schedule_canonical_and_refuses_a_bad_one():
-    from models.calibration import CalibrationSpec
+    from models.data.calibration import CalibrationSpec
 
     data = CalibrationSpec(source="s", sequences=4, seq_len=8)
     spec = D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, delta=2, schedule="spd:2,0")

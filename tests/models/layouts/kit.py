@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 
-from models.affinity_file import AffinityResult
+from models.affinity.file import AffinityResult
 from models.layouts.layout import ModelShape
 from models.optimise import Affinity
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import models.layouts as layouts
-from models.affinity_scores import SCORES
-from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+from models.affinity.names import SCORES
+from models.io.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,8 +47,8 @@ sys.modules["numpy"] = sys.modules["torch"] = None  # any import of them now rai
 import models.layouts
 from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import RANDOM_SEED_BASE, canonical_layout_name
-from models.affinity_scores import SCORES
-from models.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
+from models.affinity.names import SCORES
+from models.io.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES
 print(LAYOUT_FORMAT, RANDOM_SEED_BASE, canonical_layout_name("random:7"), SCORES, DTYPE_NAMES, EXPORT_DTYPE_NAMES)
 try:
     models.layouts.Layout

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from models.affinity_scores import SCORES
+from models.affinity.names import SCORES
 from models.layouts.layout import Layout, ModelShape
 from models.layouts.set import (
     LAYER_COUNTS,

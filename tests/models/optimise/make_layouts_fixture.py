@@ -38,7 +38,7 @@ SCHEDULES = ["dtp:2", "dtp:3", "dtp:1@2", "dtp:2@2", "spd:1", "spd:0,2", "pt:1",
 def chain_affinities() -> dict[str, tuple[Any, list[int]]]:
     """name -> (Affinity, device counts)."""
     from bench.optimiser import synthetic_affinity
-    from models.affinity import affinity_pass
+    from models.affinity.scoring import affinity_pass
     from models.layouts.set import affinity_for
     from tests.models.optimise.kit import affinity_of
     from tests.tiny import tiny_model, tokens
@@ -58,7 +58,7 @@ def chain_affinities() -> dict[str, tuple[Any, list[int]]]:
 
 def schedule_affinities() -> dict[str, Any]:
     from models.optimise.edges import ScheduleAffinity, TopRows, schedule_pairs
-    from models.schedules import resolve_schedule
+    from models.schedules.grammar import resolve_schedule
 
     layers, groups, neurons, devices = 3, 4, 8, 2
     rng = np.random.default_rng(20)

@@ -16,7 +16,7 @@ from models.optimise import optimise, score
 from models.optimise import optimise as optimise_schedule
 from models.optimise import score as schedule_score
 from models.optimise.edges import ScheduleAffinity, TopRows, chain_affinity, schedule_pairs
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 from tests.models.optimise.kit import affinity_of, all_balanced, random_layout
 
 LAYERS, GROUPS, NEURONS, DEVICES = 3, 4, 8, 2

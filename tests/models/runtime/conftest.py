@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from models.export import export_rank_shards, permuted_copy
+from models.export.resident import export_rank_shards, permuted_copy
 from models.families import model_shape
 from models.layouts import layout as lay
 from models.runtime import DTPRuntime

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.dtp import DTPCache, DTPModel
-from models.export import load_rank_shards
+from models.export.resident import load_rank_shards
 from models.runtime.sampling import Sampling, next_tokens
+from models.sim.dtp import DTPCache, DTPModel
 
 Generation = tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]
 GREEDY = Sampling()

@@ -18,7 +18,7 @@ import pytest
 
 from models.runtime import DTPRuntime, ShardError
 from models.runtime.arrivals import ArrivalPlan
-from models.schedules import resolve_schedule
+from models.schedules.grammar import resolve_schedule
 from tests.models.runtime.reference import max_logit_error, simulator_generation
 from tests.tiny import FAMILY_CASES, tokens
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.cli.main import main
-from models.assets import corpus_file
+from models.io.assets import corpus_file
 from models.runtime import DTPRuntime
 from tests.models.runtime.reference import max_logit_error, simulator_generation
 

@@ -1,0 +1,307 @@
+"""The affinity scores of the edges a schedule adds beyond the paper's chain (issue 20).
+
+docs/schedules_objective.md derives them: the first-order effect on a receiving unit of module t of
+removing a sending unit of module m's write from its input, read through t's pre-norm (γ_t, and the
+rms r of the dense stream entering t, held). With a sending head h of attention i writing
+d = W_o^(h) a_h, a sending neuron k' of FFN i writing d = α_k' w^d_k', and p = γ_t ⊙ d / r:
+
+    → KV group g of attention j:  S = E_t ‖W^qkv_g p‖²                     (one score: FO = ADD)
+          head h:   tr(F_hg C_h F_hgᵀ), F_hg = W^qkv_g diag(γ) W_o^(h), C_h = E_t[a_h a_hᵀ / r²]
+          neuron k': E_t[α_k'² / r²] ‖W^qkv_g (γ ⊙ w^d_k')‖²               (the paper's down score)
+    → neuron k of FFN j:  Δ = silu'(g_k) u_k (p·w^g_k) + silu(g_k) (p·w^u_k)
+          FO  = E_t[Δ²] ‖w^d_k‖²,   ADD = E_t[(p·w^g_k)² + (p·w^u_k)²]
+          head h:   as the paper's up score, with h's o_proj folded into FFN j's gate/up weights
+          neuron k': p·w_k = β_k' M[k', k], β = α_k'/r, M = W_dᵀ diag(γ) W_(g|u)ᵀ [I, I], so
+                    FO = (Mg² ⊙ E[β²A²] + 2 Mg⊙Mu ⊙ E[β²AB] + Mu² ⊙ E[β²B²]) · ‖w^d_k‖²
+                    (A = silu'(g)u, B = silu(g) of the receiver; E[β²A²] = (β²)ᵀA² / T: [I, I])
+                    ADD = E[β²] (Mg² + Mu²)
+
+A head's scores are summed over the heads of its KV group, as the paper does. One no-grad dense
+forward per micro-batch; a sender's writes are kept only until its last receiver has read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.affinity.names import SCORES
+from models.affinity.scoring import (
+    AffinityResult,
+    LayerAccumulator,
+    _accumulate_up,
+    _down_weight_norms,
+    _rms_inverse,
+    affinity_pass,
+    sum_dtype,
+)
+from models.families import model_shape
+from models.layouts.layout import ModelShape
+from models.optimise.edges import EdgeMatrix, Pair, TopRows, edge_kind
+from models.run.progress import Cancelled, Progress, ShouldStop
+from models.schedules.grammar import Schedule
+from models.sim.dtp import DTPModel
+from models.sim.permute import decoder_layers
+
+EdgeScores = dict[str, EdgeMatrix]  # {"fo": [U_m, U_t], "add": [U_m, U_t]}
+
+
+def _cross_fold(sender: Any, receiver: Any, heads: int,
+                head_dim: int) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Sender's W_o^(h)ᵀ diag(γ_receiver) W_gᵀ / W_uᵀ of the receiving FFN, in one block: [(cols, [H, hd, I] ×2)]."""
+    w_o_heads = sender.self_attn.o_proj.weight.t().reshape(heads, head_dim, -1)  # [H, hd, D]
+    gamma = receiver.post_attention_layernorm.weight  # [D]
+    mlp = receiver.mlp
+    fold_g = torch.matmul(w_o_heads, gamma[:, None] * mlp.gate_proj.weight.t())  # [H, hd, I]
+    fold_u = torch.matmul(w_o_heads, gamma[:, None] * mlp.up_proj.weight.t())
+    return [(slice(0, fold_g.shape[-1]), fold_g, fold_u)]
+
+
+class _EdgeAccumulator:
+    """float64 sums over tokens for one edge (m, t), by kind."""
+
+    def __init__(self, pair: Pair, shape: ModelShape, device: torch.device) -> None:
+        H, hd, I = shape.num_query_heads, shape.head_dim, shape.intermediate_size
+        self.kind = edge_kind(pair)
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(*size, dtype=torch.float64, device=device)
+
+        if self.kind == "up":  # head → later FFN
+            self.layer = LayerAccumulator(H, I, device)
+        elif self.kind == "down":  # neuron → later attention: Σ α²/r²
+            self.act = zeros(I)
+        elif self.kind == "kv-kv":  # Σ (a_h/r)(a_h/r)ᵀ
+            self.cov = zeros(H, hd, hd)
+        else:  # neuron → neuron: E[β²A²], E[β²AB], E[β²B²] [I, I] and E[β²] [I]
+            self.aa = zeros(I, I)
+            self.ab = zeros(I, I)
+            self.bb = zeros(I, I)
+            self.beta = zeros(I)
+
+
+def _receiver_ffn(layer: Any, x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+    """What a receiving FFN's units read: inv_r [T, 1], gate/up [T, I], A = silu'(g)u and B = silu(g)."""
+    from models.sim.dtp import rms_norm
+
+    normed = rms_norm(x, layer.post_attention_layernorm.weight, eps)
+    gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
+    up = normed @ layer.mlp.up_proj.weight.t()
+    sig = torch.sigmoid(gate)
+    return {"inv_r": _rms_inverse(x, eps), "gate": gate, "up": up,
+            "A": sig * (1 + gate * (1 - sig)) * up, "B": gate * sig}
+
+
+def _accumulate(acc: _EdgeAccumulator, pair: Pair, write: torch.Tensor, receiver: dict[str, torch.Tensor],
+                layers: Any, shape: ModelShape, token_chunk: int) -> None:
+    """write: the sender's heads_out [T, H*hd] or activations [T, I]; receiver: its read state."""
+    inv_r = receiver["inv_r"]  # [T, 1]
+    acc_dtype = sum_dtype(write.dtype)
+    if acc.kind == "up":
+        fold = _cross_fold(layers[pair[0] // 2], layers[pair[1] // 2], shape.num_query_heads, shape.head_dim)
+        _accumulate_up(acc.layer, write, inv_r, receiver["gate"], receiver["up"], fold, token_chunk)
+    elif acc.kind == "down":
+        acc.act += (write.to(acc_dtype).square() * inv_r.to(acc_dtype).square()).sum(0).double()
+    elif acc.kind == "kv-kv":
+        a = (write * inv_r).view(-1, shape.num_query_heads, shape.head_dim).transpose(0, 1).to(acc_dtype)  # [H, T, hd]
+        acc.cov += torch.bmm(a.transpose(1, 2), a).double()
+    else:
+        beta2 = (write * inv_r).to(acc_dtype).square()  # [T, I] sender
+        A, B = receiver["A"].to(acc_dtype), receiver["B"].to(acc_dtype)  # [T, I] receiver
+        acc.aa += (beta2.t() @ A.square()).double()
+        acc.ab += (beta2.t() @ (A * B)).double()
+        acc.bb += (beta2.t() @ B.square()).double()
+        acc.beta += beta2.sum(0).double()
+
+
+def _qkv_rows(attn: Any, shape: ModelShape) -> list[torch.Tensor]:
+    """W^qkv_g per group g: [C, D] each (its query heads' q rows, its k and v rows)."""
+    hd, per_group = shape.head_dim, shape.heads_per_group
+    q = attn.q_proj.weight.view(shape.num_kv_groups, per_group * hd, -1)
+    k = attn.k_proj.weight.view(shape.num_kv_groups, hd, -1)
+    v = attn.v_proj.weight.view(shape.num_kv_groups, hd, -1)
+    return [torch.cat([q[g], k[g], v[g]]) for g in range(shape.num_kv_groups)]
+
+
+def _scores(fo: np.ndarray, add: np.ndarray) -> EdgeScores:
+    """{score name: matrix} in `SCORES`' order (FO, ADD); a receiving KV group's one score serves both."""
+    return dict(zip(SCORES, (fo, add), strict=True))
+
+
+def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelShape, tokens: int) -> EdgeScores:
+    sender, receiver = layers[pair[0] // 2], layers[pair[1] // 2]
+    G, per_group = shape.num_kv_groups, shape.heads_per_group
+    if acc.kind == "up":
+        down_norm = receiver.mlp.down_proj.weight.double().square().sum(0)  # [I]
+        fo = (acc.layer.fo / tokens * down_norm).view(G, per_group, -1).sum(1)
+        add = (acc.layer.add / tokens).view(G, per_group, -1).sum(1)
+        return _scores(fo.cpu().numpy(), add.cpu().numpy())
+    if acc.kind == "down":
+        weight = _down_weight_norms(receiver, sender.mlp.down_proj.weight, shape)  # [I, G]
+        matrix = ((acc.act / tokens)[:, None] * weight).cpu().numpy()
+        return _scores(matrix, matrix)
+    if acc.kind == "kv-kv":
+        H, hd = shape.num_query_heads, shape.head_dim
+        w_o = sender.self_attn.o_proj.weight.double().view(-1, H, hd)  # [D, H, hd]
+        gamma = receiver.input_layernorm.weight.double()
+        cov = acc.cov / tokens  # [H, hd, hd]
+        scores = torch.zeros(H, G, dtype=torch.float64)
+        for g, rows in enumerate(_qkv_rows(receiver.self_attn, shape)):
+            fold = torch.einsum("cd,dhe->hce", rows.double() * gamma, w_o)  # F_hg: [H, C, hd]
+            scores[:, g] = (torch.bmm(fold, cov) * fold).sum((1, 2)).cpu()
+        matrix = scores.view(G, per_group, G).sum(1).numpy()
+        return _scores(matrix, matrix)
+    gamma = receiver.post_attention_layernorm.weight.double()
+    c = gamma[:, None] * sender.mlp.down_proj.weight.double()  # [D, I] sender columns through γ
+    mg = c.t() @ receiver.mlp.gate_proj.weight.double().t()  # [I, I]
+    mu = c.t() @ receiver.mlp.up_proj.weight.double().t()
+    down_norm = receiver.mlp.down_proj.weight.double().square().sum(0)  # [I] receiver
+    fo = (mg.square() * acc.aa + 2 * mg * mu * acc.ab + mu.square() * acc.bb) / tokens * down_norm
+    add = (acc.beta / tokens)[:, None] * (mg.square() + mu.square())
+    return _scores(fo.cpu().numpy(), add.cpu().numpy())
+
+
+F64 = 8  # bytes of a float64 accumulator or score
+
+
+def dense_edge_bytes(pair: Pair, shape: ModelShape) -> int:
+    """The finished scores of one edge, dense float64 (FO and ADD; one matrix where they are one score)."""
+    G, I = shape.num_kv_groups, shape.intermediate_size
+    return {"up": 2 * G * I, "down": I * G, "kv-kv": G * G}.get(edge_kind(pair), 2 * I * I) * F64
+
+
+def accumulator_bytes(pair: Pair, shape: ModelShape) -> int:
+    """What one edge holds during the pass: its float64 sums over tokens, and for a neuron → neuron edge
+    also its dense FO and ADD while they are finalised (then kept, or cut to top-k rows)."""
+    H, hd, I = shape.num_query_heads, shape.head_dim, shape.intermediate_size
+    kind = edge_kind(pair)
+    if kind == "up":
+        return (2 * H * I + I) * F64
+    if kind == "down":
+        return I * F64
+    if kind == "kv-kv":
+        return H * hd * hd * F64
+    return (3 * I * I + I) * F64 + dense_edge_bytes(pair, shape)
+
+
+def edge_rounds(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> list[list[Pair]]:
+    """The edges split into passes over the calibration blocks whose accumulators fit `memory_limit`
+    together (an edge larger than the limit alone gets a pass of its own). Each pass after the first is
+    one more no-grad forward over the blocks: memory bought with compute (SmolLM2-135M `dtp:2`: 29
+    neuron → neuron pairs of ~94 MB each take 15 passes under the default 256 MiB)."""
+    rounds: list[list[Pair]] = []
+    used = 0
+    for pair in pairs:
+        need = accumulator_bytes(pair, shape)
+        if not rounds or used + need > memory_limit:
+            rounds.append([])
+            used = 0
+        rounds[-1].append(pair)
+        used += need
+    return rounds
+
+
+@torch.no_grad()
+def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_size: int = 4,
+              token_chunk: int = 128, memory_limit: int = 256 << 20, top_k: int = 64,
+              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict[Pair, EdgeScores]:
+    """The FO and ADD scores of every edge (m, t) in `pairs` (raw per-token means, not normalised).
+
+    memory_limit: bytes the dense float64 edges may take; above it the neuron → neuron edges are kept as
+    the `top_k` largest entries of each row (`TopRows`, which records the kept mass). It also bounds the
+    pass's accumulators: the edges are computed in as many passes over the blocks as that takes
+    (`edge_rounds`; one pass when they fit), each finished edge cut to top-k rows before the next pass.
+    """
+    pairs = sorted(set(pairs))
+    if not pairs:
+        return {}
+    shape = model_shape(model.config)
+    sparse = sum(dense_edge_bytes(p, shape) for p in pairs) > memory_limit
+    rounds = edge_rounds(pairs, shape, memory_limit)
+    scores: dict[Pair, EdgeScores] = {}
+    for index, round_pairs in enumerate(rounds):
+
+        def round_progress(stage: str, fraction: float, index: int = index) -> None:
+            if progress is not None:
+                progress(stage, (index + fraction) / len(rounds))
+
+        found = _edge_round(model, blocks, round_pairs, shape, batch_size=batch_size, token_chunk=token_chunk,
+                            progress=round_progress, should_stop=should_stop)
+        for pair, edge in found.items():  # cut now: the next pass's accumulators take the room
+            scores[pair] = ({name: TopRows.of(np.asarray(m), top_k) for name, m in edge.items()}
+                            if sparse and edge_kind(pair) == "neuron-neuron" else edge)
+    return scores
+
+
+def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: ModelShape, *, batch_size: int,
+                token_chunk: int, progress: Progress, should_stop: ShouldStop | None) -> dict[Pair, EdgeScores]:
+    """One pass over the blocks: the dense scores of `pairs`."""
+    dense = DTPModel(model, devices=1, delta=0)
+    layers: Any = decoder_layers(model)
+    device = next(model.parameters()).device
+    accs = {p: _EdgeAccumulator(p, shape, device) for p in pairs}
+    last_read = {m: max(t for mm, t in pairs if mm == m) for m, _ in pairs}
+    n_blocks = blocks.shape[0]
+    for start in range(0, n_blocks, batch_size):
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"edge affinity pass cancelled after {start} of {n_blocks} blocks")
+        ids = blocks[start : start + batch_size].to(device)  # [B, S]
+        emb = model.model.embed_tokens(ids)  # [B, S, D]
+        cos, sin = dense.rotary(ids, emb)
+        x = emb.reshape(-1, emb.shape[-1])  # [T, D]
+        writes: dict[int, torch.Tensor] = {}  # module -> its units' writes, kept until last read
+        for t in range(2 * shape.num_layers):
+            layer = layers[t // 2]
+            incoming = [m for m in writes if (m, t) in accs]
+            if t % 2 == 0:
+                receiver = {"inv_r": _rms_inverse(x, dense.eps)}
+                heads_out = dense.attention_heads(t // 2, x.view(1, *emb.shape), cos, sin)[0]  # [T, H*hd]
+                for m in incoming:
+                    _accumulate(accs[(m, t)], (m, t), writes[m], receiver, layers, shape, token_chunk)
+                write, x = heads_out, x + heads_out @ layer.self_attn.o_proj.weight.t()
+            else:
+                receiver = _receiver_ffn(layer, x, dense.eps)
+                for m in incoming:
+                    _accumulate(accs[(m, t)], (m, t), writes[m], receiver, layers, shape, token_chunk)
+                write = F.silu(receiver["gate"]) * receiver["up"]  # [T, I]
+                x = x + write @ layer.mlp.down_proj.weight.t()
+            writes = {m: w for m, w in writes.items() if last_read[m] > t}
+            if t in last_read:
+                writes[t] = write
+        progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
+    tokens = int(blocks.numel())
+    return {p: _finalise_edge(accs.pop(p), p, layers, shape, tokens) for p in pairs}
+
+
+def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,
+                           edge_memory_limit: int = 256 << 20, edge_top_k: int = 64,
+                           progress: Progress | None = None, **options: Any) -> AffinityResult:
+    """`affinity_pass` (the paper's chain; `options` are its) plus the edges `schedule` adds beyond it.
+
+    schedule None: the chain only, exactly `affinity_pass`; else the result records the schedule and the
+    further edges' FO and ADD scores (`AffinityResult.edges`). With further edges the stage's progress is
+    reported in two halves: the chain's pass, then the edges'.
+    """
+    if schedule is None:
+        return affinity_pass(model, blocks, progress=progress, **options)
+    further = AffinityResult.missing_edges_of(model_shape(model.config), schedule)
+    chain_progress, edge_progress = progress, progress
+    if further and progress is not None:
+        outer = progress
+
+        def chain_progress(stage: str, fraction: float) -> None:
+            outer(stage, fraction / 2)
+
+        def edge_progress(stage: str, fraction: float) -> None:
+            outer(stage, 0.5 + fraction / 2)
+
+    result = affinity_pass(model, blocks, progress=chain_progress, **options)
+    result.edges = edge_pass(model, blocks, further, batch_size=options.get("batch_size", 4),
+                             token_chunk=options.get("token_chunk", 128), memory_limit=edge_memory_limit,
+                             top_k=edge_top_k, progress=edge_progress, should_stop=options.get("should_stop"))
+    result.schedule = str(schedule)
+    return result

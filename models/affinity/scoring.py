@@ -1,0 +1,213 @@
+"""The affinity pass (§3 of the paper): how much each FFN neuron depends on each KV group of its
+layer (the up edge) and how much each KV group of the next layer depends on each neuron (the down
+edge), estimated in one no-grad forward of the dense model over calibration blocks.
+
+Per layer i, with x the residual entering the FFN pre-norm, r = rms(x), γ its gain, a_h head h's
+attention output, W_o^(h) its slice of o_proj and p_h = γ ⊙ (a_h W_o^(h)) / r:
+
+    up, FO:   S↑[g,k] = Σ_{h∈g} E_t[Δ_hk²] · ‖w^d_k‖²,
+              Δ_hk = silu'(g_k) u_k (p_h·w^g_k) + silu(g_k) (p_h·w^u_k)              (5)
+    up, ADD:  Σ_{h∈g} E_t[(p_h·w^g_k)² + (p_h·w^u_k)²]
+    down:     S↓[k,g] = E_t[α_k² / r'²] · ‖W^qkv_g (γ' ⊙ w^d_k)‖²    (into layer i+1's group g)
+
+p_h·w_k is computed without the hidden-size vector p_h: γ and each head's slice of W_o are folded
+into the gate/up weights once per layer and micro-batch ([H, hd, I]), so a head costs hd, not
+hidden_size, multiply-adds per neuron; tokens are chunked so the [H, tokens, I] terms stay small.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# The result and its file are torch-free (models.affinity.file), re-exported where callers import them.
+from models.affinity.file import AffinityResult as AffinityResult
+from models.families import model_shape
+from models.layouts.layout import ModelShape
+from models.run.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
+from models.run.progress import Progress, ShouldStop
+from models.sim.dtp import DTPModel, rms_norm
+from models.sim.permute import decoder_layers
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a micro-batch's sums over tokens are accumulated in: float32 at least (a bf16/fp16 model's
+    products are exact enough per token, but thousands of them summed in bf16 lose whole percents)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class LayerAccumulator:
+    """float64 sums over tokens for one layer; each micro-batch is summed in `sum_dtype` (fp32 at least)."""
+
+    def __init__(self, heads: int, neurons: int, device: torch.device) -> None:
+        self.fo = torch.zeros(heads, neurons, dtype=torch.float64, device=device)  # Σ_t Δ²: [H, I]
+        self.add = torch.zeros(heads, neurons, dtype=torch.float64, device=device)  # Σ_t c_g² + c_u²: [H, I]
+        self.act = torch.zeros(neurons, dtype=torch.float64, device=device)  # Σ_t α² / r'²: [I]
+
+
+# Neuron columns per bmm: keeps each head's [hd, block] fold slice in L2 and the [H, t, block]
+# products in L3 (measured ~2x faster on CPU than one [hd, I] product).
+NEURON_BLOCK = 1024
+
+Fold = list[tuple[slice, torch.Tensor, torch.Tensor]]
+
+
+def _fold(model_layer: Any, heads: int, head_dim: int, block: int = NEURON_BLOCK) -> Fold:
+    """W_o^(h)ᵀ diag(γ) W_gᵀ and W_o^(h)ᵀ diag(γ) W_uᵀ in neuron blocks: [(cols, [H, hd, b], [H, hd, b]), ...]."""
+    w_o = model_layer.self_attn.o_proj.weight  # [D, H*hd]
+    gamma = model_layer.post_attention_layernorm.weight  # [D]
+    w_o_heads = w_o.t().reshape(heads, head_dim, -1)  # [H, hd, D]
+    mlp = model_layer.mlp
+    neurons = mlp.gate_proj.weight.shape[0]
+    out = []
+    for start in range(0, neurons, block):
+        cols = slice(start, min(neurons, start + block))
+        fold_g = torch.matmul(w_o_heads, gamma[:, None] * mlp.gate_proj.weight[cols].t())  # [H, hd, b]
+        fold_u = torch.matmul(w_o_heads, gamma[:, None] * mlp.up_proj.weight[cols].t())
+        out.append((cols, fold_g, fold_u))
+    return out
+
+
+def _accumulate_up(acc: LayerAccumulator, heads_out: torch.Tensor, inv_r: torch.Tensor, gate: torch.Tensor,
+                   up: torch.Tensor, fold: Fold, token_chunk: int) -> None:
+    """heads_out: [T, H*hd]; inv_r: [T, 1]; gate/up: [T, I]; fold: neuron blocks of [H, hd, b]."""
+    heads, head_dim = fold[0][1].shape[:2]
+    acc_dtype = sum_dtype(gate.dtype)
+    a = (heads_out * inv_r).view(-1, heads, head_dim).transpose(0, 1).contiguous()  # [H, T, hd]: a_h / r
+    # ADD needs only the second moment of a_h/r: Σ_t (a·f)² = fᵀ (Σ_t a aᵀ) f, per head and fold column;
+    # the moment is a sum over tokens, so it is formed in acc_dtype.
+    a_acc = a.to(acc_dtype)
+    cov = torch.bmm(a_acc.transpose(1, 2), a_acc)  # [H, hd, hd]
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    coef_g = sig.mul_(1 + gate * (1 - sig)).mul_(up)  # silu'(g)·u: [T, I]
+    fo = torch.zeros(heads, gate.shape[1], dtype=acc_dtype, device=gate.device)  # [H, I]
+    add = torch.zeros_like(fo)
+    for cols, fold_g, fold_u in fold:
+        fg, fu = fold_g.to(acc_dtype), fold_u.to(acc_dtype)
+        add[:, cols] = (torch.bmm(cov, fg) * fg).sum(1) + (torch.bmm(cov, fu) * fu).sum(1)
+        for start in range(0, a.shape[1], token_chunk):
+            rows = slice(start, start + token_chunk)
+            delta = torch.bmm(a[:, rows], fold_g).mul_(coef_g[rows, cols])  # silu'(g)u (p_h·w^g): [H, t, b]
+            delta.addcmul_(torch.bmm(a[:, rows], fold_u), silu[rows, cols])  # + silu(g) (p_h·w^u) = Δ_hk
+            fo[:, cols] += delta.to(acc_dtype).square_().sum(1)  # per token in the model's dtype, summed in fp32
+    acc.fo += fo.double()
+    acc.add += add.double()
+
+
+def _down_weight_norms(next_layer: Any, w_down: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    """‖W^qkv_g (γ' ⊙ w^d_k)‖² for every neuron k and next-layer KV group g: [I, G]."""
+    attn = next_layer.self_attn
+    gamma = next_layer.input_layernorm.weight  # [D]
+    scaled = gamma[:, None] * w_down  # [D, I]
+    hd, per_group, groups = shape.head_dim, shape.heads_per_group, shape.num_kv_groups
+    q = (attn.q_proj.weight @ scaled).view(groups, per_group * hd, -1)  # [G, r*hd, I]
+    k = (attn.k_proj.weight @ scaled).view(groups, hd, -1)  # [G, hd, I]
+    v = (attn.v_proj.weight @ scaled).view(groups, hd, -1)
+    norms = q.double().square().sum(1) + k.double().square().sum(1) + v.double().square().sum(1)  # [G, I]
+    return norms.t()
+
+
+def _rms_inverse(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)  # [T, 1]
+
+
+def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size, cos: torch.Tensor,
+               sin: torch.Tensor, acc: LayerAccumulator, fold: Fold, token_chunk: int, *, last: bool) -> torch.Tensor:
+    """Decoder layer i of the dense forward on one micro-batch's residual x [T, D] (batch_shape: [B, S, D]),
+    adding its up sums and (unless it is the last layer) its down sums α² / r'² to `acc`; returns the
+    residual after the layer. The in-memory pass (blocks outer, layers inner) and the streamed one
+    (`models.affinity.streamed`: layers outer) both run it, so they agree to the bit."""
+    layer: Any = decoder_layers(dense.model)[i]
+    heads_out = dense.attention_heads(i, x.view(1, *batch_shape), cos, sin)[0]  # [T, H*hd]
+    x = x + heads_out @ layer.self_attn.o_proj.weight.t()
+    inv_r = _rms_inverse(x, dense.eps)  # [T, 1]
+    normed = rms_norm(x, layer.post_attention_layernorm.weight, dense.eps)
+    gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
+    up = normed @ layer.mlp.up_proj.weight.t()
+    _accumulate_up(acc, heads_out, inv_r, gate, up, fold, token_chunk)
+    act = F.silu(gate) * up  # [T, I]
+    x = x + act @ layer.mlp.down_proj.weight.t()
+    if not last:  # α² / r'², r' the rms of the residual entering layer i+1
+        act_sq = act.to(sum_dtype(act.dtype)).square()
+        inv = _rms_inverse(x, dense.eps).to(act_sq.dtype)
+        acc.act += (act_sq * inv.square()).sum(0).double()
+    return x
+
+
+@torch.no_grad()
+def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, token_chunk: int = 128,
+                  cache_folds: bool | None = None, neuron_block: int = NEURON_BLOCK,
+                  progress: Progress | None = None,
+                  should_stop: ShouldStop | None = None,
+                  metadata: dict[str, str] | None = None) -> AffinityResult:
+    """Run the dense model over `blocks` [n, S] and return the raw affinity means.
+
+    cache_folds keeps every layer's folded gate/up weights (2·H·hd·I values per layer) across
+    micro-batches instead of refolding per micro-batch; None: cache when there is more than one.
+    """
+    shape = model_shape(model.config)
+    dense = DTPModel(model, devices=1, delta=0)  # L=1: the dense forward, built from explicit parts
+    layers: Any = decoder_layers(model)
+    device = next(model.parameters()).device
+    heads, n_layers = shape.num_query_heads, shape.num_layers
+    accs = [LayerAccumulator(heads, shape.intermediate_size, device) for _ in range(n_layers)]
+    n_blocks = blocks.shape[0]
+    if cache_folds is None:
+        cache_folds = n_blocks > batch_size
+    folds: dict[int, Fold] = {}
+    t0 = time.perf_counter()
+    for start in range(0, n_blocks, batch_size):
+        if should_stop is not None and should_stop():
+            raise Cancelled(f"affinity pass cancelled after {start} of {n_blocks} blocks")
+        ids = blocks[start : start + batch_size].to(device)  # [B, S]
+        emb = model.model.embed_tokens(ids)  # [B, S, D]
+        cos, sin = dense.rotary(ids, emb)
+        x = emb.reshape(-1, emb.shape[-1])  # [T, D] residual stream
+        for i in range(n_layers):
+            fold = folds[i] if i in folds else _fold(layers[i], heads, shape.head_dim, neuron_block)
+            if cache_folds:
+                folds[i] = fold
+            x = layer_step(dense, i, x, emb.shape, cos, sin, accs[i], fold, token_chunk,
+                           last=i == n_layers - 1)
+        if progress is not None:
+            progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
+    tokens = int(blocks.numel())
+    folds.clear()
+    result = _finalise(model, accs, shape, tokens)
+    result.metadata.update(metadata or {})
+    result.metadata["seconds"] = f"{time.perf_counter() - t0:.3f}"
+    return result
+
+
+def layer_terms(acc: LayerAccumulator, layer: Any, next_layer: Any | None, shape: ModelShape, tokens: int
+                ) -> tuple[Any, Any, Any | None]:
+    """Layer i's up (FO, ADD) [G, I] and, when there is a layer i+1, down [I, G'] affinity means: what
+    needs layer i's down_proj and layer i+1's attention weights (the streamed pass's window of two)."""
+    per_group = shape.heads_per_group
+    w_down = layer.mlp.down_proj.weight  # [D, I]
+    down_norm = w_down.double().square().sum(0)  # ‖w^d_k‖²: [I]
+    fo_heads = acc.fo / tokens * down_norm  # [H, I]
+    up_fo = fo_heads.view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy()
+    up_add = (acc.add / tokens).view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy()
+    down = None
+    if next_layer is not None:
+        weight = _down_weight_norms(next_layer, w_down, shape)  # [I, G]
+        down = ((acc.act / tokens)[:, None] * weight).cpu().numpy()
+    return up_fo, up_add, down
+
+
+def _finalise(model: Any, accs: list[LayerAccumulator], shape: ModelShape, tokens: int) -> AffinityResult:
+    layers: Any = decoder_layers(model)
+    up_fo, up_add, down = [], [], []
+    for i, acc in enumerate(accs):
+        next_layer = layers[i + 1] if i < shape.num_layers - 1 else None
+        fo, add, dn = layer_terms(acc, layers[i], next_layer, shape, tokens)
+        up_fo.append(fo)
+        up_add.append(add)
+        if dn is not None:
+            down.append(dn)
+    return AffinityResult(up_fo, up_add, down, tokens, shape)

@@ -1,0 +1,4 @@
+"""A run from its spec: the job spec and its fields (jobspec, fields), the stage list (stage_names,
+stages), the stage bodies (pipeline), the runner the CLI and the worker share (runner), the files a run
+writes (files) and its progress reports (progress).
+"""
