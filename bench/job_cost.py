@@ -37,8 +37,8 @@ from app.core.db import Job, database
 from app.core.errors import SpecError
 from app.core.events import job_events
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import cancel_job, check_spec, submit_job
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import cancel_job, check_spec, submit_job
 from tests.service_kit import CALIB, make_settings, provision, spec
 
 EVAL_DATA = "eval/ids.npy"
@@ -75,7 +75,7 @@ def peak_rss_mib() -> float:
 
 
 def submit_answer(settings: Any, body: dict[str, Any]) -> str:
-    from app.core.budgets import work_tokens
+    from app.core.services.budgets import work_tokens
 
     parsed = JobSpec.model_validate(body)
     t0 = time.perf_counter()

@@ -45,10 +45,10 @@ from app.core.db import Artifact, Job, LayoutRow, Metric, database
 from app.core.events import job_events
 from app.core.jobstate import STAGES
 from app.core.queue import JobQueue
-from app.core.schemas import JobSpec
-from app.core.services import submit_job
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import submit_job
 from app.core.settings import Settings
-from app.core.storage import Storage, sha256_file
+from app.core.storage.root import Storage, sha256_file
 from tests.faults import Faults
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
 from worker.store_sweep import sweep_store

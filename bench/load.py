@@ -174,7 +174,7 @@ class Server:
         from app.core.db import Artifact, Job, LayoutRow, database, utcnow
         from app.core.events import SUBMITTED, record
         from app.core.keys import create_key
-        from app.core.storage import Storage
+        from app.core.storage.root import Storage
 
         db = database(self.settings.database_url)
         storage = Storage(self.settings.storage)

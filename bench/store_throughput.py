@@ -46,7 +46,7 @@ def seed(var: Path, objects: Any, blob: Path, digest: str) -> str:
     """A succeeded job whose one artifact (`blob`) is in `objects`; the API's database under `var`."""
     from app.core.db import Artifact, Job, database, utcnow
     from app.core.migrate import upgrade
-    from app.core.storage import Storage
+    from app.core.storage.root import Storage
 
     var.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{var / 'dtp-layout.db'}"
@@ -111,7 +111,7 @@ def main() -> None:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from app.core.object_store import LocalStore, S3Store
+    from app.core.storage.object_store import LocalStore, S3Store
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}

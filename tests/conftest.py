@@ -99,7 +99,6 @@ class PostgresServer:
 
     def drop_all(self) -> None:
         from app.core import db as app_db
-
         for url, database in list(app_db._databases.items()):
             if any(name in url for name in self.created):
                 database.dispose()

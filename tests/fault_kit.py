@@ -168,7 +168,6 @@ def _user_exists(name: str) -> bool:
 def forget_database(url: str) -> None:
     """Dispose of the process's engine for `url` (its pool holds connections to a server that is gone)."""
     from app.core import db as app_db
-
     database = app_db._databases.pop(url, None)
     if database is not None:
         database.dispose()

@@ -96,7 +96,7 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
     import hashlib
 
     from app.core.db import Artifact, Job, LayoutRow, database, utcnow
-    from app.core.storage import Storage
+    from app.core.storage.root import Storage
 
     db = database(settings.database_url)
     storage = Storage.from_settings(settings)  # the storage root, or the S3 store DTP_LAYOUT_STORAGE_URL names

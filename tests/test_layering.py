@@ -3,7 +3,7 @@
     models      ↛ app, worker
     app.core    ↛ app.api, app.ui, app.cli.main, app.client.http, worker
     app.client.http  ↛ app.api, app.ui, app.cli.main, worker, torch, transformers
-    worker      ↛ app.api, app.ui, app.cli.main, app.client.http, app.core.services (the API's route logic:
+    worker      ↛ app.api, app.ui, app.cli.main, app.client.http, app.core.services.jobs (the API's route logic:
                   the worker reads app/core's domain modules, never the API's service module)
     app.api     ↛ worker, torch, transformers (also through what it imports at module level)
     app.ui      ↛ worker, torch, transformers (likewise)
@@ -28,7 +28,7 @@ FORBIDDEN = {
     "models": ("app", "worker"),
     "app.core": ("app.api", "app.ui", "app.cli.main", "app.client.http", "worker"),
     "app.client.http": ("app.api", "app.ui", "app.cli.main", "worker", "torch", "transformers"),
-    "worker": ("app.api", "app.ui", "app.cli.main", "app.client.http", "app.core.services"),
+    "worker": ("app.api", "app.ui", "app.cli.main", "app.client.http", "app.core.services.jobs"),
     "app.api": ("worker", "torch", "transformers"),
     "app.ui": ("worker", "torch", "transformers"),
 }

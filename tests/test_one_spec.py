@@ -17,7 +17,7 @@ from app.cli.client import build_spec
 from app.cli.main import build_parser
 from app.cli.spec_flags import command_flags, spec_values
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
 from models.run.jobspec import FIELDS, GROUPS, SpecField, command_default
 from tests import browser_kit
 from tests.service_kit import ServeProcess, make_settings, provision

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.core.object_store import ObjectStore
-from app.core.storage import Storage
+from app.core.storage.object_store import ObjectStore
+from app.core.storage.root import Storage
 from models.io.converted import MANIFEST
 
 

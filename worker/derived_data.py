@@ -1,4 +1,4 @@
-"""What a job derives from its tenant's inputs, recorded with its owner (app.core.derived): the
+"""What a job derives from its tenant's inputs, recorded with its owner (app.core.services.derived): the
 converted copy of a GGUF model its loading stage made or reused, the affinity cache entry its affinity
 stage made or reused. Each is needed by the job and, for a converted upload, by the upload too; it is
 counted in the tenant's usage and removed with the last of them."""
@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.core import derived
 from app.core.db import Database
-from app.core.storage import Storage
-from app.core.upload_files import ref_id
+from app.core.services import derived
+from app.core.services.upload_files import ref_id
+from app.core.storage.root import Storage
 from models.io.converted import ConvertedCache
 from models.io.loading import ModelSource
 

@@ -13,7 +13,7 @@ from app.core import events
 from app.core.db import Database, db_now, utcnow
 from app.core.lease import Lease, LeaseLost
 from app.core.settings import Settings
-from app.core.storage import Storage, tenant_scope
+from app.core.storage.root import Storage, tenant_scope
 from worker.device import out_of_memory_message
 from worker.monitor import JobStalled, TimeLimitExceeded
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work

@@ -49,9 +49,9 @@ from app.core import events, logs
 from app.core.db import Database, Job
 from app.core.events import job_log_fields
 from app.core.lease import Lease, LeaseLost
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
+from app.core.services.sources import forget_configs
 from app.core.settings import Settings
-from app.core.sources import forget_configs
 from worker.claiming import claim, requeue_queued, requeue_stale
 from worker.failures import _end, _retry, ended_by, public_error, user_errors
 from worker.metrics import read_metrics_csv, upsert_metrics
@@ -111,7 +111,7 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}" for e in exc.errors()[:5])
             raise ValueError(f"the stored job spec no longer validates: {problems}") from exc
-        from app.core.budgets import work_tokens
+        from app.core.services.budgets import work_tokens
 
         limits = settings.time_limits(work_tokens(spec))
 

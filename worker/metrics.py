@@ -13,7 +13,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from app.core.db import Metric, utcnow
-from app.core.schemas import METRIC_NAMES
+from app.core.schemas.jobs import METRIC_NAMES
 
 
 def read_metrics_csv(path: Path) -> list[dict[str, Any]]:

@@ -25,11 +25,11 @@ from pathlib import Path
 from sqlalchemy import or_, select
 
 from app.core.db import Database, Job, Upload, utcnow
-from app.core.derived import prefixes_known
 from app.core.jobstate import FINISHED
-from app.core.storage import Storage
-from app.core.upload_store import UploadStore
-from app.core.uploads import remove_upload
+from app.core.services.derived import prefixes_known
+from app.core.services.uploads import remove_upload
+from app.core.storage.root import Storage
+from app.core.storage.uploads import UploadStore
 
 log = logging.getLogger("dtp_layout.worker")
 GRACE_S = 600.0  # a local copy younger than this may be a job's, about to be recorded

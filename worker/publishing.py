@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 from app.core import events
 from app.core.db import Artifact, Database, Job, LayoutRow, utcnow
 from app.core.jobstate import DISTILL_SUMMARY
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
-from app.core.storage import Storage, sha256_file
+from app.core.storage.root import Storage, sha256_file
 from models.run.files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
 from models.run.runner import Hooks
 from models.run.stages import AffinityStore
@@ -110,9 +110,9 @@ class Publishing(Hooks):
 
     def reserve(self, paths: list[Path]) -> None:
         """The job's quota reservation raised to cover `paths` before they reach the store: past the
-        tenant's quota the job fails naming it, and nothing of them is published (app.core.usage)."""
+        tenant's quota the job fails naming it, and nothing of them is published (app.core.services.usage)."""
         from app.core.errors import ApiError
-        from app.core.usage import reserve_more
+        from app.core.services.usage import reserve_more
 
         try:
             reserve_more(self.db, settings=self.settings, job_id=self.job_id, tenant=self.owner,

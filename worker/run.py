@@ -20,11 +20,11 @@ from app.core import events, logs
 from app.core.db import Database, Job, utcnow
 from app.core.hub import prepare_model
 from app.core.lease import Lease, LeaseLost
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
+from app.core.services.sources import ModelLocation, SourceError, resolve_data
 from app.core.settings import Settings
-from app.core.sources import ModelLocation, SourceError, resolve_data
-from app.core.storage import Storage, tenant_scope
-from app.core.upload_store import UploadStore
+from app.core.storage.root import Storage, tenant_scope
+from app.core.storage.uploads import UploadStore
 from models.run.runner import run_stages
 from models.run.stages import REPORT_INPUTS, STAGES
 from models.run.stages import build_report as stages_report
@@ -201,7 +201,7 @@ class JobRun(Publishing):
         """Before the job writes anything: its tenant must be under its storage quota (checked at submit
         too; other jobs may have filled it since). Over it, the job fails naming the quota."""
         from app.core.errors import ApiError
-        from app.core.usage import check_quota
+        from app.core.services.usage import check_quota
 
         with self.db.session() as session:
             try:
@@ -213,7 +213,7 @@ class JobRun(Publishing):
     def upload_path(self, ref: str, *, kind: str, field: str) -> Path:
         """A local copy of the job's tenant's upload (the store's own files on a local store): the file of a
         one-file upload, else the directory."""
-        from app.core.uploads import local_path
+        from app.core.services.uploads import local_path
 
         return local_path(db=self.db, store=UploadStore(self.storage), ref=ref, tenant=self.owner, kind=kind,
                           field=field, cache=self.storage.root / "cache" / "uploads")
@@ -230,8 +230,8 @@ class JobRun(Publishing):
         spec = self.spec
         if not spec.model.id.startswith("upload:"):
             return prepare_model(settings=self.settings, spec=spec)
-        from app.core.model_limits import check_model_config
-        from app.core.sources import read_config
+        from app.core.services.model_limits import check_model_config
+        from app.core.services.sources import read_config
 
         location = ModelLocation(path=self.upload_path(spec.model.id, kind="model", field="model.id"))
         config = read_config(location)

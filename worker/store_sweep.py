@@ -21,7 +21,7 @@ from sqlalchemy import select
 
 from app.core.db import Artifact, Database, Job
 from app.core.jobstate import ACTIVE
-from app.core.object_store import LocalStore, ObjectStore
+from app.core.storage.object_store import LocalStore, ObjectStore
 
 log = logging.getLogger("dtp_layout.worker")
 STORE_SWEEP_EVERY_S = 300.0

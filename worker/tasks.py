@@ -13,7 +13,7 @@ queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was 
 STORE_SWEEP_EVERY_S, sweeps the object store (worker.store_sweep: stale multipart uploads, objects no
 artifact row lists) and what no upload or job owns (worker.owned_sweep: expired open uploads, local
 copies). With DTP_LAYOUT_RETENTION_DAYS set, it also removes the artifacts of jobs finished
-longer ago than that (app.core.usage.expire_finished: the rows stay, marked expired).
+longer ago than that (app.core.services.usage.expire_finished: the rows stay, marked expired).
 
 Time limits: the solo pool cannot interrupt a task, so Celery's time limits would be ignored; the
 job's monitor enforces them instead (`Settings.time_limits`, from the job's work tokens): past the
@@ -148,15 +148,15 @@ def sweep_once() -> list[str]:
                     settings.requeue_after_s)
         sent.append(job_id)
     if settings.retention_days > 0:
-        from app.core.storage import Storage
-        from app.core.usage import expire_finished
+        from app.core.services.usage import expire_finished
+        from app.core.storage.root import Storage
 
         expire_finished(db, Storage.from_settings(settings), days=settings.retention_days)
     return sent
 
 
 def sweep_store_once() -> None:
-    from app.core.storage import Storage
+    from app.core.storage.root import Storage
     from worker.owned_sweep import sweep_owned
     from worker.store_sweep import sweep_store
 

@@ -1,6 +1,6 @@
 """Upload completions are checked off the threads that answer requests, a bounded number at once.
 
-Completing an upload assembles its files and reads what they hold (app.core.upload_checks: in a child
+Completing an upload assembles its files and reads what they hold (app.core.services.upload_checks: in a child
 process, for up to DTP_LAYOUT_UPLOAD_CHECK_TIMEOUT_S). Run on the route threads, as many hostile
 completions as API threads would leave no thread for another tenant's `GET /v1/jobs` or `/healthz`.
 Here each completion holds a slot: at most DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT of one tenant's (more

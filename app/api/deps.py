@@ -30,7 +30,7 @@ from app.core.caller import Caller
 from app.core.db import Database
 from app.core.queue import JobQueue
 from app.core.settings import Settings
-from app.core.storage import Storage
+from app.core.storage.root import Storage
 
 P = ParamSpec("P")
 R = TypeVar("R")

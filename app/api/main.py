@@ -2,7 +2,7 @@
 
 The routes live in `app/api/routers/` (one module per resource) and take their settings, database
 session, storage, queue and calling tenant as dependencies (`app/api/deps.py`); what they do is in
-`app/core/services.py`. This process never imports torch or `worker/`: jobs are enqueued by task name
+`app/core/services/jobs.py`. This process never imports torch or `worker/`: jobs are enqueued by task name
 through `app/core/queue.py`. Run it with `dtp-layout serve` (embedded default) or
 `uvicorn app.api.main:create_app --factory`.
 """
@@ -25,13 +25,13 @@ from app.api.ratelimit import RateLimiter
 from app.api.routers import health, uploads, v1_router
 from app.core import logs
 from app.core.db import database
-from app.core.job_stats import CachedStats, job_stats
 from app.core.jobstate import STAGES
 from app.core.keys import KeyRing
 from app.core.queue import JobQueue
+from app.core.services.job_stats import CachedStats, job_stats
+from app.core.services.upload_checks import start_checker
 from app.core.settings import Settings, get_settings
-from app.core.storage import Storage
-from app.core.upload_checks import start_checker
+from app.core.storage.root import Storage
 from app.ui.docs.router import router as docs_router
 from app.ui.router import router as ui_router
 

@@ -2,7 +2,7 @@
 
 - this API process's own: requests by route and status, latency, 5xx answers, unhandled exceptions,
   submissions, rejections, artifact bytes (observed by `app/api/request_context.py` and the routes);
-- the jobs', read from the database at scrape time (`app/core/job_stats.py`), so that they hold for any
+- the jobs', read from the database at scrape time (`app/core/services/job_stats.py`), so that they hold for any
   number of workers and API processes: jobs per status, the oldest queued job's age, retries,
   requeues and stage durations.
 
@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from app.core.job_stats import STAGE_BUCKETS, JobStats
+from app.core.services.job_stats import STAGE_BUCKETS, JobStats
 
 log = logging.getLogger(__name__)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

@@ -169,7 +169,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from app.api import http_timeouts
         from app.core import logs
-
         uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     log_config=None if settings.log_format == "json" else logs.one_line_config(LOGGING_CONFIG),
                     http=http_timeouts.protocol(settings.header_timeout_s))

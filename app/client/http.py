@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from app.core.jobstate import FINISHED
-from app.core.storage import sha256_file
+from app.core.storage.root import sha256_file
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRIES_WHEN_TOLD = 5  # 429 / 503 answers with a Retry-After

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from app.client.http import ClientError, LayoutClient, _segment
-from app.core.storage import CHUNK
+from app.core.storage.root import CHUNK
 
 PART_RETRIES = 3
 

@@ -118,7 +118,7 @@ class Job(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime)
     expired_reason: Mapped[str | None] = mapped_column(String(16))
     # The artifact bytes the job holds against its tenant's quota while queued or running (migration
-    # 0007): estimated at submit, raised by the worker before it publishes more (app.core.usage).
+    # 0007): estimated at submit, raised by the worker before it publishes more (app.core.services.usage).
     reserved_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     layouts: Mapped[list[LayoutRow]] = relationship(back_populates="job", cascade="all, delete-orphan",

@@ -15,9 +15,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
+from app.core.services.sources import (
+    MAX_CONFIG_BYTES,
+    ModelLocation,
+    SourceError,
+    read_config,
+    read_gguf_config,
+    resolve_model,
+)
 from app.core.settings import Settings
-from app.core.sources import MAX_CONFIG_BYTES, ModelLocation, SourceError, read_config, read_gguf_config, resolve_model
 from models.io.gguf_header import GGUFError, GGUFLimits
 
 SNAPSHOT_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]  # never pickles
@@ -53,7 +60,7 @@ def dataset_problem(settings: Settings, source: str) -> str | None:
 
 
 class ModelRefused(SourceError):
-    """The model's config breaks the server's limits (app.core.model_limits)."""
+    """The model's config breaks the server's limits (app.core.services.model_limits)."""
 
 
 def bounded_gguf_config(path: Path, limits: GGUFLimits) -> dict[str, Any]:
@@ -89,7 +96,7 @@ def prepare_model(*, settings: Settings, spec: JobSpec) -> ModelLocation:
     """Where the worker loads the job's model from, after the checks the API made at submit (run again:
     the model root, the hub and the settings may have changed since). Raises SourceError (a ValueError)
     naming the problem; a hub model comes back as its snapshot directory in the HF cache."""
-    from app.core.model_limits import check_model_config
+    from app.core.services.model_limits import check_model_config
 
     def check(config: dict[str, Any]) -> None:
         if problems := check_model_config(config, spec=spec, settings=settings):

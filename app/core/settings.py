@@ -46,7 +46,7 @@ class Settings(BaseSettings):
                                          "uploads live in this S3-compatible store (endpoint and credentials from "
                                          "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION); "
                                          "empty: the STORAGE_ROOT directory, shared by the API and its workers "
-                                         "(app/core/object_store.py)")
+                                         "(app/core/storage/object_store.py)")
     storage_redirect: bool = Field(default=False, description="S3 store only: artifact downloads answer 307 to a "
                                                               "presigned URL of the object (expiring after "
                                                               "PRESIGN_EXPIRY_S) instead of streaming it through "
@@ -87,7 +87,8 @@ class Settings(BaseSettings):
                                                                  "limit applies")
     max_active_jobs: int = Field(default=4, ge=1, description="queued + running jobs per tenant; more is 429 with "
                                                               "Retry-After")
-    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens (app.core.budgets: calibration, "
+    max_active_tokens: int = Field(default=1 << 29, ge=1, description="work tokens "
+                                   "(app.core.services.budgets: calibration, "
                                                                       "distillation training and evaluation, layout "
                                                                       "work) of a tenant's active jobs; more is 429 "
                                                                       "(one job alone past it: 422)")
@@ -240,9 +241,9 @@ class Settings(BaseSettings):
                                                                    "with the reason. The hard limit is 10% + "
                                                                    "TIME_LIMIT_GRACE_S more (the worker process is "
                                                                    "then killed and restarted)")
-    time_limit_per_mtoken_s: float = Field(default=600.0, ge=0, description="seconds added to a job's time limit per "
-                                                                            "million work tokens (app.core.budgets: "
-                                                                            "every unit of work the spec asks for)")
+    time_limit_per_mtoken_s: float = Field(
+        default=600.0, ge=0, description="seconds added to a job's time limit per million work tokens "
+                                         "(app.core.services.budgets: every unit of work the spec asks for)")
     time_limit_max_s: float = Field(default=172800.0, gt=0, description="upper bound of a job's soft time limit "
                                                                         "(48 h)")
     time_limit_grace_s: float = Field(default=60.0, ge=0, description="the hard time limit is the soft one + 10% + "
@@ -284,7 +285,7 @@ class Settings(BaseSettings):
     @classmethod
     def _storage_url(cls, value: str) -> str:
         """A malformed s3:// URL stops the process at start, naming the accepted form."""
-        from app.core.object_store import parse_url
+        from app.core.storage.object_store import parse_url
 
         value = value.strip()
         if value:
@@ -343,7 +344,7 @@ class Settings(BaseSettings):
                            timeout_setting="DTP_LAYOUT_UPLOAD_CHECK_TIMEOUT_S", nice=10)
 
     def time_limits(self, work_tokens: int) -> tuple[float, float]:
-        """(soft, hard) seconds for one run of a job of `work_tokens` (app.core.budgets.work_tokens)."""
+        """(soft, hard) seconds for one run of a job of `work_tokens` (app.core.services.budgets.work_tokens)."""
         soft = min(self.time_limit_max_s, self.time_limit_s + self.time_limit_per_mtoken_s * work_tokens / 1e6)
         return soft, soft * 1.1 + self.time_limit_grace_s
 

@@ -22,7 +22,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 
 from app.api.deps import CallerDep
-from app.core.sources import SourceError, resolve_model
+from app.core.services.sources import SourceError, resolve_model
 
 router = APIRouter(include_in_schema=False)
 

@@ -1,7 +1,7 @@
 """A job's parameters, declared once: every field of a job spec with its kind, default, bounds, help and
 command-line flags (models/run/fields.py's FieldRule, as the distillation recipe declares its own).
 
-Generated from this table, never restated: the API's request models (app/core/schemas.py), the flags of
+Generated from this table, never restated: the API's request models (app/core/schemas/jobs.py), the flags of
 `dtp-layout optimise` and `distill` and of `dtp-layout client submit` (app/cli/spec_flags.py), and the
 dashboard form's fields, choices and defaults (served by GET /v1/spec). `distill.recipe.*` are the
 recipe's own rules (models/distill/recipe.py). tests/test_one_spec.py checks that every field reaches

@@ -1,6 +1,6 @@
 """`hf:` sources offline, through the code that reads a hub dataset: a small dataset written into a
 temporary Hugging Face datasets cache (the layout a dataset loaded once leaves behind), read with the
-hub offline by `app.core.sources` + `models.data.calibration` (text field, split, streaming)."""
+hub offline by `app.core.services.sources` + `models.data.calibration` (text field, split, streaming)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def recording(*args, **kwargs):
     return result
 datasets.load_dataset = recording
 
-from app.core.sources import resolve_data
+from app.core.services.sources import resolve_data
 from models.data.calibration import CalibrationSpec, DataError, load_blocks
 
 class Bytes:  # a tokenizer: one id per byte, EOS 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.model_limits import upload_config_problems
+from app.core.services.model_limits import upload_config_problems
 from models.families.defaults import FAMILY_DEFAULTS, parameter_count, with_family_defaults
 from tests.service_kit import make_settings
 

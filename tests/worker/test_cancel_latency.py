@@ -25,8 +25,8 @@ from app.core.caller import OPEN
 from app.core.db import Job, Metric, database
 from app.core.events import job_events
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import cancel_job, submit_job
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import cancel_job, submit_job
 from tests.faults import Faults
 from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for, worker_settings
 from worker.jobs import run_job

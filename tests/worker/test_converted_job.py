@@ -15,9 +15,9 @@ from app.core.caller import Caller
 from app.core.db import LayoutRow, database
 from app.core.events import job_events
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import submit_job
-from app.core.storage import Storage, tenant_scope
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import submit_job
+from app.core.storage.root import Storage, tenant_scope
 from models.io.converted import MANIFEST
 from tests.service_kit import make_settings, provision, spec
 from tests.tiny import GGUF_TINY, tiny_gguf

@@ -1,6 +1,6 @@
 """Data derived from a tenant's uploads and jobs is owned, counted and removed with its last owner.
 
-- app.core.derived on SQLite and Postgres, with the local store and S3 (moto's ThreadedMotoServer): an
+- app.core.services.derived on SQLite and Postgres, with the local store and S3 (moto's ThreadedMotoServer): an
   entry needed by an upload and a job stays until both are gone, then leaves the store; usage counts
   it by kind until then; the retention sweep releases a job's needs as DELETE does.
 - End to end (a real worker process, Postgres, Redis, the S3 store, the API in this process): a tenant
@@ -23,12 +23,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
-from app.core import derived
 from app.core.db import DerivedData, Job, database
 from app.core.migrate import upgrade
-from app.core.object_store import LocalStore
-from app.core.storage import Storage
-from app.core.usage import expire_finished, used_bytes
+from app.core.services import derived
+from app.core.services.usage import expire_finished, used_bytes
+from app.core.storage.object_store import LocalStore
+from app.core.storage.root import Storage
 from tests.service_kit import WorkerProcess, make_settings, seed_finished_job, spec, wait_for, worker_settings
 from worker.owned_sweep import sweep_owned
 

@@ -12,8 +12,8 @@ from app.core.db import Job, JobEvent, database
 from app.core.events import device as job_device
 from app.core.events import job_events
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import job_view, submit_job
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import job_view, submit_job
 from models.io.loading import ModelLoadError
 from tests.service_kit import make_settings, provision, spec
 from worker import device as D

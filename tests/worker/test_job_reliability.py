@@ -16,8 +16,8 @@ from sqlalchemy import func, select, update
 from app.core.caller import OPEN
 from app.core.db import Job, LayoutRow, Metric, database, db_now
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import submit_job
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import submit_job
 from tests.service_kit import job_history, make_settings, provision, spec
 from worker import failures, metrics, publishing
 from worker import run as job_run
@@ -143,7 +143,7 @@ def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
 def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage, inject_faults):
-    from app.core.services import cancel_job
+    from app.core.services.jobs import cancel_job
 
     inject_faults(hang_stage=stage)
     settings = sqlite_settings(tmp_path, lease_s=3.0)

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from app.api.main import create_app
 from app.core.db import Artifact, LayoutRow, database
-from app.core.storage import Storage, sha256_file
+from app.core.storage.root import Storage, sha256_file
 from tests.faults import Faults
 from tests.service_kit import WorkerProcess, spec, wait_for, worker_settings
 

@@ -13,9 +13,9 @@ from app.core.caller import OPEN
 from app.core.db import Artifact, Job, LayoutRow, database
 from app.core.events import job_events
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import job_view, submit_job
-from app.core.storage import Storage
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import job_view, submit_job
+from app.core.storage.root import Storage
 from models.run.files import kind_of
 from tests.service_kit import make_settings, provision, spec
 from worker.jobs import run_job

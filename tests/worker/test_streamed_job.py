@@ -12,9 +12,9 @@ from sqlalchemy import select
 from app.core.caller import OPEN
 from app.core.db import Artifact, database
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import submit_job
-from app.core.storage import Storage
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import submit_job
+from app.core.storage.root import Storage
 from models.streaming.layer_source import StreamedModel
 from models.streaming.memory_plan import plan_memory
 from tests.service_kit import TINY_MODEL, job_history, make_settings, provision, spec

@@ -1,7 +1,7 @@
 """/v1/jobs/{job_id}/artifacts: a job's files, listed and downloaded (Range, ETag / If-None-Match, Digest).
 
 Names are looked up in the database, never joined onto a path; the object is verified against its row
-(app.core.storage.Storage.open_verified) and streamed in chunks from the store (the local directory or
+(app.core.storage.root.Storage.open_verified) and streamed in chunks from the store (the local directory or
 S3). With DTP_LAYOUT_STORAGE_REDIRECT and the S3 store, a verified GET answers 307 to a presigned URL of
 the object instead (expiring after PRESIGN_EXPIRY_S; the client and browsers follow it, sending their
 Range again)."""
@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response, Streamin
 from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, StorageDep, releases_session
 from app.api.errors import responses
 from app.api.metrics import Metrics
-from app.core import services
 from app.core.db import Artifact
 from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable, StoreUnreachable
-from app.core.object_store import ObjectChanged
-from app.core.schemas import ArtifactList, ArtifactOut
-from app.core.storage import DamagedFile, Storage, StoreUnavailable, VerifiedObject
+from app.core.schemas.jobs import ArtifactList, ArtifactOut
+from app.core.services import jobs as services
+from app.core.storage.object_store import ObjectChanged
+from app.core.storage.root import DamagedFile, Storage, StoreUnavailable, VerifiedObject
 from models.run.files import artifact_spec
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ from app.api.deps import (
     releases_session,
 )
 from app.api.errors import responses
-from app.core import events, services
+from app.core import events
 from app.core.db import JobEvent
 from app.core.errors import SpecError
-from app.core.schemas import (
+from app.core.schemas.jobs import (
     EXAMPLE_DISTILL_SPEC,
     EXAMPLE_HUB_SPEC,
     EXAMPLE_SPEC,
@@ -40,6 +40,7 @@ from app.core.schemas import (
     OwnerFilter,
     Status,
 )
+from app.core.services import jobs as services
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

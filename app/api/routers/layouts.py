@@ -8,8 +8,8 @@ from fastapi import APIRouter, Path
 
 from app.api.deps import BaseUrl, CallerDep, DbDep
 from app.api.errors import responses
-from app.core import services
-from app.core.schemas import LayoutList, LayoutSummary
+from app.core.schemas.jobs import LayoutList, LayoutSummary
+from app.core.services import jobs as services
 from models.layouts.format import LAYOUT_FORMAT
 
 router = APIRouter(prefix="/jobs/{job_id}/layouts", tags=["layouts"])

@@ -9,8 +9,8 @@ from fastapi import APIRouter
 
 from app.api.deps import CallerDep, SettingsDep
 from app.api.errors import responses
-from app.core.schemas import SpecInfo
-from app.core.spec_info import spec_info
+from app.core.schemas.jobs import SpecInfo
+from app.core.services.spec_info import spec_info
 
 router = APIRouter(tags=["jobs"])
 

@@ -30,12 +30,12 @@ from starlette.requests import ClientDisconnect
 from app.api.check_slots import CheckSlots
 from app.api.deps import BaseUrl, CallerDep, DbDep, SessionDep, SettingsDep, StorageDep, releases_session
 from app.api.errors import responses
-from app.core import uploads
 from app.core.errors import SpecError
-from app.core.schemas import INT32_MAX
-from app.core.storage import Storage
-from app.core.upload_schemas import UploadIn, UploadList, UploadOut
-from app.core.upload_store import PartsExpired, UploadStore
+from app.core.schemas.jobs import INT32_MAX
+from app.core.schemas.uploads import UploadIn, UploadList, UploadOut
+from app.core.services import uploads
+from app.core.storage.root import Storage
+from app.core.storage.uploads import PartsExpired, UploadStore
 
 router = APIRouter(prefix="/uploads", tags=["uploads"])
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter
 
 from app.api.deps import CallerDep, DbDep, SettingsDep
 from app.api.errors import responses
-from app.core.upload_schemas import UsageOut
-from app.core.usage import usage as tenant_usage
+from app.core.schemas.uploads import UsageOut
+from app.core.services.usage import usage as tenant_usage
 
 router = APIRouter(tags=["uploads"])
 

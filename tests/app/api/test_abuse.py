@@ -211,8 +211,8 @@ def test_every_unit_of_work_is_counted_at_submit(base):
     """Evaluation (every cadence, run and block) and layout work (optimiser starts, layouts scored)
     count in the job's work tokens: 10¹⁰ evaluation tokens are 422 naming DTP_LAYOUT_MAX_EVAL_TOKENS,
     fast; a job whose whole count no tenant may hold is 422 naming DTP_LAYOUT_MAX_ACTIVE_TOKENS."""
-    from app.core.budgets import LAYOUT_SCORE_TOKENS, LAYOUT_START_TOKENS, job_work
-    from app.core.schemas import JobSpec
+    from app.core.schemas.jobs import JobSpec
+    from app.core.services.budgets import LAYOUT_SCORE_TOKENS, LAYOUT_START_TOKENS, job_work
 
     hostile = spec(random_layouts=0, ablations=False, export=False, distill=EVAL_HEAVY)
     work = job_work(JobSpec.model_validate(hostile))
@@ -245,8 +245,8 @@ def test_every_unit_of_work_is_counted_at_submit(base):
 
 
 def test_active_jobs_and_work_tokens_per_tenant_are_429_with_retry_after(base):
-    from app.core.budgets import work_tokens
-    from app.core.schemas import JobSpec
+    from app.core.schemas.jobs import JobSpec
+    from app.core.services.budgets import work_tokens
 
     # Work tokens of each job: its calibration and its layout work (one optimiser start, two layouts scored).
     small = spec(calibration={"sequences": 8, "seq_len": 32}, ablations=False, random_layouts=1, restarts=0)

@@ -14,10 +14,10 @@ import os
 import pytest
 from fastapi.testclient import TestClient
 
-import app.core.storage as storage_module
+import app.core.storage.root as storage_module
 from app.api.main import create_app
 from app.core.migrate import upgrade
-from app.core.storage import Storage
+from app.core.storage.root import Storage
 from tests.service_kit import make_settings, seed_finished_job
 
 

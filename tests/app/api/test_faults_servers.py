@@ -84,7 +84,6 @@ def stack(tmp_path_factory):
 
 def _engines() -> Any:
     from app.core import db as app_db
-
     return app_db._databases
 
 

@@ -229,8 +229,8 @@ def test_a_tokenizer_that_panics_on_the_jobs_text_fails_the_job_once_naming_the_
 
     from app.core.caller import Caller
     from app.core.db import Job
-    from app.core.schemas import JobSpec
-    from app.core.services import submit_job
+    from app.core.schemas.jobs import JobSpec
+    from app.core.services.jobs import submit_job
     from tests.service_kit import spec
     from tests.tiny import tiny_model
     from worker.jobs import run_job

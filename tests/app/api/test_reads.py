@@ -22,9 +22,9 @@ from app.api.main import create_app
 from app.core.db import database
 from app.core.keys import create_key
 from app.core.migrate import upgrade
+from app.core.services.sources import SourceError, resolve_data
 from app.core.settings import Settings
-from app.core.sources import SourceError, resolve_data
-from app.core.storage import tenant_scope
+from app.core.storage.root import tenant_scope
 from models.data.calibration import CalibrationSpec, DataError, load_blocks
 from models.io.assets import CORPORA, corpus_available, smollm2_gguf
 from tests.app.conftest import api_keys_setting
@@ -160,8 +160,7 @@ def test_a_corpus_the_workers_do_not_have_is_422_naming_it(idle_api, tmp_path, m
 def test_the_gguf_metadata_cache_is_per_tenant(idle_api, tmp_path, capsys):
     """Reading a GGUF's metadata takes seconds, so the API caches it; per tenant, or a submit answered at
     once would tell a tenant that another named this model."""
-    from app.core import sources
-
+    from app.core.services import sources
     api = idle_api(api_keys=api_keys_setting({"alice": "alice-key-0123456789abcdef",
                                               "bob": "bob-key-0123456789abcdef"}))
     model_root = tmp_path / "var" / "models"

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.api.main import create_app
 from app.core.db import Artifact, Job, Metric, database
-from app.core.storage import Storage
+from app.core.storage.root import Storage
 from tests.service_kit import CALIB, TINY_MODEL, make_settings, provision, seed_finished_job, spec
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 
 from app.api.main import create_app
 from app.core.migrate import upgrade
-from app.core.schemas import DistillJobSpec, JobSpec
-from app.core.spec_info import data_catalogue, spec_info
+from app.core.schemas.jobs import DistillJobSpec, JobSpec
+from app.core.services.spec_info import data_catalogue, spec_info
 from models.distill.recipe import DistillRecipe
 from models.io.assets import available_corpora
 from tests.app.conftest import api_keys_setting
@@ -90,9 +90,9 @@ def test_the_data_root_lists_only_plain_names_inside_it(tmp_path):
 
 def test_an_uninstalled_corpus_is_never_the_example(settings, monkeypatch):
     """Where the example's corpus is missing, the example takes the first source this server has."""
-    import app.core.spec_info
+    import app.core.services.spec_info
 
-    monkeypatch.setattr(app.core.spec_info, "available_corpora", lambda: [])
+    monkeypatch.setattr(app.core.services.spec_info, "available_corpora", lambda: [])
     info = spec_info(settings=settings)
     assert [s["source"] for s in info["sources"]] == [CALIB]
     assert info["example"]["calibration"]["source"] == CALIB

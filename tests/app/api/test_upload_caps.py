@@ -21,7 +21,7 @@ from app.api.main import create_app
 from app.core.db import Upload, database
 from app.core.keys import create_key
 from app.core.migrate import upgrade
-from app.core.storage import Storage
+from app.core.storage.root import Storage
 from tests.app.api.test_uploads import PART, Objects, declare, send_all
 from tests.service_kit import make_settings, provision
 from worker.owned_sweep import expire_open_uploads

@@ -20,8 +20,8 @@ from app.api.main import create_app
 from app.core.db import Job, database
 from app.core.keys import create_key
 from app.core.migrate import upgrade
-from app.core.storage import Storage
-from app.core.usage import expire_finished
+from app.core.services.usage import expire_finished
+from app.core.storage.root import Storage
 from tests.service_kit import make_settings, provision, seed_finished_job, seed_job, spec
 
 # (database, store): the store is the storage root, or an S3 bucket on moto's ThreadedMotoServer

@@ -567,7 +567,7 @@ def test_submit_flags_for_the_export_dtype_and_overlap():
         return build_spec(build_parser().parse_args(["client", "submit", "--model", "m", "-L", "2", "--calib",
                                                      "corpus:shakespeare", *flags]))
 
-    from app.core.schemas import JobSpec
+    from app.core.schemas.jobs import JobSpec
 
     # a flag sends what it says; the server fills in the rest of the block
     sent = spec("--export-dtype", "bfloat16", "--no-shards")

@@ -13,8 +13,8 @@ from app.core import events
 from app.core.caller import OPEN
 from app.core.db import Job, JobEvent, database
 from app.core.migrate import upgrade
-from app.core.schemas import JobSpec
-from app.core.services import submit_job
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import submit_job
 from tests.service_kit import make_settings, provision, spec
 
 

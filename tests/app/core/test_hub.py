@@ -10,10 +10,10 @@ import pytest
 
 from app.core.errors import SpecError
 from app.core.hub import ModelRefused, allowed, prepare_model
-from app.core.schemas import JobSpec
-from app.core.services import check_spec
+from app.core.schemas.jobs import JobSpec
+from app.core.services.jobs import check_spec
+from app.core.services.sources import SourceError
 from app.core.settings import Settings
-from app.core.sources import SourceError
 
 CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 64, "hidden_size": 32, "vocab_size": 50, "max_position_embeddings": 128}

@@ -153,7 +153,7 @@ def _job_events_0005_up_and_down(url: str) -> None:
     from sqlalchemy.orm import Session
 
     from app.core.events import job_events
-    from app.core.services import job_view
+    from app.core.services.jobs import job_view
 
     upgrade(url, "0004")
     engine = create_engine(url)

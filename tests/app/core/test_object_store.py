@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.object_store import (
+from app.core.storage.object_store import (
     MIN_PART_BYTES,
     BadPart,
     LocalStore,

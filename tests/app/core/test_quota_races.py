@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
-from app.core.artifact_estimate import SMALL_FILES_BYTES
 from app.core.db import Job, database
 from app.core.errors import ApiError
 from app.core.keys import create_key
 from app.core.migrate import upgrade
-from app.core.usage import reserve_more, used_bytes
+from app.core.services.artifact_estimate import SMALL_FILES_BYTES
+from app.core.services.usage import reserve_more, used_bytes
 from tests.service_kit import delete_jobs, make_settings, provision, seed_job, spec
 
 DATABASES = [pytest.param("postgres", marks=[pytest.mark.postgres], id="postgres"), pytest.param("sqlite", id="sqlite")]
@@ -131,9 +131,9 @@ def test_a_job_that_would_pass_the_quota_is_429_at_submit(world):
     """The issue's case: at 1.5 MB of 2 MB a job went to 126 % through its artifacts. Now its expected
     artifacts (the tiny model's affinity twice, an exported checkpoint, 1 MiB of reports) are reserved
     at submit: 429 naming them."""
-    from app.core.artifact_estimate import expected_artifact_bytes
-    from app.core.schemas import JobSpec
-    from app.core.sources import read_config, resolve_model
+    from app.core.schemas.jobs import JobSpec
+    from app.core.services.artifact_estimate import expected_artifact_bytes
+    from app.core.services.sources import read_config, resolve_model
 
     settings, client, h = world
     held = client.post("/v1/uploads", json=_declaration(1_500_000), headers=h)
@@ -151,9 +151,9 @@ def test_a_job_that_would_pass_the_quota_is_429_at_submit(world):
 
 
 def test_a_gguf_jobs_reservation_holds_its_converted_copy():
-    from app.core.artifact_estimate import affinity_bytes, expected_artifact_bytes
-    from app.core.model_limits import parameter_count
-    from app.core.schemas import JobSpec
+    from app.core.schemas.jobs import JobSpec
+    from app.core.services.artifact_estimate import affinity_bytes, expected_artifact_bytes
+    from app.core.services.model_limits import parameter_count
 
     config = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "intermediate_size": 256, "vocab_size": 1000}

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.core.model_limits import check_config
-from app.core.schemas import ABLATION_LAYOUTS, CalibrationIn, DistillRecipeIn, JobSpec
+from app.core.schemas.jobs import ABLATION_LAYOUTS, CalibrationIn, DistillRecipeIn, JobSpec
+from app.core.services.model_limits import check_config
+from app.core.services.sources import SourceError, resolve_data, resolve_model, resolve_under
 from app.core.settings import Settings
-from app.core.sources import SourceError, resolve_data, resolve_model, resolve_under
 
 
 def test_resolve_under_refuses_escapes(tmp_path):
@@ -84,7 +84,7 @@ def test_cached_hub_config_is_checked_at_submit(tmp_path, monkeypatch):
 
     import huggingface_hub.constants as hub_constants
 
-    from app.core.services import SpecError, check_spec
+    from app.core.services.jobs import SpecError, check_spec
 
     snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123456789abcdef"
     snapshot.mkdir(parents=True)

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from app.api.main import create_app
 from app.core.db import JobEvent
 from app.core.migrate import upgrade
-from app.core.timeline import stage_timeline
+from app.core.services.timeline import stage_timeline
 from app.ui.router import CSP, model_catalogue, static_assets
 from tests.app.conftest import api_keys_setting
 from tests.service_kit import TINY_MODEL, make_settings, provision

@@ -1,7 +1,7 @@
 """`GET /v1/spec`: what a job may leave out and what this server can read, for the dashboard's form and
 for anyone writing a spec by hand.
 
-The defaults are read off the request models (`app.core.schemas.field_defaults`, themselves generated from
+The defaults are read off the request models (`app.core.schemas.jobs.field_defaults`, themselves generated from
 the one declaration, models/run/jobspec.py, whose every field `fields` lists), the corpora off
 `models.io.assets.available_corpora` (what this install has, not what the code knows of), the data root
 off the disk. The example is the API's first example with its calibration source swapped for one this
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.jobstate import STAGES, STATUSES
-from app.core.schemas import (
+from app.core.schemas.jobs import (
     EXAMPLE_DISTILL_SPEC,
     EXAMPLE_SPEC,
     DistillJobSpec,
@@ -24,8 +24,8 @@ from app.core.schemas import (
     field_defaults,
     required_fields,
 )
+from app.core.services.sources import check_name
 from app.core.settings import Settings
-from app.core.sources import check_name
 from models.affinity.names import SCORES
 from models.io.assets import CORPORA, available_corpora
 from models.layouts.names import RANDOM_SEED_BASE

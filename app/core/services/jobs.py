@@ -19,8 +19,7 @@ from typing import Any
 from sqlalchemy import Select, delete, func, select, text
 from sqlalchemy.orm import Session
 
-from app.core import budgets, derived, events, hub, logs, usage
-from app.core.artifact_estimate import expected_artifact_bytes
+from app.core import events, hub, logs
 from app.core.caller import Caller
 from app.core.db import (
     FINISHED,
@@ -37,10 +36,11 @@ from app.core.db import (
 )
 from app.core.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
 from app.core.jobstate import DISTILL_SUMMARY
-from app.core.model_limits import check_model_config
-from app.core.schemas import METRIC_NAMES, JobSpec
-from app.core.settings import Settings
-from app.core.sources import (
+from app.core.schemas.jobs import METRIC_NAMES, JobSpec
+from app.core.services import budgets, derived, usage
+from app.core.services.artifact_estimate import expected_artifact_bytes
+from app.core.services.model_limits import check_model_config
+from app.core.services.sources import (
     SourceError,
     affinity_schedule,
     fingerprint,
@@ -49,9 +49,10 @@ from app.core.sources import (
     resolve_model,
     submit_corpora,
 )
-from app.core.storage import DamagedFile, Storage
-from app.core.timeline import stage_timeline
-from app.core.uploads import resolve_ref
+from app.core.services.timeline import stage_timeline
+from app.core.services.uploads import resolve_ref
+from app.core.settings import Settings
+from app.core.storage.root import DamagedFile, Storage
 from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import canonical_layout_name
 
@@ -179,7 +180,7 @@ def distill_problems(*, settings: Settings, spec: JobSpec,
 def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: Caller,
                enqueue: Callable[[str], None], request_id: str | None = None) -> Job:
     """Check the spec (422), the tenant's capacity (429) and quota with the job's expected artifacts reserved
-    (429 `storage_quota`: app.core.artifact_estimate), record the job and enqueue it (503 when the
+    (429 `storage_quota`: app.core.services.artifact_estimate), record the job and enqueue it (503 when the
     broker cannot take it within a few seconds: the job is then withdrawn, as if never submitted). The
     request's id goes into the job's `submitted` event."""
     def uploads(ref: str, kind: str, field: str) -> Any:

@@ -1,16 +1,16 @@
 """The artifact bytes a job is expected to publish, reserved against its tenant's quota at submit
-(app.core.usage: a job that would pass the quota is 429 before it runs). The worker raises the
+(app.core.services.usage: a job that would pass the quota is 429 before it runs). The worker raises the
 reservation before each publish when the files turn out larger (usage.reserve_more), so a job never
 publishes past the quota whatever this estimate says; the estimate only makes the refusal early.
 
 From the model's config (when the API can read it without downloading weights) and the spec:
 
 - affinity.safetensors: up_fo, up_add [G, I] and down [I, G] per layer, float64: 3 × N × G × I × 8,
-  twice (the job's artifact and the tenant's cache entry, app.core.derived);
+  twice (the job's artifact and the tenant's cache entry, app.core.services.derived);
 - export: the checkpoint and the rank shards each hold every parameter once, at the export dtype
   (auto: the model's dtype; float32 assumed, the largest);
 - report.json, layouts, distillation summary, metrics and curves: SMALL_FILES_BYTES;
-- a GGUF model's converted copy (app.core.derived; made once per tenant and model, reserved by every
+- a GGUF model's converted copy (app.core.services.derived; made once per tenant and model, reserved by every
   job that loads one: the reservation ends with the job, the copy is then counted as `converted`).
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.core.model_limits import parameter_count
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
+from app.core.services.model_limits import parameter_count
 from models.io.ids import DTYPE_BYTES
 
 SMALL_FILES_BYTES = 1 << 20  # report.json (tens of KiB), summary.json, metrics.csv, curves.png (~100 KiB)

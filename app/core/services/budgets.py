@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from app.core.db import Job
 from app.core.errors import TooManyRequests
 from app.core.jobstate import ACTIVE
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from models.distill.recipe import DistillRecipe
 from models.layouts.set import Variant, ablation_variants, restarts_used

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, TypeGuard
 
-from app.core.schemas import JobSpec
+from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from models.families.defaults import parameter_count, with_family_defaults
 
@@ -58,7 +58,7 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int,
                  schedule: str | None = None) -> list[tuple[str, str]]:
     """(field, message) for every reason the job would fail its loading stage: the dimension limits,
     then the messages `models.families` and `models.layouts.layout` raise there."""
-    from app.core.sources import config_namespace
+    from app.core.services.sources import config_namespace
     from models.families import family_for_config, model_shape
     from models.layouts.format import LayoutError
     from models.layouts.layout import check_delta, check_devices
@@ -128,7 +128,7 @@ def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Setti
 def memory_problems(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """The job under its memory limit (its max_memory, else the worker's): it streams when the model would
     not fit (models.streaming.memory_plan); a job that cannot fit even streamed is refused now, naming its need."""
-    from app.core.sources import config_namespace
+    from app.core.services.sources import config_namespace
     from models.io.sizes import SizeError
     from models.streaming.memory_plan import MemoryLimitError, plan_memory
 
@@ -154,7 +154,7 @@ def memory_problems(config: dict[str, Any], *, spec: JobSpec, settings: Settings
 def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> list[tuple[str, str]]:
     """What check_model_config refuses of a model before any job names it (no devices or δ yet): the
     dimension limits, a family this server lays out, the parameter count."""
-    from app.core.sources import config_namespace
+    from app.core.services.sources import config_namespace
     from models.families import family_for_config
 
     config = with_family_defaults(config)

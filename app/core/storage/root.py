@@ -1,5 +1,5 @@
 """The storage root: per-job work directories (scratch, local to each worker) and, through the object store
-(app.core.object_store: this directory, or an S3 bucket when DTP_LAYOUT_STORAGE_URL is set), published
+(app.core.storage.object_store: this directory, or an S3 bucket when DTP_LAYOUT_STORAGE_URL is set), published
 artifacts and the affinity and converted-model caches.
 
     STORAGE_ROOT/affinity/<tenant>/<fingerprint>/affinity.safetensors   one per tenant and fingerprint,
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO
 
-from app.core.object_store import LocalStore, ObjectChanged, ObjectMissing, ObjectStore, open_store
+from app.core.storage.object_store import LocalStore, ObjectChanged, ObjectMissing, ObjectStore, open_store
 
 if TYPE_CHECKING:
     from app.core.settings import Settings

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core.errors import SpecError, StoreUnreachable
-from app.core.model_limits import upload_config_problems
+from app.core.services.model_limits import upload_config_problems
+from app.core.services.sources import MAX_CONFIG_BYTES
 from app.core.settings import Settings
-from app.core.sources import MAX_CONFIG_BYTES
-from app.core.storage import Storage, StoreUnavailable
-from app.core.upload_store import UploadStore
+from app.core.storage.root import Storage, StoreUnavailable
+from app.core.storage.uploads import UploadStore
 from models.io.bounded_json import JsonRefused, load_bounded, load_object
 from models.io.gguf_header import GGUFError, read_header
 from models.io.sandbox import ChildFailed, run_limited

@@ -5,7 +5,7 @@ Used bytes are the declared sizes of the tenant's uploads (open ones too: what t
 complete is reserved when they are declared, so parallel uploads cannot overrun the quota; each file at
 least DTP_LAYOUT_UPLOAD_MIN_FILE_BYTES), the artifacts of its jobs not expired, what its queued and
 running jobs reserved for their artifacts beyond those already published, and the data derived from its
-uploads and jobs (converted models, affinity cache entries: app.core.derived). Every check takes the
+uploads and jobs (converted models, affinity cache entries: app.core.services.derived). Every check takes the
 tenant's lock in the transaction that records what it admits (`lock_tenant`). A job's row, its layouts,
 metrics and scores stay when its artifacts go: `expired_at` and `expired_reason` mark it, and a download
 answers 410 naming when.
@@ -21,13 +21,13 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from app.core import derived
 from app.core.caller import Caller
 from app.core.db import FINISHED, Artifact, Database, DerivedData, Job, Upload, utcnow
 from app.core.errors import PayloadTooLarge, TooManyRequests
 from app.core.jobstate import ACTIVE
+from app.core.services import derived
 from app.core.settings import Settings
-from app.core.storage import Storage
+from app.core.storage.root import Storage
 
 log = logging.getLogger(__name__)
 

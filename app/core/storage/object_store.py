@@ -2,7 +2,7 @@
 
 Two implementations of one interface (`ObjectStore`), chosen by `open_store(settings)`:
 
-    LocalStore(root)              the embedded default: key K is the file ROOT/K (as app.core.storage
+    LocalStore(root)              the embedded default: key K is the file ROOT/K (as app.core.storage.root
                                   always laid it out); the API and the workers must share ROOT
     S3Store(bucket, prefix)       DTP_LAYOUT_STORAGE_URL=s3://BUCKET/PREFIX: key K is the object
                                   PREFIX/K; endpoint and credentials from the standard AWS variables

@@ -1,4 +1,4 @@
-"""Upload bytes in the object store (app.core.object_store: the storage root, or S3): each declared file
+"""Upload bytes in the object store (app.core.storage.object_store: the storage root, or S3): each declared file
 is one multipart upload, begun when the upload is declared; its parts arrive in any order, from any API
 process, and a part sent again replaces the earlier one; completing assembles the object.
 
@@ -19,8 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from app.core.object_store import ObjectMissing, ObjectStore, Part
-from app.core.storage import Storage, tenant_scope
+from app.core.storage.object_store import ObjectMissing, ObjectStore, Part
+from app.core.storage.root import Storage, tenant_scope
 
 
 class PartsExpired(Exception):

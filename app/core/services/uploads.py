@@ -4,7 +4,7 @@ and resolving `upload:<id>` in a job spec.
 
 An upload belongs to the tenant that declared it: another tenant naming its id gets "no such upload"
 (404 from /v1/uploads, 422 in a job spec), the answer for an id that does not exist. Every name is
-checked against app.core.upload_files before it becomes part of a storage key.
+checked against app.core.services.upload_files before it becomes part of a storage key.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from typing import Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from app.core import derived
 from app.core.caller import Caller
 from app.core.db import Database, Job, Upload, UploadFile, UploadPart, new_id, utcnow, write_transaction
 from app.core.errors import Conflict, NotFound, PayloadTooLarge, SpecError, TooManyRequests
-from app.core.object_store import BadPart, ObjectMissing, Part
-from app.core.settings import Settings
-from app.core.sources import SourceError
-from app.core.upload_checks import check_contents
-from app.core.upload_files import (
+from app.core.schemas.uploads import UploadIn
+from app.core.services import derived
+from app.core.services.sources import SourceError
+from app.core.services.upload_checks import check_contents
+from app.core.services.upload_files import (
     MAX_PARTS,
     UPLOAD_ID,
     file_problem,
@@ -34,9 +33,10 @@ from app.core.upload_files import (
     part_length,
     ref_id,
 )
-from app.core.upload_schemas import UploadIn
-from app.core.upload_store import UploadStore
-from app.core.usage import check_quota
+from app.core.services.usage import check_quota
+from app.core.settings import Settings
+from app.core.storage.object_store import BadPart, ObjectMissing, Part
+from app.core.storage.uploads import UploadStore
 
 log = logging.getLogger(__name__)
 ACTIVE = ("queued", "running")
@@ -240,7 +240,7 @@ def record_part(*, session: Session, upload_id: str, index: int, number: int, si
 def complete_upload(*, session: Session, settings: Settings, store: UploadStore, upload_id: str,
                     caller: Caller) -> Upload:
     """Assemble each file from its parts and verify its sha256 (a mismatch: the file's parts and bytes are
-    dropped, 422 naming it, the rest kept to resume); then what the files hold (app.core.upload_checks,
+    dropped, 422 naming it, the rest kept to resume); then what the files hold (app.core.services.upload_checks,
     in a child process under limits). A refused model or data file: the whole upload removed, 422; a
     store that cannot be read: 503, the upload left open to complete again. One request at a time: a
     second `complete` meanwhile is 409 (`_claim_completion`)."""
@@ -325,7 +325,7 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
             session.execute(delete(UploadPart).where(UploadPart.upload_id == uid, UploadPart.file_index == index))
     if problems:
         raise SpecError(problems)
-    try:  # in a child process under limits (app.core.upload_checks): no file can hang or grow this one
+    try:  # in a child process under limits (app.core.services.upload_checks): no file can hang or grow this one
         config = check_contents(settings=settings, kind=kind, prefix=prefix, names=[f[1] for f in files])
     except SpecError:
         remove_upload(session=session, store=store, upload_id=uid)

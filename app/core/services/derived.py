@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.core.db import DerivedData, DerivedNeed, utcnow, write_transaction
-from app.core.object_store import ObjectStore
+from app.core.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
 KINDS = ("converted", "affinity")

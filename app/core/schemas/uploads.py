@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from app.core.upload_files import FILE_NAME, MAX_FILES, UPLOAD_NAME, UploadKind
+from app.core.services.upload_files import FILE_NAME, MAX_FILES, UPLOAD_NAME, UploadKind
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", min_length=64, max_length=64)]
 FileName = Annotated[str, StringConstraints(min_length=1, max_length=200)]  # checked by upload_files, naming it

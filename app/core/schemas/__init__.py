@@ -1,0 +1,1 @@
+"""The API's request and response models (pydantic): jobs and the spec (jobs), uploads and usage (uploads)."""
