@@ -51,7 +51,7 @@ from app.core.settings import Settings
 from app.core.storage.root import Storage, sha256_file
 from tests.faults import Faults
 from tests.service_kit import TINY_DISTILL, WorkerProcess, spec
-from worker.store_sweep import sweep_store
+from worker.sweeps.store import sweep_store
 
 BODY = spec(random_layouts=0, ablations=False, export={"checkpoint": False, "shards": True}, distill=TINY_DISTILL)
 TOLERANCE = 1e-6

@@ -273,7 +273,7 @@ class Study:
 
     def step0(self, schedule: str, layouts: tuple[str, ...]) -> None:
         """KL at step 0 only, for arms the budget leaves untrained (work/step0/<schedule>/<layout>.json)."""
-        from models.distill.compare import resolve_layouts
+        from models.distill.comparison.compare import resolve_layouts
         from models.distill.data import load_data, place_data
         from models.distill.evaluation import DenseReference, evaluate_student
         from models.distill.student import make_student

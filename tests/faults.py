@@ -81,7 +81,6 @@ def _hang_store_uploads() -> Callable[[], None]:
 def install_claim_faults(faults: Faults) -> Callable[[], None]:
     """Patch `worker.claiming.claim` with the faults; returns what undoes it."""
     from worker import claiming
-
     original = claiming.claim
 
     def claim(*args: Any, **kwargs: Any) -> Any:

@@ -10,8 +10,8 @@ Every worker also runs a sweeper thread (at start, then every lease/2 seconds, a
 that re-enqueues jobs nobody holds: running jobs whose worker died or stalled (their lease expired),
 so a job killed mid-stage resumes on another worker after its last finished stage, and jobs still
 queued DTP_LAYOUT_REQUEUE_AFTER_S after their message was sent (the message was lost); and, every
-STORE_SWEEP_EVERY_S, sweeps the object store (worker.store_sweep: stale multipart uploads, objects no
-artifact row lists) and what no upload or job owns (worker.owned_sweep: expired open uploads, local
+STORE_SWEEP_EVERY_S, sweeps the object store (worker.sweeps.store: stale multipart uploads, objects no
+artifact row lists) and what no upload or job owns (worker.sweeps.owned: expired open uploads, local
 copies). With DTP_LAYOUT_RETENTION_DAYS set, it also removes the artifacts of jobs finished
 longer ago than that (app.core.services.usage.expire_finished: the rows stay, marked expired).
 
@@ -157,8 +157,8 @@ def sweep_once() -> list[str]:
 
 def sweep_store_once() -> None:
     from app.core.storage.root import Storage
-    from worker.owned_sweep import sweep_owned
-    from worker.store_sweep import sweep_store
+    from worker.sweeps.owned import sweep_owned
+    from worker.sweeps.store import sweep_store
 
     settings = get_settings()
     storage = Storage.from_settings(settings)
@@ -178,7 +178,7 @@ def sweep_at_start() -> list[str]:
 
 
 def _sweep_forever() -> None:
-    from worker.store_sweep import STORE_SWEEP_EVERY_S
+    from worker.sweeps.store import STORE_SWEEP_EVERY_S
 
     settings = get_settings()
     try:

@@ -38,7 +38,6 @@ def _recipe(args: argparse.Namespace) -> DistillRecipe:
 def _spec(args: argparse.Namespace) -> Any:
     from models.data.calibration import CalibrationSpec
     from models.distill import DistillSpec
-
     schedule = schedule_text(args)  # fills in --delta from a dtp --schedule; a conflict is refused
     given = spec_values(args, "distill")
     recipe = _recipe(args)

@@ -43,9 +43,9 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("CHECKPOINT_FORMAT", "run_fingerprint", "tensor_fingerprint"), "checkpoint"),
     **dict.fromkeys(("RunHooks", "RunResult", "STAGE", "distill_run", "eval_steps"), "run"),
     **dict.fromkeys(("SUMMARY_FORMAT", "headline", "iter_records", "mean_curves", "multipliers", "reach_step",
-                     "summarise", "summary_table"), "report"),
-    "plot_curves": "plot",
-    **dict.fromkeys(("remove_runs", "resolve_layouts", "run_dir_for", "run_distill"), "compare"),
+                     "summarise", "summary_table"), "comparison.report"),
+    "plot_curves": "comparison.plot",
+    **dict.fromkeys(("remove_runs", "resolve_layouts", "run_dir_for", "run_distill"), "comparison.compare"),
 }
 # Shared with the rest of the package, re-exported here where distillation callers used to find them.
 _ELSEWHERE: dict[str, str] = {
@@ -77,10 +77,19 @@ if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
     from models.distill.checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
     from models.distill.checkpoint import run_fingerprint as run_fingerprint
     from models.distill.checkpoint import tensor_fingerprint as tensor_fingerprint
-    from models.distill.compare import remove_runs as remove_runs
-    from models.distill.compare import resolve_layouts as resolve_layouts
-    from models.distill.compare import run_dir_for as run_dir_for
-    from models.distill.compare import run_distill as run_distill
+    from models.distill.comparison.compare import remove_runs as remove_runs
+    from models.distill.comparison.compare import resolve_layouts as resolve_layouts
+    from models.distill.comparison.compare import run_dir_for as run_dir_for
+    from models.distill.comparison.compare import run_distill as run_distill
+    from models.distill.comparison.plot import plot_curves as plot_curves
+    from models.distill.comparison.report import SUMMARY_FORMAT as SUMMARY_FORMAT
+    from models.distill.comparison.report import headline as headline
+    from models.distill.comparison.report import iter_records as iter_records
+    from models.distill.comparison.report import mean_curves as mean_curves
+    from models.distill.comparison.report import multipliers as multipliers
+    from models.distill.comparison.report import reach_step as reach_step
+    from models.distill.comparison.report import summarise as summarise
+    from models.distill.comparison.report import summary_table as summary_table
     from models.distill.data import batch_indices as batch_indices
     from models.distill.data import load_data as load_data
     from models.distill.data import place_data as place_data
@@ -91,7 +100,6 @@ if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
     from models.distill.loss import kl_ce_chunk as kl_ce_chunk
     from models.distill.loss import loss_and_backward as loss_and_backward
     from models.distill.loss import next_token_targets as next_token_targets
-    from models.distill.plot import plot_curves as plot_curves
     from models.distill.recipe import EVAL_SEQUENCES as EVAL_SEQUENCES
     from models.distill.recipe import SEQ_LEN as SEQ_LEN
     from models.distill.recipe import WIKITEXT2_TEST as WIKITEXT2_TEST
@@ -104,14 +112,6 @@ if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
     from models.distill.records import RUN_FORMAT as RUN_FORMAT
     from models.distill.records import STEP_COLUMNS as STEP_COLUMNS
     from models.distill.records import EvalRecord as EvalRecord
-    from models.distill.report import SUMMARY_FORMAT as SUMMARY_FORMAT
-    from models.distill.report import headline as headline
-    from models.distill.report import iter_records as iter_records
-    from models.distill.report import mean_curves as mean_curves
-    from models.distill.report import multipliers as multipliers
-    from models.distill.report import reach_step as reach_step
-    from models.distill.report import summarise as summarise
-    from models.distill.report import summary_table as summary_table
     from models.distill.run import STAGE as STAGE
     from models.distill.run import RunHooks as RunHooks
     from models.distill.run import RunResult as RunResult

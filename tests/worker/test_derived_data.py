@@ -30,7 +30,7 @@ from app.core.services.usage import expire_finished, used_bytes
 from app.core.storage.object_store import LocalStore
 from app.core.storage.root import Storage
 from tests.service_kit import WorkerProcess, make_settings, seed_finished_job, spec, wait_for, worker_settings
-from worker.owned_sweep import sweep_owned
+from worker.sweeps.owned import sweep_owned
 
 BACKENDS = [pytest.param(("postgres", "local"), marks=[pytest.mark.postgres], id="postgres-local"),
             pytest.param(("sqlite", "local"), id="sqlite-local"), pytest.param(("sqlite", "s3"), id="sqlite-s3")]

@@ -1,4 +1,4 @@
-"""worker.store_sweep on both stores (the local directory and a real S3 API server, moto's
+"""worker.sweeps.store on both stores (the local directory and a real S3 API server, moto's
 ThreadedMotoServer), over a migrated SQLite database: stale multipart uploads aborted, fresh ones kept;
 objects of ended or deleted jobs that no artifact row lists removed, listed ones and those of active jobs
 kept, work directories never touched."""
@@ -15,7 +15,7 @@ from app.core.migrate import upgrade
 from app.core.storage.object_store import LocalStore
 from app.core.storage.root import Storage
 from tests.service_kit import make_settings, seed_finished_job, seed_job
-from worker.store_sweep import sweep_store
+from worker.sweeps.store import sweep_store
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -135,7 +135,7 @@ def test_api_and_worker_share_only_database_broker_and_store(tmp_path, postgres_
 def test_a_worker_killed_mid_upload_leaves_no_artifact_and_the_sweep_aborts_its_upload(
         tmp_path, postgres_server, redis_broker, s3_server, s3_bucket):
     from app.core.db import database
-    from worker.store_sweep import sweep_store
+    from worker.sweeps.store import sweep_store
 
     settings = worker_settings(tmp_path / "worker", postgres_server, redis_broker, "killed_upload")
     s3_env = s3_server.env(s3_bucket)

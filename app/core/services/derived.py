@@ -9,7 +9,7 @@ Each entry is a `derived_data` row (its owner, kind, store prefix and bytes: cou
 usage and quota) and one `derived_needs` row per upload or job that needs it (`upload:<id>`,
 `job:<id>`). Deleting an upload, deleting a job or expiring its artifacts releases its needs; an entry
 no longer needed by anything is removed from the store with its row. The workers' local copies of
-what the store holds are removed by their sweep (worker.owned_sweep) once the row is gone.
+what the store holds are removed by their sweep (worker.sweeps.owned) once the row is gone.
 """
 
 from __future__ import annotations

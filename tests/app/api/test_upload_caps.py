@@ -24,7 +24,7 @@ from app.core.migrate import upgrade
 from app.core.storage.root import Storage
 from tests.app.api.test_uploads import PART, Objects, declare, send_all
 from tests.service_kit import make_settings, provision
-from worker.owned_sweep import expire_open_uploads
+from worker.sweeps.owned import expire_open_uploads
 
 BACKENDS = [pytest.param(("postgres", "local"), marks=[pytest.mark.postgres], id="postgres-local"),
             pytest.param(("sqlite", "local"), id="sqlite-local"), pytest.param(("sqlite", "s3"), id="sqlite-s3")]

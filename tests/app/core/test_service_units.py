@@ -146,7 +146,6 @@ def test_layout_names_match_models_pipeline():
 def test_distill_recipe_validation_agrees_with_models_distill(fields):
     """A recipe the API accepts is one DistillRecipe accepts, and the other way round."""
     from models.distill import DistillRecipe
-
     try:
         DistillRecipe.from_dict(fields)
         engine_ok = True

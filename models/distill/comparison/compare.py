@@ -18,12 +18,12 @@ from typing import Any
 
 from torch import nn
 
+from models.distill.comparison.plot import plot_curves
+from models.distill.comparison.report import summarise
 from models.distill.data import load_data, place_data
 from models.distill.evaluation import DenseReference
-from models.distill.plot import plot_curves
 from models.distill.recipe import DistillError
 from models.distill.records import EvalRecord, write_metrics
-from models.distill.report import summarise
 from models.distill.run import distill_run
 from models.distill.sharding import launch_rank
 from models.distill.spec import DistillSpec
