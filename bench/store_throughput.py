@@ -111,7 +111,8 @@ def main() -> None:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from app.core.storage.object_store import LocalStore, S3Store
+    from app.core.storage.local import LocalStore
+    from app.core.storage.s3 import S3Store
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}

@@ -130,11 +130,11 @@ def main() -> None:
             os.environ.update(creds)
             boto3.client("s3").create_bucket(Bucket="bench")
             env.update(creds, DTP_LAYOUT_STORAGE_URL="s3://bench/dtp")
-            from app.core.storage.object_store import S3Store
+            from app.core.storage.s3 import S3Store
 
             store: Any = S3Store("bench", "baseline")
         else:
-            from app.core.storage.object_store import LocalStore
+            from app.core.storage.local import LocalStore
 
             store = LocalStore(work / "baseline")
         t0 = time.perf_counter()

@@ -50,7 +50,7 @@ class S3Server:
         return name
 
     def store(self, bucket: str, prefix: str = "dtp") -> Any:
-        from app.core.storage.object_store import S3Store
+        from app.core.storage.s3 import S3Store
 
         return S3Store(bucket, prefix, client=self.client())
 

@@ -27,7 +27,7 @@ from app.core.db import DerivedData, Job, database
 from app.core.migrate import upgrade
 from app.core.services import derived
 from app.core.services.usage import expire_finished, used_bytes
-from app.core.storage.object_store import LocalStore
+from app.core.storage.local import LocalStore
 from app.core.storage.root import Storage
 from tests.service_kit import WorkerProcess, make_settings, seed_finished_job, spec, wait_for, worker_settings
 from worker.sweeps.owned import sweep_owned

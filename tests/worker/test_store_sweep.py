@@ -12,7 +12,7 @@ import pytest
 
 from app.core.db import Artifact, database
 from app.core.migrate import upgrade
-from app.core.storage.object_store import LocalStore
+from app.core.storage.local import LocalStore
 from app.core.storage.root import Storage
 from tests.service_kit import make_settings, seed_finished_job, seed_job
 from worker.sweeps.store import sweep_store

@@ -21,7 +21,7 @@ from sqlalchemy import select
 
 from app.core.db import Artifact, Database, Job
 from app.core.jobstate import ACTIVE
-from app.core.storage.object_store import LocalStore, ObjectStore
+from app.core.storage.object_store import ObjectStore
 
 log = logging.getLogger("dtp_layout.worker")
 STORE_SWEEP_EVERY_S = 300.0
@@ -71,5 +71,5 @@ def sweep_store(db: Database, objects: ObjectStore, *, stale_s: float) -> StoreS
         if unlisted:
             removed += len(unlisted)
             log.warning("store sweep: job %s: removed %d objects no artifact row lists", job_id, len(unlisted))
-    temporaries = objects.sweep_staging(stale_s) if isinstance(objects, LocalStore) else 0
+    temporaries = objects.sweep_staging(stale_s)
     return StoreSweep(aborted=aborted, removed=removed, temporaries=temporaries)

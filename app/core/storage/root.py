@@ -30,7 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO
 
-from app.core.storage.object_store import LocalStore, ObjectChanged, ObjectMissing, ObjectStore, open_store
+from app.core.storage.local import LocalStore
+from app.core.storage.object_store import ObjectChanged, ObjectMissing, ObjectStore, open_store
 
 if TYPE_CHECKING:
     from app.core.settings import Settings

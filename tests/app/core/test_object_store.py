@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from app.core.storage.local import LocalStore
 from app.core.storage.object_store import (
     MIN_PART_BYTES,
     BadPart,
-    LocalStore,
     ObjectChanged,
     ObjectMissing,
     ObjectStore,
-    S3Store,
     check_key,
     parse_url,
 )
+from app.core.storage.s3 import S3Store
 
 
 @pytest.fixture(params=["local", "s3"])
