@@ -26,7 +26,16 @@ from app.core.migrate import upgrade
 from app.core.queue import enqueue, make_celery
 from app.core.settings import Settings, embedded_broker_path
 from tests.faults import Faults
-from tests.service_kit import ServeProcess, WorkerProcess, make_settings, provision, spec, wait_for
+from tests.service_kit import (
+    ServeProcess,
+    WorkerProcess,
+    make_settings,
+    provision,
+    seed_job,
+    spec,
+    wait_for,
+    worker_settings,
+)
 
 pytestmark = [pytest.mark.worker]
 
@@ -153,3 +162,41 @@ def test_a_message_for_another_databases_job_is_an_error_and_goes_back_boundedly
         assert f"job {foreign}: nothing to do" not in log
     finally:
         worker.stop()
+
+
+def test_on_redis_a_worker_killed_before_its_claim_costs_the_next_worker_start(tmp_path, postgres_server, redis_broker):
+    """Postgres and Redis, workers on other machines (no supervisor): the worker dies holding the job's
+    message, before the claim, and nothing restarts it. The next worker to start — a replacement, or one
+    more — re-sends the queued jobs nobody holds that were sent before it started, and runs the job at
+    once: REQUEUE_AFTER_S is 600 s, so the requeue sweep has no part in it."""
+    settings = worker_settings(tmp_path, postgres_server, redis_broker, "preclaim_redis",
+                               requeue_after_s=600.0, lease_s=10.0)
+    marker = tmp_path / "died-before-claim"
+    first = WorkerProcess(settings, tmp_path / "first.log", name="first",
+                          faults=Faults(die_before_claim=str(marker))).start()
+    job_id = seed_job(settings, status="queued")
+    enqueue(make_celery(settings, publisher=True), settings, job_id)
+    assert first.proc is not None
+    first.proc.wait(timeout=60)
+    assert marker.exists() and first.proc.returncode != 0, first.log()[-3000:]
+    t0 = time.monotonic()
+    second = WorkerProcess(settings, tmp_path / "second.log", name="second").start()
+    try:
+        deadline, status = time.monotonic() + 150, "queued"
+        while time.monotonic() < deadline:
+            with database(settings.database_url).session() as session:
+                job = session.get(Job, job_id)
+                assert job is not None
+                status, attempts = job.status, job.attempts
+            if status in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(0.5)
+        took = time.monotonic() - t0
+        assert status == "succeeded", second.log()[-3000:]
+        assert attempts == 1  # the dead worker never claimed it
+        kinds = [(e.kind, e.reason or "") for e in _events(settings, job_id)]
+        assert any(kind == "requeued" and "(re)started" in reason for kind, reason in kinds), kinds
+        assert took < 120, took
+        print(f"\nRedis: killed before its claim -> succeeded {took:.1f} s after the next worker started")
+    finally:
+        second.stop()
