@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.cli.affinity_commands import cmd_layout, cmd_score
+from app.cli.arg_errors import CliParser, parse_command_line
 from app.cli.errors import CliError, user_errors
 from app.cli.eval_export import cmd_demo, cmd_eval, cmd_export
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
@@ -31,7 +32,7 @@ __all__ = ["CliError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dtp-layout",
+    parser = CliParser(prog="dtp-layout",
                                      description="Affinity-aware layouts for Delayed Tensor Parallelism")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -138,7 +139,7 @@ def _register_extensions(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(build_parser(), argv)  # an unknown flag: the subcommand names the closest
     if message := refusal(args):  # a model command on a base install: name the extra before any work
         print(f"dtp-layout {args.command}: error: {message}", file=sys.stderr)
         return 2
