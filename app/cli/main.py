@@ -24,6 +24,7 @@ from app.cli.eval_export import cmd_demo, cmd_eval, cmd_export
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
 from app.cli.model_args import add_convert_cache_flag, add_layout_args, add_model_args, add_stream_flag
 from app.cli.optimise import cmd_optimise
+from app.cli.prechecks import precheck
 from app.cli.schedule_args import add_objective_schedule_flag, schedule_flags
 from models.affinity_scores import SCORES
 from models.layouts.format import LAYOUT_FORMAT
@@ -138,12 +139,18 @@ def _register_extensions(sub: Any) -> None:
         module.register(sub)
 
 
+# The commands that load a model: their arguments are checked first (app/cli/prechecks.py).
+PRECHECKED = ("export", "eval", "optimise", "distill", "demo")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command_line(build_parser(), argv)  # an unknown flag: the subcommand names the closest
     if message := refusal(args):  # a model command on a base install: name the extra before any work
         print(f"dtp-layout {args.command}: error: {message}", file=sys.stderr)
         return 2
     try:
+        if args.command in PRECHECKED:  # before the model loads: what can be refused without it
+            precheck(args, args.command)
         code: int = args.func(args)
     except ModuleNotFoundError as exc:
         if message := missing_module_message(exc):

@@ -49,7 +49,7 @@ def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any])
         earlier = RunRecord.read(out)
     except ValueError as exc:
         raise CliError(f"{exc} (pass --overwrite to start again, or another --out)") from exc
-    if earlier is None:
+    if earlier is None or not earlier["stages"]:  # no stage done (a refused run): nothing to resume or keep
         if not args.no_export and ((out / "checkpoint").exists() or (out / "shards").exists()):
             raise CliError(f"{out}/checkpoint or {out}/shards already exists (pass --overwrite or --no-export)")
         return record
@@ -59,6 +59,16 @@ def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any])
                        "--overwrite to start again, or another --out")
     record.resume(earlier)
     return record
+
+
+def _forget_if_nothing_done(record: Any, out: Path, created: bool) -> None:
+    """A run that stopped before finishing any stage (refused input, ctrl-C during the load) leaves no
+    run.json to refuse the corrected rerun with, nor the --out directory it created empty."""
+    if record.stages:
+        return  # a finished stage is worth resuming
+    record.path.unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
 
 
 def cmd_optimise(args: argparse.Namespace) -> int:
@@ -82,6 +92,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     check_objective_schedule(config, spec)
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     record.save()
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
@@ -90,8 +101,12 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                             calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
                             shards=spec.export, export_dtype=args.export_dtype, converted=converted_cache(args),
                             max_memory=max_memory(args), stream=True if args.stream else None)
-    outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
-                                                       progress=progress_bar()), keep=stages.REPORT_INPUTS)
+    try:
+        outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
+                                                           progress=progress_bar()), keep=stages.REPORT_INPUTS)
+    except BaseException:
+        _forget_if_nothing_done(record, out, created)
+        raise
     if ctx.memory is not None and (ctx.max_memory is not None or ctx.memory.stream):
         print(f"memory: {ctx.memory.describe()}", file=sys.stderr)
     seconds = {"loading": outcome.seconds["loading"], **record.seconds()}

@@ -36,16 +36,27 @@ def schedule_text(args: argparse.Namespace, *, allow_auto: bool = False) -> str 
     return None if spec is None or str(spec) == f"dtp:{args.delta}" else str(spec)
 
 
+def accepted_here(message: str, allow_auto: bool) -> str:
+    """A schedule error's `accepted: …` list as the command accepts it: without spd:auto:K where the command
+    cannot choose the layers."""
+    from models.schedules import ACCEPTED, ACCEPTED_WITHOUT_AUTO
+
+    return message if allow_auto else message.replace(ACCEPTED, ACCEPTED_WITHOUT_AUTO)
+
+
 def schedule_of(args: argparse.Namespace, *, allow_auto: bool = False) -> Any:
     """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load. A dtp schedule sets
     args.delta to its δ (refused where --delta was given otherwise); for tp, ladder, spd and pt, --delta only
     names the layout's δ (recorded, not simulated)."""
-    from models.schedules import parse_schedule
+    from models.schedules import ScheduleError, parse_schedule
 
     text = getattr(args, "schedule", None)
     if text is None:
         return None
-    spec = parse_schedule(text)  # a ScheduleError (a ValueError) names what is accepted: exit 2
+    try:
+        spec = parse_schedule(text)
+    except ScheduleError as exc:  # it names what is accepted: here, what this command accepts
+        raise CliError(f"--schedule: {accepted_here(str(exc), allow_auto)}") from exc
     if not spec.resolvable and not allow_auto:
         raise CliError(f"--schedule {spec}: spd:auto:K chooses its K layers by the sensitivity pass (the KL each "
                        f"layer's dropped attention sync costs on calibration data), which only `optimise` and a job's "

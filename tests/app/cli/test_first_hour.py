@@ -88,3 +88,103 @@ def _paths(spec: dict, prefix: str = "") -> set[str]:
         path = f"{prefix}{key}"
         out |= _paths(value, f"{path}.") if isinstance(value, dict) else {path}
     return out
+
+
+# ---- item 6: every argument that needs no model is checked before the model loads, in every command ----
+# The model named is one whose load would fail (a directory with no config), so a check made after the load
+# would report the model, not the flag: the message proves the order, the timing that no model was read.
+
+@pytest.fixture()
+def no_model(tmp_path: Path) -> str:
+    (tmp_path / "model").mkdir()
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("command, flag, message", [
+    (["eval", "MODEL", "--devices", "-3", "--data", "corpus:shakespeare"], "--devices", "--devices/-L -3: must be ≥ 1"),
+    (["eval", "MODEL", "-L", "0", "--data", "corpus:shakespeare"], "--devices", "--devices/-L 0: must be ≥ 1"),
+    (["eval", "MODEL", "-L", "2", "--data", "corpus:shakespeare", "--layout", "random:abc"], "--layout",
+     "--layout random:abc: layout 'random:abc': expected random:SEED"),
+    (["eval", "MODEL", "-L", "2", "--data", "corpus:nosuch"], "--data", "--data corpus:nosuch: unknown corpus"),
+    (["eval", "MODEL", "-L", "2", "--data", "no/such/file.txt"], "--data", "no such file or directory"),
+    (["eval", "MODEL", "-L", "2", "--data", "corpus:shakespeare", "--blocks", "0"], "--blocks", "--blocks 0"),
+    (["optimise", "MODEL", "-L", "2", "--calib", "corpus:nosuch", "--out", "OUT"], "--calib",
+     "--calib corpus:nosuch: unknown corpus"),
+    (["optimise", "MODEL", "-L", "2", "--calib", "corpus:shakespeare", "--calib-seq-len", "1", "--out", "OUT"],
+     "--calib-seq-len", "--calib-seq-len 1: must be ≥ 2"),
+    (["export", "MODEL", "-L", "2", "--layout", "optimised", "--out", "OUT"], "--layout", "--from DIR"),
+    (["export", "MODEL", "-L", "2", "--max-memory", "lots", "--out", "OUT"], "--max-memory", "--max-memory lots"),
+    (["distill", "MODEL", "-L", "2", "--data", "corpus:nosuch", "--out", "OUT"], "--data", "unknown corpus"),
+    (["distill", "MODEL", "-L", "2", "--data", "corpus:shakespeare", "--seeds", "-1", "--out", "OUT"], "--seeds",
+     "--seeds -1: must be ≥ 0"),
+    (["demo", "--seq-len", "1"], "--seq-len", "--seq-len 1: must be ≥ 2"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_arguments_are_refused_before_the_model_loads(command, flag, message, no_model, tmp_path, capsys):
+    argv = [no_model if a == "MODEL" else str(tmp_path / "out") if a == "OUT" else a for a in command]
+    err = _refused(argv, capsys)
+    assert message in err and f"dtp-layout {command[0]}: error:" in err, err
+    assert "loading" not in err and "config.json" not in err  # nothing of the model was read
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_bad_argument_in_a_second_not_after_the_load(tmp_path):
+    """Measured through the real command on the packaged model: the load alone takes 9–15 s."""
+    import subprocess
+    import sys
+    import time
+
+    from models.assets import smollm2_gguf
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "eval", str(smollm2_gguf()), "--devices", "-3",
+                           "--data", "corpus:shakespeare"], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2 and "--devices/-L -3: must be ≥ 1" in proc.stderr, proc.stderr
+    assert "loading" not in proc.stderr and took < 8, took
+
+
+# ---- item 11: a schedule error lists what this command accepts ----
+
+def test_a_bad_schedule_lists_spd_auto_only_where_the_command_takes_it(no_model, tmp_path, capsys):
+    err = _refused(["eval", no_model, "-L", "2", "--data", "corpus:shakespeare", "--schedule", "dtp:x"], capsys)
+    assert "accepted: " in err and "spd:B" in err and "spd:auto" not in err
+    err = _refused(["optimise", no_model, "-L", "2", "--calib", "corpus:shakespeare", "--schedule", "dtp:x",
+                    "--out", str(tmp_path / "o")], capsys)
+    assert "spd:auto:K" in err
+
+
+# ---- item 5: a refused run leaves nothing that blocks the corrected rerun ----
+
+def test_a_run_refused_in_its_first_stage_leaves_nothing_and_the_corrected_rerun_runs(tmp_path, capsys):
+    """The calibration text is too short for the blocks asked: refused after the (tiny) model loaded, in the
+    calibration stage; then the corrected rerun into the same --out runs without --overwrite."""
+    import numpy as np
+
+    from tests.tiny import tiny_model
+
+    model = tmp_path / "model"
+    tiny_model("qwen2").save_pretrained(model)
+    short, enough = tmp_path / "short.npy", tmp_path / "enough.npy"
+    np.save(short, np.arange(40) % 97)
+    np.save(enough, np.random.default_rng(0).integers(0, 97, size=4 * 32))
+    out = tmp_path / "run"
+    argv = ["optimise", str(model), "-L", "2", "--calib-sequences", "4", "--calib-seq-len", "32", "--no-export",
+            "--device", "cpu", "--out", str(out), "--calib"]
+    err = _refused([*argv, str(short)], capsys)
+    assert "token" in err, err
+    assert not (out / "run.json").exists() and not out.exists()
+    assert main([*argv, str(enough)]) == 0, capsys.readouterr().err
+    assert (out / "report.json").is_file()
+
+
+def test_a_run_record_with_no_stage_done_does_not_refuse_other_parameters(tmp_path, capsys):
+    """What a refused run of an earlier version left behind: run.json with its parameters and no stage."""
+    import argparse
+
+    from app.cli.optimise import _run_record
+    from models.runner import RunRecord
+
+    RunRecord(tmp_path, {"calibration": {"source": "corpus:nosuch"}}).save()
+    args = argparse.Namespace(overwrite=False, no_export=True)
+    record = _run_record(args, tmp_path, {"calibration": {"source": "corpus:shakespeare"}})
+    assert record.stages == {}
