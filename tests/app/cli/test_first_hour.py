@@ -188,3 +188,21 @@ def test_a_run_record_with_no_stage_done_does_not_refuse_other_parameters(tmp_pa
     args = argparse.Namespace(overwrite=False, no_export=True)
     record = _run_record(args, tmp_path, {"calibration": {"source": "corpus:shakespeare"}})
     assert record.stages == {}
+
+
+# ---- item 7: the local commands' help speaks of local use ----
+
+SERVICE_WORDS = ("refused at submit", "POST /v1", "server's", "null:", "tenant", "the worker's", "upload:ID")
+
+
+@pytest.mark.parametrize("command", ["optimise", "eval", "export", "distill", "demo", "layout", "score", "generate"])
+def test_a_local_commands_help_speaks_of_local_use(command):
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    text = " ".join(sub.format_help().split())
+    assert [word for word in SERVICE_WORDS if word in text] == []
+
+
+def test_optimise_help_says_a_local_file_works_for_calib():
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["optimise"]
+    calib = next(a for a in sub._actions if "--calib" in a.option_strings)
+    assert "a local .txt file" in calib.help and "corpus:shakespeare" in calib.help
