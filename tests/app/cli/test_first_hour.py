@@ -206,3 +206,37 @@ def test_optimise_help_says_a_local_file_works_for_calib():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["optimise"]
     calib = next(a for a in sub._actions if "--calib" in a.option_strings)
     assert "a local .txt file" in calib.help and "corpus:shakespeare" in calib.help
+
+
+# ---- item 2: the worker-extra message's advice works (dtp-layout is on no public index) ----
+
+def test_the_worker_extra_message_names_an_install_that_works_from_here():
+    import tomllib
+
+    from app.cli.extras import worker_extra_message
+
+    message = worker_extra_message(["torch"])
+    assert f"pip install -e '.[worker]' in the checkout ({REPO})" in message
+    assert "pip install 'dtp-layout[worker]'" not in message  # no index has it
+    assert "worker" in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+# ---- item 13: no "`torch_dtype` is deprecated" from reading a config without a dtype (a GGUF's) ----
+
+def test_the_source_dtype_of_a_config_without_one_reads_no_deprecated_attribute():
+    import torch
+    from transformers import LlamaConfig
+
+    from models.export import export_dtype, source_dtype
+
+    class NoDeprecatedRead(LlamaConfig):
+        @property
+        def torch_dtype(self):  # what transformers 5 turns into a warning; reading it at all is the bug
+            raise AssertionError("config.torch_dtype read")
+
+    config = NoDeprecatedRead()
+    config.dtype = None  # a GGUF's config: quantised weights have no dtype of their own
+    assert source_dtype(config) is None
+    assert export_dtype("auto", config=config, compute=torch.float32) == torch.float32
+    config.dtype = torch.bfloat16
+    assert source_dtype(config) == torch.bfloat16
