@@ -21,7 +21,8 @@ GPU_CHECK_BUDGET_S ?= 380
 GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
 	manylinux1_x86_64
 
-.PHONY: venv run demo test test-fast test-long lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels
+.PHONY: venv run demo test test-fast test-long lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels dist \
+	chromium check-chromium
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +50,30 @@ typecheck: $(STAMP)
 # `make test PYTEST_ARGS=--junitxml=var/junit.xml` keeps every test's time; the 20 slowest are always listed.
 PYTEST_ARGS ?=
 pytest: $(STAMP)
-	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory check-chromium
+	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS); status=$$?; \
+		$(MAKE) --no-print-directory check-chromium; exit $$status
+
+# The dashboard's browser tests drive Debian's Chromium (tests/browser_kit.py looks in these places, then PATH,
+# or takes DTP_LAYOUT_TEST_CHROMIUM); without it they are skipped, which `make test` says before and after the
+# run, loudly. `make chromium` installs it (as root, with apt-get), as .ci/run does.
+CHROMIUM_CANDIDATES ?= /usr/bin/chromium /usr/bin/chromium-browser /usr/lib/chromium/chromium
+CHROMIUM_INSTALL_LOG ?= /tmp/dtp-layout-apt.log
+
+check-chromium:
+	@found="$$DTP_LAYOUT_TEST_CHROMIUM"; \
+	for c in $(CHROMIUM_CANDIDATES); do [ -x "$$c" ] && found="$$c"; done; \
+	command -v chromium >/dev/null 2>&1 && found=yes; \
+	[ -n "$$found" ] || echo "WARNING: Chromium not found: the dashboard's browser tests (pytest -m browser) are \
+	SKIPPED. Install it with \`sudo make chromium\` (apt-get install chromium), or set \
+	DTP_LAYOUT_TEST_CHROMIUM=/path/to/chromium." >&2
+
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then echo "chromium: $$(command -v chromium)"; \
+	else echo "installing Chromium for the browser tests (log: $(CHROMIUM_INSTALL_LOG))"; \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+			>$(CHROMIUM_INSTALL_LOG) 2>&1 || { echo "could not install chromium:"; tail -n 20 $(CHROMIUM_INSTALL_LOG); \
+			exit 1; }; fi
 
 test: lint typecheck pytest
 
@@ -61,6 +85,19 @@ test-fast: lint
 # and 4 as well as at W = 1).
 test-long: $(STAMP)
 	DTP_LAYOUT_TEST_LONG=1 $(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
+
+# The wheel and the sdist in dist/, for a machine without the checkout: dtp-layout is on no public index, so
+# `pip install 'dist/dtp_layout-0.1.0-py3-none-any.whl[worker]'` there (install CPU or CUDA torch first).
+# DIST_PIP_FLAGS=--no-build-isolation builds with this interpreter's setuptools (no index needed).
+DIST_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+DIST_PIP_FLAGS ?=
+dist:
+	rm -rf dist build
+	$(DIST_PYTHON) -m pip wheel -q --no-deps $(DIST_PIP_FLAGS) -w dist .
+	$(DIST_PYTHON) -c "import setuptools" 2>/dev/null || $(DIST_PYTHON) -m pip install -q "setuptools>=77"
+	$(DIST_PYTHON) -c "import setuptools; setuptools.setup()" -q sdist --dist-dir dist
+	rm -rf build *.egg-info
+	@ls dist
 
 bench: $(STAMP)
 	$(BIN)/python bench/dtp_forward.py

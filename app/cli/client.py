@@ -15,64 +15,25 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from app.cli.client_output import (
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_NOT_FINISHED,
+    Follower,
+    client_for,
+    err,
+    job_state,
+    out,
+    print_json,
+    status_text,
+)
+from app.cli.client_scores import cmd_scores
 from app.cli.spec_flags import add_spec_flags, spec_values
 from app.core.jobstate import STATUSES
 from models.affinity.names import SCORES
-
-EXIT_FAILED = 1
-EXIT_ERROR = 2
-EXIT_NOT_FINISHED = 3
-UNREACHABLE_NOTICE_S = 30.0  # while `wait` retries a service that does not answer, a line this often
-
-
-def _out(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def _err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def _client(args: argparse.Namespace) -> Any:
-    from app.client.http import LayoutClient
-
-    return LayoutClient(args.url, args.api_key, timeout=args.http_timeout)
-
-
-def _fmt_s(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    seconds = float(seconds)
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(round(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
-
-def _state(job: dict[str, Any]) -> str:
-    """`running affinity 42% ETA 12s`, `succeeded`, `failed in loading: …`."""
-    status = job["status"]
-    if status == "running":
-        text = f"running {job.get('stage') or 'starting'} {100 * (job.get('progress') or 0):.0f}%"
-        return text + (f" ETA {_fmt_s(job['eta_s'])}" if job.get("eta_s") is not None else "")
-    if status == "failed":
-        first = (job.get("error") or "").strip().splitlines()[:1]
-        return f"failed in {job.get('error_stage') or job.get('stage') or '?'}: {first[0] if first else 'no message'}"
-    if status == "cancelled":
-        return "cancelled" + (f" in {job['stage']}" if job.get("stage") else "")
-    return str(status)
-
-
-def _print_json(doc: Any) -> None:
-    _out(json.dumps(doc, indent=1, sort_keys=False))
-
 
 # ---- submit ----------------------------------------------------------------------------------------
 
@@ -114,9 +75,9 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = build_spec(args)
-    with _client(args) as client:
+    with client_for(args) as client:
         job = client.submit(spec)
-        _out(json.dumps(job, indent=1) if args.json and not args.wait else job["id"])
+        out(json.dumps(job, indent=1) if args.json and not args.wait else job["id"])
         if not args.wait:
             return 0
         return _follow(client, job["id"], args)
@@ -124,152 +85,68 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 # ---- status / wait / cancel / list -----------------------------------------------------------------
 
-def _status_text(job: dict[str, Any]) -> str:
-    spec = job.get("spec") or {}
-    model = spec.get("model") or {}
-    lines = [f"job {job['id']}  {_state(job)}",
-             f"model {model.get('id')}" + (f" ({model['gguf_file']})" if model.get("gguf_file") else "")
-             + f"  L={spec.get('devices')} δ={spec.get('delta', 1)} score {spec.get('score', 'fo')}"
-             + (f"  owner {job['owner']}" if job.get("owner") else ""),
-             f"submitted {job.get('created_at')}"
-             + (f"  finished {job['finished_at']}" if job.get("finished_at") else "")]
-    timings = job.get("timings") or {}
-    if timings:
-        lines.append("stages " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in timings.items()))
-    if job.get("status") == "failed" and job.get("error"):
-        lines.append(f"error: {job['error']}")
-    layouts = (job.get("summary") or {}).get("layouts") or {}
-    if layouts:
-        summary = job["summary"]
-        lines.append(f"{'layout':<16}{'J':>9}")
-        lines += [f"{name:<16}{value:>9.3f}" for name, value in sorted(layouts.items(), key=lambda kv: -kv[1])]
-        lines.append(f"random expectation {summary.get('random_expectation', 0):.3f}; "
-                     f"upper bound {summary.get('upper_bound', 0):.3f}")
-    return "\n".join(lines)
-
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         job = client.job(args.job)
     if args.json:
-        _print_json(job)
+        print_json(job)
     else:
-        _out(_status_text(job))
+        out(status_text(job))
     return 0
 
-
-class _Follower:
-    """Shows a job's progress on stderr: a bar per stage on a terminal, a line per change in a log."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.tty = sys.stderr.isatty()
-        self.bar: Any = None
-        self.stage: str | None = None
-        self.last_line = ""
-        self.last_time = 0.0
-        self.t0 = time.monotonic()
-        self.down_since: float | None = None  # the service has not answered since then
-        self.down_noticed = 0.0
-
-    def __call__(self, job: dict[str, Any]) -> None:
-        self.answered()
-        if self.tty and job["status"] == "running":
-            from tqdm import tqdm
-
-            stage = job.get("stage") or "starting"
-            if stage != self.stage:
-                if self.bar is not None:
-                    self.bar.close()
-                self.bar = tqdm(total=100, desc=stage, file=sys.stderr, leave=False, unit="%",
-                                bar_format="{desc:<12} {bar} {n:.0f}% {postfix}")
-                self.stage = stage
-            self.bar.n = round(100 * (job.get("progress") or 0), 1)
-            self.bar.set_postfix_str(f"ETA {_fmt_s(job['eta_s'])}" if job.get("eta_s") is not None else "")
-            return
-        line = _state(job)
-        now = time.monotonic()
-        changed = line.split(" ")[:2] != self.last_line.split(" ")[:2]
-        if changed or now - self.last_time >= 30:
-            _err(f"[{_fmt_s(now - self.t0):>7}] {line}")
-            self.last_line, self.last_time = line, now
-
-    def unreachable(self, error: Exception, down_s: float, retry_s: float, now: float | None = None) -> None:
-        """A try that did not reach the service: a line at the first, then every UNREACHABLE_NOTICE_S."""
-        now = time.monotonic() if now is None else now
-        if self.down_since is not None and now - self.down_noticed < UNREACHABLE_NOTICE_S:
-            return
-        self.close()
-        reason = str(error).removeprefix(f"cannot reach the service at {self.url}: ")
-        first = self.down_since is None
-        self.down_since = self.down_since if not first else now - down_s
-        self.down_noticed = now
-        _err(f"[{_fmt_s(now - self.t0):>7}] service at {self.url} unreachable ({reason}); "
-             + (f"retrying for up to {retry_s:.0f} s" if first else
-                f"still retrying ({down_s:.0f} s so far, up to {retry_s:.0f} s more)"))
-
-    def answered(self) -> None:
-        if self.down_since is not None:
-            _err(f"[{_fmt_s(time.monotonic() - self.t0):>7}] service at {self.url} answers again "
-                 f"(after {time.monotonic() - self.down_since:.0f} s)")
-            self.down_since = None
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 def _follow(client: Any, job_id: str, args: argparse.Namespace) -> int:
     from app.client.http import WaitTimeout
 
-    follower = _Follower(client.url)
+    follower = Follower(client.url)
     try:
         job = client.wait(job_id, timeout=args.timeout, interval=args.interval, on_update=follower,
                           on_unreachable=follower.unreachable)
     except WaitTimeout as exc:
         follower.close()
-        _err(f"dtp-layout client: {exc}")
+        err(f"dtp-layout client: {exc}")
         return EXIT_NOT_FINISHED
     finally:  # the service gone for good (ClientError) too: the progress bar is closed before the message
         follower.close()
     if args.json:
-        _print_json(job)
-    _err(f"job {job_id}: {_state(job)}")
+        print_json(job)
+    err(f"job {job_id}: {job_state(job)}")
     return 0 if job["status"] == "succeeded" else EXIT_FAILED
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         return _follow(client, args.job, args)
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         job = client.cancel(args.job)
-    _out(f"job {job['id']}: " + ("cancelled" if job["status"] == "cancelled" else
+    out(f"job {job['id']}: " + ("cancelled" if job["status"] == "cancelled" else
                                  f"cancel requested (still {job['status']} {job.get('stage') or ''}; it stops at the "
                                  "next micro-batch or step)".replace("  ", " ")))
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         jobs = client.jobs(status=args.status, model=args.model, devices=args.devices, delta=args.delta,
                            owner=args.owner, limit=args.limit)
     if args.json:
-        _print_json(jobs)
+        print_json(jobs)
         return 0
     if not jobs:
-        _err("no jobs")
+        err("no jobs")
         return 0
-    _out(f"{'id':<33}{'status':<11}{'stage':<24}{'model':<28}{'L':>3}{'δ':>3}{'J opt':>9}  created")
+    out(f"{'id':<33}{'status':<11}{'stage':<24}{'model':<28}{'L':>3}{'δ':>3}{'J opt':>9}  created")
     for job in jobs:
         spec = job.get("spec") or {}
-        state = _state(job).split(" ", 1)[1] if job["status"] == "running" else ""
+        state = job_state(job).split(" ", 1)[1] if job["status"] == "running" else ""
         opt = ((job.get("summary") or {}).get("layouts") or {}).get("optimised")
         model = str((spec.get("model") or {}).get("id"))
-        _out(f"{job['id']:<33}{job['status']:<11}{state[:23]:<24}{model[:27]:<28}{spec.get('devices', ''):>3}"
+        out(f"{job['id']:<33}{job['status']:<11}{state[:23]:<24}{model[:27]:<28}{spec.get('devices', ''):>3}"
              f"{spec.get('delta', ''):>3}{'' if opt is None else f'{opt:.3f}':>9}  {job.get('created_at', '')[:19]}")
     return 0
 
@@ -294,9 +171,9 @@ def cmd_download(args: argparse.Namespace) -> int:
             bar.update(n)
 
     def on_discard(name: str, part: Path, size: int, why: str) -> None:
-        _err(f"dtp-layout client download: {name}: discarded {size} bytes of {part}: {why}")
+        err(f"dtp-layout client download: {name}: discarded {size} bytes of {part}: {why}")
 
-    with _client(args) as client:
+    with client_for(args) as client:
         try:
             results = client.download(args.job, out, args.names, on_total=on_total, on_bytes=on_bytes,
                                       on_discard=on_discard)
@@ -304,7 +181,7 @@ def cmd_download(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
             for problem in exc.problems:
-                _err(f"dtp-layout client download: {problem}")
+                err(f"dtp-layout client download: {problem}")
             return EXIT_FAILED
         finally:
             if bar is not None:
@@ -312,11 +189,11 @@ def cmd_download(args: argparse.Namespace) -> int:
     fetched = sum(r.fetched for r in results)
     resumed = [r for r in results if r.resumed_from]
     kept = [r for r in results if not r.fetched]
-    _err(f"{len(results)} files in {out} ({sum(r.size for r in results)} bytes, every sha256 verified): "
+    err(f"{len(results)} files in {out} ({sum(r.size for r in results)} bytes, every sha256 verified): "
          f"{fetched} bytes fetched" + (f", {len(resumed)} resumed" if resumed else "")
          + (f", {len(kept)} already complete" if kept else ""))
     if args.json:
-        _print_json([{"name": r.name, "path": str(r.path), "size": r.size, "sha256": r.sha256, "fetched": r.fetched,
+        print_json([{"name": r.name, "path": str(r.path), "size": r.size, "sha256": r.sha256, "fetched": r.fetched,
                       "resumed_from": r.resumed_from} for r in results])
     return 0
 
@@ -333,7 +210,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         if have:
-            _err(f"resuming: {have} of {total} bytes are already on the service")
+            err(f"resuming: {have} of {total} bytes are already on the service")
         bar = tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                    desc="upload", disable=None, leave=False)
 
@@ -342,161 +219,75 @@ def cmd_upload(args: argparse.Namespace) -> int:
             bar.update(n)
 
     def on_skip(name: str) -> None:
-        _err(f"dtp-layout client upload: skipped {name} (hidden, or not a plain file)")
+        err(f"dtp-layout client upload: skipped {name} (hidden, or not a plain file)")
 
     try:
-        with _client(args) as client:
+        with client_for(args) as client:
             done = upload_path(client, Path(args.path), name=args.name, kind=args.kind, on_total=on_total,
                                on_bytes=on_bytes, on_skip=on_skip)
     except UploadMismatch as exc:
-        _err(f"dtp-layout client upload: {exc}")
+        err(f"dtp-layout client upload: {exc}")
         return EXIT_FAILED
     finally:
         if bar is not None:
             bar.close()
     if args.json:
-        _print_json(done)
+        print_json(done)
     else:
-        _out(done["id"])
-        _err(f"{done['kind']} upload {done['name']!r} complete ({done['size']} bytes, every sha256 verified); "
+        out(done["id"])
+        err(f"{done['kind']} upload {done['name']!r} complete ({done['size']} bytes, every sha256 verified); "
              f"name it in a job as {done['ref']}")
     return 0
 
 
 def cmd_uploads(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         items = client.uploads()
     if args.json:
-        _print_json(items)
+        print_json(items)
         return 0
     if not items:
-        _err("no uploads")
+        err("no uploads")
         return 0
-    _out(f"{'id':<33}{'kind':<7}{'status':<10}{'bytes':>14}  {'name':<30}created")
+    out(f"{'id':<33}{'kind':<7}{'status':<10}{'bytes':>14}  {'name':<30}created")
     for u in items:
-        _out(f"{u['id']:<33}{u['kind']:<7}{u['status']:<10}{u['size']:>14}  {u['name'][:29]:<30}"
+        out(f"{u['id']:<33}{u['kind']:<7}{u['status']:<10}{u['size']:>14}  {u['name'][:29]:<30}"
              f"{u['created_at'][:19]}")
     return 0
 
 
 def cmd_delete_upload(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         client.delete_upload(args.upload)
-    _err(f"upload {args.upload} deleted")
+    err(f"upload {args.upload} deleted")
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         job = client.delete_job(args.job)
-    _err(f"job {job['id']}: artifacts removed (the job, its layouts and scores stay)")
+    err(f"job {job['id']}: artifacts removed (the job, its layouts and scores stay)")
     if args.json:
-        _print_json(job)
+        print_json(job)
     return 0
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         usage = client.usage()
     if args.json:
-        _print_json(usage)
+        print_json(usage)
         return 0
     quota = usage["quota_bytes"]
-    _out(f"tenant {usage['tenant'] or '(open API)'}: {usage['used_bytes']} bytes used of "
+    out(f"tenant {usage['tenant'] or '(open API)'}: {usage['used_bytes']} bytes used of "
          + (f"{quota} ({100 * usage['used_bytes'] / quota:.1f}%)" if quota else "no quota"))
     for kind, n in usage["bytes"].items():
-        _out(f"  {kind:<15}{n:>16}")
-    _out("  " + ", ".join(f"{k} {v}" for k, v in usage["counts"].items()))
+        out(f"  {kind:<15}{n:>16}")
+    out("  " + ", ".join(f"{k} {v}" for k, v in usage["counts"].items()))
     if usage["retention_days"]:
-        _out(f"  finished jobs' artifacts are removed after {usage['retention_days']:g} days")
+        out(f"  finished jobs' artifacts are removed after {usage['retention_days']:g} days")
     return 0
 
-
-# ---- scores (the CI gate) --------------------------------------------------------------------------
-
-def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: float | None,
-         min_gain: float | None) -> dict[str, Any]:
-    """The gate's verdict on one /v1/scores answer. ratio = J(layout) / J(reference);
-    gain = (J(layout) − E) / E over the random expectation E = (2N−1)/L."""
-    from app.client.http import ClientError
-
-    js = scores.get("layouts") or {}
-    if layout not in js:
-        raise ClientError(f"job {scores.get('job_id')} has no layout {layout!r}; it has: {', '.join(js)}")
-    value = js[layout]
-    verdict: dict[str, Any] = {"layout": layout, "J": value}
-    if reference in js:
-        verdict["reference"], verdict["ratio"] = reference, value / js[reference] if js[reference] else None
-    expectation = scores.get("random_expectation")
-    if expectation:
-        verdict["gain"] = (value - expectation) / expectation
-    if min_ratio is not None:
-        if reference not in js:
-            raise ClientError(f"--min-ratio compares with {reference!r}, which job {scores.get('job_id')} does not "
-                              f"have; it has: {', '.join(js)}")
-        verdict.update(rule="min_ratio", threshold=min_ratio, passed=verdict["ratio"] is not None
-                       and verdict["ratio"] >= min_ratio)
-    elif min_gain is not None:
-        if "gain" not in verdict:
-            raise ClientError("--min-gain needs the random expectation, which these scores lack")
-        verdict.update(rule="min_gain", threshold=min_gain, passed=verdict["gain"] >= min_gain)
-    return verdict
-
-
-def job_scores(job: dict[str, Any]) -> dict[str, Any]:
-    """One job's scores in the shape of GET /v1/scores (for `scores --job`); JobNotSucceeded otherwise."""
-    from app.client.http import JobNotSucceeded
-
-    if job["status"] != "succeeded":
-        raise JobNotSucceeded(job, "scores")
-    spec, summary = job.get("spec") or {}, job.get("summary") or {}
-    layouts = summary.get("layouts") or {}
-    return {"job_id": job["id"], "model": (spec.get("model") or {}).get("id"),
-            "revision": (spec.get("model") or {}).get("revision"), "devices": spec.get("devices"),
-            "delta": spec.get("delta", 1), "score": spec.get("score", "fo"), "finished_at": job.get("finished_at"),
-            "tokens": summary.get("tokens"), "random_expectation": summary.get("random_expectation"),
-            "upper_bound": summary.get("upper_bound"),
-            "layouts": dict(sorted(layouts.items(), key=lambda kv: -kv[1]))}
-
-
-def cmd_scores(args: argparse.Namespace) -> int:
-    from app.client.http import ClientError
-
-    if (args.job is None) == (args.model is None):
-        raise ClientError("give --model (the latest succeeded job of that model) or --job ID (that job)")
-    with _client(args) as client:
-        if args.job is not None:
-            scores = job_scores(client.job(args.job))
-        else:
-            scores = client.scores(model=args.model, devices=args.devices, delta=args.delta, score=args.score,
-                                   revision=args.revision)
-    verdict = gate(scores, layout=args.layout, reference=args.reference, min_ratio=args.min_ratio,
-                   min_gain=args.min_gain)
-    if args.json:
-        _print_json({"scores": scores, "gate": verdict})
-    else:
-        js = scores["layouts"]
-        ref = js.get(args.reference)
-        bound = scores.get("upper_bound")
-        _out(f"{scores['model']}  L={scores['devices']} δ={scores['delta']} score {scores['score']}  "
-             f"job {scores['job_id']}  finished {str(scores.get('finished_at'))[:19]}"
-             + (f"  ({scores['tokens']} calibration tokens)" if scores.get("tokens") else ""))
-        _out(f"{'layout':<16}{'J':>9}{'J/bound':>9}{'/ ' + args.reference:>16}")
-        for name, value in js.items():
-            per_bound = f"{value / bound:.3f}" if bound else "—"
-            per_ref = f"{value / ref:.3f}×" if ref else "—"
-            _out(f"{name:<16}{value:>9.3f}{per_bound:>9}{per_ref:>16}")
-        if scores.get("random_expectation") is not None:
-            _out(f"random expectation {scores['random_expectation']:.3f}; upper bound {bound or 0:.3f}")
-        if "rule" in verdict:
-            if verdict["rule"] == "min_ratio":
-                what = (f"{args.layout} J {verdict['J']:.3f} / {args.reference} J {ref:.3f} = {verdict['ratio']:.3f}, "
-                        f"needs ≥ {args.min_ratio:g}")
-            else:
-                what = (f"{args.layout} J {verdict['J']:.3f} is {100 * verdict['gain']:+.1f}% over the random "
-                        f"expectation, needs ≥ {100 * args.min_gain:+.1f}%")
-            _out(f"gate: {what}: {'pass' if verdict['passed'] else 'FAIL'}")
-    return 0 if verdict.get("passed", True) else EXIT_FAILED
 
 
 # ---- the command line ------------------------------------------------------------------------------
@@ -669,16 +460,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         return int(args.client_func(args))
     except JobNotSucceeded as exc:
-        _err(f"dtp-layout client {args.client_command}: {exc}")
+        err(f"dtp-layout client {args.client_command}: {exc}")
         return EXIT_FAILED if exc.finished else EXIT_NOT_FINISHED
     except ClientError as exc:
-        _err(f"dtp-layout client {args.client_command}: error: {exc}")
+        err(f"dtp-layout client {args.client_command}: error: {exc}")
         return EXIT_ERROR
     except argparse.ArgumentTypeError as exc:
-        _err(f"dtp-layout client {args.client_command}: error: {exc}")
+        err(f"dtp-layout client {args.client_command}: error: {exc}")
         return EXIT_ERROR
     except KeyboardInterrupt:
-        _err(f"dtp-layout client {args.client_command}: interrupted")
+        err(f"dtp-layout client {args.client_command}: interrupted")
         return 130
     except BrokenPipeError:  # `… | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

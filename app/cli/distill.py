@@ -14,17 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.extras import needs_worker_extra
-from app.cli.main import (
-    _add_model_args,
-    _calibration_of,
-    _check_layout_numbers,
-    _converted_cache,
-    _layouts_dir,
-    _model_config,
-    schedule_flags,
-    schedule_text,
+from app.cli.model_args import (
+    add_model_args,
+    calibration_of,
+    check_layout_numbers,
+    converted_cache,
+    layouts_dir_of,
+    model_config,
 )
 from app.cli.run import CliHooks
+from app.cli.schedule_args import schedule_flags, schedule_text
 from app.cli.spec_flags import spec_values
 from models.distill.recipe import DistillRecipe  # torch-free
 
@@ -48,7 +47,7 @@ def _spec(args: argparse.Namespace) -> Any:
     evaluation = CalibrationSpec(source=given["distill.eval.source"], sequences=given["distill.eval.sequences"],
                                  seq_len=given["distill.eval.seq_len"] or train.seq_len,
                                  text_field=given["distill.eval.text_field"])
-    calibration, identity = _calibration_of(args)
+    calibration, identity = calibration_of(args)
     return DistillSpec(layouts=tuple(given["distill.layouts"]), train=train, eval=evaluation,
                        devices=given["devices"], delta=given["delta"], seeds=tuple(given["distill.seeds"]),
                        recipe=recipe, reference=args.reference, candidate=args.candidate, calibration=calibration,
@@ -98,9 +97,9 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    config = _model_config(args, source)
-    _check_layout_numbers(config, spec.devices, spec.delta, spec.schedule)  # fail before loading weights
-    layouts_dir = _layouts_dir(args)
+    config = model_config(args, source)
+    check_layout_numbers(config, spec.devices, spec.delta, spec.schedule)  # fail before loading weights
+    layouts_dir = layouts_dir_of(args)
     distill.resolve_layouts(spec.layouts, shape=model_shape(config), devices=spec.devices, delta=spec.delta,
                             layouts_dir=layouts_dir)  # name errors before the weights load
     out = Path(args.out)
@@ -118,7 +117,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     # resumes every run from its checkpoints in --out by itself).
     ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
                             device=args.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
-                            converted=_converted_cache(args),
+                            converted=converted_cache(args),
                             distill=stages.DistillPlan(spec=spec, out_dir=out, layouts_dir=layouts_dir,
                                                        keep_checkpoints=not args.no_checkpoints_kept,
                                                        on_eval=on_eval, on_step=bars.step, on_run_start=bars.start))
@@ -150,7 +149,7 @@ def register(sub: Any) -> None:
     recipe = p.add_argument_group("recipe (defaults: the paper's)")
     # the job spec's flags of `distill` (models/run/jobspec.py): the model, L, δ, the layouts and seeds, the
     # training and evaluation data, and the recipe
-    _add_model_args(p, "distill", groups={"distill.train": data, "distill.eval": data, "distill.recipe": recipe})
+    add_model_args(p, "distill", groups={"distill.train": data, "distill.eval": data, "distill.recipe": recipe})
     p.add_argument("--reference", default="contiguous", help="headline baseline layout (default: contiguous)")
     p.add_argument("--candidate", default="optimised", help="headline layout (default: optimised)")
     p.add_argument("--no-checkpoints-kept", action="store_true",

@@ -1,5 +1,5 @@
 """The command line's hooks for `models.run.runner`: stages recorded in the output directory's run.json,
-progress bars and what is skipped on stderr. Used by `optimise` (app/cli/main.py) and `distill`
+progress bars and what is skipped on stderr. Used by `optimise` (app/cli/optimise.py) and `distill`
 (app/cli/distill.py). Torch-free at import.
 """
 

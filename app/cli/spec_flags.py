@@ -21,15 +21,38 @@ from models.run.jobspec import FIELDS, GROUPS, SpecField, SpecGroup, command_def
 SUBMIT: Command = "submit"
 
 
+def path_flag_name(field: SpecField) -> str:
+    """The option named after the field's path: `--calibration-seed`, `--no-export-checkpoint` (a boolean
+    that defaults to true)."""
+    name = field.path.replace(".", "-").replace("_", "-")
+    return f"--no-{name}" if field.rule.kind == "bool" and field.default is True else f"--{name}"
+
+
 def generated_submit_flag(field: SpecField) -> Flag:
     """The submit flag of a field that declares none: its path as an option."""
-    name = field.path.replace(".", "-").replace("_", "-")
+    name = path_flag_name(field)
     if field.rule.kind == "bool":
-        return Flag((f"--no-{name}",) if field.default is True else (f"--{name}",), (SUBMIT,),
-                    form="off" if field.default is True else "on")
+        return Flag((name,), (SUBMIT,), form="off" if field.default is True else "on")
     csv = field.rule.kind in ("list", "betas")
     metavar = "A,B" if csv else {"int": "N", "float": "X", "str": "TEXT"}.get(field.rule.kind)
-    return Flag((f"--{name}",), (SUBMIT,), form="csv" if csv else "value", metavar=metavar)
+    return Flag((name,), (SUBMIT,), form="csv" if csv else "value", metavar=metavar)
+
+
+def submit_aliases() -> dict[str, str]:
+    """The path-named spelling of every declared submit flag whose name differs (`--calibration-seed` for
+    `--calib-seed`), by the declared name: docs/ci.md's rule, "every field has a flag named after its path",
+    holds for every field, not only for those without a shorter flag. Fields with two flags (one per beta)
+    keep theirs; no alias may take a name another flag has."""
+    declared = {name for _, flag in command_flags(SUBMIT) for name in flag.names}
+    aliases = {}
+    for f in FIELDS:
+        flags = f.rule.flags_of(SUBMIT)
+        if len(flags) != 1 or flags[0].positional:
+            continue
+        alias = path_flag_name(f)
+        if alias not in declared and (flags[0].form != "off") == (not alias.startswith("--no-")):
+            aliases[flags[0].names[0]] = alias
+    return aliases
 
 
 def command_flags(command: str) -> list[tuple[SpecField | SpecGroup, Flag]]:
@@ -75,6 +98,7 @@ def add_spec_flags(parser: argparse.ArgumentParser | Any, command: str, *, group
     where given: an argument group). A flag several fields share (`--text-field` of distill's training and
     evaluation text) is added once."""
     added: set[str] = set()
+    aliases = submit_aliases() if command == SUBMIT else {}
     for item, flag in command_flags(command):
         if flag.dest in added:
             continue
@@ -102,7 +126,8 @@ def add_spec_flags(parser: argparse.ArgumentParser | Any, command: str, *, group
         if flag.metavar:
             kwargs["metavar"] = flag.metavar
         if flag.form in ("on", "off"):
-            target.add_argument(*flag.names, action="store_true", **kwargs)
+            names = (*flag.names, aliases[flag.names[0]]) if flag.names[0] in aliases else flag.names
+            target.add_argument(*names, action="store_true", **kwargs)
             continue
         if flag.form == "csv":
             default = _shown(default) if default is not None else None
@@ -115,7 +140,8 @@ def add_spec_flags(parser: argparse.ArgumentParser | Any, command: str, *, group
         if flag.positional:
             target.add_argument(flag.names[0], **kwargs)
             continue
-        target.add_argument(*flag.names, default=default, required=required, **kwargs)
+        names = (*flag.names, aliases[flag.names[0]]) if flag.names[0] in aliases else flag.names
+        target.add_argument(*names, default=default, required=required, **kwargs)
 
 
 def _escape(text: str) -> str:

@@ -47,7 +47,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 def source_dtype(config: Any) -> torch.dtype | None:
     """The dtype the source checkpoint stores (its config.json), read before loading; None when it says
     none or a non-float one (a GGUF file is quantised: its dequantised weights have no dtype of their own)."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # `dtype` (transformers ≥ 4.56); a config object of an older one keeps `torch_dtype` as a plain attribute.
+    # Never `config.torch_dtype` itself: on transformers 5 it is a property that logs "`torch_dtype` is deprecated"
+    # (what `optimise` of a GGUF, whose config has no dtype, printed).
+    value = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     name = dtype_name(value) if isinstance(value, torch.dtype) else str(value) if value else None
     return DTYPES.get(name) if name else None
 

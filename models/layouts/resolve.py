@@ -40,6 +40,19 @@ def resolve_layout(text: str, *, shape: ModelShape, devices: int, delta: int,
     raise LayoutError(_unknown(text, parsed, layouts_dir))
 
 
+def check_layout_name(text: str, *, layouts_dir: str | Path | None = None) -> None:
+    """What `resolve_layout` refuses without the model's shape: a malformed name (random:abc), a layout file
+    that does not exist, a name that no layouts directory holds. Raises LayoutError, naming what is accepted."""
+    parsed = parse_layout_name(text)
+    if parsed.kind in ("contiguous", "random"):
+        return
+    if parsed.kind != "path" and layouts_dir is not None and (Path(layouts_dir) / f"{parsed.name}.json").is_file():
+        return
+    if Path(text).is_file():
+        return
+    raise LayoutError(_unknown(text, parsed, layouts_dir))
+
+
 def _unknown(text: str, parsed: LayoutName, layouts_dir: str | Path | None) -> str:
     if parsed.kind == "path":
         return f"layout {text!r}: no such file; expected {GRAMMAR}, or a layout name of an optimise output"

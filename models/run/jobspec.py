@@ -79,6 +79,10 @@ _SOURCE_DOC = ("corpus:shakespeare (every install) | corpus:kjv (where the King 
                "data upload: POST /v1/uploads, `client upload`) | a name under the server's data root (.txt, "
                ".jsonl, .npy of token ids, or a directory of .txt)")
 _TEXT_FIELD_DOC = "text field of .jsonl / hf rows"
+# The schedule as a local command (optimise, distill, export, eval) takes it: no `null`, no service.
+_LOCAL_SCHEDULE_DOC = ("communication schedule: tp | dtp:δ | dtp:δ@K | ladder | spd:B (layers, e.g. spd:1,3) | pt:D "
+                       "(docs/method.md); default: dtp:δ of --delta (a dtp schedule and a different --delta are "
+                       "refused). What the layouts are evaluated and distilled under, and the shards exported for")
 
 
 def _data(part: str, source_flags: tuple[Flag, ...], sequences_flags: tuple[Flag, ...],
@@ -141,7 +145,11 @@ FIELDS: tuple[SpecField, ...] = (
        "evaluation stream the model layer by layer from its safetensors when it would not fit in memory, and a run "
        "that cannot fit even streamed is refused, naming what it needs; null: the worker's DTP_LAYOUT_MAX_MEMORY "
        "(no limit unless set)", None,
-       _on(("--max-memory",), "optimise", "export", "eval", "submit", metavar="SIZE"), max_length=32,
+       _on(("--max-memory",), "optimise", "export", "eval", metavar="SIZE",
+           help="memory limit of the run, e.g. 2GiB or 500MB: the affinity pass, the export and the evaluation "
+                "stream the model layer by layer from its safetensors when it would not fit in memory, and a run "
+                "that cannot fit even streamed is refused, naming what it needs (default: no limit)"),
+       _on(("--max-memory",), "submit", metavar="SIZE"), max_length=32,
        pattern=SIZE_PATTERN, nullable=True, examples=("2GiB",)),
     # ---- the layout problem ----
     _f("devices", "int", "number of DTP devices L (must divide the KV groups and the FFN width)", REQUIRED,
@@ -150,13 +158,24 @@ FIELDS: tuple[SpecField, ...] = (
     _f("schedule", "str", "communication schedule: tp | dtp:δ | dtp:δ@K | ladder | spd:B (layers, e.g. spd:1,3) | "
        "pt:D (docs/method.md); null: dtp:δ of delta, which stays its shorthand (a dtp schedule and a different "
        "delta are refused). What the layouts are evaluated and distilled under, and the shards exported for",
-       None, _on(("--schedule",), "optimise", "distill", "export", "eval", "submit", metavar="S"),
+       None, _on(("--schedule",), "distill", "export", "eval", metavar="S", help=_LOCAL_SCHEDULE_DOC),
+       _on(("--schedule",), "optimise", metavar="S",
+           help=_LOCAL_SCHEDULE_DOC.replace("| pt:D", "| spd:auto:K (the K layers whose dropped sync costs least "
+                                                      "KL, chosen on the calibration blocks) | pt:D")),
+       _on(("--schedule",), "submit", metavar="S"),
        min_length=1, max_length=MAX_SCHEDULE_CHARS, nullable=True, examples=("dtp:1", "pt:2", "spd:1,3")),
     # ---- calibration ----
-    _f("calibration.source", "str", _SOURCE_DOC, REQUIRED, _on(("--calib",), "optimise", "submit"),
+    _f("calibration.source", "str", _SOURCE_DOC, REQUIRED,
+       _on(("--calib",), "optimise", metavar="SOURCE",
+           help="calibration text: a local .txt file, .jsonl (--text-field), .npy of token ids or directory of "
+                ".txt files, corpus:shakespeare (every install), corpus:kjv (where installed) or "
+                "hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset, with the hf extra)"),
+       _on(("--calib",), "submit"),
        min_length=1, max_length=300, examples=("corpus:shakespeare", "calibration/tokens.npy")),
     _f("calibration.sequences", "int", "calibration blocks; sequences × seq_len is bounded by the server's "
-       "DTP_LAYOUT_MAX_CALIBRATION_TOKENS", 64, _on(("--calib-sequences",), "optimise", "submit"),
+       "DTP_LAYOUT_MAX_CALIBRATION_TOKENS", 64,
+       _on(("--calib-sequences",), "optimise", help="calibration blocks (sequences × seq_len tokens are read)"),
+       _on(("--calib-sequences",), "submit"),
        ge=1, le=1_000_000),
     _f("calibration.seq_len", "int", "tokens per block; at most the model's max_position_embeddings", 1024,
        _on(("--calib-seq-len",), "optimise", "submit"), ge=2, le=MAX_SEQ_LEN),
@@ -165,7 +184,9 @@ FIELDS: tuple[SpecField, ...] = (
     _f("calibration.text_field", "str", _TEXT_FIELD_DOC, "text", _on(("--text-field",), "optimise"),
        min_length=1, max_length=100),
     _f("calibration.skip_blocks", "int", "blocks to skip at the start of the stream (skip_blocks × seq_len is "
-       "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)", 0, _on(("--calib-skip-blocks",), "optimise", "submit"),
+       "bounded by DTP_LAYOUT_MAX_SKIP_TOKENS)", 0,
+       _on(("--calib-skip-blocks",), "optimise", help="blocks to skip at the start of the calibration text"),
+       _on(("--calib-skip-blocks",), "submit"),
        ge=0, le=MAX_SKIP_BLOCKS),
     # ---- what is optimised and scored ----
     _f("score", "choice", "up-edge affinity score", "fo", _on(("--score",), "optimise", "submit"), choices=SCORES),

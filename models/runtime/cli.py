@@ -101,7 +101,7 @@ def _loaded_line(info: Any, world_size: int, backend: str, seconds: float) -> st
 def run_local(args: argparse.Namespace) -> int:
     import time
 
-    from models.runtime.launcher import DTPRuntime, has_tokenizer, manifest_devices
+    from models.runtime.launcher import DTPRuntime, has_tokenizer, manifest_devices, stop_forkserver
 
     manifest_devices(args.shards)  # a missing or unreadable manifest is refused before any process starts
     if args.prompt is not None and not has_tokenizer(args.shards):
@@ -121,8 +121,10 @@ def run_local(args: argparse.Namespace) -> int:
                 prompt_text = [rt.tokenizer.decode(row, skip_special_tokens=True) for row in result.prompt_ids.tolist()]
     except BaseException:
         rt.stop(force=True)
+        stop_forkserver()  # after the ranks (its children): else it outlives this command by seconds
         raise
     rt.stop()
+    stop_forkserver()
     _report(result, args, prompt_text)
     return 0
 

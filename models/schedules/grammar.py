@@ -46,13 +46,16 @@ from typing import Literal
 
 from models.layouts.format import LayoutError
 
-__all__ = ["ACCEPTED", "NEVER", "Schedule", "ScheduleError", "ScheduleSpec", "dtp_spec", "parse_schedule",
-           "resolve_schedule"]
+__all__ = ["ACCEPTED", "ACCEPTED_WITHOUT_AUTO", "NEVER", "Schedule", "ScheduleError", "ScheduleSpec", "dtp_spec",
+           "parse_schedule", "resolve_schedule"]
 
 NEVER = None  # a_n = ∞: module n's partial never reaches the other devices
 
 ACCEPTED = ("tp, dtp:δ, dtp:δ@K, ladder, spd:B (B a comma list of layers, e.g. spd:1,3,5), spd:auto:K, pt:D "
             "(δ, K, D non-negative integers: K, D ≥ 1)")
+# What a command that cannot choose spd:auto:K's layers accepts (only `optimise` and a job's affinity stage
+# run the sensitivity pass that chooses them).
+ACCEPTED_WITHOUT_AUTO = ACCEPTED.replace(" spd:auto:K,", "")
 MAX_SCHEDULE_CHARS = 4096  # a comma list of a few hundred layers; longer text is refused unread
 _INT = re.compile(r"[0-9]{1,6}")  # bounded: no 10^6-digit integer is ever parsed
 

@@ -159,9 +159,9 @@ def test_eval_reads_a_layout_by_name_from_an_optimise_output(checkpoint, tmp_pat
 
 
 def test_unsupported_and_missing_models(tmp_path, capsys):
-    assert main(["eval", str(tmp_path / "missing"), "--devices", "2", "--data", "x.npy"]) == 2
+    assert main(["eval", str(tmp_path / "missing"), "--devices", "2", "--data", "corpus:shakespeare"]) == 2
     assert "is not a directory" in capsys.readouterr().err
-    assert main(["eval", "not a hub id!", "--devices", "2", "--data", "x.npy"]) == 2
+    assert main(["eval", "not a hub id!", "--devices", "2", "--data", "corpus:shakespeare"]) == 2
     assert "hub id" in capsys.readouterr().err
 
 

@@ -403,10 +403,10 @@ def test_wait_says_what_it_waits_for_while_the_service_is_unreachable():
 
 
 def test_the_unreachable_notice_repeats_every_30_s_and_says_when_the_service_is_back(capsys):
-    from app.cli.client import UNREACHABLE_NOTICE_S, _Follower
+    from app.cli.client_output import UNREACHABLE_NOTICE_S, Follower
 
     url = "http://layout.test:8000"
-    follower = _Follower(url)
+    follower = Follower(url)
     t0 = follower.t0
     error = ClientError(f"cannot reach the service at {url}: [Errno 111] Connection refused")
     for down in (0.0, 2.0, 10.0, UNREACHABLE_NOTICE_S + 1, UNREACHABLE_NOTICE_S + 5, 2 * UNREACHABLE_NOTICE_S + 2):

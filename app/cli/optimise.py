@@ -1,0 +1,125 @@
+"""`dtp-layout optimise`: the affinity pass and the layout optimiser (and the export of the optimised
+layout), resumable in its --out directory (run.json). Torch-free at import."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.cli.errors import CliError
+from app.cli.model_args import check_layout_numbers, converted_cache, max_memory, model_config, progress_bar
+from app.cli.run import CliHooks
+from app.cli.schedule_args import check_objective_schedule, schedule_text
+
+
+def _calibration_spec(args: argparse.Namespace) -> Any:
+    from models.data.calibration import CalibrationSpec
+
+    return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
+                           seed=args.calib_seed, text_field=args.text_field, skip_blocks=args.calib_skip_blocks)
+
+
+def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str, Any]:
+    """What the outputs of `optimise` depend on: a rerun in the same --out resumes only when they are equal."""
+    from dataclasses import asdict
+
+    return {"model": args.model, "revision": args.revision, "gguf_file": args.gguf_file, "dtype": args.dtype,
+            "devices": args.devices, "delta": args.delta, "calibration": asdict(calibration), "score": args.score,
+            "random": args.random, "ablations": args.ablations, "stability": args.stability,
+            "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
+            "restarts": args.restarts,
+            # only when given, so that a run recorded before schedules resumes with the same flags
+            **({"schedule": schedule_text(args, allow_auto=True), "edge_top_k": args.edge_top_k,
+                "edge_memory_limit": args.edge_memory_limit} if schedule_text(args, allow_auto=True) is not None
+               else {})}
+
+
+def _run_record(args: argparse.Namespace, out: Path, parameters: dict[str, Any]) -> Any:
+    """The run record of --out: an earlier run's with the same parameters (resumed), or a new one. A run
+    with other parameters is refused, naming them, unless --overwrite (which starts again)."""
+    from models.run.runner import RunRecord
+
+    record = RunRecord(out, parameters)
+    if args.overwrite:
+        return record
+    try:
+        earlier = RunRecord.read(out)
+    except ValueError as exc:
+        raise CliError(f"{exc} (pass --overwrite to start again, or another --out)") from exc
+    if earlier is None or not earlier["stages"]:  # no stage done (a refused run): nothing to resume or keep
+        if not args.no_export and ((out / "checkpoint").exists() or (out / "shards").exists()):
+            raise CliError(f"{out}/checkpoint or {out}/shards already exists (pass --overwrite or --no-export)")
+        return record
+    if changed := record.differences(earlier):
+        said = "; ".join(f"{name} was {json.dumps(before)}, now {json.dumps(now)}" for name, before, now in changed)
+        raise CliError(f"{out} holds a run with other parameters ({said}): pass the same ones to resume it, "
+                       "--overwrite to start again, or another --out")
+    record.resume(earlier)
+    return record
+
+
+def _forget_if_nothing_done(record: Any, out: Path, created: bool) -> None:
+    """A run that stopped before finishing any stage (refused input, ctrl-C during the load) leaves no
+    run.json to refuse the corrected rerun with, nor the --out directory it created empty."""
+    if record.stages:
+        return  # a finished stage is worth resuming
+    record.path.unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
+
+
+def cmd_optimise(args: argparse.Namespace) -> int:
+    from models.io.loading import ModelSource
+    from models.run import pipeline, stages
+    from models.run.runner import run_stages
+
+    schedule = schedule_text(args, allow_auto=True)  # a bad --schedule fails before anything loads
+    try:
+        spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
+                                     random_layouts=args.random, ablations=args.ablations,
+                                     export=not args.no_export, batch_size=args.batch_size, restarts=args.restarts,
+                                     stability=args.stability, schedule=schedule,
+                                     edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
+    except ValueError as exc:  # ScheduleError names the bad part and what is accepted
+        raise CliError(f"--schedule: {exc}" if schedule else str(exc)) from exc
+    calibration = _calibration_spec(args)
+    source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
+    config = model_config(args, source)
+    check_layout_numbers(config, args.devices, args.delta, None if spec.chooses_spd_layers else schedule)
+    check_objective_schedule(config, spec)
+    out = Path(args.out)
+    record = _run_record(args, out, _optimise_parameters(args, calibration))
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    record.save()
+    ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
+                            device=args.device, devices=args.devices, delta=args.delta, schedule=schedule,
+                            optimise=spec,
+                            calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
+                            shards=spec.export, export_dtype=args.export_dtype, converted=converted_cache(args),
+                            max_memory=max_memory(args), stream=True if args.stream else None)
+    try:
+        outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
+                                                           progress=progress_bar()), keep=stages.REPORT_INPUTS)
+    except BaseException:
+        _forget_if_nothing_done(record, out, created)
+        raise
+    if ctx.memory is not None and (ctx.max_memory is not None or ctx.memory.stream):
+        print(f"memory: {ctx.memory.describe()}", file=sys.stderr)
+    seconds = {"loading": outcome.seconds["loading"], **record.seconds()}
+    report = stages.build_report(ctx, seconds=seconds)
+    pipeline.write_report(ctx.run_state(), report)
+    print(pipeline.summary_table(report))
+    if ctx.run_state().stability is not None:
+        print(pipeline.stability_text(ctx.run_state().stability))
+    for note in report["notes"]:
+        print(f"note: {note}")
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+    resumed = f"; resumed: {', '.join(outcome.skipped)} done by an earlier run" if outcome.skipped else ""
+    print(f"wrote {out}/affinity.safetensors, {out}/layouts/*.json, {out}/report.json"
+          + ("" if not spec.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({times}{resumed})")
+    return 0
+

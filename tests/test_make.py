@@ -1,0 +1,89 @@
+"""Make targets a new user runs (issue 30): `make dist` builds what the README and the worker-extra message
+tell them to install, and `make test` says loudly when the browser tests will be skipped. Each runs `make`
+for real, in a copy of the checkout (nothing is written into this one)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from app.cli.extras import wheel_name, worker_extra_message
+
+REPO = Path(__file__).resolve().parents[1]
+MAKE = shutil.which("make")
+pytestmark = pytest.mark.skipif(MAKE is None, reason="make is not installed")
+
+
+def _checkout_copy(dest: Path) -> Path:
+    """The files a clone has (tracked, and new ones not ignored): no .venv, var/ or dist/."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
+def test_make_dist_builds_the_wheel_the_worker_extra_message_names(tmp_path):
+    copy = _checkout_copy(tmp_path / "clone")
+    # this interpreter's setuptools: no package index needed (a user's `make dist` builds in isolation)
+    result = subprocess.run([MAKE, "dist", f"DIST_PYTHON={sys.executable}", "DIST_PIP_FLAGS=--no-build-isolation"],
+                            cwd=copy, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    built = sorted(p.name for p in (copy / "dist").iterdir())
+    assert built == [wheel_name(), wheel_name().replace("-py3-none-any.whl", ".tar.gz")], built
+    assert f"dist/{wheel_name()}[worker]" in worker_extra_message(["torch"])
+    with zipfile.ZipFile(copy / "dist" / wheel_name()) as wheel:
+        names = set(wheel.namelist())
+    migrations = {f"migrations/versions/{p.name}" for p in (REPO / "migrations" / "versions").glob("*.py")}
+    assert migrations and migrations <= names and "migrations/script.py.mako" in names
+    assert not (copy / "build").exists() and not list(copy.glob("*.egg-info"))
+
+
+def test_building_the_package_warns_nothing(tmp_path):
+    """`pip install -e .` printed 30 lines of setuptools' warning about `migrations.versions` (issue 30 item 13):
+    the same build, verbose, has no warning of setuptools' own."""
+    copy = _checkout_copy(tmp_path / "clone")
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w",
+                             str(tmp_path / "wheel"), "."], cwd=copy, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "absent from the `packages` configuration" not in output
+    assert "Warning" not in output, [line for line in output.splitlines() if "Warning" in line]
+
+
+def _check_chromium(tmp_path: Path, candidates: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "DTP_LAYOUT_TEST_CHROMIUM"}
+    env["PATH"] = str(tmp_path / "empty-path")  # no `chromium` on PATH; the recipe needs only shell builtins
+    return subprocess.run([MAKE, "-s", "check-chromium", f"CHROMIUM_CANDIDATES={candidates}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_make_test_warns_loudly_where_chromium_is_missing(tmp_path):
+    result = _check_chromium(tmp_path, str(tmp_path / "no-chromium"))
+    assert result.returncode == 0
+    assert "WARNING: Chromium not found" in result.stderr and "SKIPPED" in result.stderr
+    assert "make chromium" in result.stderr  # how to install it
+
+
+def test_no_warning_where_chromium_is_there(tmp_path):
+    chromium = tmp_path / "chromium"
+    chromium.write_text("#!/bin/sh\n")
+    chromium.chmod(0o755)
+    result = _check_chromium(tmp_path, str(chromium))
+    assert result.returncode == 0 and result.stderr == ""
+
+
+def test_make_test_and_ci_run_the_chromium_check_and_install(tmp_path):
+    dry = subprocess.run([MAKE, "-n", "pytest", f"VENV={tmp_path / 'venv'}", f"STAMP={tmp_path / 'stamp'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "check-chromium" in dry.stdout, dry.stdout
+    assert "make chromium" in (REPO / ".ci" / "run").read_text()
