@@ -125,6 +125,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 # ---- status / wait / cancel / list -----------------------------------------------------------------
 
 def _status_text(job: dict[str, Any]) -> str:
+    from app.client.http import removed_text
+
     spec = job.get("spec") or {}
     model = spec.get("model") or {}
     lines = [f"job {job['id']}  {_state(job)}",
@@ -138,6 +140,8 @@ def _status_text(job: dict[str, Any]) -> str:
         lines.append("stages " + ", ".join(f"{k} {_fmt_s(v)}" for k, v in timings.items()))
     if job.get("status") == "failed" and job.get("error"):
         lines.append(f"error: {job['error']}")
+    if removed := removed_text(job):
+        lines.append(f"artifacts {removed} (the job, its layouts and scores stay)")
     layouts = (job.get("summary") or {}).get("layouts") or {}
     if layouts:
         summary = job["summary"]
