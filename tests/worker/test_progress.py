@@ -82,3 +82,45 @@ def test_the_edges_pass_reports_per_layer_too():
                            batch_size=2, progress=lambda _stage, f: seen.append(f))
     # the chain's pass (3 layers) then the edges' (3 layers), each in half of the stage
     assert len(seen) >= 6 and seen == sorted(seen) and seen[-1] == 1.0, seen
+
+
+def test_a_distillation_job_shows_its_fraction_per_step_and_an_eta_that_moves(tmp_path, inject_faults):
+    """The job's row as the API reads it, sampled while a real (tiny) distillation job runs in this
+    process: the distilling stage's fraction steps through the optimiser steps, and between two steps
+    the ETA shown changes (the monitor writes it every tick; before, only with each report)."""
+    import threading
+
+    from tests.service_kit import TINY_DISTILL
+    from worker.jobs import run_job
+
+    settings = make_settings(tmp_path / "var", device="cpu", lease_s=0.6)  # the monitor ticks every 0.2 s
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    provision(settings)
+    db = database(settings.database_url)
+    body = spec(export=False, random_layouts=0, ablations=False, distill={**TINY_DISTILL, "layouts": ["optimised"],
+                                                                          "steps": 6})
+    with db.session() as session:
+        job = submit_job(session=session, settings=settings, spec=JobSpec.model_validate(body), caller=OPEN,
+                         enqueue=lambda _jid: None)
+    inject_faults(stage_delay_s=0.15)  # each step (and micro-batch) takes a while
+    result: list[str] = []
+    runner = threading.Thread(target=lambda: result.append(run_job(job.id, settings=settings, db=db, worker="w:1")))
+    runner.start()
+    samples = []
+    while runner.is_alive():
+        with db.session() as session:
+            row = session.get(Job, job.id)
+            samples.append((row.stage, row.progress, row.eta_s))
+        time.sleep(0.05)
+    runner.join()
+    assert result == ["succeeded"], result
+    distilling = [(f, eta) for stage, f, eta in samples if stage == "distilling" and f is not None and 0 < f < 1]
+    fractions = sorted({f for f, _ in distilling})
+    assert len(fractions) >= 4, fractions  # 6 steps: the fraction moves step by step
+    # the same fraction (no new report) shown with different ETAs: it counts down between steps
+    by_fraction: dict[float, set[float]] = {}
+    for f, eta in distilling:
+        if eta is not None:
+            by_fraction.setdefault(f, set()).add(round(eta, 3))
+    assert any(len(etas) >= 2 for etas in by_fraction.values()), by_fraction
