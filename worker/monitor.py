@@ -52,7 +52,8 @@ class Monitor(threading.Thread):
         self._lock = threading.Lock()
         self._fraction: float | None = None
         self._eta: float | None = AUTO
-        self._t0 = self._stage_t0 = self._alive = time.monotonic()
+        self._t0 = self._stage_t0 = self._alive = self._reported_at = time.monotonic()
+        self._fresh = False  # a report not yet written
 
     def watch_limits(self, limits: tuple[float, float], *, on_hard_limit: Callable[[], None] | None) -> None:
         """The run's (soft, hard) time limits, once its spec is read (the monitor starts at the claim,
@@ -63,6 +64,7 @@ class Monitor(threading.Thread):
     def start_stage(self, stage: str | None = None) -> None:
         with self._lock:
             self._fraction, self._eta, self._stage_t0 = None, AUTO, time.monotonic()
+            self._reported_at, self._fresh = self._stage_t0, False
             self._alive, self.stage = self._stage_t0, stage
 
     def beat(self) -> None:
@@ -72,23 +74,36 @@ class Monitor(threading.Thread):
     def report(self, fraction: float, eta_s: float | None = AUTO) -> None:
         """The stage's fraction done; eta_s when the caller knows better than elapsed·(1 − f)/f (a
         resumed stage starts part-way), None for not known yet."""
+        now = time.monotonic()
         with self._lock:
-            self._fraction, self._eta = min(1.0, max(0.0, float(fraction))), eta_s
-            self._alive = time.monotonic()
+            fraction = min(1.0, max(0.0, float(fraction)))
+            if eta_s is AUTO:
+                elapsed = now - self._stage_t0
+                eta_s = elapsed * (1 - fraction) / fraction if fraction > 0 else None
+            self._fraction, self._eta, self._reported_at, self._fresh = fraction, eta_s, now, True
+            self._alive = now
 
     def silent_s(self) -> float:
         return time.monotonic() - self._alive
 
     def _progress(self) -> dict[str, Any]:
+        """What the next tick writes: the latest fraction, and an ETA that counts down from the latest
+        report's between reports (a stage whose reports are minutes apart does not show one frozen
+        figure). Once the countdown reaches zero before the next report, the ETA is the stage's own
+        pace again, elapsed·(1 − f)/f, which grows while nothing is reported. Nothing before the
+        stage's first report."""
         with self._lock:
-            fraction, eta, t0 = self._fraction, self._eta, self._stage_t0
-            self._fraction = None
+            fraction, eta, t0, at, fresh = self._fraction, self._eta, self._stage_t0, self._reported_at, self._fresh
+            self._fresh = False
         if fraction is None:
             return {}
-        if eta is AUTO:
-            elapsed = time.monotonic() - t0
-            eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
-        return {"progress": fraction, "eta_s": eta}
+        if eta is None or eta is AUTO:
+            return {"progress": fraction, "eta_s": None} if fresh else {}
+        now = time.monotonic()
+        left = float(eta) - (now - at)
+        if left <= 0 and 0 < fraction < 1:
+            left = (now - t0) * (1 - fraction) / fraction
+        return {"progress": fraction, "eta_s": max(0.0, left)}
 
     def flush(self) -> None:
         if not self.stalled.is_set() and self.silent_s() > self.stall_s:

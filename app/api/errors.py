@@ -112,12 +112,23 @@ _HTTP_FIELDS = {404: "path", 405: "method", 413: "body", 415: "Content-Type"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
 
 
+MORE_PROBLEMS = "more_problems"  # an endpoint's attribute: async (request, body, fields reported) → (field, msg)
+
+
 def install(app: FastAPI) -> None:
     """The exception handlers that turn every failure into one of the two JSON bodies."""
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return unprocessable([_field_error(err) for err in exc.errors()])
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [_field_error(err) for err in exc.errors()]
+        # A route may add what its own checks find in the rest of the body (`more_problems` on its
+        # endpoint: the submit route's model and data sources), so that one answer names every problem.
+        more = getattr(getattr(request.scope.get("route"), "endpoint", None), MORE_PROBLEMS, None)
+        if more is not None and isinstance(getattr(exc, "body", None), dict):
+            problems = await more(request, exc.body, {e["field"] for e in errors})
+            errors += [{"loc": ["body", *field.split(".")], "field": field, "msg": message, "type": "value_error"}
+                       for field, message in problems]
+        return unprocessable(errors)
 
     @app.exception_handler(SpecError)
     async def _spec(_request: Request, exc: SpecError) -> JSONResponse:

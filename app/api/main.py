@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
 from app.api import auth, body_limit, errors, request_context
 from app.api.check_slots import CheckSlots
@@ -29,6 +30,7 @@ from app.core.jobstate import STAGES
 from app.core.keys import KeyRing
 from app.core.queue import JobQueue
 from app.core.services.job_stats import CachedStats, job_stats
+from app.core.services.submit_warmup import warm_submit
 from app.core.services.upload_checks import start_checker
 from app.core.settings import Settings, get_settings
 from app.core.storage.root import Storage
@@ -87,6 +89,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The worker threads that run sync routes: as many as the database pool has connections.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        # The first submit as fast as the next: model metadata read, check modules imported, broker opened
+        # (before the heap is frozen: what it imports lives as long as the process).
+        await run_in_threadpool(warm_submit, settings, _app.state.queue)
         freeze_startup_heap()
         # The upload checks' fork server imports in the background: startup does not wait for it.
         threading.Thread(target=start_checker, name="upload-checker", daemon=True).start()

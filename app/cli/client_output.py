@@ -63,6 +63,8 @@ def print_json(doc: Any) -> None:
 
 
 def status_text(job: dict[str, Any]) -> str:
+    from app.client.http import removed_text
+
     spec = job.get("spec") or {}
     model = spec.get("model") or {}
     lines = [f"job {job['id']}  {job_state(job)}",
@@ -76,6 +78,8 @@ def status_text(job: dict[str, Any]) -> str:
         lines.append("stages " + ", ".join(f"{k} {fmt_s(v)}" for k, v in timings.items()))
     if job.get("status") == "failed" and job.get("error"):
         lines.append(f"error: {job['error']}")
+    if removed := removed_text(job):
+        lines.append(f"artifacts {removed} (the job, its layouts and scores stay)")
     layouts = (job.get("summary") or {}).get("layouts") or {}
     if layouts:
         summary = job["summary"]

@@ -61,6 +61,23 @@ class JobNotSucceeded(Exception):
         self.finished = status in FINISHED
 
 
+def removed_text(job: dict[str, Any]) -> str | None:
+    """'deleted on …' / 'removed on … (past the retention period)' for a job whose artifacts are gone; else None."""
+    if not job.get("expired_at"):
+        return None
+    why = "deleted" if job.get("expired_reason") == "deleted" else "removed after the retention period"
+    return f"{why} on {job['expired_at']}"
+
+
+class ArtifactsRemoved(ClientError):
+    """The job's artifacts were removed from the store (DELETE, retention): nothing to download (410)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        super().__init__(f"job {job.get('id')}: its artifacts were {removed_text(job)}; nothing to download (the "
+                         "job, its layouts and scores stay: `dtp-layout client scores --job` reads them)", status=410)
+        self.job = job
+
+
 class WaitTimeout(Exception):
     """`wait` gave up before the job finished; `job` is the last state seen."""
 
@@ -344,10 +361,13 @@ class LayoutClient:
         `.part` file left by an interrupted run is resumed with Range; every file's sha256 is checked
         against the service's record, and a file that does not match is deleted (after one fresh try
         when it had been resumed). Bytes of a `.part` file thrown away are reported to
-        `on_discard(name, part file, bytes, why)`. Raises DigestMismatch after fetching the rest."""
+        `on_discard(name, part file, bytes, why)`. Raises DigestMismatch after fetching the rest, and
+        ArtifactsRemoved (nothing written) when the job's artifacts were deleted or expired."""
         job = self.job(job_id)
         if job.get("status") != "succeeded":
             raise JobNotSucceeded(job, "artifacts to download")
+        if job.get("expired_at"):  # before anything is made under `out`
+            raise ArtifactsRemoved(job)
         items = select_artifacts(self.artifacts(job_id), names)
         plan = [(a, dest, _complete(dest, a)) for a in items for dest in [artifact_destination(out, a["name"])]]
         have = sum(a["size"] if complete else min(_size(_part(dest)), a["size"]) for a, dest, complete in plan)

@@ -272,7 +272,8 @@ def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: Mode
             writes = {m: w for m, w in writes.items() if last_read[m] > t}
             if t in last_read:
                 writes[t] = write
-        progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
+            if t % 2:  # per layer
+                progress("affinity", (start + ids.shape[0] * (t + 1) / (2 * shape.num_layers)) / n_blocks)
     tokens = int(blocks.numel())
     return {p: _finalise_edge(accs.pop(p), p, layers, shape, tokens) for p in pairs}
 

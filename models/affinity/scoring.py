@@ -173,8 +173,8 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
                 folds[i] = fold
             x = layer_step(dense, i, x, emb.shape, cos, sin, accs[i], fold, token_chunk,
                            last=i == n_layers - 1)
-        if progress is not None:
-            progress("affinity", min(n_blocks, start + batch_size) / n_blocks)
+            if progress is not None:  # per layer: a micro-batch of a large model is minutes on a CPU
+                progress("affinity", (start + ids.shape[0] * (i + 1) / n_layers) / n_blocks)
     tokens = int(blocks.numel())
     folds.clear()
     result = _finalise(model, accs, shape, tokens)

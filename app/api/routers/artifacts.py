@@ -24,7 +24,7 @@ from app.api.errors import responses
 from app.api.metrics import Metrics
 from app.core.db import Artifact
 from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable, StoreUnreachable
-from app.core.schemas.jobs import ArtifactList, ArtifactOut
+from app.core.schemas.jobs import ArtifactList
 from app.core.services import jobs as services
 from app.core.storage.object_store import ObjectChanged
 from app.core.storage.root import DamagedFile, Storage, StoreUnavailable, VerifiedObject
@@ -79,12 +79,10 @@ def iter_object(obj: VerifiedObject, start: int, length: int, metrics: Metrics) 
 
 
 @router.get("", response_model=ArtifactList, operation_id="list_artifacts",
-            summary="The job's artifacts: name, kind, size, sha256", responses=responses(404))
+            summary="The job's artifacts: name, kind, size, sha256 (none once removed: `expired_at` says when)",
+            responses=responses(404))
 async def list_artifacts(job_id: JobId, db: DbDep, caller: CallerDep, base: BaseUrl) -> dict[str, Any]:
-    rows = await db.run(lambda s: services.list_artifacts(session=s, job_id=job_id, caller=caller))
-    url = f"{base}/v1/jobs/{job_id}/artifacts"
-    return {"items": [ArtifactOut(name=a.name, kind=a.kind, size=a.size, sha256=a.sha256, link=f"{url}/{a.name}")
-                      for a in rows]}
+    return await db.run(lambda s: services.list_artifacts(session=s, job_id=job_id, caller=caller, base=base))
 
 
 def _headers(art: Any, filename: str) -> dict[str, str]:

@@ -10,9 +10,11 @@ from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
+from app.api.auth import STATE_KEY
 from app.api.deps import (
     BaseUrl,
     CallerDep,
+    Db,
     DbDep,
     QueueDep,
     RequestIdDep,
@@ -21,8 +23,9 @@ from app.api.deps import (
     StorageDep,
     releases_session,
 )
-from app.api.errors import responses
+from app.api.errors import MORE_PROBLEMS, responses
 from app.core import events
+from app.core.caller import Caller
 from app.core.db import JobEvent
 from app.core.errors import SpecError
 from app.core.schemas.jobs import (
@@ -41,6 +44,7 @@ from app.core.schemas.jobs import (
     Status,
 )
 from app.core.services import jobs as services
+from app.core.services.uploads import resolve_ref
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -83,6 +87,25 @@ def submit(request: Request, session: SessionDep, settings: SettingsDep, queue: 
     metrics.submitted.inc()
     body = JobOut.model_validate(job_out(request, session, job, base)).model_dump(mode="json")
     return JSONResponse(status_code=202, content=body, headers={"Location": body["links"]["self"]})
+
+
+async def submit_problems(request: Request, body: dict[str, Any], reported: set[str]) -> list[tuple[str, str]]:
+    """A body that failed validation: what the submit's source checks find in it besides (the 422 names all)."""
+    settings = request.app.state.settings
+    who = request.scope.get("state", {}).get(STATE_KEY)
+    tenant = who.tenant if isinstance(who, Caller) else None
+
+    def check(session: Session) -> list[tuple[str, str]]:
+        def uploads(ref: str, kind: str, field: str) -> Any:
+            return resolve_ref(session, ref, tenant=tenant, kind=kind, field=field)
+
+        return services.source_problems(settings=settings, body=body, uploads=uploads, reported=reported)
+
+    db: Db = request.app.state.db_runner
+    return await db.run(check)
+
+
+setattr(submit, MORE_PROBLEMS, submit_problems)
 
 
 @router.get("", response_model=JobList, operation_id="list_jobs", summary="List the caller's jobs (newest first)",

@@ -633,7 +633,12 @@ class ArtifactOut(BaseModel):
 
 
 class ArtifactList(BaseModel):
-    items: list[ArtifactOut]
+    items: list[ArtifactOut] = Field(description="the job's files; empty once they were removed from the store")
+    expired_at: datetime | None = Field(default=None, description="when the artifacts were removed from the store "
+                                                                  "(DELETE /v1/jobs/{id}, or the retention period); "
+                                                                  "null while they are there")
+    expired_reason: Literal["deleted", "retention"] | None = Field(default=None, description="deleted or retention")
+    removed: int = Field(default=0, description="how many artifacts the job had published before they were removed")
 
 
 class ScoresOut(BaseModel):

@@ -11,7 +11,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,42 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
                      dtype=spec.model.dtype, calibration=spec.calibration.model_dump(), model_path=model_path,
                      data_path=data_path, schedule=affinity_schedule(spec.effective_schedule(), spec.devices))
     return fp, {"config_checked": config is not None, "config": config, "gguf": gguf}
+
+
+def source_problems(*, settings: Settings, body: dict[str, Any], uploads: UploadLookup | None = None,
+                    reported: Collection[str] = ()) -> list[tuple[str, str]]:
+    """(field, message) for the model and data sources of a submitted body that failed validation: what
+    `check_spec` would also refuse, so that one 422 names every problem (an unknown model is not hidden
+    behind a missing field). Only the sources sent as strings are resolved, none of the fields already
+    `reported` (by the validation) and nothing that needs a valid spec (the model's config against the
+    devices: that comes once the spec validates)."""
+    problems: list[tuple[str, str]] = []
+
+    def text(parent: Any, key: str) -> str | None:
+        value = parent.get(key) if isinstance(parent, dict) else None
+        return value if isinstance(value, str) else None
+
+    model = body.get("model")
+    model_id = text(model, "id")
+    if model_id is not None and not {"model", "model.id"} & set(reported):
+        try:
+            if model_id.startswith("upload:"):
+                _upload(uploads, model_id, "model", "model.id")
+            else:
+                location = resolve_model(settings.models_dir, model_id, revision=text(model, "revision"),
+                                         gguf_file=text(model, "gguf_file"))
+                if location.hub_id is not None and (refusal := hub.model_problem(settings, location.hub_id)):
+                    problems.append(("model.id", refusal))
+        except SourceError as exc:
+            problems.append((exc.field, str(exc)))
+    sources = [("calibration.source", text(body.get("calibration"), "source"))]
+    distill = body.get("distill")
+    if isinstance(distill, dict):
+        sources += [(f"distill.{part}.source", text(distill.get(part), "source")) for part in ("train", "eval")]
+    for field, source in sources:
+        if source is not None and field not in reported and field.rsplit(".", 1)[0] not in reported:
+            problems += _data_problems(settings, source, field, uploads)
+    return [(field, message) for field, message in problems if field not in reported]
 
 
 def _upload(uploads: UploadLookup | None, ref: str, kind: str, field: str) -> Any:
@@ -342,9 +378,18 @@ def layout_document(*, session: Session, job_id: str, name: str, caller: Caller)
     return doc
 
 
-def list_artifacts(*, session: Session, job_id: str, caller: Caller) -> list[Artifact]:
-    get_job(session=session, job_id=job_id, caller=caller)
-    return list(session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name)).all())
+def list_artifacts(*, session: Session, job_id: str, caller: Caller, base: str = "") -> dict[str, Any]:
+    """What GET /v1/jobs/{id}/artifacts answers: the job's files with their download links; once they were
+    removed from the store (DELETE, retention), no items (each download would be 410) and when, why and
+    how many were removed. 200 either way: the job is there, its list of files is empty."""
+    job = get_job(session=session, job_id=job_id, caller=caller)
+    rows = session.scalars(select(Artifact).where(Artifact.job_id == job_id).order_by(Artifact.name)).all()
+    url = f"{base}/v1/jobs/{job_id}/artifacts"
+    removed = job.expired_at is not None
+    items = [] if removed else [{"name": a.name, "kind": a.kind, "size": a.size, "sha256": a.sha256,
+                                 "link": f"{url}/{a.name}"} for a in rows]
+    return {"items": items, "expired_at": _aware(job.expired_at), "expired_reason": job.expired_reason,
+            "removed": len(rows) if removed else 0}
 
 
 def get_artifact(*, session: Session, job_id: str, name: str, caller: Caller) -> Artifact:

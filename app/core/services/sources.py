@@ -14,7 +14,8 @@ import json
 import mmap
 import os
 import re
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
@@ -163,22 +164,40 @@ def resolve_data(data_root: Path, source: str, field: str = "calibration.source"
 
 # ---- reading a config without weights ------------------------------------------------------------
 
-_gguf_cache: dict[tuple[str | None, str, int, int], dict[str, Any] | None] = {}
+# What submit reads of a server-side model (a GGUF header, a config.json), per file: keyed by (scope, path,
+# size, mtime), so that a changed file is read again. `scope` is the tenant whose submit read it: a submit
+# answered at once because the file was read for another tenant would tell that some tenant named this
+# model. Files read at server start (`warm_configs`) are under WARM, shared by every tenant: no tenant
+# caused those reads.
+_config_cache: dict[tuple[str | None, str, int, int], dict[str, Any] | None] = {}
+WARM = "\0server-start"
+MAX_CACHED = 4096  # entries; past it the cache starts over (files × tenants; the model root is the operator's)
+_MISSING = object()
 
 
-def gguf_config(path: Path, *, scope: str | None = None) -> dict[str, Any] | None:
-    """The architecture fields of a GGUF file's header (read with bounds: read_gguf_config), or None when
-    it cannot be read (cached: a read takes 0.1-0.5 s for a real vocabulary). The cache is
-    per `scope` (the tenant): a submit that answers at once because the file was parsed for another
-    tenant would tell that some tenant named this model."""
+def _cached(path: Path, read: Callable[[Path], dict[str, Any] | None], scope: str | None) -> dict[str, Any] | None:
+    """`read(path)`, or what it returned for this path, size and mtime before (a copy: callers may fill it in)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    key = (scope, str(path), st.st_size, st.st_mtime_ns)
-    if key not in _gguf_cache:
-        _gguf_cache[key] = _read_gguf_config(path)
-    return _gguf_cache[key]
+    ident = (str(path), st.st_size, st.st_mtime_ns)
+    found = _config_cache.get((WARM, *ident), _MISSING)
+    if found is _MISSING:
+        found = _config_cache.get((scope, *ident), _MISSING)
+    if found is _MISSING:
+        found = read(path)
+        if len(_config_cache) >= MAX_CACHED:
+            _config_cache.clear()
+        _config_cache[(scope, *ident)] = found
+    return None if found is None else dict(found)  # type: ignore[call-overload]
+
+
+def gguf_config(path: Path, *, scope: str | None = None) -> dict[str, Any] | None:
+    """The architecture fields of a GGUF file's header (read with bounds: read_gguf_config), or None when
+    it cannot be read; cached per file and `scope` (the tenant; `_config_cache`): a read takes 0.05-0.5 s
+    for a real vocabulary, seconds from a cold disk."""
+    return _cached(path, _read_gguf_config, scope)
 
 
 def read_gguf_config(path: Path, *, limits: GGUFLimits | None = None) -> dict[str, Any]:
@@ -205,7 +224,7 @@ def _read_gguf_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _hub_config(location: ModelLocation) -> dict[str, Any] | None:
+def _hub_config(location: ModelLocation, scope: str | None = None) -> dict[str, Any] | None:
     if location.gguf_file:
         return None
     try:
@@ -218,14 +237,18 @@ def _hub_config(location: ModelLocation) -> dict[str, Any] | None:
         return None
     if not isinstance(cached, str):
         return None
-    return _json_config(Path(cached))
+    return _json_config(Path(cached), scope)
 
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 64  # DTP_LAYOUT_JSON_MAX_DEPTH's default: a config is a few levels deep
 
 
-def _json_config(path: Path) -> dict[str, Any] | None:
+def _json_config(path: Path, scope: str | None = None) -> dict[str, Any] | None:
+    return _cached(path, _read_json_config, scope)
+
+
+def _read_json_config(path: Path) -> dict[str, Any] | None:
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             return None  # not a config: the loader refuses it in the worker
@@ -238,17 +261,44 @@ def read_config(location: ModelLocation, *, scope: str | None = None) -> dict[st
     """The model's config as a dict when it is readable without downloading weights, else None;
     `scope`: the tenant whose cached GGUF metadata may be reused (gguf_config)."""
     if location.path is None:
-        return _hub_config(location)
+        return _hub_config(location, scope)
     if location.path.suffix == ".gguf":
         return gguf_config(location.path, scope=scope)
     if location.gguf_file:
         return gguf_config(location.path / location.gguf_file, scope=scope)
-    return _json_config(location.path / "config.json")
+    return _json_config(location.path / "config.json", scope)
 
 
 def forget_configs() -> None:
-    """Drop the cached GGUF metadata (a worker, between jobs: no job's speed depends on another's)."""
-    _gguf_cache.clear()
+    """Drop the cached model metadata (a worker, between jobs: no job's speed depends on another's)."""
+    _config_cache.clear()
+
+
+def warm_configs(model_root: Path, hub_cache: Path | None = None, *, budget_s: float = 5.0,
+                 max_files: int = 256) -> int:
+    """Read, at server start, what submit reads of the models already there: every .gguf header and
+    config.json under the model root (4 levels deep) and the config.json of every snapshot in the
+    Hugging Face cache, into the cache every tenant shares (WARM). Bounded by `budget_s` and
+    `max_files` (what is left is read, per tenant, by the first submit naming it). Returns the files read."""
+    deadline = time.monotonic() + budget_s
+    found: list[tuple[Path, Callable[[Path], dict[str, Any] | None]]] = []
+    base = Path(model_root)
+    if base.is_dir():
+        for directory, dirs, files in os.walk(base):
+            depth = len(Path(directory).relative_to(base).parts)
+            dirs[:] = [] if depth >= 4 else sorted(d for d in dirs if not d.startswith("."))
+            found += [(Path(directory) / f, _read_gguf_config) for f in sorted(files) if f.endswith(".gguf")]
+            if "config.json" in files:
+                found.append((Path(directory) / "config.json", _read_json_config))
+    if hub_cache is not None and hub_cache.is_dir():
+        found += [(p, _read_json_config) for p in sorted(hub_cache.glob("models--*/snapshots/*/config.json"))]
+    read = 0
+    for path, reader in found[:max_files]:
+        if time.monotonic() > deadline:
+            break
+        _cached(path, reader, WARM)
+        read += 1
+    return read
 
 
 def config_namespace(config: dict[str, Any]) -> SimpleNamespace:

@@ -1,7 +1,8 @@
 """The object store: where published artifacts, the affinity cache, converted models and uploads live.
 
-Two implementations of one interface (`ObjectStore`), chosen by `open_store(settings)` (app.core.storage.local
-and app.core.storage.s3; this module holds the interface, the key rules and what both share):
+Two implementations of one interface (`ObjectStore`), chosen by `open_store(settings)` (app.core.storage.backends;
+the classes are app.core.storage.local's and .s3's; this module holds the interface, the key rules and what
+both share):
 
     LocalStore(root)              the embedded default: key K is the file ROOT/K (as app.core.storage.root
                                   always laid it out); the API and the workers must share ROOT
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
-    from app.core.settings import Settings
+    pass
 
 CHUNK = 1 << 20
 MIN_PART_BYTES = 5 << 20  # S3's floor for every part but the last
@@ -238,14 +239,3 @@ def parse_url(url: str) -> tuple[str, str]:
         raise ValueError(f"storage URL {url!r}: expected s3://BUCKET/PREFIX with a PREFIX of plain path "
                          "segments") from None
     return u.netloc, prefix
-
-
-def open_store(settings: Settings) -> ObjectStore:
-    """The store the settings name: S3 when DTP_LAYOUT_STORAGE_URL is set, else STORAGE_ROOT."""
-    from app.core.storage.local import LocalStore
-    from app.core.storage.s3 import S3Store
-
-    if settings.storage_url:
-        bucket, prefix = parse_url(settings.storage_url)
-        return S3Store(bucket, prefix)
-    return LocalStore(settings.storage)

@@ -30,8 +30,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, BinaryIO
 
+from app.core.storage.backends import open_store
 from app.core.storage.local import LocalStore
-from app.core.storage.object_store import ObjectChanged, ObjectMissing, ObjectStore, open_store
+from app.core.storage.object_store import ObjectChanged, ObjectMissing, ObjectStore
 
 if TYPE_CHECKING:
     from app.core.settings import Settings

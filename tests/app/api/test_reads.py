@@ -30,6 +30,7 @@ from models.io.assets import CORPORA, corpus_available, smollm2_gguf
 from tests.app.conftest import api_keys_setting
 from tests.service_kit import (
     CALIB,
+    TINY_MODEL,
     ServeProcess,
     WorkerProcess,
     make_settings,
@@ -159,27 +160,73 @@ def test_a_corpus_the_workers_do_not_have_is_422_naming_it(idle_api, tmp_path, m
 
 def test_the_gguf_metadata_cache_is_per_tenant(idle_api, tmp_path, capsys):
     """Reading a GGUF's metadata takes seconds, so the API caches it; per tenant, or a submit answered at
-    once would tell a tenant that another named this model."""
+    once would tell a tenant that another named this model. (A file already there when the server
+    started is read then, for everyone: test_models_there_at_start_are_read_before_the_first_submit.)"""
     from app.core.services import sources
+
     api = idle_api(api_keys=api_keys_setting({"alice": "alice-key-0123456789abcdef",
                                               "bob": "bob-key-0123456789abcdef"}))
     model_root = tmp_path / "var" / "models"
-    model_root.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(smollm2_gguf(), model_root / "smol.gguf")
     body = {"model": {"id": "smol.gguf"}, "devices": 3,
             "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256}}
-    sources._gguf_cache.clear()
     seconds = {}
     with api as client:
+        model_root.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(smollm2_gguf(), model_root / "smol.gguf")  # after the start: not read by its warm-up
         for who in ("alice", "alice", "bob"):
             t0 = time.perf_counter()
             r = client.post("/v1/jobs", json=body, headers={"X-API-Key": f"{who}-key-0123456789abcdef"})
             seconds.setdefault(who, []).append(round(time.perf_counter() - t0, 3))
             assert r.status_code == 202, r.text
-            scopes = {key[0] for key in sources._gguf_cache}
+            scopes = {key[0] for key in sources._config_cache if key[1].endswith("smol.gguf")}
             assert scopes == ({"alice"} if who == "alice" else {"alice", "bob"}), scopes
     with capsys.disabled():
         print(f"\nsubmit seconds with a GGUF model: {seconds}")
+
+
+def test_models_there_at_start_are_read_before_the_first_submit(idle_api, tmp_path, monkeypatch):
+    """Issue 30 item 10: the first submit naming the packaged GGUF took 9.2 s (its metadata read then).
+    What submit reads of the models under the model root and in the hub cache is read at start, into
+    the cache every tenant shares; the first submit of each format reads nothing (a changed file is
+    read again: the cache is keyed by path, size and mtime)."""
+    import json
+
+    from app.core.services import sources
+
+    hub = tmp_path / "hf" / "hub" / "models--team--model"
+    (hub / "refs").mkdir(parents=True)
+    (hub / "refs" / "main").write_text("0" * 40)
+    (hub / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    model_root = tmp_path / "var" / "models"
+    model_root.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(smollm2_gguf(), model_root / "smol.gguf")
+    api = idle_api()  # the tiny checkpoint folder provisioned under the model root
+    config = json.loads((model_root / TINY_MODEL / "config.json").read_text())
+    (hub / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    sources.forget_configs()
+    reads = []
+    for name in ("_read_gguf_config", "_read_json_config"):
+        real = getattr(sources, name)
+        monkeypatch.setattr(sources, name, lambda path, real=real: reads.append(path.name) or real(path))
+    calibration = {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256}
+    bodies = {"gguf": {"model": {"id": "smol.gguf"}, "devices": 3, "calibration": calibration},
+              "checkpoint": {"model": {"id": TINY_MODEL}, "devices": 2, "calibration": calibration},
+              "hub": {"model": {"id": "team/model"}, "devices": 2, "calibration": calibration}}
+    with api as client:
+        at_start = sorted(reads)
+        assert at_start == ["config.json", "config.json", "smol.gguf"], at_start
+        for fmt, body in bodies.items():
+            t0 = time.perf_counter()
+            r = client.post("/v1/jobs", json=body)
+            assert r.status_code == 202, (fmt, r.text)
+            assert r.json()["id"] and time.perf_counter() - t0 < 2.0, fmt
+        assert sorted(reads) == at_start  # nothing read again
+        changed = {**config, "torch_dtype": "float32", "note": "changed"}
+        (model_root / TINY_MODEL / "config.json").write_text(json.dumps(changed))
+        assert client.post("/v1/jobs", json=bodies["checkpoint"]).status_code == 202
+        assert sorted(reads) == sorted([*at_start, "config.json"])  # changed: read again
 
 
 # ---- remote workers: the API on Postgres, a Celery worker on Redis in a directory of its own -----------

@@ -82,6 +82,31 @@ def test_invalid_spec_names_each_bad_field(client):
     assert "devices:" in r.json()["message"]
 
 
+def test_one_422_names_the_missing_fields_and_the_unknown_model_together(client):
+    """Issue 30 item 9: `submit --model nosuch-model --devices 3` was told only "calibration: Field
+    required"; the unknown model showed once --calib was added. One answer names both."""
+    r = client.post("/v1/jobs", json={"model": {"id": "nosuch-model"}, "devices": 3})
+    assert r.status_code == 422, r.text
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert set(errors) == {"calibration", "model.id"}, errors
+    assert "Field required" in errors["calibration"]
+    assert "no model named 'nosuch-model' under the server's model root" in errors["model.id"]
+    assert "calibration: Field required" in r.json()["message"] and "model.id: no model named" in r.json()["message"]
+    # Every source the body names, each under its field, with the validation's own errors.
+    body = spec(devices=0, model={"id": "nosuch-model"}, calibration={"source": "nosuch.npy"},
+                distill={"layouts": ["optimised"], "steps": 0, "train": {"source": "corpus:bible"}})
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    errors = {e["field"]: e["msg"] for e in r.json()["detail"]}
+    assert {"devices", "distill.steps", "model.id", "calibration.source", "distill.train.source"} <= set(errors), errors
+    assert "no file or directory 'nosuch.npy'" in errors["calibration.source"]
+    assert "unknown corpus 'corpus:bible'" in errors["distill.train.source"]
+    # A field the validation already refused is not checked again (one entry per field).
+    r = client.post("/v1/jobs", json={"model": {"id": "x" * 5000}, "devices": 3})
+    fields = [e["field"] for e in r.json()["detail"]]
+    assert r.status_code == 422 and sorted(fields) == ["calibration", "model.id"], r.text
+
+
 @pytest.mark.parametrize(("overrides", "field", "text"), [
     ({"devices": "2"}, "devices", "valid integer"),
     ({"distill": {"steps": 0}}, "distill.steps", "greater than or equal to 1"),

@@ -87,6 +87,19 @@ export function duration(seconds) {
   return `${Math.floor(hr / 24)}d ${hr % 24}h`;
 }
 
+/** A finished job's time, as the jobs list and the job page both show it: from its submission to its end
+ * (queued and between-stage time included: what its submitter waited), in seconds; null until it ends. */
+export function submittedToFinished(job) {
+  const start = parseDate(job.created_at);
+  const end = parseDate(job.finished_at);
+  return start && end ? Math.max(0, (end - start) / 1000) : null;
+}
+
+/** The seconds its stages themselves ran (the sum of `timings`). */
+export function stagesSeconds(job) {
+  return Object.values(job.timings || {}).reduce((a, b) => a + b, 0);
+}
+
 export function parseDate(text) {
   if (!text) return null;
   const d = new Date(text);

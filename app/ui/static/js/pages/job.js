@@ -3,8 +3,8 @@
 
 import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl, specInfo} from "../api.js";
 import {layoutColor, layoutDash, layoutOrder, lineChart, seedDash} from "../charts.js";
-import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, replace, shortId, sig, statusBadge,
-        when} from "../dom.js";
+import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, replace, shortId, sig, stagesSeconds,
+  statusBadge, submittedToFinished, when} from "../dom.js";
 
 // A colour per timeline span, in the order a job runs: waiting in the queue, then each stage of the
 // server's list (GET /v1/spec `stages`), so that a new stage gets the next colour.
@@ -98,13 +98,14 @@ function timeline(job) {
     h("td", {class: "num"}, duration(e.seconds), e.state === "running" ? " …" : ""),
     h("td", {}, h("span", {class: ["state", `state-${e.state}`]}, e.state))));
   for (const dot of rows.map((r) => r.querySelector(".swatch-dot"))) dot.style.background = stageColor(dot.dataset.stage);
-  const wall = job.finished_at && job.created_at
-    ? (new Date(job.finished_at) - new Date(job.created_at)) / 1000 : null;
+  const wall = submittedToFinished(job);  // what the jobs list shows too
   return [bar, h("div", {class: "table-wrap"}, h("table", {class: "timeline"},
     h("thead", {}, h("tr", {}, h("th", {}, "Stage"), h("th", {class: "num"}, "Attempt"), h("th", {class: "hide-narrow"}, "Started"),
       h("th", {class: "num"}, "Duration"), h("th", {}, "State"))),
     h("tbody", {}, rows))),
-    wall !== null ? h("p", {class: "muted"}, `Submitted to finished: ${duration(wall)}.`) : null];
+    wall !== null ? h("p", {class: "muted", id: "wall-time", "data-wall": duration(wall)},
+      `Submitted to finished: ${duration(wall)} (the stages themselves ran ${duration(stagesSeconds(job))}; `
+      + "the rest: waiting for a worker, and between stages).") : null];
 }
 
 // ---- layouts -------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 // Jobs list: newest first, filters in the URL, refreshes itself while jobs run.
 
 import {api, specInfo} from "../api.js";
-import {ACTIVE, ago, duration, h, num, poller, progressBar, replace, shortId, statusBadge} from "../dom.js";
+import {ACTIVE, ago, duration, h, num, poller, progressBar, replace, shortId, stagesSeconds, statusBadge,
+  submittedToFinished} from "../dom.js";
 
 const PAGE = 25;
 
@@ -18,9 +19,12 @@ function stageCell(job) {
     return h("span", {class: "error-text", title: job.error || ""}, `${job.error_stage || job.stage || "?"}: `,
       (job.error || "").split("\n")[0].slice(0, 80));
   }
-  const total = Object.values(job.timings || {}).reduce((a, b) => a + b, 0);
   if (job.status === "cancelled") return h("span", {class: "muted"}, job.stage ? `in ${job.stage}` : "before it started");
-  return h("span", {class: "muted"}, `${(job.stages_done || []).length} stages · ${duration(total)}`);
+  // the job page's "submitted to finished" (dom.js submittedToFinished), not the stages' sum
+  const wall = submittedToFinished(job);
+  return h("span", {class: "muted", "data-wall": wall === null ? "" : duration(wall),
+                    title: `submitted to finished; the stages themselves ran ${duration(stagesSeconds(job))}`},
+    `${(job.stages_done || []).length} stages · ${duration(wall)}`);
 }
 
 function scoreCells(job) {
@@ -45,7 +49,8 @@ function row(job) {
     h("td", {class: "hide-narrow"},
       statusBadge(job.status, job.cancel_requested && ACTIVE.has(job.status) ? "(cancelling)" : null)),
     h("td", {class: "model-cell", "data-col": "model", title: model}, model,
-      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · δ=${spec.delta ?? 1} · ${ago(job.created_at)}`)),
+      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · δ=${spec.delta ?? 1}`
+        + `${job.owner ? ` · ${job.owner}` : ""} · ${ago(job.created_at)}`)),
     h("td", {class: "num hide-narrow"}, spec.devices ?? "—"),
     h("td", {class: "num hide-narrow"}, spec.delta ?? "—"),
     h("td", {class: "stage-col", "data-col": "stage"}, stageCell(job)),
@@ -69,7 +74,7 @@ function filterForm(params, apply) {
                               value: params.get("devices") || ""});
   const delta = h("input", {name: "delta", type: "number", min: 0, placeholder: "δ", class: "narrow",
                             value: params.get("delta") || ""});
-  const owner = h("input", {name: "owner", placeholder: "owner", class: "hide-narrow", value: params.get("owner") || ""});
+  const owner = h("input", {name: "owner", id: "filter-owner", placeholder: "owner", value: params.get("owner") || ""});
   const form = h("form", {class: "filters", role: "search"}, status, model, devices, delta, owner,
     h("button", {type: "submit", class: "small"}, "Filter"),
     h("button", {type: "button", class: "small ghost", onclick: () => apply(new URLSearchParams())}, "Clear"));
