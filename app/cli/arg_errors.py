@@ -38,10 +38,13 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | No
     """`parser.parse_args(argv)`, except that unknown arguments are refused by the innermost subcommand
     parser chosen (exit status 2), each unknown flag with its closest known spelling."""
     CliParser.command_line = list(sys.argv[1:] if argv is None else argv)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        chosen = chosen_parser(parser, args)
-        chosen.error(f"unrecognized arguments: {spelled(chosen, unknown)}")
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            chosen = chosen_parser(parser, args)
+            chosen.error(f"unrecognized arguments: {spelled(chosen, unknown)}")
+    finally:
+        CliParser.command_line = ()  # a later parse_args of another command line must not see this one's
     return args
 
 

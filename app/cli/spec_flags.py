@@ -4,9 +4,9 @@
 
 A local command's flag defaults to the field's default (or the command's own, where the declaration gives
 one) and a required field's flag is required. `client submit` sends only what is given, so its flags
-default to nothing and the server applies its defaults; every field has a submit flag: the declared one,
-else `--PATH` (`--calibration-skip-blocks`, `--distill-recipe-min-lr`; a boolean that defaults to true:
-`--no-PATH`). Torch-free.
+default to nothing and the server applies its defaults; every field has a submit flag named after its
+path, `--PATH` (`--calibration-seed`, `--distill-recipe-min-lr`; a boolean that defaults to true: `--no-PATH`),
+and a field that declares a shorter one takes both (`--calib-seed` and `--calibration-seed`). Torch-free.
 """
 
 from __future__ import annotations
