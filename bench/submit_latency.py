@@ -56,7 +56,7 @@ def free_port() -> int:
 
 def provision(var: Path) -> dict[str, dict[str, Any]]:
     """The three models under `var`; their `model` specs by format."""
-    from app.cli.service import provision_packaged_model
+    from app.cli.commands.service import provision_packaged_model
     from app.core.settings import Settings
 
     settings = Settings(var_dir=var)

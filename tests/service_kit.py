@@ -220,7 +220,7 @@ class WorkerProcess:
 
     def __init__(self, settings: Settings, log_path: Path, *, name: str = "test", cwd: Path | None = None,
                  faults: Faults | None = None, **env: str) -> None:
-        from app.cli.service import worker_command
+        from app.cli.commands.service import worker_command
 
         self.log_path, self.cwd = log_path, cwd
         self.env = {**os.environ, **settings.worker_env(), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
-from app.cli.client import build_spec
+from app.cli.args.spec_flags import command_flags, spec_values
+from app.cli.client.commands import build_spec
 from app.cli.main import build_parser
-from app.cli.spec_flags import command_flags, spec_values
 from app.core.migrate import upgrade
 from app.core.schemas.jobs import JobSpec
 from models.run.jobspec import FIELDS, GROUPS, SpecField, command_default

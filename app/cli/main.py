@@ -6,8 +6,8 @@ module, and a base install (no `worker` extra: app/cli/extras.py) runs every tor
 top only the dependency-free names (score, dtype and layout names, the layout format).
 
 This module builds the parser and runs a command; the commands live beside it: `export`, `eval` and `demo`
-(app/cli/eval_export.py), `optimise` (app/cli/optimise.py), `layout` and `score`
-(app/cli/affinity_commands.py), and the groups of `_EXTENSIONS`.
+(app/cli/commands/eval_export.py), `optimise` (app/cli/commands/optimise.py), `layout` and `score`
+(app/cli/commands/affinity.py), and the groups of `_EXTENSIONS`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from app.cli.affinity_commands import cmd_layout, cmd_score
-from app.cli.arg_errors import CliParser, parse_command_line
+from app.cli.args.errors import CliParser, parse_command_line
+from app.cli.args.model import add_convert_cache_flag, add_layout_args, add_model_args, add_stream_flag
+from app.cli.args.prechecks import precheck
+from app.cli.args.schedule import add_objective_schedule_flag, schedule_flags
+from app.cli.commands.affinity import cmd_layout, cmd_score
+from app.cli.commands.eval_export import cmd_demo, cmd_eval, cmd_export
+from app.cli.commands.optimise import cmd_optimise
 from app.cli.errors import CliError, user_errors
-from app.cli.eval_export import cmd_demo, cmd_eval, cmd_export
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
-from app.cli.model_args import add_convert_cache_flag, add_layout_args, add_model_args, add_stream_flag
-from app.cli.optimise import cmd_optimise
-from app.cli.prechecks import precheck
-from app.cli.schedule_args import add_objective_schedule_flag, schedule_flags
 from models.affinity.names import SCORES
 from models.layouts.format import LAYOUT_FORMAT
 
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Command groups that live in their own modules; each has `register(subparsers)` and must not import
 # torch at import time (the API process and `--help` stay light).
-_EXTENSIONS = ("app.cli.service", "app.cli.keys", "app.cli.distill", "app.cli.client", "app.cli.generate")
+_EXTENSIONS = ("app.cli.commands.service", "app.cli.commands.keys", "app.cli.commands.distill",
+               "app.cli.client.commands", "app.cli.commands.generate")
 
 
 def _register_extensions(sub: Any) -> None:
@@ -139,7 +140,7 @@ def _register_extensions(sub: Any) -> None:
         module.register(sub)
 
 
-# The commands that load a model: their arguments are checked first (app/cli/prechecks.py).
+# The commands that load a model: their arguments are checked first (app/cli/args/prechecks.py).
 PRECHECKED = ("export", "eval", "optimise", "distill", "demo")
 
 

@@ -1,6 +1,6 @@
 """The command line's hooks for `models.run.runner`: stages recorded in the output directory's run.json,
-progress bars and what is skipped on stderr. Used by `optimise` (app/cli/optimise.py) and `distill`
-(app/cli/distill.py). Torch-free at import.
+progress bars and what is skipped on stderr. Used by `optimise` (app/cli/commands/optimise.py) and `distill`
+(app/cli/commands/distill.py). Torch-free at import.
 """
 
 from __future__ import annotations

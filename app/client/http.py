@@ -8,7 +8,7 @@
 
 The URL and key default to `DTP_LAYOUT_URL` and `DTP_LAYOUT_API_KEY`. The key travels in the
 `X-API-Key` header. Every refusal by the service becomes a `ClientError` with a one-line message;
-`dtp-layout client` (app/cli/client.py) prints it and exits with status 2. Asking for the results of a
+`dtp-layout client` (app/cli/client/commands.py) prints it and exits with status 2. Asking for the results of a
 job that has not succeeded raises `JobNotSucceeded` (exit status 1 when it failed or was cancelled, 3
 while it is queued or running).
 """

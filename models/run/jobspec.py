@@ -2,7 +2,7 @@
 command-line flags (models/run/fields.py's FieldRule, as the distillation recipe declares its own).
 
 Generated from this table, never restated: the API's request models (app/core/schemas/jobs.py), the flags of
-`dtp-layout optimise` and `distill` and of `dtp-layout client submit` (app/cli/spec_flags.py), and the
+`dtp-layout optimise` and `distill` and of `dtp-layout client submit` (app/cli/args/spec_flags.py), and the
 dashboard form's fields, choices and defaults (served by GET /v1/spec). `distill.recipe.*` are the
 recipe's own rules (models/distill/recipe.py). tests/test_one_spec.py checks that every field reaches
 each of them with the same default. Dependency-free: the API process imports this module.

@@ -42,7 +42,7 @@ def test_unknown_corpus_name():
 
 def _documented_corpus_names() -> set[str]:
     """Every corpus:NAME the README and docs/, `make run`'s printed curl and the API examples use."""
-    from app.cli.service import example_curl
+    from app.cli.commands.service import example_curl
     from app.core.schemas import jobs as schemas
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     texts = [*(page.read_text() for page in pages), example_curl("http://h", None, False),

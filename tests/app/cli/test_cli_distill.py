@@ -85,7 +85,7 @@ def test_distill_user_errors_exit_2(workdir, tmp_path, capsys):
 
 
 def test_progress_bar_shows_step_loss_eval_kl_and_eta(monkeypatch):
-    from app.cli.distill import _Bars
+    from app.cli.commands.distill import _Bars
     from models.distill import EvalRecord, StepStats
     class Terminal(io.StringIO):
         def isatty(self):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app.cli.client import build_spec
+from app.cli.args.spec_flags import path_flag_name
+from app.cli.client.commands import build_spec
 from app.cli.main import build_parser, main
-from app.cli.spec_flags import path_flag_name
 from models.run.jobspec import FIELDS
 
 REPO = Path(__file__).resolve().parents[3]
@@ -181,7 +181,7 @@ def test_a_run_record_with_no_stage_done_does_not_refuse_other_parameters(tmp_pa
     """What a refused run of an earlier version left behind: run.json with its parameters and no stage."""
     import argparse
 
-    from app.cli.optimise import _run_record
+    from app.cli.commands.optimise import _run_record
     from models.run.runner import RunRecord
 
     RunRecord(tmp_path, {"calibration": {"source": "corpus:nosuch"}}).save()

@@ -432,7 +432,7 @@ def test_wait_says_what_it_waits_for_while_the_service_is_unreachable():
 
 
 def test_the_unreachable_notice_repeats_every_30_s_and_says_when_the_service_is_back(capsys):
-    from app.cli.client_output import UNREACHABLE_NOTICE_S, Follower
+    from app.cli.client.output import UNREACHABLE_NOTICE_S, Follower
 
     url = "http://layout.test:8000"
     follower = Follower(url)
@@ -589,7 +589,7 @@ def test_artifact_names_from_the_service_stay_under_the_output_directory(tmp_pat
 
 
 def test_submit_flags_for_the_export_dtype_and_overlap():
-    from app.cli.client import build_spec
+    from app.cli.client.commands import build_spec
     from app.cli.main import build_parser
 
     def spec(*flags):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.cli.service import worker_command, worker_groups
+from app.cli.commands.service import worker_command, worker_groups
 from app.core.queue import queue_for, queues_served, world_size_of
 from app.core.settings import Settings
 

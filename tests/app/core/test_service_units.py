@@ -262,7 +262,7 @@ with TestClient(create_app(s)) as c:
     assert c.get('/openapi.json').status_code == 200
     assert c.get('/readyz').status_code == 200  # the Celery client of app/core/queue.py
 print(sorted(m for m in sys.modules if m == 'worker' or m.startswith('worker.')))  # the only arrow: worker → app
-import app.cli.service, app.cli.keys, worker.celery_app
+import app.cli.commands.service, app.cli.commands.keys, worker.celery_app
 print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

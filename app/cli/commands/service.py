@@ -116,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"dtp-layout serve: error: {refusal}", file=sys.stderr)
         return 2
     from app.api.auth import bind_refusal
-    from app.cli.keys import keys_exist
+    from app.cli.commands.keys import keys_exist
 
     keyed = keys_exist(settings)
     if refusal := bind_refusal(args.host, keyed=keyed, insecure_open=args.insecure_open):

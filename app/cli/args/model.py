@@ -1,7 +1,7 @@
 """The model commands' shared arguments and steps: the job spec's flags, where to run, the converted-GGUF
 cache, loading the model (whole or streamed layer by layer), the layout named by --layout, and the progress
-bars. Used by `export`, `eval`, `demo` (app/cli/eval_export.py), `optimise` (app/cli/optimise.py) and
-`distill` (app/cli/distill.py). Torch-free at import: every heavy module is imported inside a function.
+bars. Used by `export`, `eval`, `demo` (app/cli/commands/eval_export.py), `optimise` (app/cli/commands/optimise.py) and
+`distill` (app/cli/commands/distill.py). Torch-free at import: every heavy module is imported inside a function.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.cli.args.spec_flags import add_spec_flags
 from app.cli.errors import CliError
-from app.cli.spec_flags import add_spec_flags
 from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS
 

@@ -1,5 +1,5 @@
 """What `dtp-layout client` prints: its exit statuses, the job's state in one line, its status block, and
-the progress a `wait` shows on stderr (app/cli/client.py, app/cli/client_scores.py). Nothing here imports
+the progress a `wait` shows on stderr (app/cli/client/commands.py, app/cli/client/scores.py). Nothing here imports
 torch.
 """
 

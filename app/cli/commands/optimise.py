@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from app.cli.args.model import check_layout_numbers, converted_cache, max_memory, model_config, progress_bar
+from app.cli.args.schedule import check_objective_schedule, schedule_text
 from app.cli.errors import CliError
-from app.cli.model_args import check_layout_numbers, converted_cache, max_memory, model_config, progress_bar
 from app.cli.run import CliHooks
-from app.cli.schedule_args import check_objective_schedule, schedule_text
 
 
 def _calibration_spec(args: argparse.Namespace) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.cli.client_output import EXIT_FAILED, client_for, out, print_json
+from app.cli.client.output import EXIT_FAILED, client_for, out, print_json
 
 
 def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: float | None,

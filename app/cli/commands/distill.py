@@ -1,7 +1,7 @@
 """`dtp-layout distill`: distil DTP models of several layouts from the dense one and compare the curves.
 
 Registered by `app.cli.main` (see `_EXTENSIONS`). Its flags are the job spec's (models/run/jobspec.py, the recipe's
-rules included: app/cli/spec_flags.py). Imports nothing heavy at import time; torch and the rest of models.*
+rules included: app/cli/args/spec_flags.py). Imports nothing heavy at import time; torch and the rest of models.*
 load inside the command.
 """
 
@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli.extras import needs_worker_extra
-from app.cli.model_args import (
+from app.cli.args.model import (
     add_model_args,
     calibration_of,
     check_layout_numbers,
@@ -22,9 +21,10 @@ from app.cli.model_args import (
     layouts_dir_of,
     model_config,
 )
+from app.cli.args.schedule import schedule_flags, schedule_text
+from app.cli.args.spec_flags import spec_values
+from app.cli.extras import needs_worker_extra
 from app.cli.run import CliHooks
-from app.cli.schedule_args import schedule_flags, schedule_text
-from app.cli.spec_flags import spec_values
 from models.distill.recipe import DistillRecipe  # torch-free
 
 

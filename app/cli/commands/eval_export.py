@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.cli.model_args import (
+from app.cli.args.model import (
     calibration_of,
     check_layout_numbers,
     export_dtype,
@@ -19,7 +19,7 @@ from app.cli.model_args import (
     progress_bar,
     streamed_model,
 )
-from app.cli.schedule_args import schedule_of, schedule_text
+from app.cli.args.schedule import schedule_of, schedule_text
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 
 

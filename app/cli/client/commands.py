@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.cli.client_output import (
+from app.cli.args.spec_flags import add_spec_flags, spec_values
+from app.cli.client.output import (
     EXIT_ERROR,
     EXIT_FAILED,
     EXIT_NOT_FINISHED,
@@ -30,8 +31,7 @@ from app.cli.client_output import (
     print_json,
     status_text,
 )
-from app.cli.client_scores import cmd_scores
-from app.cli.spec_flags import add_spec_flags, spec_values
+from app.cli.client.scores import cmd_scores
 from app.core.jobstate import STATUSES
 from models.affinity.names import SCORES
 

@@ -15,10 +15,10 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from app.cli.args.model import layouts_dir_of
+from app.cli.args.schedule import schedule_of
+from app.cli.args.spec_flags import command_flags
 from app.cli.errors import CliError
-from app.cli.model_args import layouts_dir_of
-from app.cli.schedule_args import schedule_of
-from app.cli.spec_flags import command_flags
 from models.run.fields import FieldRule, Flag
 from models.run.jobspec import SpecField
 
