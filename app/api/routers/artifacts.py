@@ -24,7 +24,7 @@ from app.api.errors import responses
 from app.api.metrics import Metrics
 from app.core.db import Artifact
 from app.core.errors import ArtifactDamaged, Gone, NotFound, RangeNotSatisfiable, StoreUnreachable
-from app.core.schemas.jobs import ArtifactList
+from app.core.schemas.reads import ArtifactList
 from app.core.services import jobs as services
 from app.core.storage.object_store import ObjectChanged
 from app.core.storage.root import DamagedFile, Storage, StoreUnavailable, VerifiedObject

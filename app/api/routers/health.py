@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.core.schemas.jobs import Health
+from app.core.schemas.reads import Health
 from app.core.services import jobs as services
 
 log = logging.getLogger(__name__)

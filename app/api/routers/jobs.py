@@ -33,16 +33,11 @@ from app.core.schemas.jobs import (
     EXAMPLE_HUB_SPEC,
     EXAMPLE_SPEC,
     INT32_MAX,
-    JobList,
-    JobOut,
     JobSpec,
-    LayoutFilter,
     MetricName,
-    MetricsOut,
-    ModelFilter,
-    OwnerFilter,
     Status,
 )
+from app.core.schemas.reads import JobList, JobOut, LayoutFilter, MetricsOut, ModelFilter, OwnerFilter
 from app.core.services import jobs as services
 from app.core.services.uploads import resolve_ref
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Path
 
 from app.api.deps import BaseUrl, CallerDep, DbDep
 from app.api.errors import responses
-from app.core.schemas.jobs import LayoutList, LayoutSummary
+from app.core.schemas.reads import LayoutList, LayoutSummary
 from app.core.services import jobs as services
 from models.layouts.format import LAYOUT_FORMAT
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import CallerDep, DbDep
 from app.api.errors import responses
-from app.core.schemas.jobs import ModelFilter, OwnerFilter, RevisionFilter, ScoresOut
+from app.core.schemas.reads import ModelFilter, OwnerFilter, RevisionFilter, ScoresOut
 from app.core.services import jobs as services
 
 router = APIRouter(tags=["scores"])
