@@ -12,9 +12,11 @@ dir with three models a job can name, none of whose weights are read at submit:
 For each it times the first submit after the server came up (`first`: what a cold cache costs, or
 what the server's warm-up saved), then `--warmup` more, then `--submits` (default 100) one after
 another, and prints p50/p99/max in ms. The jobs stay queued (no worker); the active-job and
-rate limits are lifted for the run.
+rate limits are lifted for the run. `--backend postgres` runs the same server on a fresh database of
+the PostgreSQL server at DTP_LAYOUT_TEST_POSTGRES_URL with Redis (DTP_LAYOUT_TEST_REDIS_URL) as the
+broker under a private key prefix (both removed at the end) instead of SQLite and the SQLite broker.
 
-    .venv/bin/python bench/submit_latency.py --submits 100 [--json FILE]
+    .venv/bin/python bench/submit_latency.py --submits 100 [--backend sqlite|postgres] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+POSTGRES_ADMIN_URL = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("DTP_LAYOUT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 HUB_ID = "HuggingFaceTB/SmolLM2-135M"
 HUB_COMMIT = "0" * 40
 # SmolLM2-135M's architecture (its config.json's fields the submit checks read).
@@ -81,12 +86,48 @@ def job_spec(model: dict[str, Any]) -> dict[str, Any]:
             "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256}, "random_layouts": 0}
 
 
-def start_server(var: Path, port: int) -> subprocess.Popen[str]:
+class Backend:
+    """`sqlite`: the embedded default; `postgres`: a fresh database and a Redis key prefix, removed by close()."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.database, self.prefix = kind, None, None
+        self.env: dict[str, str] = {}
+        if kind == "postgres":
+            import psycopg
+            from sqlalchemy.engine import make_url
+
+            admin = make_url(POSTGRES_ADMIN_URL)
+            self.database = f"dtp_submit_{uuid.uuid4().hex[:12]}"
+            with psycopg.connect(admin.set(drivername="postgresql").render_as_string(hide_password=False),
+                                 autocommit=True, connect_timeout=5) as conn:
+                conn.execute(f'CREATE DATABASE "{self.database}"')
+            self.prefix = f"dtp-submit-{uuid.uuid4().hex[:12]}:"
+            self.env = {"DTP_LAYOUT_DATABASE_URL": admin.set(database=self.database).render_as_string(
+                hide_password=False), "DTP_LAYOUT_BROKER_URL": REDIS_URL, "DTP_LAYOUT_BROKER_KEY_PREFIX": self.prefix}
+
+    def close(self) -> None:
+        if self.database:
+            import psycopg
+            from sqlalchemy.engine import make_url
+
+            admin = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql")
+            with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
+                conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+        if self.prefix:
+            import redis
+
+            client = redis.Redis.from_url(REDIS_URL)
+            for key in client.scan_iter(match=f"{self.prefix}*"):
+                client.delete(key)
+            client.close()
+
+
+def start_server(var: Path, port: int, backend: Backend) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTP_LAYOUT_")}
     env.update(HF_HOME=str(var / "hf"), HF_HUB_OFFLINE="1", DTP_LAYOUT_DEVICE="cpu", DTP_LAYOUT_RATE_LIMIT_PER_MIN="0",
                DTP_LAYOUT_MAX_ACTIVE_JOBS="1000000", DTP_LAYOUT_MAX_ACTIVE_TOKENS=str(1 << 62),
                DTP_LAYOUT_STORAGE_QUOTA_BYTES="0", DTP_LAYOUT_CORPORA="shakespeare,kjv",
-               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH")))))
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), env.get("PYTHONPATH")))), **backend.env)
     proc = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--no-worker", "--port", str(port),
                              "--var-dir", str(var)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -138,20 +179,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--submits", type=int, default=100, help="timed submits per format (default 100)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed submits per format first (default 5)")
+    ap.add_argument("--backend", choices=("sqlite", "postgres"), default="sqlite",
+                    help="the embedded default (SQLite, its broker) or PostgreSQL with Redis")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
     var = Path(tempfile.mkdtemp(prefix="dtp-submit-bench-")) / "var"
     proc = None
+    backend = Backend(args.backend)
     try:
         models = provision(var)
         port = free_port()
         t0 = time.perf_counter()
-        proc = start_server(var, port)
+        proc = start_server(var, port, backend)
         started_s = time.perf_counter() - t0
         results = measure(f"http://127.0.0.1:{port}", models, submits=args.submits, warmup=args.warmup)
-        report = {"server_start_s": round(started_s, 2), "loadavg": [round(x, 2) for x in os.getloadavg()],
-                  "formats": results}
-        print(f"server up in {started_s:.1f} s; load average {report['loadavg']}")
+        report = {"backend": args.backend, "server_start_s": round(started_s, 2),
+                  "loadavg": [round(x, 2) for x in os.getloadavg()], "formats": results}
+        print(f"{args.backend}: server up in {started_s:.1f} s; load average {report['loadavg']}")
         print(f"{'format':<12}{'first':>10}{'p50':>9}{'p99':>9}{'max':>9}  (ms, n={args.submits})")
         for fmt, r in results.items():
             print(f"{fmt:<12}{r['first_ms']:>10.1f}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}{r['max_ms']:>9.1f}")
@@ -164,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        backend.close()
         shutil.rmtree(var.parent, ignore_errors=True)
     return 0
 

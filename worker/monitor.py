@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import case, select
 
 from app.core.db import Database, Job
 from app.core.lease import Lease
@@ -67,6 +67,11 @@ class Monitor(threading.Thread):
             self._reported_at, self._fresh = self._stage_t0, False
             self._alive, self.stage = self._stage_t0, stage
 
+    def stage_done(self) -> None:
+        """The stage finished (its row says 1.0): nothing more of it is written."""
+        with self._lock:
+            self._fraction, self._fresh = None, False
+
     def beat(self) -> None:
         """The stage advanced (a micro-batch, a chunk) without a new fraction to show."""
         self._alive = time.monotonic()
@@ -115,8 +120,14 @@ class Monitor(threading.Thread):
             self.over_time.set()
         if elapsed > self.limits[1] and self.on_hard_limit is not None:
             self.on_hard_limit()
+        with self._lock:
+            stage = self.stage
+        values = self._progress()
+        if values:  # only onto the row of that stage: a tick racing the next stage's start leaves it at 0
+            values = {name: case((Job.stage == stage, value), else_=getattr(Job, name))
+                      for name, value in values.items()}
         with self.db.transaction() as session:
-            if not self.stalled.is_set() and not self.lease.renew(session, self.lease_s, **self._progress()):
+            if not self.stalled.is_set() and not self.lease.renew(session, self.lease_s, **values):
                 self.lost.set()
             if session.scalar(select(Job.cancel_requested).where(Job.id == self.job_id)):
                 self.cancel.set()

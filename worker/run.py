@@ -170,6 +170,7 @@ class JobRun(Publishing):
             job.progress, job.eta_s, job.updated_at = 1.0, 0.0, utcnow()
             events.record(session, self.job_id, events.STAGE_DONE, stage=stage, attempt=job.attempts,
                           seconds=round(seconds, 3), **note)
+        self.monitor.stage_done()
         if stage not in self.done:
             self.done.append(stage)
 

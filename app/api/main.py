@@ -91,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         # The first submit as fast as the next: model metadata read, check modules imported, broker opened
         # (before the heap is frozen: what it imports lives as long as the process).
-        await run_in_threadpool(warm_submit, settings, _app.state.queue)
+        await run_in_threadpool(warm_submit, settings, _app.state.queue, _app.state.db)
         freeze_startup_heap()
         # The upload checks' fork server imports in the background: startup does not wait for it.
         threading.Thread(target=start_checker, name="upload-checker", daemon=True).start()

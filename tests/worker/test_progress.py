@@ -32,6 +32,8 @@ def _running_job(tmp_path):
                          enqueue=lambda _jid: None)
     claimed = claim(db, job.id, worker="w:1", lease_s=30)
     assert claimed is not None
+    with db.transaction() as session:  # in the affinity stage, as JobRun.enter leaves it
+        session.get(Job, job.id).stage = "affinity"
     return db, job.id
 
 
@@ -74,6 +76,19 @@ def test_the_affinity_fraction_moves_through_the_layers_and_the_eta_between_repo
     assert first[0] == second[0] == 0.25
     assert first[1] is not None and second[1] is not None
     assert 0.15 <= first[1] - second[1] <= 0.6, (first, second)
+
+    # Once the stage is done (its row says so), and while the next one starts, nothing of it is written.
+    monitor.stage_done()
+    with db.transaction() as session:
+        session.get(Job, job_id).progress = 1.0
+    monitor.flush()
+    assert _shown(db, job_id)[0] == 1.0
+    monitor.report(0.5)  # a late report of the old stage, the row already in the next one
+    with db.transaction() as session:
+        row = session.get(Job, job_id)
+        row.stage, row.progress, row.eta_s = "optimising", 0.0, None
+    monitor.flush()
+    assert _shown(db, job_id) == (0.0, None)
 
 
 def test_the_edges_pass_reports_per_layer_too():
