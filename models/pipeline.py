@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from models.affinity import AffinityResult
-from models.affinity_edges import schedule_affinity_pass
+from models.affinity_edges import EDGE_MEMORY_LIMIT, KEPT_MASS, schedule_affinity_pass
 from models.affinity_scores import SCORES
 from models.assets import AssetNotFoundError
 from models.atomic import atomic_write_json
@@ -30,7 +30,7 @@ from models.layouts.format import LayoutError
 from models.layouts.layout import Layout
 from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
 from models.layouts.stability import HALVES, half_layouts, stability_report
-from models.optimise.edges import TopRows, edge_name, schedule_pairs
+from models.optimise.edges import SparseEdge, edge_name, schedule_pairs
 from models.progress import Progress, ShouldStop
 from models.run_files import AFFINITY_FILE, REPORT_FILE
 from models.schedules import Schedule, parse_schedule
@@ -55,8 +55,8 @@ class OptimiseSpec:
     # its J_σ (issue 20), the shards are exported for it. None: dtp:δ of `delta` (for δ ≤ 1 the paper's
     # chain objective, J_σ of dtp:1).
     schedule: str | None = None
-    edge_memory_limit: int = 256 << 20  # bytes of dense further-edge matrices before neuron→neuron go top-k
-    edge_top_k: int = 64
+    edge_memory_limit: int = EDGE_MEMORY_LIMIT  # bytes of dense further-edge matrices before neuron→neuron go sparse
+    edge_kept_mass: float = KEPT_MASS  # the mass a sparse neuron→neuron edge keeps (within the limit)
     # A job may run a layout-independent schedule (tp, ladder: a_n = b_n everywhere) to compare it with
     # the others; its layouts then optimise the paper's dtp:δ objective (they cannot matter), where the
     # `optimise` command refuses such a schedule outright.
@@ -66,9 +66,9 @@ class OptimiseSpec:
         if self.schedule is not None:
             spec = parse_schedule(self.schedule)  # ScheduleError (a ValueError) naming what is accepted
             object.__setattr__(self, "schedule", str(spec))
-        if self.edge_top_k < 1 or self.edge_memory_limit < 0:
-            raise ValueError(f"edge_top_k must be ≥ 1 and edge_memory_limit ≥ 0, got {self.edge_top_k}, "
-                             f"{self.edge_memory_limit}")
+        if not 0 < self.edge_kept_mass <= 1 or self.edge_memory_limit < 0:
+            raise ValueError(f"edge_kept_mass must be in (0, 1] and edge_memory_limit ≥ 0, got "
+                             f"{self.edge_kept_mass}, {self.edge_memory_limit}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.random_layouts < 0:
@@ -131,7 +131,7 @@ def run_affinity(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,
             result.schedule = str(schedule)
         return result
     return schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
-                                  edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k, **kw)
+                                  edge_memory_limit=spec.edge_memory_limit, edge_kept_mass=spec.edge_kept_mass, **kw)
 
 
 def _refuse_streamed(model: Any, why: str) -> None:
@@ -300,12 +300,12 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
     elif objective is not None:
         notes.append(f"the layouts optimise J_σ of schedule {objective}: the co-located affinity of its "
                      f"{len(schedule_pairs(objective))} edges (docs/schedules_objective.md)")
-        kept = {edge_name(p): m.kept_mass for p, scores in state.affinity.edges.items()
-                for name, m in scores.items() if name == spec.score and isinstance(m, TopRows)}
+        kept = edge_kept_mass(state.affinity, spec.score)
         if kept:
-            notes.append(f"{len(kept)} neuron→neuron edges kept as the top {spec.edge_top_k} entries per row "
-                         f"(dense would exceed {spec.edge_memory_limit} bytes); kept mass "
-                         f"{min(kept.values()):.3f}..{max(kept.values()):.3f}")
+            notes.append(f"{len(kept['edges'])} neuron→neuron edges kept sparse, their largest entries up to "
+                         f"{spec.edge_kept_mass:.0%} of their mass within {spec.edge_memory_limit} bytes "
+                         f"(dense would exceed it); kept mass {kept['min']:.3f}..{kept['max']:.3f} "
+                         f"(median {kept['median']:.3f})")
     return {
         "format": "dtp-layout-report/1",
         "model": model_name,
@@ -326,6 +326,8 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "upper_bound": any_report.get("upper_bound"),
         "upper_bound_exact": any_report.get("upper_bound_exact"),
         "layouts": reports,
+        # the mass the sparse neuron→neuron edges kept (null: every edge dense, or the chain only)
+        "kept_mass": edge_kept_mass(state.affinity, spec.score) if objective is not None else None,
         **({"stability": state.stability} if state.stability is not None else {}),
         "seconds": state.seconds,
         "versions": versions(),
@@ -333,6 +335,16 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         **({"export": state.export_dtypes} if state.export_dtypes else {}),
         **({"data": data} if data is not None else {}),
     }
+
+
+def edge_kept_mass(affinity: AffinityResult, score: str) -> dict[str, Any] | None:
+    """{min, median, max, edges: {name: kept}} over the sparse edges in `score` units; None when all are dense."""
+    kept = {edge_name(p): m.kept_mass for p, scores in sorted(affinity.edges.items())
+            for name, m in scores.items() if name == score and isinstance(m, SparseEdge)}
+    if not kept:
+        return None
+    values = sorted(kept.values())
+    return {"min": values[0], "median": float(np.median(values)), "max": values[-1], "edges": kept}
 
 
 def write_report(state: RunState, report: dict) -> Path:

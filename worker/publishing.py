@@ -226,6 +226,8 @@ class Publishing(Hooks):
             self._artifact_rows(session, published)
             job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
                                                              "upper_bound_exact", "notes")}
+            if report.get("kept_mass") is not None:  # the sparse neuron→neuron edges' kept mass (issue 29)
+                job.summary["kept_mass"] = {k: report["kept_mass"][k] for k in ("min", "median", "max")}
             job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
             if "stability" in report:
                 job.summary["stability"] = report["stability"]

@@ -375,7 +375,7 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
             "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
             "restarts": args.restarts,
             # only when given, so that a run recorded before schedules resumes with the same flags
-            **({"schedule": schedule_text(args, allow_auto=True), "edge_top_k": args.edge_top_k,
+            **({"schedule": schedule_text(args, allow_auto=True), "edge_kept_mass": args.edge_kept_mass,
                 "edge_memory_limit": args.edge_memory_limit} if schedule_text(args, allow_auto=True) is not None
                else {})}
 
@@ -415,7 +415,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                                      random_layouts=args.random, ablations=args.ablations,
                                      export=not args.no_export, batch_size=args.batch_size, restarts=args.restarts,
                                      stability=args.stability, schedule=schedule,
-                                     edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
+                                     edge_memory_limit=args.edge_memory_limit, edge_kept_mass=args.edge_kept_mass)
     except ValueError as exc:  # ScheduleError names the bad part and what is accepted
         raise CliError(f"--schedule: {exc}" if schedule else str(exc)) from exc
     calibration = _calibration_spec(args)
@@ -484,13 +484,13 @@ def _add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> 
                             "δ ≤ 1: the paper's objective); "
                             "tp and ladder are refused: the layout does not matter there (docs/cli.md)")
     if edges:
-        p.add_argument("--edge-top-k", type=int, default=64,
-                       help="entries kept per row of a neuron→neuron edge when the dense edges exceed "
-                            "--edge-memory-limit (default: 64)")
-        p.add_argument("--edge-memory-limit", type=int, default=256 << 20,
-                       help="bytes the dense matrices of the schedule's further edges may take before the "
-                            "neuron→neuron ones are stored as top-k rows; also bounds the pass's accumulators "
-                            "(more passes over the blocks) (default: 268435456)")
+        p.add_argument("--edge-kept-mass", type=float, default=0.95,
+                       help="mass a neuron→neuron edge keeps (its largest entries) when the dense edges exceed "
+                            "--edge-memory-limit, as far as the limit allows (default: 0.95)")
+        p.add_argument("--edge-memory-limit", type=int, default=1 << 30,
+                       help="bytes the schedule's further edges may take dense before the neuron→neuron ones "
+                            "are kept sparse; also bounds the pass's accumulators (more passes over the "
+                            "blocks) (default: 1073741824)")
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
