@@ -28,9 +28,10 @@ from models.families import model_shape
 from models.heldout import source_identity
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout
+from models.layouts.score import edge_kept_mass
 from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
 from models.layouts.stability import HALVES, half_layouts, stability_report
-from models.optimise.edges import SparseEdge, edge_name, schedule_pairs
+from models.optimise.edges import schedule_pairs
 from models.progress import Progress, ShouldStop
 from models.run_files import AFFINITY_FILE, REPORT_FILE
 from models.schedules import Schedule, parse_schedule
@@ -335,16 +336,6 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         **({"export": state.export_dtypes} if state.export_dtypes else {}),
         **({"data": data} if data is not None else {}),
     }
-
-
-def edge_kept_mass(affinity: AffinityResult, score: str) -> dict[str, Any] | None:
-    """{min, median, max, edges: {name: kept}} over the sparse edges in `score` units; None when all are dense."""
-    kept = {edge_name(p): m.kept_mass for p, scores in sorted(affinity.edges.items())
-            for name, m in scores.items() if name == score and isinstance(m, SparseEdge)}
-    if not kept:
-        return None
-    values = sorted(kept.values())
-    return {"min": values[0], "median": float(np.median(values)), "max": values[-1], "edges": kept}
 
 
 def write_report(state: RunState, report: dict) -> Path:

@@ -66,7 +66,7 @@ def test_weights_and_J_are_the_literal_damage_ratios(name: str) -> None:
     for seed in range(3):
         heads, cells = random_layout(template, DEVICES, seed)
         rep = score(sigma, heads, cells, devices=DEVICES)
-        assert rep.J == pytest.approx(literal_damage_J(edges, heads, cells), rel=1e-12)
+        assert pytest.approx(literal_damage_J(edges, heads, cells), rel=1e-12) == rep.J
         terms = {(e["from"], e["to"]): e for e in rep.edges}
         for pair, e in terms.items():  # the per-edge report: raw mass, weight, fraction and their product
             assert e["mass"] == pytest.approx(edges[pair].sum(), rel=1e-12)
@@ -102,7 +102,7 @@ def test_a_sparse_edge_weighs_its_dense_mass_and_scores_its_kept_entries() -> No
                                  == (heads[p[1] // 2] if p[1] % 2 == 0 else cells[p[1] // 2])[v]) / edges[p].sum()
                    for p in edges)
     rep = score(sigma, heads, cells, devices=DEVICES)
-    assert rep.J == pytest.approx(expected, rel=1e-12)
+    assert pytest.approx(expected, rel=1e-12) == rep.J
     assert rep.kept_mass == pytest.approx(min(k.kept_mass for k in kept.values()), rel=1e-12)
     # a random layout co-locates 1/L of each kept entry: Σ_e w_e · kept_e / L
     assert rep.random_expectation == pytest.approx(
