@@ -170,11 +170,14 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     resolved = None
     if spec.chooses_spd_layers:  # SPD's rule: each layer's dropped sync alone, KL on these blocks
         _refuse_streamed(model, f"{spec.schedule} chooses its layers by simulating the whole model")
-        chosen, sensitivities = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
-                                                 devices=spec.devices, batch_size=spec.batch_size, progress=progress)
+        chosen, sensitivities, rounds = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
+                                                         devices=spec.devices, batch_size=spec.batch_size,
+                                                         progress=progress)
         resolved = str(chosen)
         meta["spd_sensitivities"] = json.dumps(sensitivities)
         meta["spd_auto"] = str(spec.schedule)
+        if rounds:  # the cumulative rule's rounds: {layer: KL with the layers chosen before also dropped}
+            meta["spd_rounds"] = json.dumps([{str(i): kl for i, kl in r.items()} for r in rounds])
     schedule = spec.objective_schedule(model_shape(model.config).num_layers, resolved)
     state.affinity = run_affinity(model, state.blocks, schedule=schedule, spec=spec, progress=progress,
                                   should_stop=should_stop, metadata=meta, spill_dir=_spill_dir(model, state))
@@ -287,7 +290,13 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
                      "optimised-restarts-0 (equal restarts), not with optimised")
     objective = spec.objective_schedule(state.affinity.shape.num_layers, state.affinity.schedule)
     spd = state.affinity.metadata.get("spd_sensitivities")
-    if spd is not None:
+    spd_rounds = state.affinity.metadata.get("spd_rounds")
+    if spd is not None and spd_rounds is not None:
+        notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: cumulatively, each round the "
+                     f"layer whose dropped attention sync, with the layers chosen before also dropped, costs least "
+                     f"KL(dense ‖ spd:B) on the calibration blocks (spd_rounds; spd_sensitivities: the first "
+                     f"round, each layer alone; nats per token, contiguous layout)")
+    elif spd is not None:
         notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: the layers whose dropped "
                      f"attention sync alone costs least KL(dense ‖ spd:i) on the calibration blocks "
                      f"(spd_sensitivities, nats per token, contiguous layout)")
@@ -316,6 +325,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         # the schedule the run is for: the one whose J_σ the layouts optimise, else the layout's dtp:δ
         "schedule": str(objective) if objective is not None else (spec.schedule or f"dtp:{spec.delta}"),
         **({"spd_sensitivities": json.loads(spd)} if spd is not None else {}),
+        **({"spd_rounds": json.loads(spd_rounds)} if spd_rounds is not None else {}),
         "score": spec.score,
         "restarts": spec.restarts,
         "paper_procedure": spec.restarts == PAPER_RESTARTS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -106,6 +107,8 @@ def test_optimise_spd_auto_chooses_the_least_sensitive_layers(checkpoint, tmp_pa
     assert len(sensitivities) == 3 and min(sensitivities) > 0
     chosen = min(range(3), key=lambda i: (sensitivities[i], i))
     assert report["schedule"] == f"spd:{chosen}"
+    # spd:auto is the cumulative rule: its one round here is each layer dropped alone
+    assert [report["spd_rounds"][0][str(i)] for i in range(3)] == pytest.approx(sensitivities)
     assert load(out / "layouts" / "optimised.json").schedule == f"spd:{chosen}"
     # spd:B has one edge per dropped layer: that layer's up edge
     assert [(e["from"], e["to"]) for e in report["layouts"]["optimised"]["edges"]] == [(2 * chosen, 2 * chosen + 1)]
@@ -133,7 +136,7 @@ def test_sparse_edges_report_their_kept_mass_and_score_ranks_by_J_sigma(checkpoi
     assert doc["kept_mass"] == report["kept_mass"]
     by_rank = sorted(doc["layouts"], key=lambda r: r["rank"])
     assert [r["rank"] for r in by_rank] == list(range(1, len(layouts) + 1))
-    assert all(a["J"] >= b["J"] for a, b in zip(by_rank, by_rank[1:], strict=False))
+    assert all(a["J"] >= b["J"] for a, b in itertools.pairwise(by_rank))
     assert by_rank[0]["name"] == "optimised" and all(r["weighting"] == "damage" for r in by_rank)
     assert main(["score", "--affinity", str(out / "affinity.safetensors"), "--schedule", "dtp:2",
                  *map(str, layouts)]) == 0
