@@ -309,7 +309,8 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
                      "every module is exchanged before the next one reads it, so no layout is better than another")
     elif objective is not None:
         notes.append(f"the layouts optimise J_σ of schedule {objective}: the co-located affinity of its "
-                     f"{len(schedule_pairs(objective))} edges (docs/schedules_objective.md)")
+                     f"{len(schedule_pairs(objective))} edges, each weighted by its first-order damage over the "
+                     f"paper's edge into the same module (docs/schedules_objective.md)")
         kept = edge_kept_mass(state.affinity, spec.score)
         if kept:
             notes.append(f"{len(kept['edges'])} neuron→neuron edges kept sparse, their largest entries up to "
