@@ -21,6 +21,7 @@ schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` i
 
     .venv/bin/python bench/schedule_experiment.py --schedules "dtp:2 pt:2 spd:auto:8" --seeds 0,1,2
     .venv/bin/python bench/schedule_experiment.py --layers 3 --schedules dtp:2 --steps 20   # small setup
+    .venv/bin/python bench/schedule_experiment.py --schedules dtp:2 --step0-only --restarts 0  # minutes
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--restarts", type=int, default=2)
+    ap.add_argument("--step0-only", action="store_true",
+                    help="train nothing: rank the arms by their KL at step 0 (one value each) instead")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, tiny data, seeds 0,1")
     ap.add_argument("--work", default=None, help="default var/schedule-experiment[-quick]")
     args = ap.parse_args(argv)
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for schedule in args.schedules.split():
         results[schedule] = experiment.run(schedule)
         row = results[schedule]
-        said = row["verdict"] or {"verdict": "no verdict (no optimised or contiguous arm)", "speedup": 0.0}
+        said = row["verdict"] or {"verdict": "no verdict (step 0 only, or no optimised or contiguous arm)",
+                                  "speedup": 0.0}
         print(f"{schedule}: {said['verdict']} (speedup {said['speedup']:.2f}); ranking "
               + ", ".join(f"{p} {sum(r['agrees'] for r in row['ranking'][p])}/{len(row['ranking'][p])}"
                           for p in PREDICTORS), flush=True)

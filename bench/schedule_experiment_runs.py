@@ -152,7 +152,26 @@ class Experiment:
                 curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
         return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}
 
+    def step0(self, schedule: str) -> dict[str, Any]:
+        """No training: each arm's KL(dense ‖ σ) at step 0 on the eval blocks, against the predictors."""
+        from models.evaluate import evaluate
+
+        t0 = time.perf_counter()
+        a = self.args
+        blocks = load_blocks(CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
+                             self.tokenizer, vocab_size=int(self.model.config.vocab_size))
+        predicted = self.predictors(schedule)
+        kl0 = {arm: [evaluate(self.model, layout_mod.load(self.layouts(schedule) / f"{arm}.json"), blocks,
+                              schedule=self.resolved(schedule)).kl] for arm in self.arms(schedule)}
+        row = {"resolved": self.resolved(schedule), "predictors": predicted, "step0_kl": kl0,
+               "ranking": {p: ranking(predicted[p], kl0) for p in PREDICTORS}, "verdict": None,
+               "seconds": time.perf_counter() - t0}
+        (self.work / f"step0-{slug(schedule)}.json").write_text(json.dumps(row, indent=1))
+        return row
+
     def run(self, schedule: str) -> dict[str, Any]:
+        if self.args.step0_only:
+            return self.step0(schedule)
         t0 = time.perf_counter()
         predicted = self.predictors(schedule)
         curves = self.train(schedule)

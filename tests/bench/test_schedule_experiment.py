@@ -7,6 +7,7 @@ contiguous's final KL at least 1.5× sooner.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -71,3 +72,10 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
                       "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
                       "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])
     assert again["dtp:2"]["final_kl"] == row["final_kl"]  # resumed: nothing retrained
+    step0 = exp.main(["--quick", "--step0-only", "--model", str(model_dir), "--devices", "2", "--schedules",
+                      "dtp:2", "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
+                      "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])["dtp:2"]
+    assert set(step0["step0_kl"]) == arms and step0["verdict"] is None
+    for p in exp.PREDICTORS:  # one value an arm: every unequal pair is compared
+        assert len(step0["ranking"][p]) == sum(a != b for a, b in itertools.combinations(
+            [v[0] for v in step0["step0_kl"].values()], 2))
