@@ -57,3 +57,35 @@ def test_the_pool_gives_what_one_matrix_leaves_to_the_later_ones() -> None:
     assert pool.left == 0
     roomy = _EntryPool(entries=10 * diffuse.nbytes // SPARSE_ENTRY, matrices=1)
     assert roomy.store(diffuse, 0.95) is diffuse  # keeping 95 % costs more than dense: dense
+
+
+def test_a_file_with_issue_20s_top_k_rows_still_loads(tmp_path) -> None:
+    """Written before issue 29: `{top_k, columns, total, kept_mass}` with `.indices` / `.values` [R, k]."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from models.affinity_file import AffinityResult
+    from models.layouts.layout import ModelShape
+
+    rng = np.random.default_rng(7)
+    groups, neurons = 2, 6
+    shape = ModelShape("llama", 2, groups, 4, neurons)
+    matrix = rng.lognormal(0.0, 1.0, (neurons, neurons))
+    top = SparseEdge.top_k(matrix, 2)
+    tensors = {"up_fo.0": rng.random((groups, neurons)), "up_fo.1": rng.random((groups, neurons)),
+               "up_add.0": rng.random((groups, neurons)), "up_add.1": rng.random((groups, neurons)),
+               "down.0": rng.random((neurons, groups)), "edge.0.2.fo": rng.random((groups, groups))}
+    tensors["edge.0.2.add"] = tensors["edge.0.2.fo"]
+    old = {"top_k": 2, "columns": neurons, "total": float(matrix.sum()), "kept_mass": top.kept_mass}
+    for name in ("fo", "add"):
+        tensors[f"edge.1.3.{name}.indices"] = top.cols.reshape(neurons, 2).astype(np.int64)
+        tensors[f"edge.1.3.{name}.values"] = top.values.reshape(neurons, 2)
+    edges = [{"from": 0, "to": 2, "fo": "dense", "add": "dense"}, {"from": 1, "to": 3, "fo": old, "add": old}]
+    meta = {"format": "dtp-layout-affinity/1", "tokens": "8", "shape": json.dumps(shape.__dict__),
+            "schedule": "dtp:2", "edges": json.dumps(edges)}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=meta)
+    loaded = AffinityResult.load(tmp_path / "old.safetensors").edges[(1, 3)]["fo"]
+    assert isinstance(loaded, SparseEdge) and loaded.shape == (neurons, neurons)
+    np.testing.assert_array_equal(loaded.dense(), top.dense())
+    assert loaded.total == pytest.approx(matrix.sum()) and loaded.kept_mass == pytest.approx(top.kept_mass)
