@@ -2,8 +2,9 @@
 
 dtp:1 is the paper's chain (up and down edges); dtp:2 adds a KV → KV and a neuron → neuron edge per
 layer pair, the latter I×I (1536×1536), computed from three [I, T] × [T, I] products per micro-batch and
-kept as top-k rows above the memory limit. Prints both wall times (one run each, after one warm-up of
-the dense forward) and their ratio, and the neuron → neuron edges' kept mass.
+kept sparse (its largest entries up to --edge-kept-mass of its mass) above the memory limit. Prints both
+wall times (one run each, after one warm-up of the dense forward) and their ratio, and the neuron →
+neuron edges' kept mass.
 
     .venv/bin/python bench/schedule_objective.py [--sequences 4 --seq-len 256 --devices 3 --restarts 0]
 """
@@ -25,7 +26,7 @@ from models.families import model_shape
 from models.io.assets import smollm2_gguf
 from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts.set import build_layouts
-from models.optimise.edges import TopRows
+from models.optimise.edges import SparseEdge
 from models.schedules.grammar import resolve_schedule
 
 
@@ -36,8 +37,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--devices", type=int, default=3)
     ap.add_argument("--restarts", type=int, default=0)
-    ap.add_argument("--edge-top-k", type=int, default=64)
-    ap.add_argument("--edge-memory-limit", type=int, default=256 << 20)
+    ap.add_argument("--edge-kept-mass", type=float, default=0.95)
+    ap.add_argument("--edge-memory-limit", type=int, default=1 << 30)
     args = ap.parse_args()
 
     source = ModelSource(str(smollm2_gguf()))
@@ -53,7 +54,7 @@ def main() -> None:
         schedule = None if name == "dtp:1" else resolve_schedule(name, layers, args.devices)
         t0 = time.perf_counter()
         result = schedule_affinity_pass(model, blocks, batch_size=args.batch_size, schedule=schedule,
-                               edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
+                               edge_memory_limit=args.edge_memory_limit, edge_kept_mass=args.edge_kept_mass)
         t1 = time.perf_counter()
         layouts = build_layouts(result, devices=args.devices, delta=int(name[-1]), restarts=args.restarts,
                                 schedule=schedule)
@@ -61,7 +62,7 @@ def main() -> None:
         best, base = layouts["optimised"].score or {}, layouts["contiguous"].score or {}
         times[name] = {"affinity": t1 - t0, "optimise": t2 - t1, "J": best["J"], "bound": best["upper_bound"],
                        "contiguous": base["J"]}
-        kept = [m.kept_mass for scores in result.edges.values() for m in scores.values() if isinstance(m, TopRows)]
+        kept = [m.kept_mass for scores in result.edges.values() for m in scores.values() if isinstance(m, SparseEdge)]
     print(f"SmolLM2-135M (packaged GGUF), fp32 CPU, {torch.get_num_threads()} threads, {args.sequences}×{args.seq_len} "
           f"corpus:kjv tokens, L={args.devices}, restarts {args.restarts}")
     for name, t in times.items():
@@ -72,7 +73,8 @@ def main() -> None:
     print(f"ratio dtp:2 / dtp:1: affinity pass {two['affinity'] / one['affinity']:.2f}×, optimiser "
           f"{two['optimise'] / one['optimise']:.2f}×, both {both:.2f}×")
     if kept:
-        print(f"neuron→neuron edges as top-{args.edge_top_k} rows: kept mass {min(kept):.3f}..{max(kept):.3f} "
+        print(f"neuron→neuron edges kept sparse (target {args.edge_kept_mass}): kept mass "
+              f"{min(kept):.3f}..{max(kept):.3f} "
               f"(median {sorted(kept)[len(kept) // 2]:.3f})")
 
 

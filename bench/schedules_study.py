@@ -1,6 +1,6 @@
 """Issue 20's study: every communication schedule on one model, contiguous vs the layout optimised for it.
 
-For each schedule (dtp:1, dtp:2, spd:auto:K for two K, pt:2, pt:4, ladder, dtp:1@K upper half) on
+For each schedule (dtp:1, dtp:2, spd:isolated:K for two K, pt:2, pt:4, ladder, dtp:1@K upper half) on
 SmolLM2-135M at L=3 (the packaged GGUF, as bench/layout_study.py): its syncs per token (all, and the
 blocking ones), the runtime's blocked time per token (bench/runtime.py's recorded figures in
 docs/benchmarks.md, not rerun here), and KL(dense ‖ schedule) at step 0 and after one distillation budget
@@ -49,7 +49,7 @@ from models.layouts.set import build_layouts, scored_layout
 from models.run import pipeline
 from models.run.files import AFFINITY_FILE
 from models.schedules.grammar import Schedule, parse_schedule, resolve_schedule
-from models.schedules.spd_auto import least_sensitive, spd_sensitivities
+from models.schedules.spd_auto import cumulative_choice, least_sensitive, spd_sensitivities
 
 REPO = Path(__file__).resolve().parent.parent
 CONTIGUOUS, OPTIMISED, DTP1_OPTIMISED = "contiguous", "optimised", "optimised-dtp1"
@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M GGUF")
     ap.add_argument("--devices", type=int, default=3)
-    ap.add_argument("--spd", default="8,15", help="the K of spd:auto:K (layers whose attention sync is dropped)")
+    ap.add_argument("--spd", default="8,15", help="the K of spd:isolated:K (layers whose attention sync is "
+                    "dropped; the rule issue 20's study ran — spd:auto:K, the cumulative rule, via --schedules)")
     ap.add_argument("--upper", type=int, default=None, help="dtp:1@K's K (default: half the layers)")
     ap.add_argument("--calib", default="corpus:kjv")
     ap.add_argument("--calib-sequences", type=int, default=4)
@@ -127,9 +128,9 @@ def slug(schedule: str) -> str:
 
 
 def schedule_names(args: argparse.Namespace, num_layers: int) -> list[str]:
-    """The study's schedules, in the table's order (spd:auto:K as written; resolved later)."""
+    """The study's schedules, in the table's order (spd:isolated:K as written; resolved later)."""
     upper = args.upper or num_layers // 2
-    spd = [f"spd:auto:{k}" for k in args.spd.split(",") if k.strip()]
+    spd = [f"spd:isolated:{k}" for k in args.spd.split(",") if k.strip()]
     return ["dtp:1", "dtp:2", *spd, "pt:2", "pt:4", "ladder", f"dtp:1@{upper}"]
 
 
@@ -193,11 +194,21 @@ class Study:
         return list(json.loads(path.read_text()))
 
     def resolved_name(self, schedule: str) -> str:
-        """spd:auto:K → the spd:B SPD's rule picks; every other schedule as is (canonical)."""
+        """spd:isolated:K / spd:auto:K → the spd:B its rule picks; every other schedule as is (canonical)."""
         spec = parse_schedule(schedule)
         if spec.kind != "spd-auto":
             return str(spec)
-        return str(spec.with_spd_layers(least_sensitive(self.sensitivities(), spec.count)))
+        if spec.rule == "isolated":
+            return str(spec.with_spd_layers(least_sensitive(self.sensitivities(), spec.count)))
+        path = self.work / f"spd_cumulative_{spec.count}.json"  # K rounds of N - r simulations: kept
+        if not path.exists():
+            t0 = time.perf_counter()
+            chosen, rounds = cumulative_choice(self.model, self.calib_blocks(), spec.count,
+                                               devices=self.args.devices, batch_size=4)
+            atomic_write_json(path, {"layers": list(chosen), "rounds": [{str(i): kl for i, kl in r.items()}
+                                                                        for r in rounds]})
+            self._timed(f"spd_cumulative_{spec.count}", t0)
+        return str(spec.with_spd_layers(tuple(json.loads(path.read_text())["layers"])))
 
     def affinity(self, source: str) -> AffinityResult:
         path = self.work / "affinity" / slug(source) / AFFINITY_FILE
@@ -511,7 +522,7 @@ them. Runtime: `bench/runtime.py`'s two recorded runs in
 [benchmarks.md](benchmarks.md#runtime-blocked-time-per-schedule-benchruntimepy) — **a CPU emulation at
 L=2** (2 ranks pinned to the 2 cores, a SmolLM2-135M-shaped random model, emulated link latency), not
 rerun here: blocked ms/token at 0 µs, then the growth of blocked time at a 2 ms emulated link; its spd
-row is spd over the 15 odd layers (the same 45 syncs as spd:auto:15, other layers).
+row is spd over the 15 odd layers (the same 45 syncs as spd:isolated:15, other layers).
 
 Plot: `docs/schedules_pareto.png` (quality after distillation vs blocking syncs; the dashed line is the
 Pareto front of each schedule's better arm, with tp at KL 0); every evaluation: `docs/schedules_metrics.csv`.

@@ -224,9 +224,7 @@ class Publishing(Hooks):
         with self.db.transaction() as session:
             job = self._owned(session)
             self._artifact_rows(session, published)
-            job.summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound",
-                                                             "upper_bound_exact", "notes")}
-            job.summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
+            job.summary = report_summary(report)
             if "stability" in report:
                 job.summary["stability"] = report["stability"]
             distilled = self.work / "distill" / "summary.json"
@@ -257,3 +255,13 @@ def _layout_row(job_id: str, lay: Any) -> LayoutRow:
                      down_fraction=[None if x is None else float(x) for x in score["down_fraction"]],
                      kv_group_device=lay.kv_group_device.tolist(), neuron_device=lay.neuron_device.tolist(),
                      shape=asdict(lay.shape), score=score)
+
+
+def report_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The job's summary from its report.json: the figures a listing shows without fetching the report."""
+    summary = {key: report.get(key) for key in ("tokens", "random_expectation", "upper_bound", "upper_bound_exact",
+                                                "notes")}
+    if report.get("kept_mass") is not None:  # the sparse neuron→neuron edges' kept mass (issue 29)
+        summary["kept_mass"] = {k: report["kept_mass"][k] for k in ("min", "median", "max")}
+    summary["layouts"] = {name: rep["J"] for name, rep in report["layouts"].items()}
+    return summary

@@ -41,7 +41,7 @@ from models.affinity.scoring import (
 )
 from models.families import model_shape
 from models.layouts.layout import ModelShape
-from models.optimise.edges import EdgeMatrix, Pair, TopRows, edge_kind
+from models.optimise.edges import EdgeMatrix, Pair, SparseEdge, edge_kind
 from models.run.progress import Cancelled, Progress, ShouldStop
 from models.schedules.grammar import Schedule
 from models.sim.dtp import DTPModel
@@ -166,6 +166,11 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
 
 
 F64 = 8  # bytes of a float64 accumulator or score
+SPARSE_ENTRY = 16  # bytes of one kept entry of a SparseEdge: int32 row and column, float64 value
+KEPT_MASS = 0.95  # the default mass a sparse neuron → neuron edge keeps (issue 29)
+# SmolLM2-135M on 256 corpus tokens needs 8–49 % of a neuron → neuron FO matrix's entries (43–58 % of an
+# ADD one) for 95 % of its mass, so 1 GiB (its dtp:2 edges dense: 1.02 GiB) keeps ≥ 95 % where 256 MiB could not.
+EDGE_MEMORY_LIMIT = 1 << 30
 
 
 def dense_edge_bytes(pair: Pair, shape: ModelShape) -> int:
@@ -176,7 +181,7 @@ def dense_edge_bytes(pair: Pair, shape: ModelShape) -> int:
 
 def accumulator_bytes(pair: Pair, shape: ModelShape) -> int:
     """What one edge holds during the pass: its float64 sums over tokens, and for a neuron → neuron edge
-    also its dense FO and ADD while they are finalised (then kept, or cut to top-k rows)."""
+    also its dense FO and ADD while they are finalised (then kept, or cut to a sparse edge)."""
     H, hd, I = shape.num_query_heads, shape.head_dim, shape.intermediate_size
     kind = edge_kind(pair)
     if kind == "up":
@@ -192,7 +197,7 @@ def edge_rounds(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> list
     """The edges split into passes over the calibration blocks whose accumulators fit `memory_limit`
     together (an edge larger than the limit alone gets a pass of its own). Each pass after the first is
     one more no-grad forward over the blocks: memory bought with compute (SmolLM2-135M `dtp:2`: 29
-    neuron → neuron pairs of ~94 MB each take 15 passes under the default 256 MiB)."""
+    neuron → neuron pairs of ~94 MB each take 15 passes under 256 MiB, 3 under the default 1 GiB)."""
     rounds: list[list[Pair]] = []
     used = 0
     for pair in pairs:
@@ -205,22 +210,54 @@ def edge_rounds(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> list
     return rounds
 
 
+def sparse_entries(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> int | None:
+    """The entries the neuron → neuron matrices (FO and ADD of each edge) may keep together so that the
+    finished edges fit `memory_limit`; None when every edge fits dense."""
+    dense = sum(dense_edge_bytes(p, shape) for p in pairs)
+    if dense <= memory_limit or not any(edge_kind(p) == "neuron-neuron" for p in pairs):
+        return None  # all dense, or only G-sized edges: nothing to cut
+    rest = sum(dense_edge_bytes(p, shape) for p in pairs if edge_kind(p) != "neuron-neuron")
+    return max(0, memory_limit - rest) // SPARSE_ENTRY
+
+
+class _EntryPool:
+    """Shares the entries among the neuron → neuron matrices as they are finished: each may take an even
+    share of what is left, so entries one matrix does not need for its kept mass go to the later ones."""
+
+    def __init__(self, entries: int, matrices: int) -> None:
+        self.left, self.matrices = entries, matrices
+
+    def store(self, matrix: np.ndarray, kept_mass: float) -> EdgeMatrix:
+        share = self.left // max(1, self.matrices)
+        sparse = SparseEdge.keeping(matrix, kept_mass, share)
+        # dense where that is no larger (and so within the share too)
+        kept: EdgeMatrix = matrix if sparse.nbytes >= matrix.nbytes else sparse
+        self.left -= matrix.nbytes // SPARSE_ENTRY if kept is matrix else sparse.values.size
+        self.matrices -= 1
+        return kept
+
+
 @torch.no_grad()
 def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_size: int = 4,
-              token_chunk: int = 128, memory_limit: int = 256 << 20, top_k: int = 64,
+              token_chunk: int = 128, memory_limit: int = EDGE_MEMORY_LIMIT, kept_mass: float = KEPT_MASS,
               progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict[Pair, EdgeScores]:
     """The FO and ADD scores of every edge (m, t) in `pairs` (raw per-token means, not normalised).
 
-    memory_limit: bytes the dense float64 edges may take; above it the neuron → neuron edges are kept as
-    the `top_k` largest entries of each row (`TopRows`, which records the kept mass). It also bounds the
-    pass's accumulators: the edges are computed in as many passes over the blocks as that takes
-    (`edge_rounds`; one pass when they fit), each finished edge cut to top-k rows before the next pass.
+    memory_limit: bytes the finished edges may take; above it the neuron → neuron edges are kept as their
+    largest entries up to `kept_mass` of each matrix's mass, as many as the limit allows (`SparseEdge`,
+    which records the mass it kept; `_EntryPool` shares the limit among them). It also bounds the pass's
+    accumulators: the edges are computed in as many passes over the blocks as that takes (`edge_rounds`;
+    one pass when they fit), each finished edge cut before the next pass — so the pass's peak is about
+    twice the limit (the kept edges and one pass's accumulators).
     """
+    if not 0 < kept_mass <= 1:
+        raise ValueError(f"kept_mass must be in (0, 1], got {kept_mass}")
     pairs = sorted(set(pairs))
     if not pairs:
         return {}
     shape = model_shape(model.config)
-    sparse = sum(dense_edge_bytes(p, shape) for p in pairs) > memory_limit
+    entries = sparse_entries(pairs, shape, memory_limit)
+    pool = None if entries is None else _EntryPool(entries, 2 * sum(edge_kind(p) == "neuron-neuron" for p in pairs))
     rounds = edge_rounds(pairs, shape, memory_limit)
     scores: dict[Pair, EdgeScores] = {}
     for index, round_pairs in enumerate(rounds):
@@ -232,8 +269,8 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
         found = _edge_round(model, blocks, round_pairs, shape, batch_size=batch_size, token_chunk=token_chunk,
                             progress=round_progress, should_stop=should_stop)
         for pair, edge in found.items():  # cut now: the next pass's accumulators take the room
-            scores[pair] = ({name: TopRows.of(np.asarray(m), top_k) for name, m in edge.items()}
-                            if sparse and edge_kind(pair) == "neuron-neuron" else edge)
+            scores[pair] = ({name: pool.store(np.asarray(m), kept_mass) for name, m in edge.items()}
+                            if pool is not None and edge_kind(pair) == "neuron-neuron" else edge)
     return scores
 
 
@@ -279,7 +316,7 @@ def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: Mode
 
 
 def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,
-                           edge_memory_limit: int = 256 << 20, edge_top_k: int = 64,
+                           edge_memory_limit: int = EDGE_MEMORY_LIMIT, edge_kept_mass: float = KEPT_MASS,
                            progress: Progress | None = None, **options: Any) -> AffinityResult:
     """`affinity_pass` (the paper's chain; `options` are its) plus the edges `schedule` adds beyond it.
 
@@ -303,6 +340,6 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
     result = affinity_pass(model, blocks, progress=chain_progress, **options)
     result.edges = edge_pass(model, blocks, further, batch_size=options.get("batch_size", 4),
                              token_chunk=options.get("token_chunk", 128), memory_limit=edge_memory_limit,
-                             top_k=edge_top_k, progress=edge_progress, should_stop=options.get("should_stop"))
+                             kept_mass=edge_kept_mass, progress=edge_progress, should_stop=options.get("should_stop"))
     result.schedule = str(schedule)
     return result

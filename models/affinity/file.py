@@ -3,10 +3,11 @@
 Raw per-token means, not normalised: up_fo / up_add [G, I] per layer (the FO and ADD up-edge scores of
 §3) and down [I, G] per layer < N-1 — the paper's chain, the edges of dtp:1 — and, for a pass run for
 another schedule (issue 20), the FO and ADD scores of every further edge (m, t) of that schedule
-(`edges`, tensors `edge.M.T.fo` / `edge.M.T.add`, or `….indices` / `….values` for a neuron → neuron edge
-kept as top-k rows). The metadata `schedule` names the schedule the pass was run for and `edges` lists the
-further edges; a file without them (written before schedules) holds dtp:1. Read and written through
-safetensors' numpy API, so the `score` command and the API process can load an affinity without
+(`edges`, tensors `edge.M.T.fo` / `edge.M.T.add`, or `….rows` / `….cols` / `….values` for a neuron →
+neuron edge kept sparse; files written before issue 29 hold `….indices` / `….values` top-k rows, read as
+sparse). The metadata `schedule` names the schedule the pass was run for and `edges` lists the further
+edges; a file without them (written before schedules) holds dtp:1. Read and written through safetensors'
+numpy API, so the `score` command and the API process can load an affinity without
 importing torch.
 """
 
@@ -27,7 +28,7 @@ from models.optimise.edges import (
     EdgeMatrix,
     Pair,
     ScheduleAffinity,
-    TopRows,
+    SparseEdge,
     chain_pairs,
     edge_name,
     schedule_pairs,
@@ -104,11 +105,11 @@ class AffinityResult:
             entry: dict[str, object] = {"from": sender, "to": receiver}
             for name, matrix in scores.items():
                 key = f"edge.{sender}.{receiver}.{name}"
-                if isinstance(matrix, TopRows):
-                    tensors[f"{key}.indices"] = np.ascontiguousarray(matrix.indices)
-                    tensors[f"{key}.values"] = np.ascontiguousarray(matrix.values)
-                    entry[name] = {"top_k": int(matrix.indices.shape[1]), "columns": matrix.columns,
-                                   "total": matrix.total, "kept_mass": matrix.kept_mass}
+                if isinstance(matrix, SparseEdge):
+                    for part in ("rows", "cols", "values"):
+                        tensors[f"{key}.{part}"] = np.ascontiguousarray(getattr(matrix, part))
+                    entry[name] = {"sparse": list(matrix.shape), "total": matrix.total,
+                                   "kept_mass": matrix.kept_mass}
                 else:
                     tensors[key] = np.ascontiguousarray(matrix)
                     entry[name] = "dense"
@@ -158,10 +159,15 @@ def _read_edges(path: Path, listed: str, tensors: dict[str, np.ndarray]) -> dict
                 key, how = f"edge.{m}.{t}.{name}", entry[name]
                 if how == "dense":
                     scores[name] = np.asarray(tensors[key], dtype=np.float64)
-                else:
-                    scores[name] = TopRows(np.asarray(tensors[f"{key}.indices"], dtype=np.int64),
-                                           np.asarray(tensors[f"{key}.values"], dtype=np.float64),
-                                           int(how["columns"]), float(how["total"]))
+                elif "sparse" in how:
+                    rows, cols = how["sparse"]
+                    scores[name] = SparseEdge(np.asarray(tensors[f"{key}.rows"], dtype=np.int32),
+                                              np.asarray(tensors[f"{key}.cols"], dtype=np.int32),
+                                              np.asarray(tensors[f"{key}.values"], dtype=np.float64),
+                                              (int(rows), int(cols)), float(how["total"]))
+                else:  # top-k rows, before issue 29
+                    scores[name] = SparseEdge.from_rows(tensors[f"{key}.indices"], tensors[f"{key}.values"],
+                                                        int(how["columns"]), float(how["total"]))
             edges[(m, t)] = scores
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed schedule edges (metadata 'edges' or their tensors): {exc!r}") from exc

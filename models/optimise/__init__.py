@@ -3,8 +3,8 @@ at dtp:1, whose edges are the paper's chain —, its upper bound and one coordin
 
     problem.py     the input: the chain's per-layer affinity matrices (`Affinity`, dtp:1) or a schedule's
                    (`ScheduleAffinity`), device counts, the contiguous layout
-    edges.py       the edges of J_σ (every m < t with b_m ≤ t < a_m), their matrices (dense or top-k rows)
-                   and the per-edge gains and co-located mass
+    edges.py       the edges of J_σ (every m < t with b_m ≤ t < a_m), their matrices (dense or sparse up to a
+                   kept mass), their damage weights (issue 29) and the per-edge gains and co-located mass
     assignment.py  the exact transportation solver (n units onto L sinks of fixed capacities)
     objective.py   J_σ (objective (6) at dtp:1) of a layout, with its per-edge co-located fractions (`score`)
     bound.py       the per-edge upper bound of J_σ

@@ -111,7 +111,7 @@ def _ascend(affinity: Problem, devices: int, *, maximise: bool, move_heads: bool
     check_devices(affinity, devices)
     if max_sweeps < 1:
         raise ValueError(f"max_sweeps must be at least 1, got {max_sweeps}")
-    unit = edges_of(affinity).normalised()
+    unit = edges_of(affinity).weighted()
     moving = _moving_layers(layers, affinity.num_layers)
     heads, cells = contiguous_layout(affinity, devices)
     if initial_heads is not None:
@@ -143,7 +143,7 @@ def block_improvement(affinity: Problem, kv_group_device: Any, neuron_device: An
     Zero (up to rounding) at a fixed point of `optimise` with the same options.
     """
     heads, cells, devices = check_layout(affinity, kv_group_device, neuron_device, devices)
-    unit = edges_of(affinity).normalised()
+    unit = edges_of(affinity).weighted()
     best = 0.0
     for i in _moving_layers(layers, affinity.num_layers):
         if move_neurons:

@@ -1,9 +1,9 @@
-"""The upper bound of J_σ: Σ over the edges of the best co-located fraction of that edge optimised alone.
+"""The upper bound of J_σ: Σ over the edges of the best co-located weighted mass w_e · f_e of that edge alone.
 
-No layout can beat it, since J_σ is the sum of the edges' fractions. Per dense edge, exact by branch
+No layout can beat it, since J_σ is the sum of the edges' terms. Per dense edge, exact by branch
 and bound over the balanced partitions of its smaller side (the KV groups of a chain edge), each solved
 by an exact balanced assignment of the other side, where they are few enough, otherwise a looser valid
-bound; a top-k edge (`TopRows`) gets the looser bound without being densified. Pure numpy.
+bound; a sparse edge (`SparseEdge`) gets the looser bound without being densified. Pure numpy.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from models.optimise.assignment import REL_TOL, balanced_assignment
-from models.optimise.edges import EdgeMatrix, Pair, TopRows
+from models.optimise.edges import EdgeMatrix, Pair, SparseEdge
 from models.optimise.problem import Problem, check_devices, edges_of
 
 _GAIN_CHUNK = 1 << 22  # floats per temporary when scoring group partitions in bulk
@@ -24,7 +24,7 @@ _GAIN_CHUNK = 1 << 22  # floats per temporary when scoring group partitions in b
 
 @dataclass(frozen=True)
 class UpperBound:
-    """Σ over edges of the best co-located fraction of that edge alone; `exact` when every term is exact."""
+    """Σ over edges of the best co-located term w_e · f_e of that edge alone; `exact` when every term is exact."""
 
     devices: int
     value: float
@@ -137,24 +137,27 @@ def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[
     return _edge_bound_exact(matrix, devices), True
 
 
-def _top_rows_bound(matrix: TopRows, devices: int) -> float:
-    """A valid bound of a top-k edge without densifying it: each sender shares a device with C/L receivers
+def _largest_per_group(group: np.ndarray, value: np.ndarray, count: int) -> float:
+    """Σ over groups of the `count` largest values of each group (entries [nnz] with a group id each)."""
+    order = np.lexsort((-value, group))  # by group, largest first within one
+    group, value = group[order], value[order]
+    rank = np.arange(len(group)) - np.searchsorted(group, group, side="left")  # place within its group
+    return float(value[rank < count].sum())
+
+
+def _sparse_bound(matrix: SparseEdge, devices: int) -> float:
+    """A valid bound of a sparse edge without densifying it: each sender shares a device with C/L receivers
     and each receiver with R/L senders, so neither collects more than its largest kept entries."""
     rows, cols = matrix.shape
-    by_row = -np.sort(-matrix.values, axis=1)[:, : cols // devices].sum()  # [R, k] rows, largest first
-    col, value = matrix.indices.ravel(), matrix.values.ravel()
-    order = np.lexsort((-value, col))  # by column, largest first within one
-    col, value = col[order], value[order]
-    starts = np.searchsorted(col, col, side="left")  # first entry of each entry's column
-    rank = np.arange(len(col)) - starts  # the entry's place within its column
-    by_col = value[rank < rows // devices].sum()
-    return float(min(by_row, by_col, 1.0))
+    by_row = _largest_per_group(matrix.rows, matrix.values, cols // devices)
+    by_col = _largest_per_group(matrix.cols, matrix.values, rows // devices)
+    return float(min(by_row, by_col, matrix.values.sum()))
 
 
 def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int) -> tuple[float, bool]:
-    """The best co-located fraction of one normalised edge alone; (value, exact)."""
-    if isinstance(matrix, TopRows):
-        return _top_rows_bound(matrix, devices), False
+    """The best co-located mass of one (weighted) edge alone; (value, exact)."""
+    if isinstance(matrix, SparseEdge):
+        return _sparse_bound(matrix, devices), False
     rows, cols = matrix.shape
     # _edge_bound enumerates the partitions of its first axis: give it the smaller side
     # (a chain's down edge [I, G] is bounded as its transpose).
@@ -162,18 +165,18 @@ def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int) -> tu
 
 
 def upper_bound(affinity: Problem, devices: int, *, max_partitions: int = 20000) -> UpperBound:
-    """Σ over the edges of the best co-located fraction of that edge optimised alone (cached per affinity).
+    """Σ over the edges of the best co-located term w_e · f_e of that edge optimised alone (cached per affinity).
 
-    No layout can beat it, since J_σ is the sum of the edges' fractions. Exact where every dense edge's
-    partitions number at most `max_partitions` and no edge is top-k, otherwise a looser valid bound with
+    No layout can beat it, since J_σ is the sum of the edges' terms. Exact where every dense edge's
+    partitions number at most `max_partitions` and no edge is sparse, otherwise a looser valid bound with
     exact=False.
     """
     check_devices(affinity, devices)
     sigma = edges_of(affinity)
     key = ("upper_bound", devices, max_partitions)
     if key not in sigma._cache:
-        unit = sigma.normalised()
-        per = {p: _one_edge_bound(m, devices, max_partitions) for p, m in unit.edges.items()}
+        weighted = sigma.weighted()
+        per = {p: _one_edge_bound(m, devices, max_partitions) for p, m in weighted.edges.items()}
         sigma._cache[key] = UpperBound(int(devices), float(sum(v for v, _ in per.values())),
                                        all(e for _, e in per.values()), {p: v for p, (v, _) in per.items()})
     result: UpperBound = sigma._cache[key]

@@ -1,16 +1,20 @@
 """J_σ, the layout objective of a communication schedule, and its report; at dtp:1 objective (6) of the paper.
 
 A layout puts KV group g of layer i on device h_i(g) and FFN neuron k on device ν_i(k), balanced
-(G/L groups and I/L neurons per device). With every edge normalised to unit mass,
+(G/L groups and I/L neurons per device). With S_e the raw first-order damage of edge e = (m, t), E_e its
+mass, f_e(layout) = Σ_{u ∈ m, v ∈ t: dev(u) = dev(v)} S_e[u, v] / E_e its co-located fraction and
+E_ref(t) the mass of the paper's edge into t, (t-1, t) (`ScheduleAffinity.reference_mass`),
 
-    J_σ(layout) = Σ_{(m, t) edges of σ}  Σ_{u ∈ m, v ∈ t}  Ŝ_{m→t}[u, v] · 1[dev(u) = dev(v)]
+    J_σ(layout) = Σ_{(m, t) edges of σ}  w_e · f_e(layout),   w_e = E_e / E_ref(t)            (issue 29)
 
-over the edges of `models.optimise.edges`. At dtp:1 the edges are the paper's chain (an `Affinity`):
+over the edges of `models.optimise.edges`: each receiving module's co-located damage in units of its
+paper's edge's. At dtp:1 every edge is a paper's edge (w_e = 1) and the edges are the chain (an `Affinity`):
 
     J = Σ_i Σ_{g,k: h_i(g)=ν_i(k)} Ŝup_i[g, k] + Σ_{i<N-1} Σ_{k,g: ν_i(k)=h_{i+1}(g)} Ŝdown_i[k, g],   (6)
 
-in [0, 2N-1]; a uniformly random layout scores (2N-1)/L in expectation (in general the number of edges
-carrying mass over L). tp and ladder have no edge and J_σ = 0 for every layout. Pure numpy.
+in [0, 2N-1]; a uniformly random layout scores Σ_e w_e · kept_e / L in expectation ((2N-1)/L at dtp:1;
+kept_e < 1 only for a sparse edge). `weighting="unit"` sets every w_e = 1 (issue 20's J_σ). tp and
+ladder have no edge and J_σ = 0 for every layout. Pure numpy.
 """
 
 from __future__ import annotations
@@ -53,13 +57,14 @@ def check_layout(affinity: Problem, kv_group_device: Any, neuron_device: Any,
 
 
 def edge_fractions(unit: ScheduleAffinity, heads: np.ndarray, cells: np.ndarray) -> dict[Pair, float]:
-    """The co-located fraction of every edge of a normalised affinity, in edge order."""
+    """The co-located mass of every edge of `unit` (a fraction for a normalised affinity, w_e · f_e for a
+    weighted one), in edge order."""
     return {pair: co_located(matrix, module_devices(heads, cells, pair[0]), module_devices(heads, cells, pair[1]))
             for pair, matrix in unit.edges.items()}
 
 
 def objective(unit: Problem, heads: np.ndarray, cells: np.ndarray) -> float:
-    """J_σ of checked [N, G] / [N, I] device arrays over a normalised affinity (J of (6) for a chain)."""
+    """J_σ of checked [N, G] / [N, I] device arrays over a weighted affinity (J of (6) for a chain)."""
     return float(sum(edge_fractions(edges_of(unit), heads, cells).values()))
 
 
@@ -81,14 +86,17 @@ class ScoreReport:
     upper_bound_exact: bool
     schedule: str | None = None
     edges: list[dict[str, Any]] = field(default_factory=list)  # {"from", "to", "name", "kind", "fraction",
-    #                                                             "upper_bound", ["kept_mass"]}
+    #                                   "upper_bound" (fractions), "mass", "weight", "term", ["kept_mass"]}
     layout_independent: bool = False
+    weighting: str = "damage"
+    kept_mass: float | None = None  # the least kept mass of a sparse edge; None: every edge dense
 
     def as_dict(self) -> dict[str, Any]:
         head: dict[str, Any] = {"J": self.J, "devices": self.devices, "random_expectation": self.random_expectation}
         per_edge: dict[str, Any] = {}
         if self.schedule is not None:
-            head |= {"schedule": self.schedule, "layout_independent": self.layout_independent}
+            head |= {"schedule": self.schedule, "layout_independent": self.layout_independent,
+                     "weighting": self.weighting, "kept_mass": self.kept_mass}
             per_edge = {"edges": [dict(e) for e in self.edges]}
         return {**head, "up_fraction": list(self.up_fraction), "down_fraction": list(self.down_fraction),
                 **per_edge, "upper_bound": self.upper_bound, "upper_bound_exact": self.upper_bound_exact}
@@ -99,31 +107,35 @@ def score(affinity: Problem, kv_group_device: Any, neuron_device: Any, *, device
     """J_σ (objective (6) for a chain) of a balanced layout, its per-edge fractions and the upper bound.
 
     kv_group_device: [N, G] ints; neuron_device: [N, I] ints. `devices` defaults to the largest id + 1.
-    The random expectation is the total normalised mass over L: (2N-1)/L for a chain unless an edge is
-    all zero.
+    The random expectation is Σ_e w_e · kept_e / L: (2N-1)/L for a chain unless an edge is all zero.
+    Per edge the report gives its co-located `fraction`, the bound of that fraction, its raw `mass`, its
+    `weight` w_e and its `term` w_e · fraction in J_σ.
     """
     heads, cells, devices = check_layout(affinity, kv_group_device, neuron_device, devices)
     sigma = edges_of(affinity)
-    unit = sigma.normalised()
-    fractions = edge_fractions(unit, heads, cells)
+    fractions = edge_fractions(sigma.normalised(), heads, cells)
+    terms = edge_fractions(sigma.weighted(), heads, cells)
     if bound is None:
         bound = upper_bound(affinity, devices)
     elif bound.devices != devices:
         raise ValueError(f"bound was computed for L={bound.devices} devices, the layout has L={devices}")
-    kept = sigma.kept_mass()
+    kept, weights, masses = sigma.kept_mass(), sigma.weights(), sigma.edge_masses()
     edges = []
     for pair, fraction in fractions.items():
+        w = weights[pair]
         row: dict[str, Any] = {"from": pair[0], "to": pair[1], "name": edge_name(pair), "kind": edge_kind(pair),
-                               "fraction": fraction, "upper_bound": bound.edges[pair]}
+                               "fraction": fraction, "upper_bound": bound.edges[pair] / w if w > 0 else 0.0,
+                               "mass": masses[pair], "weight": w, "term": terms[pair]}
         if pair in kept:
             row["kept_mass"] = kept[pair]
         edges.append(row)
     n = sigma.num_layers
     return ScoreReport(
-        J=float(sum(fractions.values())), devices=devices,
-        random_expectation=float(sum(unit.edge_masses().values()) / devices),
+        J=float(sum(terms.values())), devices=devices,
+        random_expectation=float(sum(weights[p] * kept.get(p, 1.0) for p in sigma.edges) / devices),
         up_fraction=[fractions.get((2 * i, 2 * i + 1)) for i in range(n)],
         down_fraction=[fractions.get((2 * i + 1, 2 * i + 2)) for i in range(n - 1)],
         upper_bound=bound.value, upper_bound_exact=bound.exact,
         schedule=None if isinstance(affinity, Affinity) else sigma.schedule, edges=edges,
-        layout_independent=sigma.layout_independent)
+        layout_independent=sigma.layout_independent, weighting=sigma.weighting,
+        kept_mass=min(kept.values()) if kept else None)

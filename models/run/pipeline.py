@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import transformers
 
-from models.affinity.edges import schedule_affinity_pass
+from models.affinity.edges import EDGE_MEMORY_LIMIT, KEPT_MASS, schedule_affinity_pass
 from models.affinity.names import SCORES
 from models.affinity.scoring import AffinityResult
 from models.data.calibration import CalibrationSpec, DataError, load_blocks
@@ -28,9 +28,10 @@ from models.io.assets import AssetNotFoundError
 from models.io.atomic import atomic_write_json
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout
+from models.layouts.score import edge_kept_mass
 from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
 from models.layouts.stability import HALVES, half_layouts, stability_report
-from models.optimise.edges import TopRows, edge_name, schedule_pairs
+from models.optimise.edges import schedule_pairs
 from models.run.files import AFFINITY_FILE, REPORT_FILE
 from models.run.progress import Progress, ShouldStop
 from models.schedules.grammar import Schedule, parse_schedule
@@ -55,8 +56,8 @@ class OptimiseSpec:
     # its J_σ (issue 20), the shards are exported for it. None: dtp:δ of `delta` (for δ ≤ 1 the paper's
     # chain objective, J_σ of dtp:1).
     schedule: str | None = None
-    edge_memory_limit: int = 256 << 20  # bytes of dense further-edge matrices before neuron→neuron go top-k
-    edge_top_k: int = 64
+    edge_memory_limit: int = EDGE_MEMORY_LIMIT  # bytes of dense further-edge matrices before neuron→neuron go sparse
+    edge_kept_mass: float = KEPT_MASS  # the mass a sparse neuron→neuron edge keeps (within the limit)
     # A job may run a layout-independent schedule (tp, ladder: a_n = b_n everywhere) to compare it with
     # the others; its layouts then optimise the paper's dtp:δ objective (they cannot matter), where the
     # `optimise` command refuses such a schedule outright.
@@ -66,9 +67,9 @@ class OptimiseSpec:
         if self.schedule is not None:
             spec = parse_schedule(self.schedule)  # ScheduleError (a ValueError) naming what is accepted
             object.__setattr__(self, "schedule", str(spec))
-        if self.edge_top_k < 1 or self.edge_memory_limit < 0:
-            raise ValueError(f"edge_top_k must be ≥ 1 and edge_memory_limit ≥ 0, got {self.edge_top_k}, "
-                             f"{self.edge_memory_limit}")
+        if not 0 < self.edge_kept_mass <= 1 or self.edge_memory_limit < 0:
+            raise ValueError(f"edge_kept_mass must be in (0, 1] and edge_memory_limit ≥ 0, got "
+                             f"{self.edge_kept_mass}, {self.edge_memory_limit}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.random_layouts < 0:
@@ -131,7 +132,7 @@ def run_affinity(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,
             result.schedule = str(schedule)
         return result
     return schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
-                                  edge_memory_limit=spec.edge_memory_limit, edge_top_k=spec.edge_top_k, **kw)
+                                  edge_memory_limit=spec.edge_memory_limit, edge_kept_mass=spec.edge_kept_mass, **kw)
 
 
 def _refuse_streamed(model: Any, why: str) -> None:
@@ -169,11 +170,14 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     resolved = None
     if spec.chooses_spd_layers:  # SPD's rule: each layer's dropped sync alone, KL on these blocks
         _refuse_streamed(model, f"{spec.schedule} chooses its layers by simulating the whole model")
-        chosen, sensitivities = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
-                                                 devices=spec.devices, batch_size=spec.batch_size, progress=progress)
+        chosen, sensitivities, rounds = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
+                                                         devices=spec.devices, batch_size=spec.batch_size,
+                                                         progress=progress)
         resolved = str(chosen)
         meta["spd_sensitivities"] = json.dumps(sensitivities)
         meta["spd_auto"] = str(spec.schedule)
+        if rounds:  # the cumulative rule's rounds: {layer: KL with the layers chosen before also dropped}
+            meta["spd_rounds"] = json.dumps([{str(i): kl for i, kl in r.items()} for r in rounds])
     schedule = spec.objective_schedule(model_shape(model.config).num_layers, resolved)
     state.affinity = run_affinity(model, state.blocks, schedule=schedule, spec=spec, progress=progress,
                                   should_stop=should_stop, metadata=meta, spill_dir=_spill_dir(model, state))
@@ -286,7 +290,13 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
                      "optimised-restarts-0 (equal restarts), not with optimised")
     objective = spec.objective_schedule(state.affinity.shape.num_layers, state.affinity.schedule)
     spd = state.affinity.metadata.get("spd_sensitivities")
-    if spd is not None:
+    spd_rounds = state.affinity.metadata.get("spd_rounds")
+    if spd is not None and spd_rounds is not None:
+        notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: cumulatively, each round the "
+                     f"layer whose dropped attention sync, with the layers chosen before also dropped, costs least "
+                     f"KL(dense ‖ spd:B) on the calibration blocks (spd_rounds; spd_sensitivities: the first "
+                     f"round, each layer alone; nats per token, contiguous layout)")
+    elif spd is not None:
         notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: the layers whose dropped "
                      f"attention sync alone costs least KL(dense ‖ spd:i) on the calibration blocks "
                      f"(spd_sensitivities, nats per token, contiguous layout)")
@@ -299,13 +309,14 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
                      "every module is exchanged before the next one reads it, so no layout is better than another")
     elif objective is not None:
         notes.append(f"the layouts optimise J_σ of schedule {objective}: the co-located affinity of its "
-                     f"{len(schedule_pairs(objective))} edges (docs/schedules_objective.md)")
-        kept = {edge_name(p): m.kept_mass for p, scores in state.affinity.edges.items()
-                for name, m in scores.items() if name == spec.score and isinstance(m, TopRows)}
+                     f"{len(schedule_pairs(objective))} edges, each weighted by its first-order damage over the "
+                     f"paper's edge into the same module (docs/schedules_objective.md)")
+        kept = edge_kept_mass(state.affinity, spec.score)
         if kept:
-            notes.append(f"{len(kept)} neuron→neuron edges kept as the top {spec.edge_top_k} entries per row "
-                         f"(dense would exceed {spec.edge_memory_limit} bytes); kept mass "
-                         f"{min(kept.values()):.3f}..{max(kept.values()):.3f}")
+            notes.append(f"{len(kept['edges'])} neuron→neuron edges kept sparse, their largest entries up to "
+                         f"{spec.edge_kept_mass:.0%} of their mass within {spec.edge_memory_limit} bytes "
+                         f"(dense would exceed it); kept mass {kept['min']:.3f}..{kept['max']:.3f} "
+                         f"(median {kept['median']:.3f})")
     return {
         "format": "dtp-layout-report/1",
         "model": model_name,
@@ -315,6 +326,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         # the schedule the run is for: the one whose J_σ the layouts optimise, else the layout's dtp:δ
         "schedule": str(objective) if objective is not None else (spec.schedule or f"dtp:{spec.delta}"),
         **({"spd_sensitivities": json.loads(spd)} if spd is not None else {}),
+        **({"spd_rounds": json.loads(spd_rounds)} if spd_rounds is not None else {}),
         "score": spec.score,
         "restarts": spec.restarts,
         "paper_procedure": spec.restarts == PAPER_RESTARTS,
@@ -326,6 +338,8 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "upper_bound": any_report.get("upper_bound"),
         "upper_bound_exact": any_report.get("upper_bound_exact"),
         "layouts": reports,
+        # the mass the sparse neuron→neuron edges kept (null: every edge dense, or the chain only)
+        "kept_mass": edge_kept_mass(state.affinity, spec.score) if objective is not None else None,
         **({"stability": state.stability} if state.stability is not None else {}),
         "seconds": state.seconds,
         "versions": versions(),

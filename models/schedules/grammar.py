@@ -27,11 +27,14 @@ of a model with `num_layers` layers on L devices):
     ladder    a_n = b_n = min(n+2, M), s_n = 1 (Ladder Residual: every output enters one module late)
     spd:B     Sync-Point Drop at the layers B (a comma list): for n = 2i, i in B: b_n = n+1, s_n = 1,
               a_n = n+2 (the attention's others arrive after the FFN); every other module as tp
-    spd:auto:K  SPD at the K layers whose dropped sync alone costs least KL on calibration data: parsed
-              here, but it needs that data to become spd:B (`ScheduleSpec.with_spd_layers`), so
-              `resolve` refuses it
-    pt:D      Parallel Track, blocks of D layers (2D modules): b_n = n+1, s_n = 1,
-              a_n = min(2D·(⌊n/2D⌋+1), M)
+    spd:auto:K  SPD at K layers chosen by KL on calibration data, cumulatively (drop the least sensitive,
+              re-measure the rest with it dropped, repeat); spd:isolated:K: the K whose dropped sync
+              alone costs least (`models.schedules.spd_auto`). Parsed here, but they need that data to become
+              spd:B (`ScheduleSpec.with_spd_layers`), so `resolve` refuses them
+    pt:D      Parallel Track's sync pattern, blocks of D layers (2D modules): b_n = n+1, s_n = 1,
+              a_n = min(2D·(⌊n/2D⌋+1), M) — on this dense model sharded as TP: each device's stream
+              misses the others' partials until the block ends. Not Parallel Track's architecture, whose
+              tracks are independent narrower Transformers trained so (docs/method.md)
 
 `last_scale="one"` (the recipe's option) drops the √L on the last δ modules of dtp schedules; the
 schedule string does not spell it, the recipe records it.
@@ -51,11 +54,12 @@ __all__ = ["ACCEPTED", "ACCEPTED_WITHOUT_AUTO", "NEVER", "Schedule", "ScheduleEr
 
 NEVER = None  # a_n = ∞: module n's partial never reaches the other devices
 
-ACCEPTED = ("tp, dtp:δ, dtp:δ@K, ladder, spd:B (B a comma list of layers, e.g. spd:1,3,5), spd:auto:K, pt:D "
+ACCEPTED = ("tp, dtp:δ, dtp:δ@K, ladder, spd:B (B a comma list of layers, e.g. spd:1,3,5), spd:auto:K, "
+            "spd:isolated:K, pt:D "
             "(δ, K, D non-negative integers: K, D ≥ 1)")
 # What a command that cannot choose spd:auto:K's layers accepts (only `optimise` and a job's affinity stage
 # run the sensitivity pass that chooses them).
-ACCEPTED_WITHOUT_AUTO = ACCEPTED.replace(" spd:auto:K,", "")
+ACCEPTED_WITHOUT_AUTO = ACCEPTED.replace(" spd:auto:K,", "").replace(" spd:isolated:K,", "")
 MAX_SCHEDULE_CHARS = 4096  # a comma list of a few hundred layers; longer text is refused unread
 _INT = re.compile(r"[0-9]{1,6}")  # bounded: no 10^6-digit integer is ever parsed
 
@@ -89,6 +93,7 @@ class ScheduleSpec:
     upper: int | None = None  # dtp@K: the K converted (upper) layers; None: all layers
     layers: tuple[int, ...] = ()  # spd: the layers whose attention sync is dropped, ascending
     count: int = 0  # spd:auto:K
+    rule: Literal["cumulative", "isolated"] = "cumulative"  # spd-auto: spd:auto:K, or spd:isolated:K
     block: int = 0  # pt:D: layers per track block
 
     def __str__(self) -> str:
@@ -97,7 +102,7 @@ class ScheduleSpec:
         if self.kind == "spd":
             return "spd:" + ",".join(map(str, self.layers))
         if self.kind == "spd-auto":
-            return f"spd:auto:{self.count}"
+            return f"spd:{'auto' if self.rule == 'cumulative' else 'isolated'}:{self.count}"
         if self.kind == "pt":
             return f"pt:{self.block}"
         return self.kind
@@ -213,11 +218,12 @@ def parse_schedule(text: str) -> ScheduleSpec:
     if name == "pt":
         return ScheduleSpec("pt", block=_integer(text, rest, "D (layers per block)", minimum=1))
     if name == "spd":
-        if rest.startswith("auto"):
+        if rest.startswith(("auto", "isolated")):
             head, colon, count = rest.partition(":")
-            if head != "auto" or not colon:
-                raise _error(text, f"expected spd:auto:K, got spd:{rest}")
-            return ScheduleSpec("spd-auto", count=_integer(text, count, "K (layers to drop)", minimum=1))
+            if head not in ("auto", "isolated") or not colon:
+                raise _error(text, f"expected spd:auto:K or spd:isolated:K, got spd:{rest}")
+            return ScheduleSpec("spd-auto", count=_integer(text, count, "K (layers to drop)", minimum=1),
+                                rule="cumulative" if head == "auto" else "isolated")
         layers = [_integer(text, part, "each layer of B", minimum=0) for part in rest.split(",")]
         repeated = sorted({i for i in layers if layers.count(i) > 1})
         if repeated:

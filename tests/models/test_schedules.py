@@ -210,7 +210,7 @@ BAD = [
     ("spd:1,,2", "each layer of B must be an integer ≥ 0, got ''"),
     ("spd:1, 2", "got ' 2'"),
     ("spd:1,1,3,3", r"layers \[1, 3\] are given more than once"),
-    ("spd:auto", "expected spd:auto:K, got spd:auto"),
+    ("spd:auto", "expected spd:auto:K or spd:isolated:K, got spd:auto"),
     ("spd:autox:2", "expected spd:auto:K"),
     ("spd:auto:0", r"K \(layers to drop\) must be an integer ≥ 1, got 0"),
     ("pt", "pt needs a parameter"),
@@ -277,6 +277,11 @@ def test_spd_auto_becomes_spd_once_its_layers_are_chosen() -> None:
         spec.with_spd_layers([1, 1])
     with pytest.raises(ScheduleError, match="is not spd:auto:K"):
         parse_schedule("tp").with_spd_layers([1])
+    isolated = parse_schedule("spd:isolated:2")  # the isolated rule: spd:B all the same once chosen
+    assert str(isolated) == "spd:isolated:2" and isolated.rule == "isolated" and spec.rule == "cumulative"
+    assert isolated.with_spd_layers([0, 2]) == ScheduleSpec("spd", layers=(0, 2)) and not isolated.resolvable
+    with pytest.raises(ScheduleError, match="expected spd:auto:K or spd:isolated:K"):
+        parse_schedule("spd:isolatedx:2")
 
 
 @pytest.mark.parametrize(("tables", "message"), [

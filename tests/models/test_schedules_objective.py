@@ -231,8 +231,10 @@ def test_schedule_edges_of_the_pass_are_the_constructions_scores() -> None:
 
 
 def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
+    from models.affinity.edges import SPARSE_ENTRY, dense_edge_bytes
     from models.affinity.file import AffinityResult
-    from models.optimise.edges import TopRows
+    from models.families import model_shape
+    from models.optimise.edges import SparseEdge
     from models.schedules.grammar import resolve_schedule
 
     model = fresh("llama")
@@ -244,24 +246,40 @@ def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
                     strict=True):
         np.testing.assert_array_equal(a, b)
     dtp2 = resolve_schedule("dtp:2", 3, 2)
-    sparse = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=0, edge_top_k=5)
     dense = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2)
-    nn = [p for p in sparse.edges if p[0] % 2 and p[1] % 2]
-    assert nn and all(isinstance(sparse.edges[p]["fo"], TopRows) for p in nn)
-    for p in nn:  # top-k of the dense matrix, with the dense mass
-        top = sparse.edges[p]["fo"]
-        np.testing.assert_allclose(np.sort(top.values, 1), np.sort(dense.edges[p]["fo"], 1)[:, -5:], rtol=1e-12)
-        assert top.total == pytest.approx(dense.edges[p]["fo"].sum(), rel=1e-12) and 0 < top.kept_mass < 1
+    further = sum(dense_edge_bytes(p, model_shape(model.config)) for p in dense.edges)
+    # One byte short of dense: the neuron → neuron matrices are cut, with room for 95 % of their mass
+    # (a matrix whose 95 % takes more entries than half of it stays dense: that is smaller).
+    roomy = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=further - 1)
+    nn = [p for p in roomy.edges if p[0] % 2 and p[1] % 2]
+    assert nn and all(getattr(roomy.edges[p][name], "kept_mass", 1.0) >= 0.95 for p in nn for name in ("fo", "add"))
+    sparse = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=further - 1,
+                                    edge_kept_mass=0.5)
+    assert all(isinstance(sparse.edges[p][name], SparseEdge) for p in nn for name in ("fo", "add"))
+    for p in nn:
+        for name in ("fo", "add"):
+            kept, full = sparse.edges[p][name], dense.edges[p][name]
+            dropped = full.copy()
+            dropped[kept.rows, kept.cols] = -1.0  # literally: what was not kept
+            assert kept.values.min() >= dropped.max()  # the largest entries
+            np.testing.assert_allclose(kept.values, full[kept.rows, kept.cols], rtol=1e-12)
+            assert kept.total == pytest.approx(full.sum(), rel=1e-12)
+            assert kept.kept_mass >= 0.5 > kept.kept_mass - kept.values.min() / kept.total  # the fewest
+    tight = further // 3  # too little for 95 %: the limit holds and the kept mass says what it cost
+    cut = schedule_affinity_pass(model, ids, batch_size=1, schedule=dtp2, edge_memory_limit=tight)
+    held = {id(m): m for scores in cut.edges.values() for m in scores.values()}  # FO is ADD into a KV group
+    stored = sum(m.values.size * SPARSE_ENTRY if isinstance(m, SparseEdge) else m.nbytes for m in held.values())
+    assert stored <= tight and min(cut.edges[p]["fo"].kept_mass for p in nn) < 0.95
     sparse.save(tmp_path / "a.safetensors")
     back = AffinityResult.load(tmp_path / "a.safetensors")
     assert back.schedule == "dtp:2" and sorted(back.edges) == sorted(sparse.edges)
     for p, scores in sparse.edges.items():
         for name, matrix in scores.items():
             got = back.edges[p][name]
-            if isinstance(matrix, TopRows):
-                np.testing.assert_array_equal(got.indices, matrix.indices)
-                np.testing.assert_array_equal(got.values, matrix.values)
-                assert got.total == matrix.total
+            if isinstance(matrix, SparseEdge):
+                for part in ("rows", "cols", "values"):
+                    np.testing.assert_array_equal(getattr(got, part), getattr(matrix, part))
+                assert got.total == matrix.total and got.shape == matrix.shape
             else:
                 np.testing.assert_array_equal(got, matrix)
     today.save(tmp_path / "new.safetensors")  # a file from before schedules (no schedule/edges metadata)

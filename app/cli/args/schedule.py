@@ -103,11 +103,11 @@ def add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> N
                             "δ ≤ 1: the paper's objective); "
                             "tp and ladder are refused: the layout does not matter there (docs/cli.md)")
     if edges:
-        p.add_argument("--edge-top-k", type=int, default=64,
-                       help="entries kept per row of a neuron→neuron edge when the dense edges exceed "
-                            "--edge-memory-limit (default: 64)")
-        p.add_argument("--edge-memory-limit", type=int, default=256 << 20,
-                       help="bytes the dense matrices of the schedule's further edges may take before the "
-                            "neuron→neuron ones are stored as top-k rows; also bounds the pass's accumulators "
-                            "(more passes over the blocks) (default: 268435456)")
+        p.add_argument("--edge-kept-mass", type=float, default=0.95,
+                       help="mass a neuron→neuron edge keeps (its largest entries) when the dense edges exceed "
+                            "--edge-memory-limit, as far as the limit allows (default: 0.95)")
+        p.add_argument("--edge-memory-limit", type=int, default=1 << 30,
+                       help="bytes the schedule's further edges may take dense before the neuron→neuron ones "
+                            "are kept sparse; also bounds the pass's accumulators (more passes over the "
+                            "blocks) (default: 1073741824)")
 

@@ -32,7 +32,7 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
             "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
             "restarts": args.restarts,
             # only when given, so that a run recorded before schedules resumes with the same flags
-            **({"schedule": schedule_text(args, allow_auto=True), "edge_top_k": args.edge_top_k,
+            **({"schedule": schedule_text(args, allow_auto=True), "edge_kept_mass": args.edge_kept_mass,
                 "edge_memory_limit": args.edge_memory_limit} if schedule_text(args, allow_auto=True) is not None
                else {})}
 
@@ -82,7 +82,7 @@ def cmd_optimise(args: argparse.Namespace) -> int:
                                      random_layouts=args.random, ablations=args.ablations,
                                      export=not args.no_export, batch_size=args.batch_size, restarts=args.restarts,
                                      stability=args.stability, schedule=schedule,
-                                     edge_memory_limit=args.edge_memory_limit, edge_top_k=args.edge_top_k)
+                                     edge_memory_limit=args.edge_memory_limit, edge_kept_mass=args.edge_kept_mass)
     except ValueError as exc:  # ScheduleError names the bad part and what is accepted
         raise CliError(f"--schedule: {exc}" if schedule else str(exc)) from exc
     calibration = _calibration_spec(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -106,6 +107,38 @@ def test_optimise_spd_auto_chooses_the_least_sensitive_layers(checkpoint, tmp_pa
     assert len(sensitivities) == 3 and min(sensitivities) > 0
     chosen = min(range(3), key=lambda i: (sensitivities[i], i))
     assert report["schedule"] == f"spd:{chosen}"
+    # spd:auto is the cumulative rule: its one round here is each layer dropped alone
+    assert [report["spd_rounds"][0][str(i)] for i in range(3)] == pytest.approx(sensitivities)
     assert load(out / "layouts" / "optimised.json").schedule == f"spd:{chosen}"
     # spd:B has one edge per dropped layer: that layer's up edge
     assert [(e["from"], e["to"]) for e in report["layouts"]["optimised"]["edges"]] == [(2 * chosen, 2 * chosen + 1)]
+
+
+def test_sparse_edges_report_their_kept_mass_and_score_ranks_by_J_sigma(checkpoint, tmp_path, capsys):
+    """Issue 29: under a memory limit the neuron→neuron edges are kept sparse, and report.json and `score`
+    say how much of their mass they kept; `score --schedule` ranks the layouts by the damage-weighted J_σ."""
+    calib = tmp_path / "ids.npy"
+    np.save(calib, np.random.default_rng(1).integers(0, 97, size=2 * 32))
+    out = tmp_path / "run"
+    assert main(["optimise", str(checkpoint), "--devices", "2", "--schedule", "dtp:2", "--calib", str(calib),
+                 "--calib-sequences", "2", "--calib-seq-len", "32", "--no-export", "--random", "2",
+                 "--edge-memory-limit", "30000", "--out", str(out), "--device", "cpu", "--restarts", "0"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    result = AffinityResult.load(out / "affinity.safetensors")
+    kept = {p: m["fo"].kept_mass for p, m in result.edges.items() if edge_kind(p) == "neuron-neuron"}
+    assert report["kept_mass"]["min"] == pytest.approx(min(kept.values())) and min(kept.values()) < 1
+    assert any("kept sparse" in note for note in report["notes"])
+    capsys.readouterr()
+    layouts = sorted((out / "layouts").glob("*.json"))
+    assert main(["score", "--affinity", str(out / "affinity.safetensors"), "--schedule", "dtp:2", "--json",
+                 *map(str, layouts)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kept_mass"] == report["kept_mass"]
+    by_rank = sorted(doc["layouts"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in by_rank] == list(range(1, len(layouts) + 1))
+    assert all(a["J"] >= b["J"] for a, b in itertools.pairwise(by_rank))
+    assert by_rank[0]["name"] == "optimised" and all(r["weighting"] == "damage" for r in by_rank)
+    assert main(["score", "--affinity", str(out / "affinity.safetensors"), "--schedule", "dtp:2",
+                 *map(str, layouts)]) == 0
+    table = capsys.readouterr().out
+    assert "of their mass" in table and table.index("optimised") < table.index("contiguous")

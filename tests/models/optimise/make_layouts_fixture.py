@@ -57,7 +57,7 @@ def chain_affinities() -> dict[str, tuple[Any, list[int]]]:
 
 
 def schedule_affinities() -> dict[str, Any]:
-    from models.optimise.edges import ScheduleAffinity, TopRows, schedule_pairs
+    from models.optimise.edges import ScheduleAffinity, SparseEdge, schedule_pairs
     from models.schedules.grammar import resolve_schedule
 
     layers, groups, neurons, devices = 3, 4, 8, 2
@@ -71,7 +71,7 @@ def schedule_affinities() -> dict[str, Any]:
         out[name] = ScheduleAffinity(name, layers, groups, neurons, {p: full[p] for p in pairs})
     dense = out["dtp:2"]
     out["dtp:2-top3"] = ScheduleAffinity("dtp:2", layers, groups, neurons,
-                                         {p: TopRows.of(m, 3) if p[0] % 2 and p[1] % 2 else m
+                                         {p: SparseEdge.top_k(m, 3) if p[0] % 2 and p[1] % 2 else m
                                           for p, m in dense.edges.items()})
     return out
 
@@ -88,7 +88,7 @@ def record(arrays: dict[str, np.ndarray], key: str, result: Any) -> dict[str, An
 
 def main() -> None:
     from models.optimise import optimise
-    from models.optimise.edges import TopRows
+    from models.optimise.edges import SparseEdge
 
     arrays: dict[str, np.ndarray] = {}
     cases: list[dict[str, Any]] = []
@@ -106,10 +106,10 @@ def main() -> None:
     for name, sigma in schedule_affinities().items():
         edges = []
         for (m, t), matrix in sigma.edges.items():
-            if isinstance(matrix, TopRows):
-                arrays[f"{name}/{m}-{t}/indices"] = matrix.indices
-                arrays[f"{name}/{m}-{t}/values"] = matrix.values
-                edges.append({"pair": [m, t], "top_rows": True, "columns": matrix.columns, "total": matrix.total})
+            if isinstance(matrix, SparseEdge):  # top-k rows: k entries a row, in row order
+                arrays[f"{name}/{m}-{t}/indices"] = matrix.cols.reshape(matrix.shape[0], -1)
+                arrays[f"{name}/{m}-{t}/values"] = matrix.values.reshape(matrix.shape[0], -1)
+                edges.append({"pair": [m, t], "top_rows": True, "columns": matrix.shape[1], "total": matrix.total})
             else:
                 arrays[f"{name}/{m}-{t}"] = np.asarray(matrix)
                 edges.append({"pair": [m, t], "top_rows": False})

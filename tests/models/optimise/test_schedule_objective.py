@@ -1,7 +1,9 @@
-"""J_σ and its optimiser (issue 20) against slow literal transcriptions of the issue's formula.
+"""J_σ and its optimiser (issues 20, 29) against slow literal transcriptions of the issues' formulas.
 
 The literal J_σ below reads the schedule's table (b_m, a_m) itself and loops over module pairs, units
-and devices; it does not call `schedule_pairs` or anything of `models.optimise`.
+and devices; it does not call `schedule_pairs` or anything of `models.optimise`. Under issue 29's damage
+weighting an edge m → t is divided by the raw mass of the paper's edge into t, (t-1, t), when that is an
+edge of the schedule (else by the mean mass of t's edges); under unit weighting by its own mass.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from models.optimise import block_improvement as schedule_block_improvement
 from models.optimise import optimise, score
 from models.optimise import optimise as optimise_schedule
 from models.optimise import score as schedule_score
-from models.optimise.edges import ScheduleAffinity, TopRows, chain_affinity, schedule_pairs
+from models.optimise.edges import ScheduleAffinity, SparseEdge, Weighting, chain_affinity, schedule_pairs
 from models.schedules.grammar import resolve_schedule
 from tests.models.optimise.kit import affinity_of, all_balanced, random_layout
 
@@ -35,23 +37,40 @@ def every_pair_matrices(seed: int) -> dict[tuple[int, int], np.ndarray]:
     return {(m, t): rng.lognormal(0.0, 1.5, (units(m), units(t))) for m in range(M) for t in range(m + 1, M)}
 
 
-def affinity_for_schedule(name: str, full: dict) -> ScheduleAffinity:
+def affinity_for_schedule(name: str, full: dict, weighting: Weighting = "damage") -> ScheduleAffinity:
     schedule = resolve_schedule(name, LAYERS, DEVICES)
-    return ScheduleAffinity(name, LAYERS, GROUPS, NEURONS, {p: full[p] for p in schedule_pairs(schedule)})
+    return ScheduleAffinity(name, LAYERS, GROUPS, NEURONS, {p: full[p] for p in schedule_pairs(schedule)},
+                            weighting)
 
 
-def literal_J(name: str, full: dict, heads: np.ndarray, cells: np.ndarray) -> float:
-    """The issue's J_σ: Σ over m < t with b_m ≤ t < a_m of the co-located unit-mass affinity."""
+def is_edge(name: str, m: int, t: int) -> bool:
+    """m → t is an edge of J_σ: b_m ≤ t < a_m, read from the schedule's table."""
     schedule = resolve_schedule(name, LAYERS, DEVICES)
+    b, a = schedule.own_arrival[m], schedule.other_arrival[m]
+    return m < t and b <= t and (a is None or t < a)
+
+
+def literal_divisor(name: str, full: dict, m: int, t: int, weighting: str) -> float:
+    """Unit: the edge's own mass. Damage: the mass of the paper's edge into t when it is an edge, else the
+    mean mass of t's edges."""
+    if weighting == "unit":
+        return float(full[(m, t)].sum())
+    if is_edge(name, t - 1, t):
+        return float(full[(t - 1, t)].sum())
+    into = [float(full[(s, t)].sum()) for s in range(t) if is_edge(name, s, t)]
+    return sum(into) / len(into)
+
+
+def literal_J(name: str, full: dict, heads: np.ndarray, cells: np.ndarray, weighting: str = "damage") -> float:
+    """The issues' J_σ: Σ over m < t with b_m ≤ t < a_m of the co-located affinity over its divisor."""
     M = 2 * LAYERS
     total = 0.0
     for m in range(M):
         for t in range(m + 1, M):
-            b, a = schedule.own_arrival[m], schedule.other_arrival[m]
-            if not (b <= t and (a is None or t < a)):
+            if not is_edge(name, m, t):
                 continue
             matrix = full[(m, t)]
-            mass = matrix.sum()
+            mass = literal_divisor(name, full, m, t, weighting)
             dev_m = heads[m // 2] if m % 2 == 0 else cells[m // 2]
             dev_t = heads[t // 2] if t % 2 == 0 else cells[t // 2]
             for device in range(DEVICES):
@@ -67,12 +86,13 @@ def layouts(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return [random_layout(template, DEVICES, seed + s) for s in range(3)]
 
 
+@pytest.mark.parametrize("weighting", ["damage", "unit"])
 @pytest.mark.parametrize("name", PRESETS)
-def test_J_sigma_is_the_literal_sum(name: str) -> None:
+def test_J_sigma_is_the_literal_sum(name: str, weighting: Weighting) -> None:
     full = every_pair_matrices(seed=len(name))
-    affinity = affinity_for_schedule(name, full)
+    affinity = affinity_for_schedule(name, full, weighting)
     for heads, cells in layouts(seed=7):
-        expected = literal_J(name, full, heads, cells)
+        expected = literal_J(name, full, heads, cells, weighting)
         got = schedule_score(affinity, heads, cells, devices=DEVICES).J
         assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
         if name in ("tp", "dtp:0", "ladder"):  # a_n = b_n for every n: the layout does not matter
@@ -135,19 +155,22 @@ def test_optimiser_output_is_a_brute_force_fixed_point(name: str) -> None:
     assert best <= result.report.upper_bound + 1e-12
 
 
-def test_top_rows_edges() -> None:
+@pytest.mark.parametrize("weighting", ["damage", "unit"])
+def test_top_rows_edges(weighting: Weighting) -> None:
     """A top-k edge scores as its kept entries over the dense mass; k = all columns is the dense edge."""
     full = every_pair_matrices(seed=11)
-    dense = affinity_for_schedule("dtp:2", full)
+    dense = affinity_for_schedule("dtp:2", full, weighting)
     nn = [p for p in dense.edges if p[0] % 2 and p[1] % 2]
     assert nn  # dtp:2 has neuron → neuron edges
     whole = ScheduleAffinity("dtp:2", LAYERS, GROUPS, NEURONS,
-                             {p: TopRows.of(m, NEURONS) if p in nn else m for p, m in dense.edges.items()})
+                             {p: SparseEdge.top_k(m, NEURONS) if p in nn else m for p, m in dense.edges.items()},
+                             weighting)
     a, b = optimise_schedule(dense, DEVICES), optimise_schedule(whole, DEVICES)
     np.testing.assert_array_equal(a.neuron_device, b.neuron_device)
     assert pytest.approx(b.report.J, abs=1e-12) == a.report.J
     sparse = ScheduleAffinity("dtp:2", LAYERS, GROUPS, NEURONS,
-                              {p: TopRows.of(m, 3) if p in nn else m for p, m in dense.edges.items()})
+                              {p: SparseEdge.top_k(m, 3) if p in nn else m for p, m in dense.edges.items()},
+                              weighting)
     for heads, cells in layouts(seed=1):
         expected = 0.0
         for (m, t), matrix in dense.edges.items():
@@ -158,7 +181,7 @@ def test_top_rows_edges() -> None:
             dev_m = heads[m // 2] if m % 2 == 0 else cells[m // 2]
             dev_t = heads[t // 2] if t % 2 == 0 else cells[t // 2]
             expected += sum(kept[u, v] for u, v in itertools.product(range(kept.shape[0]), range(kept.shape[1]))
-                            if dev_m[u] == dev_t[v]) / matrix.sum()
+                            if dev_m[u] == dev_t[v]) / literal_divisor("dtp:2", full, m, t, weighting)
         assert pytest.approx(expected, abs=1e-12) == schedule_score(sparse, heads, cells, devices=DEVICES).J
     report = schedule_score(sparse, *layouts(seed=2)[0], devices=DEVICES)
     kept = [e["kept_mass"] for e in report.edges if "kept_mass" in e]
@@ -175,13 +198,13 @@ def test_top_rows_bound_is_valid_and_the_relaxed_bound_of_the_kept_entries() -> 
 
     rng = np.random.default_rng(5)
     matrix = rng.lognormal(0.0, 1.5, (NEURONS, NEURONS))
-    top = TopRows.of(matrix, 3)
-    unit = TopRows(top.indices, top.values / top.total, top.columns, 1.0)
+    top = SparseEdge.top_k(matrix, 3)
+    unit = top.scaled(top.total)
     value, exact = _one_edge_bound(unit, DEVICES, 20000)
     kept = unit.dense()
     per_row = sum(sum(sorted(row)[-NEURONS // DEVICES:]) for row in kept.tolist())
     per_col = sum(sum(sorted(col)[-NEURONS // DEVICES:]) for col in kept.T.tolist())
-    assert not exact and pytest.approx(min(per_row, per_col, 1.0), abs=1e-12) == value
+    assert not exact and pytest.approx(min(per_row, per_col, kept.sum()), abs=1e-12) == value
     rows = all_balanced(NEURONS, DEVICES)
     best = max(float(np.where(a[:, None] == b[None, :], kept, 0.0).sum()) for a in rows for b in rows)
     assert best <= value + 1e-12

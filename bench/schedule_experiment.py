@@ -1,0 +1,156 @@
+"""Issue 29's decisive experiment: does a schedule's optimised layout train better, and does J_σ rank layouts
+as they train?
+
+Per schedule σ, four arms: the layout optimised for σ's J_σ, the one optimised for another schedule
+(`--other`, default dtp:1) scored in σ's J_σ, contiguous, and one random layout; each distilled under σ
+with every seed of `--seeds`. Two results per schedule, with rules fixed here before any run:
+
+- RANKING: for every two arms whose final KLs are separated across seeds (every seed of one ends below
+  every seed of the other), the objective must order them the same way (higher J_σ, lower KL). Arms
+  within the seed spread are not compared. Reported for the damage-weighted J_σ (issue 29), the
+  unit-mass J_σ (issue 20) and the raw first-order damage missing from the FFNs (the reviewer's measure).
+- VERDICT (printed by every run): "helps" only if every seed of the σ-optimised arm ends below every seed
+  of contiguous and random, and it reaches contiguous's final KL (its seeds' mean) at least 1.5× sooner
+  (its slowest seed's first evaluation at or below it, against contiguous's mean curve's); otherwise
+  "not shown at this budget".
+
+Resumable: the work directory keeps affinities, layouts and every run (`models.distill` skips finished
+runs and resumes an interrupted one); rerunning only trains what is missing. The full experiment (every
+schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` is a smoke run, and
+`--layers N` keeps the first N layers of the model (a small real-text setup).
+
+    .venv/bin/python bench/schedule_experiment.py --schedules "dtp:2 pt:2 spd:auto:8" --seeds 0,1,2
+    .venv/bin/python bench/schedule_experiment.py --layers 3 --schedules dtp:2 --steps 20   # small setup
+    .venv/bin/python bench/schedule_experiment.py --schedules dtp:2 --step0-only --restarts 0  # minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+VERDICT_RULE = ('"helps" only if every seed of the schedule-optimised layout ends below every seed of contiguous '
+                "and random, and reaches contiguous's final KL (mean over its seeds) at least 1.5x sooner; "
+                'otherwise "not shown at this budget"')
+SPEEDUP = 1.5
+OPTIMISED, OTHER, CONTIGUOUS = "optimised", "optimised-other", "contiguous"
+PREDICTORS = ("J_damage", "J_unit", "neg_missing_ffn_damage")  # higher: predicted lower KL
+
+
+def final_kls(curves: dict[int, list[tuple[int, float]]]) -> list[float]:
+    """Each seed's last evaluation's KL."""
+    return [curve[-1][1] for _, curve in sorted(curves.items())]
+
+
+def separated(better: list[float], worse: list[float]) -> bool:
+    """Every seed of `better` ends below every seed of `worse`: a gap beyond the seed spread."""
+    return max(better) < min(worse)
+
+
+def ranking(predicted: dict[str, float], finals: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Every pair of arms separated by training, and whether the predictor orders them the same way."""
+    out = []
+    for a, b in itertools.permutations(sorted(finals), 2):
+        if separated(finals[a], finals[b]):
+            out.append({"better": a, "worse": b, "agrees": predicted[a] > predicted[b]})
+    return out
+
+
+def first_reach(curve: list[tuple[int, float]], target: float) -> float:
+    """The first evaluated step whose KL is at or below `target` (inf when none is)."""
+    return next((float(step) for step, kl in curve if kl <= target), float("inf"))
+
+
+def mean_curve(curves: dict[int, list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """KL averaged over the seeds at the steps every seed evaluated."""
+    steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves.values())))
+    by_seed = [dict(c) for c in curves.values()]
+    return [(s, sum(c[s] for c in by_seed) / len(by_seed)) for s in steps]
+
+
+def verdict(curves: dict[str, dict[int, list[tuple[int, float]]]]) -> dict[str, Any]:
+    """The fixed rule (VERDICT_RULE) on the arms' KL curves {arm: {seed: [(step, kl)]}}."""
+    baselines = [arm for arm in curves if arm == CONTIGUOUS or arm.startswith("random")]
+    best = final_kls(curves[OPTIMISED])
+    below = all(separated(best, final_kls(curves[arm])) for arm in baselines)
+    target = sum(final_kls(curves[CONTIGUOUS])) / len(curves[CONTIGUOUS])
+    optimised_step = max(first_reach(c, target) for c in curves[OPTIMISED].values())
+    contiguous_step = first_reach(mean_curve(curves[CONTIGUOUS]), target)
+    if optimised_step == 0:
+        speedup = float("inf")
+    elif optimised_step == float("inf"):
+        speedup = 0.0
+    else:
+        speedup = contiguous_step / optimised_step
+    helps = below and speedup >= SPEEDUP
+    return {"verdict": "helps" if helps else "not shown at this budget", "below_every_baseline_seed": below,
+            "target_kl": target, "optimised_reaches_at": optimised_step, "contiguous_reaches_at": contiguous_step,
+            "speedup": speedup}
+
+
+def missing_ffn_damage(edges: list[dict[str, Any]]) -> float:
+    """Σ over the edges into FFNs of raw mass × (1 − co-located fraction): the reviewer's measure."""
+    return float(sum(e["mass"] * (1 - e["fraction"]) for e in edges if e["to"] % 2 == 1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M GGUF")
+    ap.add_argument("--layers", type=int, default=None, help="keep the model's first N layers")
+    ap.add_argument("--devices", type=int, default=3)
+    ap.add_argument("--schedules", default="dtp:2", help="space-separated")
+    ap.add_argument("--other", default="dtp:1", help="the other schedule whose optimised layout is an arm")
+    ap.add_argument("--calib", default="corpus:kjv")
+    ap.add_argument("--calib-sequences", type=int, default=4)
+    ap.add_argument("--calib-seq-len", type=int, default=128)
+    ap.add_argument("--train", default="corpus:kjv")
+    ap.add_argument("--eval", default="corpus:shakespeare")
+    ap.add_argument("--eval-blocks", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--restarts", type=int, default=2)
+    ap.add_argument("--step0-only", action="store_true",
+                    help="train nothing: rank the arms by their KL at step 0 (one value each) instead")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, tiny data, seeds 0,1")
+    ap.add_argument("--work", default=None, help="default var/schedule-experiment[-quick]")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_every, args.batch_size, args.seq_len, args.eval_blocks = 2, 1, 1, 32, 2
+        args.calib_sequences, args.calib_seq_len, args.restarts, args.seeds = 2, 32, 0, "0,1"
+    args.work = Path(args.work or REPO / "var" / ("schedule-experiment-quick" if args.quick else "schedule-experiment"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from bench.schedule_experiment_runs import Experiment
+
+    args = parse_args(argv)
+    print(f"verdict rule (fixed before the runs): {VERDICT_RULE}", flush=True)
+    experiment = Experiment(args)
+    results = {}
+    for schedule in args.schedules.split():
+        results[schedule] = experiment.run(schedule)
+        row = results[schedule]
+        said = row["verdict"] or {"verdict": "no verdict (step 0 only, or no optimised or contiguous arm)",
+                                  "speedup": 0.0}
+        print(f"{schedule}: {said['verdict']} (speedup {said['speedup']:.2f}); ranking "
+              + ", ".join(f"{p} {sum(r['agrees'] for r in row['ranking'][p])}/{len(row['ranking'][p])}"
+                          for p in PREDICTORS), flush=True)
+    (args.work / "results.json").write_text(json.dumps({"verdict_rule": VERDICT_RULE, "schedules": results},
+                                                       indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""bench/schedule_experiment.py's runs: the model, the affinity passes, the four arms' layouts and their
+distillations, each kept in the work directory so that a rerun does only what is missing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.schedule_experiment import (
+    CONTIGUOUS,
+    OPTIMISED,
+    OTHER,
+    PREDICTORS,
+    missing_ffn_damage,
+    ranking,
+    verdict,
+)
+from models import distill
+from models.affinity.file import AffinityResult
+from models.data.calibration import CalibrationSpec, load_blocks
+from models.families import model_shape
+from models.io.loading import ModelSource, load_model, load_tokenizer
+from models.layouts import layout as layout_mod
+from models.layouts.set import build_layouts, scored_layout
+from models.optimise import score
+from models.run import pipeline
+from models.run.files import AFFINITY_FILE
+from models.schedules.grammar import Schedule, parse_schedule, resolve_schedule
+from models.schedules.spd_auto import resolve_spd_auto
+
+
+def slug(schedule: str) -> str:
+    return schedule.replace(":", "-").replace(",", "_").replace("@", "at")
+
+
+def truncated(model: Any, layers: int) -> Any:
+    """The model's first `layers` decoder layers (the rest dropped): a small setup on the same weights."""
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    return model
+
+
+class Experiment:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        if args.model is None:
+            from models.io.assets import smollm2_gguf
+
+            args.model = str(smollm2_gguf())
+        source = ModelSource(args.model)
+        self.model = load_model(source).eval()
+        if args.layers is not None:
+            self.model = truncated(self.model, args.layers)
+        self.tokenizer = load_tokenizer(source)
+        self.shape = model_shape(self.model.config)
+        self.calibration = CalibrationSpec(source=args.calib, sequences=args.calib_sequences,
+                                           seq_len=args.calib_seq_len)
+        self.work: Path = args.work
+        self._blocks: torch.Tensor | None = None
+
+    def blocks(self) -> torch.Tensor:
+        if self._blocks is None:
+            self._blocks = load_blocks(self.calibration, self.tokenizer, vocab_size=int(self.model.config.vocab_size))
+        return self._blocks
+
+    def resolved(self, schedule: str) -> str:
+        """spd:auto:K / spd:isolated:K → its spd:B (kept in the work directory); any other as is."""
+        spec = parse_schedule(schedule)
+        if spec.kind != "spd-auto":
+            return str(spec)
+        path = self.work / f"{slug(schedule)}.json"
+        if not path.exists():
+            chosen, _, rounds = resolve_spd_auto(spec, self.model, self.blocks(), devices=self.args.devices)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"chosen": str(chosen), "rounds": [{str(k): v for k, v in r.items()}
+                                                                          for r in rounds]}))
+        return str(json.loads(path.read_text())["chosen"])
+
+    def schedule(self, schedule: str) -> Schedule:
+        return resolve_schedule(self.resolved(schedule), self.shape.num_layers, self.args.devices)
+
+    def affinity(self, schedule: str) -> AffinityResult:
+        path = self.work / "affinity" / slug(schedule) / AFFINITY_FILE
+        if not path.exists():
+            spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=self.resolved(schedule), export=False)
+            result = pipeline.run_affinity(self.model, self.blocks(), schedule=spec.objective_schedule(
+                self.shape.num_layers), spec=spec, metadata={"model": str(self.args.model)})
+            path.parent.mkdir(parents=True, exist_ok=True)
+            result.save(path)
+        return AffinityResult.load(path)
+
+    def layouts(self, schedule: str) -> Path:
+        """work/layouts/<σ>/{optimised, optimised-other, contiguous, random-1000}.json, scored in J_σ of σ."""
+        out = self.work / "layouts" / slug(schedule)
+        if (out / f"{OPTIMISED}.json").exists():
+            return out
+        sched, other = self.schedule(schedule), self.schedule(self.args.other)
+        result = self.affinity(schedule)
+        built = build_layouts(result, devices=self.args.devices, delta=1, restarts=self.args.restarts,
+                              random_layouts=1, schedule=sched)
+        if str(other) != str(sched):
+            chain = other.name == "dtp:1"
+            made = build_layouts(result if chain else self.affinity(self.args.other), devices=self.args.devices,
+                                 delta=1, restarts=self.args.restarts, schedule=None if chain else other)[OPTIMISED]
+            built[OTHER] = scored_layout(made.with_name(OTHER), result, score_name="fo", objective="fo",
+                                         restarts=self.args.restarts, schedule=sched)
+        for name, lay in built.items():
+            lay.save(out / f"{name}.json")
+        return out
+
+    def arms(self, schedule: str) -> list[str]:
+        return sorted(p.stem for p in self.layouts(schedule).glob("*.json"))
+
+    def predictors(self, schedule: str) -> dict[str, dict[str, float]]:
+        """{predictor: {arm: value}}: J_σ damage-weighted and unit-mass, and minus the missing FFN damage."""
+        sched, result = self.schedule(schedule), self.affinity(schedule)
+        sigma = result.schedule_affinity("fo", sched)
+        out: dict[str, dict[str, float]] = {p: {} for p in PREDICTORS}
+        for arm in self.arms(schedule):
+            lay = layout_mod.load(self.layouts(schedule) / f"{arm}.json")
+            damage = score(sigma, lay.kv_group_device, lay.neuron_device, devices=self.args.devices)
+            unit = score(sigma.with_weighting("unit"), lay.kv_group_device, lay.neuron_device,
+                         devices=self.args.devices)
+            out["J_damage"][arm], out["J_unit"][arm] = damage.J, unit.J
+            out["neg_missing_ffn_damage"][arm] = -missing_ffn_damage(damage.edges)
+        return out
+
+    def train(self, schedule: str) -> dict[str, dict[int, list[tuple[int, float]]]]:
+        """Every arm × seed distilled under σ; {arm: {seed: [(step, kl)]}} from the runs' own files."""
+        a = self.args
+        recipe = distill.DistillRecipe(steps=a.steps, batch_size=a.batch_size, micro_batch_size=a.batch_size,
+                                       lr=a.lr, min_lr=a.lr / 10, warmup_steps=1, eval_every=a.eval_every,
+                                       checkpoint_every=10, eval_batch_size=4)
+        seeds = tuple(int(s) for s in a.seeds.split(","))
+        spec = distill.DistillSpec(
+            layouts=tuple(self.arms(schedule)), devices=a.devices, delta=1, seeds=seeds, recipe=recipe,
+            train=CalibrationSpec(source=a.train, sequences=a.steps * a.batch_size, seq_len=a.seq_len),
+            eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
+            calibration=self.calibration, schedule=self.resolved(schedule))
+        out = self.work / "distill" / slug(schedule)
+        distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
+                            layouts_dir=self.layouts(schedule), keep_checkpoints=False, plot=False)
+        curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+        for path in sorted((out / "runs").glob("*/seed-*/metrics.json")):
+            for r in json.loads(path.read_text())["records"]:
+                curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
+        return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}
+
+    def step0(self, schedule: str) -> dict[str, Any]:
+        """No training: each arm's KL(dense ‖ σ) at step 0 on the eval blocks, against the predictors."""
+        from models.evaluation.resident import evaluate
+
+        t0 = time.perf_counter()
+        a = self.args
+        blocks = load_blocks(CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
+                             self.tokenizer, vocab_size=int(self.model.config.vocab_size))
+        predicted = self.predictors(schedule)
+        kl0 = {arm: [evaluate(self.model, layout_mod.load(self.layouts(schedule) / f"{arm}.json"), blocks,
+                              schedule=self.resolved(schedule)).kl] for arm in self.arms(schedule)}
+        row = {"resolved": self.resolved(schedule), "predictors": predicted, "step0_kl": kl0,
+               "ranking": {p: ranking(predicted[p], kl0) for p in PREDICTORS}, "verdict": None,
+               "seconds": time.perf_counter() - t0}
+        (self.work / f"step0-{slug(schedule)}.json").write_text(json.dumps(row, indent=1))
+        return row
+
+    def run(self, schedule: str) -> dict[str, Any]:
+        if self.args.step0_only:
+            return self.step0(schedule)
+        t0 = time.perf_counter()
+        predicted = self.predictors(schedule)
+        curves = self.train(schedule)
+        finals = {arm: [c[-1][1] for _, c in sorted(by_seed.items())] for arm, by_seed in curves.items()}
+        row = {"resolved": self.resolved(schedule), "predictors": predicted, "final_kl": finals,
+               "ranking": {p: ranking(predicted[p], finals) for p in PREDICTORS},
+               "verdict": verdict(curves) if {OPTIMISED, CONTIGUOUS} <= curves.keys() else None,
+               "seconds": time.perf_counter() - t0}
+        (self.work / f"result-{slug(schedule)}.json").write_text(json.dumps(row, indent=1))
+        return row

@@ -1,0 +1,81 @@
+"""bench/schedule_experiment.py: its fixed rules on hand-made curves, and a smoke run on a tiny model.
+
+The rules are written here from the issue's wording: a ranking pair counts only where every seed of one
+arm ends below every seed of the other; "helps" needs the optimised arm below every baseline seed and at
+contiguous's final KL at least 1.5× sooner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from bench import schedule_experiment as exp
+from tests.tiny import tiny_model
+
+
+def curves(*finals_by_arm: tuple[str, list[list[tuple[int, float]]]]) -> dict:
+    return {arm: dict(enumerate(per_seed)) for arm, per_seed in finals_by_arm}
+
+
+def test_ranking_compares_only_arms_separated_beyond_the_seed_spread():
+    finals = {"optimised": [1.0, 1.1, 1.2], "contiguous": [1.3, 1.5, 1.4], "random-1000": [1.25, 1.6, 1.35]}
+    agrees = exp.ranking({"optimised": 3.0, "contiguous": 2.0, "random-1000": 2.5}, finals)
+    # optimised beats both; contiguous vs random overlap (1.3..1.5 vs 1.25..1.6): not compared
+    assert [(r["better"], r["worse"]) for r in agrees] == [("optimised", "contiguous"), ("optimised", "random-1000")]
+    assert all(r["agrees"] for r in agrees)
+    flipped = exp.ranking({"optimised": 1.0, "contiguous": 2.0, "random-1000": 0.5}, finals)
+    assert [r["agrees"] for r in flipped] == [False, True]
+
+
+def test_the_verdict_needs_every_seed_below_and_a_1_5x_speedup():
+    contiguous = [[(0, 3.0), (10, 2.0), (20, 1.5)], [(0, 3.0), (10, 2.1), (20, 1.5)]]
+    rand = [[(0, 3.2), (10, 2.2), (20, 1.6)], [(0, 3.1), (10, 2.3), (20, 1.7)]]
+    fast = [[(0, 2.0), (10, 1.4), (20, 1.0)], [(0, 2.1), (10, 1.5), (20, 1.1)]]  # at 1.5 by step 10: 2× sooner
+    said = exp.verdict(curves(("optimised", fast), ("contiguous", contiguous), ("random-1000", rand)))
+    assert said["verdict"] == "helps" and said["speedup"] == pytest.approx(2.0)
+    slow = [[(0, 2.0), (10, 1.6), (20, 1.4)], [(0, 2.1), (10, 1.7), (20, 1.45)]]  # below, but only at step 20
+    said = exp.verdict(curves(("optimised", slow), ("contiguous", contiguous), ("random-1000", rand)))
+    assert said["verdict"] == "not shown at this budget" and said["below_every_baseline_seed"]
+    overlap = [fast[0], [(0, 2.1), (10, 1.5), (20, 1.55)]]  # one seed ends above a contiguous seed
+    said = exp.verdict(curves(("optimised", overlap), ("contiguous", contiguous), ("random-1000", rand)))
+    assert said["verdict"] == "not shown at this budget" and not said["below_every_baseline_seed"]
+
+
+def test_missing_ffn_damage_sums_the_edges_into_ffns():
+    edges = [{"to": 1, "mass": 10.0, "fraction": 0.5}, {"to": 2, "mass": 100.0, "fraction": 0.0},
+             {"to": 3, "mass": 4.0, "fraction": 0.25}]
+    assert exp.missing_ffn_damage(edges) == pytest.approx(10 * 0.5 + 4 * 0.75)
+
+
+def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    for seed, name in enumerate(("calib", "train", "eval")):  # three different texts: nothing held out
+        np.save(tmp_path / f"{name}.npy", np.random.default_rng(seed).integers(0, 97, size=4 * 32))
+    results = exp.main(["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2",
+                        "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
+                        "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    assert exp.VERDICT_RULE in out
+    row = results["dtp:2"]
+    arms = {"optimised", "optimised-other", "contiguous", "random-1000"}
+    assert set(row["final_kl"]) == arms and all(len(v) == 2 for v in row["final_kl"].values())
+    assert row["verdict"]["verdict"] in ("helps", "not shown at this budget")
+    assert row["predictors"]["J_damage"]["optimised"] >= row["predictors"]["J_damage"]["contiguous"]
+    saved = json.loads((tmp_path / "work" / "results.json").read_text())
+    assert saved["verdict_rule"] == exp.VERDICT_RULE and set(saved["schedules"]) == {"dtp:2"}
+    again = exp.main(["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2",
+                      "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
+                      "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])
+    assert again["dtp:2"]["final_kl"] == row["final_kl"]  # resumed: nothing retrained
+    step0 = exp.main(["--quick", "--step0-only", "--model", str(model_dir), "--devices", "2", "--schedules",
+                      "dtp:2", "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
+                      "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])["dtp:2"]
+    assert set(step0["step0_kl"]) == arms and step0["verdict"] is None
+    for p in exp.PREDICTORS:  # one value an arm: every unequal pair is compared
+        assert len(step0["ranking"][p]) == sum(a != b for a, b in itertools.combinations(
+            [v[0] for v in step0["step0_kl"].values()], 2))
