@@ -2,6 +2,7 @@
 
 - no folder of models/, app/ or worker/ holds more than 14 flat modules (`__init__.py` aside);
 - every package says what it owns in its `__init__` docstring;
+- no source file of models/, app/ or worker/ is over 600 lines;
 - no code outside app/core/storage/ asks which object-store backend it holds (`isinstance` on LocalStore
   or S3Store): what differs between backends is a method of the ObjectStore protocol.
 """
@@ -16,6 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("models", "app", "worker")
 MAX_FLAT_MODULES = 14
+MAX_LINES = 600
 
 
 def _packages() -> list[Path]:
@@ -46,3 +48,9 @@ def test_no_code_outside_storage_branches_on_the_backend():
     found = {str(p.relative_to(REPO)): lines for root in ROOTS for p in (REPO / root).rglob("*.py")
              if storage not in p.parents and (lines := _backend_checks(p))}
     assert found == {}
+
+
+def test_no_source_file_is_over_600_lines():
+    long = {str(p.relative_to(REPO)): n for root in ROOTS for p in (REPO / root).rglob("*.py")
+            if "__pycache__" not in p.parts and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
