@@ -136,7 +136,8 @@ class DtpForCausalLM(nn.Module):
     """The causal LM around `DtpModel`: vLLM's vocab-parallel LM head and logits processor."""
 
     mapper: WeightsMapper = LlamaModel.hf_to_vllm_mapper
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                                              "gate_up_proj": ["gate_proj", "up_proj"]}
 
     @staticmethod
     def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
