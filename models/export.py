@@ -159,6 +159,7 @@ def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path,
     made_for = table.name
     family = family_for_config(permuted.config)
     rules = split_rules(permuted)
+    serving = serving_fields(shape.model_type, family.name, layout, table)
     state = checkpoint_state(permuted)
     devices = layout.devices
     with atomic_dir(Path(out_dir), overwrite) as tmp:
@@ -189,9 +190,9 @@ def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path,
             "compute_dtype": dtype_name(compute_dtype or next(iter(state.values())).dtype),
             "files": files,
             # Additive: what a server (vLLM through models.serving.vllm) needs; config.json names the DTP model.
-            "serving": serving_fields(shape.model_type, family.name, layout, table),
+            "serving": serving,
         }
-        write_serving_config(tmp, manifest["serving"])
+        write_serving_config(tmp, serving)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return Path(out_dir)
 

@@ -151,6 +151,7 @@ def streamed_export(source_dir: Path, config: Any, layout: Layout, out_dir: Path
         if shard_tmp is not None:
             for writer in rank_writers:
                 writer.close()
+            serving = serving_fields(shape.model_type, family.name, layout, table)
             entries_out = []
             for rank in range(devices):
                 path = shard_tmp / shard_file_name(rank)
@@ -170,7 +171,7 @@ def streamed_export(source_dir: Path, config: Any, layout: Layout, out_dir: Path
                 "dtype": dtype_name(dtype),
                 "compute_dtype": dtype_name(compute_dtype),
                 "files": entries_out,
-                "serving": serving_fields(shape.model_type, family.name, layout, table),  # as export_rank_shards
+                "serving": serving,  # as export_rank_shards writes it
             }
-            write_serving_config(shard_tmp, manifest["serving"])
+            write_serving_config(shard_tmp, serving)
             (shard_tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

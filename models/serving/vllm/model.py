@@ -75,6 +75,7 @@ class DtpModel(nn.Module):
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList([make_layer(vllm_config, f"{prefix}.layers.{i}")
                                      for i in range(config.num_hidden_layers)])
+        layer: Any
         for layer in self.layers:  # each rank keeps its partial: the schedule decides when the others arrive
             layer.self_attn.o_proj.reduce_results = False
             layer.mlp.down_proj.reduce_results = False
@@ -85,7 +86,7 @@ class DtpModel(nn.Module):
 
     def _partial(self, n: int, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output of module n from its stream x: [T, D] -> [T, D]."""
-        layer = self.layers[n // 2]
+        layer: Any = self.layers[n // 2]
         if n % 2 == 0:
             out: torch.Tensor = layer.self_attn(positions=positions, hidden_states=layer.input_layernorm(x))
         else:
@@ -95,7 +96,11 @@ class DtpModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # [T, D]
+        if inputs_embeds is not None:
+            x = inputs_embeds  # [T, D]
+        else:
+            assert input_ids is not None
+            x = self.embed_input_ids(input_ids)  # [T, D]
         group = None if self.devices == 1 else get_tp_group().device_group
         plan = self.plan
         held: dict[int, torch.Tensor] = {}  # own partials not yet in x, [T, D]
