@@ -642,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Command groups that live in their own modules; each has `register(subparsers)` and must not import
 # torch at import time (the API process and `--help` stay light).
-_EXTENSIONS = ("app.cli.service", "app.cli.keys", "app.cli.distill", "app.cli.client", "app.cli.generate")
+_EXTENSIONS = ("app.cli.service", "app.cli.keys", "app.cli.distill", "app.cli.client", "app.cli.generate",
+               "app.cli.vllm_serve")
 
 
 def _register_extensions(sub: Any) -> None:
