@@ -21,7 +21,7 @@ import pytest
 
 from models.runtime import DTPRuntime
 from models.serving.manifest import hf_overrides
-from tests.models.serving.vllm_kit import Server, export_tiny, vllm_missing
+from tests.models.serving.vllm_kit import Server, export_tiny, runtime_tokens, vllm_missing
 from tests.tiny import tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
@@ -116,3 +116,12 @@ def test_single_requests_equal_the_batch(engine: tuple[str, str, str, Path, Serv
     prompts = _prompts()
     batch = server.complete(prompts, MAX_TOKENS)
     assert [server.complete([p], MAX_TOKENS)[0] for p in prompts] == batch
+
+
+def test_the_generate_command_gives_the_same_tokens(engine: tuple[str, str, str, Path, Server]) -> None:
+    """`dtp-layout generate --ids ... --json` itself (the CLI, its own rank processes) on the dtp:1 shards."""
+    case, schedule, path, shards, server = engine
+    if (case, schedule, path) != ("llama", "dtp:1", "shards"):
+        pytest.skip("run on the llama dtp:1 shards engine")
+    prompts = _prompts()[:2]
+    assert runtime_tokens(shards, prompts, MAX_TOKENS) == server.complete(prompts, MAX_TOKENS)

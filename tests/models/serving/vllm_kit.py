@@ -25,7 +25,7 @@ START_TIMEOUT_S = float(os.environ.get("DTP_LAYOUT_VLLM_START_S", "420"))
 VLLM_TINY: dict[str, Any] = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                  intermediate_size=128, num_hidden_layers=2, vocab_size=257,
                                  max_position_embeddings=512)
-FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"llama": {}, "qwen3": {}, "qwen2": {}, "mistral": {}}
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"mistral": {"sliding_window": None}}
 
 
 def vllm_missing() -> str | None:
@@ -35,14 +35,16 @@ def vllm_missing() -> str | None:
     return None
 
 
-def export_tiny(out: Path, *, case: str, schedule: str, devices: int = 2, seed: int = 0) -> Path:
-    """`out/checkpoint` and `out/shards` of a seed-0 tiny fp32 model of `case` under a random layout."""
+def export_tiny(out: Path, *, case: str, schedule: str, devices: int = 2, seed: int = 0,
+                shape: dict[str, Any] | None = None) -> Path:
+    """`out/checkpoint` and `out/shards` of a seed-0 tiny fp32 model of `case` under a random layout
+    (`shape`: config fields replacing VLLM_TINY's)."""
     from models.export import export_checkpoint, export_rank_shards, permuted_copy
     from models.families import model_shape
     from models.layouts import layout as lay
     from tests.tiny import byte_tokenizer, tiny_model
 
-    model = tiny_model(case, seed=seed, **{**VLLM_TINY, **FAMILY_OVERRIDES.get(case, {})})
+    model = tiny_model(case, seed=seed, **{**VLLM_TINY, **FAMILY_OVERRIDES.get(case, {}), **(shape or {})})
     layout = lay.random(model_shape(model.config), devices, 1, seed=7 + seed)
     permuted = permuted_copy(model, layout)
     tokenizer = byte_tokenizer()
@@ -70,13 +72,14 @@ def cpu_env() -> dict[str, str]:
 class Server:
     """vLLM's OpenAI server on `model` (a shards/ or checkpoint/ directory), as a subprocess."""
 
-    def __init__(self, model: Path, *, tp: int = 2, extra: list[str] | None = None, log: Path | None = None) -> None:
+    def __init__(self, model: Path, *, tp: int = 2, extra: list[str] | None = None, log: Path | None = None,
+                 dtype: str = "float32", max_model_len: int = 256) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log or model.parent / f"vllm-{self.port}.log"
         cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
+               "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
                "--served-model-name", "dtp", *(extra or [])]
         self.cmd = cmd
         t0 = time.perf_counter()
