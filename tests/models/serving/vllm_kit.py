@@ -59,10 +59,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_env() -> dict[str, str]:
+def cpu_env(tp: int = 2) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["PYTHONPATH"] = str(REPO)
@@ -84,7 +84,7 @@ class Server:
         self.cmd = cmd
         t0 = time.perf_counter()
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cpu_env(),
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cpu_env(tp),
                                          start_new_session=True, cwd=str(REPO))
         self._wait_ready()
         self.start_s = time.perf_counter() - t0
