@@ -35,7 +35,8 @@ CHUNK = ["--max-num-batched-tokens", "16"]
 # checkpoint as vLLM's own Llama (plain TP: the negative control).
 ENGINES = [("llama", "tp", "shards"), ("llama", "dtp:1", "shards"), ("llama", "dtp:2", "shards"),
            ("llama", "pt:2", "shards"), ("llama", "spd:1", "shards"), ("llama", "ladder", "shards"),
-           ("qwen3", "dtp:1", "shards"), ("llama", "dtp:2", "checkpoint"), ("llama", "dtp:1", "plain")]
+           ("qwen3", "dtp:1", "shards"), ("qwen2", "pt:2", "shards"), ("mistral", "ladder", "shards"),
+           ("llama", "dtp:2", "checkpoint"), ("llama", "dtp:1", "plain")]
 TIMES: dict[str, float] = {}
 
 
