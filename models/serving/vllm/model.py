@@ -179,8 +179,7 @@ class DtpForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.manifest is not None:  # shards/: this rank's file alone (the iterator is never read)
             return load_rank_shard(self, self.model_path, self.manifest, get_tensor_model_parallel_rank())
-        skip = ["lm_head."] if self.config.tie_word_embeddings else None
-        return AutoWeightsLoader(self, skip_prefixes=skip).load_weights(weights)
+        return AutoWeightsLoader(self).load_weights(weights)  # it handles a tied LM head itself
 
 
 class DtpLlamaForCausalLM(DtpForCausalLM):

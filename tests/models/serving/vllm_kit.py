@@ -102,8 +102,13 @@ class Server:
         self.stop()
         raise RuntimeError(f"vLLM not ready after {START_TIMEOUT_S:.0f} s; log {self.log}:\n" + self.tail())
 
-    def tail(self, chars: int = 6000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.is_file() else ""
+    def tail(self, chars: int = 4000) -> str:
+        """The log's ERROR lines (the root cause sits far above the end) and its end."""
+        if not self.log.is_file():
+            return ""
+        text = self.log.read_text(errors="replace")
+        errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith(("ServingError", "E "))]
+        return "\n".join(errors[:40]) + "\n...\n" + text[-chars:]
 
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy token ids for each prompt (given as token ids), from POST /v1/completions."""
