@@ -6,7 +6,10 @@ and down_proj do not all-reduce (reduce_results=False), so module n yields this 
 in the project's runtime (`models.runtime.rank.RankModel.forward`, read off the same `ArrivalPlan`): after
 module n the rank starts the exchange that n completes (an async all-reduce of the sum of the partials
 arriving together, on the TP group's device group), adds its own partials due before module n+1 (scaled
-by s_m) and waits for the exchange due there only then, adding the others' share (total − own). At the
+by s_m) and waits for the exchange due there only then, adding the others' share (total − own). An
+exchange waited right after it starts (every module of tp, the block ends of pt:D, the final average) goes
+through vLLM's own all-reduce instead (its shared-memory all-reduce on CPU, custom all-reduce or NCCL on
+GPU): nothing could overlap it, and vLLM's is much faster than a gloo all-reduce on CPU. At the
 end every rank applies the final norm to its stream and the streams are averaged by one all-reduce, so
 the hidden state reaching vLLM's vocab-parallel LM head is the same on every rank (the runtime sums onto
 rank 0 and divides by L: the same numbers).
@@ -24,7 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -114,9 +122,13 @@ class DtpModel(nn.Module):
                 sums[due] = partial if due not in sums else sums[due] + partial
                 if plan.sends[n] == due:  # the last module of that exchange: start it, wait before module `due`
                     own = sums.pop(due)
-                    total = own.clone()  # [T, D]
-                    work = None if group is None else dist.all_reduce(total, group=group, async_op=True)
-                    inflight[due] = (work, total, own)
+                    if group is None:
+                        inflight[due] = (None, own, own)
+                    elif due == n + 1:  # waited right away: vLLM's own all-reduce (shm on CPU, custom/NCCL on GPU)
+                        inflight[due] = (None, tensor_model_parallel_all_reduce(own.clone()), own)
+                    else:  # waited modules later: an asynchronous all-reduce on the TP group's device group
+                        total = own.clone()  # [T, D]
+                        inflight[due] = (dist.all_reduce(total, group=group, async_op=True), total, own)
             arrival = plan.arrivals[n]  # before module n+1
             for m, scale in arrival.own:
                 mine = held.pop(m)
@@ -129,9 +141,9 @@ class DtpModel(nn.Module):
             for m in plan.own_done[n]:
                 held.pop(m, None)
         h = self.norm(x)  # [T, D]: this rank's normed stream
-        if group is not None:
-            dist.all_reduce(h, group=group)  # Σ_l final_norm(X_l), the same on every rank
-        return h / self.devices if self.devices > 1 else h
+        if group is None:
+            return h
+        return tensor_model_parallel_all_reduce(h) / self.devices  # Σ_l final_norm(X_l) / L, the same on every rank
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return AutoWeightsLoader(self).load_weights(weights, mapper=self.mapper)
