@@ -24,6 +24,7 @@ import numpy as np
 
 from models.data.calibration import CalibrationSpec, DataError
 from models.io.assets import AssetNotFoundError, corpus_file
+from models.io.digest import sha256_file
 
 _HASH_CHUNK = 1 << 20
 _hash_cache: dict[tuple[str, int, int], str] = {}
@@ -33,11 +34,7 @@ def _file_sha256(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _hash_cache:
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while chunk := handle.read(_HASH_CHUNK):
-                digest.update(chunk)
-        _hash_cache[key] = digest.hexdigest()
+        _hash_cache[key] = sha256_file(path, _HASH_CHUNK)
     return _hash_cache[key]
 
 

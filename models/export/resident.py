@@ -7,7 +7,6 @@ never leaves a half-written checkpoint where a reader expects a whole one.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from models.families import family_for_config, model_shape
 from models.families.plan import SplitRule, rank_slice, split_dim
+from models.io.digest import sha256_file
 from models.io.ids import EXPORT_DTYPE_NAMES
 from models.io.loading import DTYPES
 from models.layouts.layout import Layout, check_fits, from_json_dict
@@ -70,14 +70,6 @@ def export_copy(model: Any, layout: Layout, dtype: torch.dtype | None = None) ->
     """The permuted copy to export, cast to `dtype` (permuting first: the permutation is exact in any dtype)."""
     permuted = permuted_copy(model, layout)
     return permuted if dtype is None else permuted.to(dtype)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 @contextmanager

@@ -29,8 +29,8 @@ from app.core.storage.object_store import (
     check_part_number,
     check_prefix,
     copy_hashing,
-    sha256_path,
 )
+from models.io.digest import sha256_file
 
 
 class LocalStore:
@@ -211,7 +211,7 @@ class LocalStore:
 
     def list_parts(self, key: str, upload_id: str) -> list[Part]:
         d = self._upload_dir(key, upload_id)
-        return [Part(number=int(p.name), etag=sha256_path(p), size=p.stat().st_size)
+        return [Part(number=int(p.name), etag=sha256_file(p), size=p.stat().st_size)
                 for p in sorted(d.iterdir()) if p.name.isdigit()]
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[Part]) -> ObjectInfo:

@@ -127,14 +127,6 @@ def copy_hashing(src: BinaryIO, dst: BinaryIO, limit: int | None = None) -> tupl
     return n, h.hexdigest()
 
 
-def sha256_path(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            h.update(block)
-    return h.hexdigest()
-
-
 @runtime_checkable
 class ObjectStore(Protocol):
     """What the API and the workers need of a store (see the module docstring)."""

@@ -24,8 +24,8 @@ from app.core.storage.object_store import (
     check_part_number,
     check_prefix,
     copy_hashing,
-    sha256_path,
 )
+from models.io.digest import sha256_file
 
 
 class S3Store:
@@ -66,7 +66,7 @@ class S3Store:
         return 0
 
     def put_file(self, path: Path, key: str, *, sha256: str | None = None) -> ObjectInfo:
-        digest = sha256 or sha256_path(path)  # the metadata goes with the PUT: hashed before sending
+        digest = sha256 or sha256_file(path)  # the metadata goes with the PUT: hashed before sending
         self.client.upload_file(str(path), self.bucket, self._k(key), Config=self.transfer,
                                 ExtraArgs={"Metadata": {"sha256": digest}})
         info = self.head(key)
