@@ -51,7 +51,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +60,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-POSTGRES_ADMIN_URL = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("DTP_LAYOUT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from bench.server_backing import create_backing, drop_backing  # noqa: E402
+
 MODEL = "tiny"
 CALIB = "calib/ids.npy"
 BLOB_BYTES = 1 << 20
@@ -132,18 +131,8 @@ class Server:
         self.seeded = self._seed(clients, keys_per_tenant, jobs_per_tenant)
 
     def _postgres(self) -> dict[str, str]:
-        import psycopg
-        from sqlalchemy.engine import make_url
-
-        admin = make_url(POSTGRES_ADMIN_URL)
-        name = f"dtp_load_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(admin.set(drivername="postgresql").render_as_string(hide_password=False),
-                             autocommit=True, connect_timeout=5) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        self.database = name
-        self.redis_prefix = f"dtp-load-{uuid.uuid4().hex[:12]}:"
-        return {"DTP_LAYOUT_DATABASE_URL": admin.set(database=name).render_as_string(hide_password=False),
-                "DTP_LAYOUT_BROKER_URL": REDIS_URL, "DTP_LAYOUT_BROKER_KEY_PREFIX": self.redis_prefix}
+        self.database, self.redis_prefix, env = create_backing("load")
+        return env
 
     def _settings(self) -> Any:
         from app.core.migrate import upgrade
@@ -277,20 +266,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        if self.database:
-            import psycopg
-            from sqlalchemy.engine import make_url
-
-            admin = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql")
-            with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-        if self.redis_prefix:
-            import redis
-
-            client = redis.Redis.from_url(REDIS_URL)
-            for key in client.scan_iter(match=f"{self.redis_prefix}*"):
-                client.delete(key)
-            client.close()
+        drop_backing(self.database, self.redis_prefix)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

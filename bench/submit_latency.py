@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-POSTGRES_ADMIN_URL = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("DTP_LAYOUT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+from bench.server_backing import create_backing, drop_backing  # noqa: E402
+
 HUB_ID = "HuggingFaceTB/SmolLM2-135M"
 HUB_COMMIT = "0" * 40
 # SmolLM2-135M's architecture (its config.json's fields the submit checks read).
@@ -93,33 +92,10 @@ class Backend:
         self.kind, self.database, self.prefix = kind, None, None
         self.env: dict[str, str] = {}
         if kind == "postgres":
-            import psycopg
-            from sqlalchemy.engine import make_url
-
-            admin = make_url(POSTGRES_ADMIN_URL)
-            self.database = f"dtp_submit_{uuid.uuid4().hex[:12]}"
-            with psycopg.connect(admin.set(drivername="postgresql").render_as_string(hide_password=False),
-                                 autocommit=True, connect_timeout=5) as conn:
-                conn.execute(f'CREATE DATABASE "{self.database}"')
-            self.prefix = f"dtp-submit-{uuid.uuid4().hex[:12]}:"
-            self.env = {"DTP_LAYOUT_DATABASE_URL": admin.set(database=self.database).render_as_string(
-                hide_password=False), "DTP_LAYOUT_BROKER_URL": REDIS_URL, "DTP_LAYOUT_BROKER_KEY_PREFIX": self.prefix}
+            self.database, self.prefix, self.env = create_backing("submit")
 
     def close(self) -> None:
-        if self.database:
-            import psycopg
-            from sqlalchemy.engine import make_url
-
-            admin = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql")
-            with psycopg.connect(admin.render_as_string(hide_password=False), autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
-        if self.prefix:
-            import redis
-
-            client = redis.Redis.from_url(REDIS_URL)
-            for key in client.scan_iter(match=f"{self.prefix}*"):
-                client.delete(key)
-            client.close()
+        drop_backing(self.database, self.prefix)
 
 
 def start_server(var: Path, port: int, backend: Backend) -> subprocess.Popen[str]:
