@@ -61,7 +61,7 @@ def _hang() -> None:
 
 
 def _hang_store_uploads() -> Callable[[], None]:
-    from app.core.storage.root import s3 as object_store
+    from app.core.storage import s3 as object_store
     threshold, init = object_store.MULTIPART_THRESHOLD, object_store.S3Store.__init__
 
     def patched_init(self: Any, *args: Any, **kwargs: Any) -> None:

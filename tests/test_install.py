@@ -50,9 +50,11 @@ def _source_copy(dest: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dest / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for pattern in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]:
-        package = pattern.rstrip("*")
-        shutil.copytree(REPO / package, dest / package, ignore=ignore)
+    # the top-level folders of the packages it includes (`migrations.versions` lives in `migrations/`)
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    folders = {pattern.rstrip("*").split(".")[0] for pattern in include}
+    for folder in sorted(folders):
+        shutil.copytree(REPO / folder, dest / folder, ignore=ignore)
     return dest
 
 

@@ -58,6 +58,11 @@ ELSEWHERE = (
     ("DTP_LAYOUT_SCREENSHOT_DIR", "`tests/app/ui/test_ui_browser.py`", "also save the screenshots there"),
     ("DTP_LAYOUT_GPU_TEST_DEVICE", "`tests/gpu/`", "`cpu`: the GPU tests run with the CPU standing in (default "
      "`cuda`); see [benchmarks.md](benchmarks.md#gpu-check-make-gpu-check)"),
+    ("DTP_LAYOUT_VLLM_PYTHON", "`dtp-layout vllm-serve`", "the interpreter with vLLM (`--python`; default: "
+     "`.venv-vllm/bin/python` beside the checkout); see [serving.md](serving.md)"),
+    ("DTP_LAYOUT_VLLM_VENV", "the vLLM tests (`tests/models/serving/`)", "the venv with vLLM they start engines "
+     "from (default `.venv-vllm`, made by `make vllm-env`)"),
+    ("DTP_LAYOUT_VLLM_START_S", "the vLLM tests", "seconds each engine may take to start (default 420)"),
 )
 
 _TYPE_NAMES: dict[object, str] = {bool: "bool", int: "integer", float: "number", str: "string", Path: "path"}

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # app/cli/commands/vllm_serve.py → the checkout
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
 
 

@@ -78,8 +78,8 @@ def test_upload_a_model_and_data_run_a_job_on_them_then_delete(env, tmp_path):
         assert client.job(job_id)["expired_reason"] == "deleted"
         r = client.http.get(f"/v1/jobs/{job_id}/artifacts/report.json")
         assert r.status_code == 410
-    code, _out, err = run("download", job_id, "--out", str(tmp_path / "again"))
-    assert code == 2 and "410" in err
+    code, _out, err = run("download", job_id, "--out", str(tmp_path / "again"))  # refused before any folder
+    assert code == 2 and "its artifacts were deleted" in err and not (tmp_path / "again").exists()
     code, out, _ = run("usage", "--json")
     usage = json.loads(out)
     assert usage["bytes"]["uploads_model"] == model["charged"] >= model["size"]  # each file at least the minimum
