@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from models.run.fields import NO_DEFAULT, Command, Flag
-from models.run.jobspec import FIELDS, GROUPS, SpecField, SpecGroup, command_default
+from models.run.jobspec import FIELDS, GROUP_BY_PATH, GROUPS, SpecField, SpecGroup, command_default
 
 SUBMIT: Command = "submit"
 
@@ -170,3 +170,20 @@ def spec_values(args: argparse.Namespace, command: str) -> dict[str, Any]:
             continue
         out[item.path] = value
     return out
+
+
+def spec_body(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """What the command's spec flags say as a job spec's body (nested by path: `calibration.seq_len` →
+    {"calibration": {"seq_len": …}}); a block's `off` flag sets every boolean of the block false."""
+    body: dict[str, Any] = {}
+    for path, value in spec_values(args, command).items():
+        if path in GROUP_BY_PATH:  # `--no-export`: the block's switches off, its other fields kept
+            block = body.setdefault(path, {})
+            block.update({f.name: False for f in FIELDS if f.group == path and f.rule.kind == "bool"})
+            continue
+        *parents, name = path.split(".")
+        target = body
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[name] = value
+    return body
