@@ -1,5 +1,5 @@
 """One attempt at a job (`JobRun`): the stages of `models/run/stages.py` run by `models.run.runner` with this worker's
-hooks — the lease, cancel checks and fencing, the stage rows, the job's spec in the stages' terms (its data
+hooks — the lease, cancel checks and fencing, the stage rows, the job's plan (`models.run.plan.plan_run`, its data
 sources resolved) — and, through `Publishing` (worker/publishing.py), the recorders of each finished stage.
 Torch is imported inside the methods that need it."""
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.layouts.format import LayoutError
-from models.schedules.grammar import ScheduleError, ScheduleSpec, parse_schedule
+from models.schedules.grammar import ScheduleError, ScheduleSpec, parse_schedule, schedule_spec
 
-# The rules, by name: what each refuses. tests/app/api/test_refusals.py feeds each to the worker's plan and
-# stages and to the API's submit check, which must refuse it too.
+# The rules, by name: what each refuses. tests/app/api/test_refusals.py feeds each a job can meet (all but
+# LOCAL_ONLY) to a worker and to the API's submit check, which must refuse it too, naming the same field.
 RULES: dict[str, str] = {
     "stability-halves": "stability optimises on each half of the calibration blocks: at least 2 blocks",
     "distill-layouts": "the distilled layouts are ones the job produces, each named once",
@@ -35,6 +35,7 @@ RULES: dict[str, str] = {
     "streamed-edges": "the streamed affinity pass scores the paper's chain only: a schedule with further edges "
                       "needs the model in memory",
 }
+LOCAL_ONLY = frozenset({"layout-independent"})  # `optimise` refuses these; a job runs them (to compare schedules)
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ def shorthand(schedule: ScheduleSpec | None, delta: int | None) -> str | None:
 
 
 def as_schedule(schedule: ScheduleSpec | str | None) -> ScheduleSpec | None:
-    """A schedule given as its string (a stored spec) or already parsed."""
-    return parse_schedule(schedule) if isinstance(schedule, str) else schedule
+    """A schedule given as its string (a stored spec) or already parsed; None stays None (dtp:δ)."""
+    return None if schedule is None else schedule_spec(schedule)
 
 
 # ---- what a run does, as the rules see it ---------------------------------------------------------------
@@ -199,7 +200,7 @@ def model_refusals(facts: RunFacts, shape: Any) -> list[Refusal]:
         from models.layouts.set import objective_schedule
 
         try:
-            objective_schedule(str(facts.schedule), delta=facts.delta, num_layers=shape.num_layers,
+            objective_schedule(facts.schedule, delta=facts.delta, num_layers=shape.num_layers,
                                devices=facts.devices)
         except ScheduleError as exc:
             out.append(Refusal("schedule-fits", "schedule", str(exc), ScheduleError))
@@ -222,7 +223,7 @@ def further_edges(facts: RunFacts, num_layers: int) -> bool:
     if facts.chooses_spd_layers:
         return False  # spd:B: one up edge per dropped layer, all on the chain
     try:
-        objective = objective_schedule(None if facts.schedule is None else str(facts.schedule), delta=facts.delta,
+        objective = objective_schedule(facts.schedule, delta=facts.delta,
                                        num_layers=num_layers, devices=facts.devices)
     except LayoutError:  # a layout-independent schedule: its layouts optimise the chain
         return False
