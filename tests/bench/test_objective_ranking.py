@@ -19,7 +19,7 @@ import pytest
 
 from bench import schedule_experiment as exp
 
-# Twelve real distillations: 5 min wall on the idle 2-core machine (2m44s of CPU), 35 min at load 10; too
+# Twelve real distillations: 5 min wall on the 2-core machine at load 4 (2m44s of CPU), 35 min at load 10; too
 # long for `make test`'s budget, so it runs under `make test-long` with the other bench-scale proofs.
 pytestmark = [pytest.mark.real, pytest.mark.long]
 
