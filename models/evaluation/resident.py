@@ -10,5 +10,6 @@ from models.evaluation.evaluate import (
     evaluate,
     schedule_spec,
 )
+from models.run.progress import Progress
 
-__all__ = ["LOGIT_CHUNK", "EvalResult", "eval_result", "evaluate", "schedule_spec"]
+__all__ = ["LOGIT_CHUNK", "EvalResult", "Progress", "eval_result", "evaluate", "schedule_spec"]

@@ -30,7 +30,7 @@ from models.export.files import (
 from models.export.writer import export_layout
 from models.families.plan import rank_slice
 from models.io.digest import sha256_file
-from models.io.sizes import parse_size
+from models.io.sizes import UNITS
 from models.layouts.layout import Layout
 from models.run.progress import Progress
 from models.schedules.grammar import LastScale
@@ -55,7 +55,11 @@ def export_copy(model: Any, layout: Layout, dtype: torch.dtype | None = None) ->
 
 
 def _shard_bytes(size: str | int) -> int:
-    return size if isinstance(size, int) else parse_size(size)
+    """`max_shard_size` in bytes, as save_pretrained reads it: an int, or decimal KB/MB/GB/TB ("2GB")."""
+    if isinstance(size, int):
+        return size
+    text = size.strip()
+    return int(float(text[:-2]) * UNITS[text[-2:].upper()])
 
 
 def export_checkpoint(permuted: PreTrainedModel, layout: Layout, out_dir: Path, *, tokenizer: Any = None,
