@@ -123,7 +123,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/dtp_forward.py
 
 # The environment (a venv reusing the machine's CUDA torch, or one with torch from PyPI), then the check:
-# results, logs and the tests' JUnit XML under $(OUT). Under 8 minutes; see bench/gpu_check.py.
+# results, logs and the tests' JUnit XML under $(OUT). Under 8 minutes; see bench/gpu_check.py. With 2+ GPUs, its
+# serve-vllm stage runs vLLM at TP=2 from DTP_LAYOUT_VLLM_PYTHON (else .venv-vllm; bench/gpu_multi.py).
 gpu-check:
 	GPU_VENV=$(GPU_VENV) GPU_PYTHON=$(GPU_PYTHON) GPU_CHECK_BUDGET_S=$(GPU_CHECK_BUDGET_S) \
 		bash bench/gpu_check.sh $(OUT)

@@ -11,6 +11,9 @@ On one GPU, a Qwen3-0.6B-shaped random model at full depth (28 layers) in bf16:
   distill   20 steps of the paper's recipe (16 × 1024 tokens per step in micro-batches of 4, bf16
             autocast over fp32 master weights, AdamW) and one evaluation on 16 × 1024 tokens, from
             which a 1000-step run with an evaluation every 100 steps is projected
+  distill-sharded, serve-vllm   with 2 GPUs or more (bench/gpu_multi.py): the distillation on W GPUs
+            (FSDP2, NCCL) against W = 1; vLLM at TP = 2 on a tiny model's exported shards, its greedy tokens
+            against `dtp-layout generate`'s; elsewhere `not_applicable`, with the reason
   tests     the `gpu` tests (pytest -m gpu tests/gpu)
 
 Every figure is printed next to the paper's (one RTX 5090, Qwen3-0.6B: affinity pass 51 s,
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import math
 import os
@@ -47,7 +49,6 @@ import tempfile
 import threading
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -60,7 +61,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import dtp_vs_dense_times, qwen3_06b_shaped  # noqa: E402
-from bench.gpu_report import GIB, PAPER, PAPER_GPU, markdown  # noqa: E402
+from bench.gpu_multi import (  # noqa: E402
+    serving_applicable,
+    sharded_world_size,
+    stage_distill_sharded,
+    stage_serve_vllm,
+)
+from bench.gpu_report import GIB, PAPER, PAPER_GPU, junit_counts, markdown  # noqa: E402
 
 FORMAT = "dtp-layout-gpu-check/1"
 JSON_FILE, MD_FILE = "gpu_check.json", "gpu_check.md"
@@ -428,67 +435,6 @@ def stage_distill(check: Check, model: Any, layouts: dict[str, Any] | None, rec:
     rec["projected_1000_steps_s"] = round(1000 * rec["step_s"] + evaluations * rec["eval_s"] + rec["reference_s"], 1)
 
 
-def sharded_world_size(device: torch.device, requested: int | None, gpus: int) -> tuple[int, str | None]:
-    """The W of the sharded-distillation stage and, when it does not apply, why: it runs on W > 1 GPUs
-    (all of them unless --world-size says fewer); --world-size on the CPU runs gloo ranks (the tests)."""
-    if device.type != "cuda":
-        if requested and requested > 1:
-            return requested, None
-        return 0, "no GPU: the W-GPU distillation needs at least 2 (--world-size W runs gloo ranks on the CPU)"
-    world = requested or gpus
-    if gpus < 2 or world < 2:
-        return 0, f"{gpus} GPU(s) visible: the W-GPU distillation needs at least 2"
-    if world > gpus:
-        return 0, f"--world-size {world} but only {gpus} GPU(s) visible"
-    return world, None
-
-
-def stage_distill_sharded(check: Check, model: Any, world_size: int, rec: dict[str, Any]) -> None:
-    """The same few distillation steps at W = 1 and on W ranks (FSDP2; NCCL on GPUs): step times, and the
-    largest loss difference (the W-rank curve must be the W = 1 one)."""
-    import tempfile
-
-    from models import distill as D
-    from models.families import model_shape
-    from models.layouts import layout as lay
-
-    s = check.sizes
-    batch = max(world_size, s.recipe.get("batch_size", 16) // world_size * world_size)
-    micro = min(batch // world_size, s.recipe.get("micro_batch_size", 4))
-    recipe = D.DistillRecipe(**{**s.recipe, "batch_size": batch, "micro_batch_size": micro,
-                                "steps": s.distill_steps + 1, "eval_every": s.distill_steps + 1,
-                                "warmup_steps": 1})
-    vocab = model.config.vocab_size
-    train = random_blocks(recipe.steps * batch, s.seq_len, vocab, seed=3).to(check.device)  # [steps·B, S]
-    reference = D.DenseReference.compute(model, random_blocks(2, s.seq_len, vocab, seed=4).to(check.device),
-                                         recipe=recipe)
-    layout = lay.contiguous(model_shape(model.config), s.devices, s.delta)
-    runs: dict[int, dict[str, Any]] = {}
-    for w in (1, world_size):
-        stamps: list[float] = []
-        losses: list[float] = []
-
-        def on_step(stats: Any, _last: Any, stamps: list[float] = stamps, losses: list[float] = losses) -> None:
-            check.sync()
-            stamps.append(time.perf_counter())
-            losses.append(stats.loss)
-
-        with tempfile.TemporaryDirectory() as tmp:
-            seconds, _ = check.timed(functools.partial(
-                D.distill_run, teacher=model, layout=layout, seed=0, recipe=recipe, train_blocks=train,
-                reference=reference, run_dir=Path(tmp) / "run", on_step=on_step, world_size=w))
-        gaps = [b - a for a, b in itertools.pairwise(stamps)]
-        runs[w] = {"seconds": round(seconds, 3), "step_s": round(statistics.median(gaps), 4) if gaps else None,
-                   "losses": [round(v, 6) for v in losses]}
-    diff = max(abs(a - b) for a, b in zip(runs[1]["losses"], runs[world_size]["losses"], strict=True))
-    rec.update(world_size=world_size, batch_size=batch, steps=recipe.steps, runs={str(k): v for k, v in runs.items()},
-               max_loss_diff=diff)
-    if runs[1]["step_s"] and runs[world_size]["step_s"]:
-        rec["step_ratio_vs_w1"] = round(runs[world_size]["step_s"] / runs[1]["step_s"], 3)
-    if not diff <= 1e-3:  # bf16 autocast on GPUs: the ranks' micro-batches round differently, not this much
-        raise RuntimeError(f"W={world_size} losses differ from W=1 by {diff}")
-
-
 def stage_tests(check: Check, rec: dict[str, Any]) -> None:
     """`pytest -m gpu tests/gpu` in a subprocess, with what is left of the budget."""
     timeout = check.remaining() - 25  # pytest gets 20 s to tear down after an interrupt, inside the budget
@@ -522,24 +468,6 @@ def stage_tests(check: Check, rec: dict[str, Any]) -> None:
     rec["log"] = TESTS_LOG
     if rec.get("timed_out_after_s") is not None or rec["exit_code"] != 0 or rec.get("failed") or rec.get("errors"):
         rec["status"] = "failed"
-
-
-def junit_counts(path: Path) -> dict[str, Any]:
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError) as exc:
-        return {"junit": f"unreadable: {exc}"}
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    if suite is None:
-        return {"junit": "no testsuite element"}
-    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-    not_passed = []
-    for case in suite.iter("testcase"):
-        for kind in ("failure", "error"):
-            if case.find(kind) is not None:
-                not_passed.append(f"{case.get('classname')}::{case.get('name')} ({kind})")
-    return {"passed": total - failed - errors - skipped, "failed": failed, "errors": errors, "skipped": skipped,
-            "not_passed": not_passed}
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -638,11 +566,18 @@ def run_check(check: Check, args: argparse.Namespace) -> int:
                         step("distill-sharded", lambda rec: stage_distill_sharded(check, model, world_size, rec)),
                         needs=60, after=("model",))
     else:
-        check.results["not_applicable"] = {"distill-sharded": not_applicable}
+        check.results.setdefault("not_applicable", {})["distill-sharded"] = not_applicable
         log(f"distill-sharded: not applicable ({not_applicable})")
-    model = affinity = layouts = None  # the GPU memory goes to the tests' processes
+    model = affinity = layouts = None  # the GPU memory goes to vLLM's and the tests' processes
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    python, not_applicable = serving_applicable(gpus)
+    if not_applicable is None:
+        assert python is not None
+        check.run_stage("serve-vllm", step("serve-vllm", lambda rec: stage_serve_vllm(check, python, rec)), needs=120)
+    else:
+        check.results.setdefault("not_applicable", {})["serve-vllm"] = not_applicable
+        log(f"serve-vllm: not applicable ({not_applicable})")
     if not args.skip_tests:
         check.run_stage("tests", step("tests", lambda rec: stage_tests(check, rec)))
     status, code = check.final_status()

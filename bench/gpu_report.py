@@ -1,5 +1,6 @@
 """The GPU check's report: its results (bench/gpu_check.py's JSON) as a markdown table next to the
-paper's figures. No torch here: the table can be rebuilt from a gpu_check.json anywhere,
+paper's figures, and the gpu tests' counts from their JUnit XML. No torch here: the table can be rebuilt
+from a gpu_check.json anywhere,
 
     python bench/gpu_report.py DIR/gpu_check.json > gpu_check.md
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,15 @@ def markdown(results: dict[str, Any]) -> str:
          f"1000 × step + 11 evaluations of {sizes['eval_sequences']}×{sizes['seq_len']} tokens "
          f"({get('distill', 'eval_s'):.2f} s each)" if get("distill", "eval_s") is not None else ""),
     ]
+    not_applicable = results.get("not_applicable") or {}
+    served = stages.get("serve-vllm", {})
+    rows.append(("vLLM at TP=2 on the exported shards (tiny fp32 llama, dtp:1)",
+                 measured("serve-vllm", get("serve-vllm", "start_s"), lambda x: f"engine ready in {_secs(x)}")
+                 if "serve-vllm" not in not_applicable else "not applicable", "—", "—",
+                 not_applicable.get("serve-vllm") or (
+                     f"greedy tokens equal to `dtp-layout generate`'s ({served.get('prompts')} prompts × "
+                     f"{served.get('new_tokens')} tokens); vLLM {served.get('vllm')}" if get("serve-vllm", "start_s")
+                     is not None else "")))
     tests = stages.get("tests", {})
     if "passed" in tests:
         test_cell = f"{tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, " \
@@ -121,11 +132,31 @@ def markdown(results: dict[str, Any]) -> str:
         "32 min for its two models); 'here / paper' below 1 means faster here. The projected run is 1000 "
         "measured steps plus 11 evaluations, without checkpoint writes.",
     ]
+    if not_applicable:
+        lines += ["", "Not applicable here: " + "; ".join(f"{k} ({v})" for k, v in not_applicable.items()) + "."]
     if results.get("error"):
         lines += ["", f"**{results['error']}**"]
     if results.get("timed_out_in") or results.get("interrupted_in"):
         lines += ["", f"Stopped in stage {results.get('timed_out_in') or results.get('interrupted_in')}."]
     return "\n".join(lines) + "\n"
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError) as exc:
+        return {"junit": f"unreadable: {exc}"}
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return {"junit": "no testsuite element"}
+    total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    not_passed = []
+    for case in suite.iter("testcase"):
+        for kind in ("failure", "error"):
+            if case.find(kind) is not None:
+                not_passed.append(f"{case.get('classname')}::{case.get('name')} ({kind})")
+    return {"passed": total - failed - errors - skipped, "failed": failed, "errors": errors, "skipped": skipped,
+            "not_passed": not_passed}
 
 
 if __name__ == "__main__":

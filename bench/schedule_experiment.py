@@ -40,6 +40,7 @@ VERDICT_RULE = ('"helps" only if every seed of the schedule-optimised layout end
                 "and random, and reaches contiguous's final KL (mean over its seeds) at least 1.5x sooner; "
                 'otherwise "not shown at this budget"')
 SPEEDUP = 1.5
+CALIBRATION_BLOCKS = 16  # × 1024 tokens: see bench/calibration_sweep.py
 OPTIMISED, OTHER, CONTIGUOUS = "optimised", "optimised-other", "contiguous"
 PREDICTORS = ("J_damage", "J_unit", "neg_missing_ffn_damage")  # higher: predicted lower KL
 
@@ -100,35 +101,61 @@ def missing_ffn_damage(edges: list[dict[str, Any]]) -> float:
     return float(sum(e["mass"] * (1 - e["fraction"]) for e in edges if e["to"] % 2 == 1))
 
 
+# The issue's arms: every layout-dependent schedule (SmolLM2-135M has 30 layers: dtp:1@15 keeps every
+# other layer's sync, spd:auto:8 drops the 8 syncs SPD's cumulative rule picks).
+SCHEDULES = "dtp:1 dtp:2 pt:2 pt:4 dtp:1@15 spd:auto:8"
+PRESETS: dict[str, dict[str, Any]] = {
+    # the 2-core CPU: 100 steps of 4 × 64 tokens, evaluations on 64 × 64 = 4,096 tokens of each domain
+    "cpu": {"steps": 100, "batch_size": 4, "seq_len": 64, "eval_every": 25, "eval_blocks": 64, "eval2_blocks": 64},
+    # a GPU (not run here): 300 steps of 8 × 512 tokens, evaluations on 16 × 512 = 8,192 tokens of each domain
+    "gpu": {"steps": 300, "batch_size": 8, "seq_len": 512, "eval_every": 50, "eval_blocks": 16, "eval2_blocks": 16},
+    # the smoke run: 2 steps, tiny data, two seeds
+    "quick": {"steps": 2, "eval_every": 1, "batch_size": 1, "seq_len": 32, "eval_blocks": 2, "eval2_blocks": 2,
+              "calib_sequences": 2, "calib_seq_len": 32, "restarts": 0, "seeds": "0,1"},
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M GGUF")
     ap.add_argument("--layers", type=int, default=None, help="keep the model's first N layers")
     ap.add_argument("--devices", type=int, default=3)
-    ap.add_argument("--schedules", default="dtp:2", help="space-separated")
-    ap.add_argument("--other", default="dtp:1", help="the other schedule whose optimised layout is an arm")
+    ap.add_argument("--schedules", default=SCHEDULES, help="space-separated")
+    ap.add_argument("--other", default="", help="another schedule whose optimised layout is an extra arm (the "
+                    "ranking check's; e.g. dtp:1); empty: none")
     ap.add_argument("--calib", default="corpus:kjv")
-    ap.add_argument("--calib-sequences", type=int, default=4)
-    ap.add_argument("--calib-seq-len", type=int, default=128)
+    ap.add_argument("--calib-sequences", type=int, default=CALIBRATION_BLOCKS,
+                    help="calibration blocks of --calib-seq-len (default: the size at which held-out J converged "
+                         "on SmolLM2-135M, docs/schedules.md)")
+    ap.add_argument("--calib-seq-len", type=int, default=1024)
     ap.add_argument("--train", default="corpus:kjv")
-    ap.add_argument("--eval", default="corpus:shakespeare")
-    ap.add_argument("--eval-blocks", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--eval", default="corpus:kjv", help="the primary evaluation text (held out from the "
+                    "calibration and training blocks where it is their text)")
+    ap.add_argument("--eval2", default="corpus:shakespeare", help="the second domain, evaluated at the end")
+    ap.add_argument("--eval-blocks", type=int, default=None)
+    ap.add_argument("--eval2-blocks", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--restarts", type=int, default=2)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu",
+                    help="the budget; an explicit flag overrides the preset's value")
     ap.add_argument("--step0-only", action="store_true",
                     help="train nothing: rank the arms by their KL at step 0 (one value each) instead")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, tiny data, seeds 0,1")
-    ap.add_argument("--work", default=None, help="default var/schedule-experiment[-quick]")
+    ap.add_argument("--quick", action="store_true", help="--preset quick")
+    ap.add_argument("--work", default=None, help="default var/schedule-experiment[-PRESET]")
     args = ap.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v != ap.get_default(k)}  # flags the command line set
     if args.quick:
-        args.steps, args.eval_every, args.batch_size, args.seq_len, args.eval_blocks = 2, 1, 1, 32, 2
-        args.calib_sequences, args.calib_seq_len, args.restarts, args.seeds = 2, 32, 0, "0,1"
-    args.work = Path(args.work or REPO / "var" / ("schedule-experiment-quick" if args.quick else "schedule-experiment"))
+        args.preset = "quick"
+    for key, value in PRESETS[args.preset].items():
+        if key not in given:
+            setattr(args, key, value)
+    suffix = "" if args.preset == "cpu" else f"-{args.preset}"
+    args.work = Path(args.work or REPO / "var" / f"schedule-experiment{suffix}")
     return args
 
 

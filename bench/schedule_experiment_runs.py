@@ -23,6 +23,11 @@ from bench.schedule_experiment import (
 from models import distill
 from models.affinity.file import AffinityResult
 from models.data.calibration import CalibrationSpec, load_blocks
+from models.distill.checkpoint import CHECKPOINT_DIR, checkpoint_to_read, read_run_state, remove_checkpoint, restore
+from models.distill.comparison.compare import run_dir_for
+from models.distill.evaluation import DenseReference, evaluate_student
+from models.distill.student import make_student
+from models.distill.train import make_optimizer
 from models.families import model_shape
 from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts import layout as layout_mod
@@ -64,6 +69,7 @@ class Experiment:
                                            seq_len=args.calib_seq_len)
         self.work: Path = args.work
         self._blocks: torch.Tensor | None = None
+        self._secondary: DenseReference | None = None
 
     def blocks(self) -> torch.Tensor:
         if self._blocks is None:
@@ -97,14 +103,16 @@ class Experiment:
         return AffinityResult.load(path)
 
     def layouts(self, schedule: str) -> Path:
-        """work/layouts/<σ>/{optimised, optimised-other, contiguous, random-1000}.json, scored in J_σ of σ."""
+        """work/layouts/<σ>/{optimised, contiguous, random-1000 and with --other optimised-other}.json, scored in
+        J_σ of σ."""
         out = self.work / "layouts" / slug(schedule)
         if (out / f"{OPTIMISED}.json").exists():
             return out
-        sched, other = self.schedule(schedule), self.schedule(self.args.other)
+        sched = self.schedule(schedule)
         result = self.affinity(schedule)
         built = build_layouts(result, devices=self.args.devices, delta=1, restarts=self.args.restarts,
                               random_layouts=1, schedule=sched)
+        other = self.schedule(self.args.other) if self.args.other else sched
         if str(other) != str(sched):
             chain = other.name == "dtp:1"
             made = build_layouts(result if chain else self.affinity(self.args.other), devices=self.args.devices,
@@ -132,26 +140,62 @@ class Experiment:
             out["neg_missing_ffn_damage"][arm] = -missing_ffn_damage(damage.edges)
         return out
 
-    def train(self, schedule: str) -> dict[str, dict[int, list[tuple[int, float]]]]:
-        """Every arm × seed distilled under σ; {arm: {seed: [(step, kl)]}} from the runs' own files."""
+    def recipe(self) -> distill.DistillRecipe:
         a = self.args
-        recipe = distill.DistillRecipe(steps=a.steps, batch_size=a.batch_size, micro_batch_size=a.batch_size,
-                                       lr=a.lr, min_lr=a.lr / 10, warmup_steps=1, eval_every=a.eval_every,
-                                       checkpoint_every=10, eval_batch_size=4)
+        return distill.DistillRecipe(steps=a.steps, batch_size=a.batch_size, micro_batch_size=a.batch_size, lr=a.lr,
+                                     min_lr=a.lr / 10, warmup_steps=max(1, a.steps // 10), eval_every=a.eval_every,
+                                     checkpoint_every=10, eval_batch_size=4)
+
+    def secondary(self) -> DenseReference:
+        """The second domain's evaluation blocks and the dense model on them (computed once)."""
+        if self._secondary is None:
+            a = self.args
+            blocks = load_blocks(CalibrationSpec(source=a.eval2, sequences=a.eval2_blocks, seq_len=a.seq_len),
+                                 self.tokenizer, vocab_size=int(self.model.config.vocab_size))
+            self._secondary = DenseReference.compute(self.model, blocks, recipe=self.recipe())
+        return self._secondary
+
+    def train(self, schedule: str) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:
+        """Every arm × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}} on the primary
+        evaluation set, {arm: [final KL on the second domain per seed]}), from the runs' own files."""
+        a = self.args
         seeds = tuple(int(s) for s in a.seeds.split(","))
-        spec = distill.DistillSpec(
-            layouts=tuple(self.arms(schedule)), devices=a.devices, delta=1, seeds=seeds, recipe=recipe,
-            train=CalibrationSpec(source=a.train, sequences=a.steps * a.batch_size, seq_len=a.seq_len),
-            eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
-            calibration=self.calibration, schedule=self.resolved(schedule))
         out = self.work / "distill" / slug(schedule)
-        distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
-                            layouts_dir=self.layouts(schedule), keep_checkpoints=False, plot=False)
+        recipe = self.recipe()
+        secondary: dict[str, list[float]] = {}
+        for arm in self.arms(schedule):
+            for seed in seeds:
+                spec = distill.DistillSpec(
+                    layouts=(arm,), devices=a.devices, delta=1, seeds=(seed,), recipe=recipe,
+                    train=CalibrationSpec(source=a.train, sequences=a.steps * a.batch_size, seq_len=a.seq_len),
+                    eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
+                    calibration=self.calibration, schedule=self.resolved(schedule))
+                run_dir = run_dir_for(out, arm, seed)
+                done = run_dir / "secondary.json"
+                if not done.exists():  # keep the final weights until the second domain has evaluated them
+                    distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
+                                        layouts_dir=self.layouts(schedule), keep_checkpoints=True, plot=False)
+                    kl = self.evaluate_final(run_dir, self.layouts(schedule) / f"{arm}.json", spec.schedule, recipe)
+                    done.write_text(json.dumps({"source": a.eval2, "tokens": a.eval2_blocks * a.seq_len, "kl": kl}))
+                    remove_checkpoint(run_dir / CHECKPOINT_DIR)
+                secondary.setdefault(arm, []).append(float(json.loads(done.read_text())["kl"]))
         curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
         for path in sorted((out / "runs").glob("*/seed-*/metrics.json")):
             for r in json.loads(path.read_text())["records"]:
                 curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
-        return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}
+        return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}, secondary
+
+    def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: str | None,
+                       recipe: distill.DistillRecipe) -> float:
+        """KL(dense ‖ student) on the second domain of the run's final weights (its kept checkpoint)."""
+        lay = layout_mod.load(layout_file)
+        student = make_student(self.model, lay, recipe, schedule)
+        found = checkpoint_to_read(run_dir / CHECKPOINT_DIR)
+        if found is None:
+            raise RuntimeError(f"{run_dir}: no final checkpoint to evaluate on the second domain")
+        restore(found, read_run_state(found), student, make_optimizer(student, recipe))
+        kl, _ = evaluate_student(student, self.model, self.secondary(), recipe=recipe)
+        return kl
 
     def step0(self, schedule: str) -> dict[str, Any]:
         """No training: each arm's KL(dense ‖ σ) at step 0 on the eval blocks, against the predictors."""
@@ -175,9 +219,10 @@ class Experiment:
             return self.step0(schedule)
         t0 = time.perf_counter()
         predicted = self.predictors(schedule)
-        curves = self.train(schedule)
+        curves, secondary = self.train(schedule)
         finals = {arm: [c[-1][1] for _, c in sorted(by_seed.items())] for arm, by_seed in curves.items()}
         row = {"resolved": self.resolved(schedule), "predictors": predicted, "final_kl": finals,
+               "final_kl_second_domain": secondary, "curves": curves,
                "ranking": {p: ranking(predicted[p], finals) for p in PREDICTORS},
                "verdict": verdict(curves) if {OPTIMISED, CONTIGUOUS} <= curves.keys() else None,
                "seconds": time.perf_counter() - t0}

@@ -24,6 +24,7 @@ from app.core.storage.root import Storage, sha256_file
 from models.run.files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
 from models.run.runner import Hooks
 from models.run.stages import AffinityStore
+from models.serving.commands import serve_summary
 from worker.metrics import read_metrics_csv, upsert_metrics
 
 if TYPE_CHECKING:
@@ -232,6 +233,9 @@ class Publishing(Hooks):
                 doc = json.loads(distilled.read_text())
                 job.summary["distill"] = {"dense_ppl": doc.get("dense_ppl"), "headline": doc.get("headline"),
                                           "world_size": doc.get("world_size", 1), "summary": DISTILL_SUMMARY}
+            # how to serve the shards with vLLM (the dashboard's job page and `client status` show it)
+            job.summary["serve"] = serve_summary(self.job_id, exported_shards=self.spec.export.shards,
+                                                 shards_dir=self.work / "shards")
             now = utcnow()
             job.status, job.stage, job.progress, job.eta_s = "succeeded", None, 1.0, None
             job.finished_at, job.updated_at, job.lease_until = now, now, None

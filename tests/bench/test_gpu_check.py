@@ -36,7 +36,7 @@ def test_tiny_run_goes_through_every_stage_and_the_gpu_tests(tmp_path, capsys):
     assert res["format"] == gpu_check.FORMAT and res["mode"] == "tiny" and res["status"] == "ok"
     stages = res["stages"]
     assert [name for name in stages] == [*STAGES, "tests"]
-    assert "distill-sharded" in res["not_applicable"]  # no GPU here: not a skipped stage
+    assert set(res["not_applicable"]) == {"distill-sharded", "serve-vllm"}  # no GPU here: not skipped stages
     assert all(stages[name]["status"] == "ok" for name in stages), stages
     sizes = gpu_check.TINY
     assert stages["model"]["layers"] == sizes.layers and stages["model"]["dtype"] == "bfloat16"
@@ -71,7 +71,13 @@ def test_a_budget_too_small_skips_every_stage_and_says_why(tmp_path):
         **{name: "skipped" for name in STAGES}, "tests": "skipped"}
     assert res["stages"]["model"]["reason"].startswith("time budget")
     assert res["stages"]["affinity"]["reason"] == "needs stage model, which did not run"
-    assert "**skipped**: time budget" in (tmp_path / gpu_check.MD_FILE).read_text()
+    md = (tmp_path / gpu_check.MD_FILE).read_text()
+    assert "**skipped**: time budget" in md
+    # no GPU: the multi-GPU stages are not applicable, whatever the budget, and the report says why
+    assert res["not_applicable"]["serve-vllm"] == "no GPU visible; vLLM TP=2 needs 2 (NCCL)"
+    assert "distill-sharded" in res["not_applicable"] and "serve-vllm" not in res["stages"]
+    assert "| vLLM at TP=2 on the exported shards (tiny fp32 llama, dtp:1) | not applicable | — | — | no GPU " in md
+    assert "Not applicable here: distill-sharded (" in md and "serve-vllm (no GPU visible; vLLM TP=2 needs 2" in md
 
 
 def test_the_watchdog_stops_a_hung_run_and_leaves_its_files(tmp_path):
@@ -111,3 +117,61 @@ def test_tiny_run_with_two_gloo_ranks_runs_the_sharded_distillation(tmp_path, ca
     stage = results(tmp_path)["stages"]["distill-sharded"]
     assert stage["status"] == "ok" and stage["world_size"] == 2, stage
     assert stage["max_loss_diff"] <= 1e-5 and len(stage["runs"]["2"]["losses"]) == stage["steps"]
+
+
+def test_vllm_serving_applies_only_with_two_gpus_and_vllm():
+    from bench import gpu_multi
+
+    def never(*_args):
+        raise AssertionError("not asked for when too few GPUs are visible")
+
+    assert gpu_multi.serving_applicable(0, find=never) == (None, "no GPU visible; vLLM TP=2 needs 2 (NCCL)")
+    assert gpu_multi.serving_applicable(1, find=never) == (None, "1 GPU visible; vLLM TP=2 needs 2 (NCCL)")
+    python, why = gpu_multi.serving_applicable(2, find=lambda: None)
+    assert python is None and why.startswith("vLLM is not installed: no interpreter with vllm")
+    why = gpu_multi.serving_applicable(2, find=lambda: "py", probe=lambda _p: {"error": "py cannot import vllm: X"})[1]
+    assert why == "vLLM is not usable: py cannot import vllm: X"
+    why = gpu_multi.serving_applicable(4, find=lambda: "py", probe=lambda _p: {"gpus": 1, "torch": "2.9.0+cpu"})[1]
+    assert why == "vLLM's torch (py: torch 2.9.0+cpu) sees 1 GPU(s); TP=2 needs 2"
+    why = gpu_multi.serving_applicable(2, find=lambda: "py", probe=lambda _p: {"gpus": 2, "plugin": False})[1]
+    assert why.startswith("vLLM's environment (py) lacks the dtp-layout plugin")
+    assert gpu_multi.serving_applicable(2, find=lambda: "py", probe=lambda _p: {"gpus": 2, "plugin": True}) == (
+        "py", None)
+
+
+def test_the_serving_stage_compares_vllms_tokens_with_generates(tmp_path, monkeypatch):
+    """The stage's plumbing without vLLM: a tiny model exported, `dtp-layout generate` on a batch of prompts
+    (gloo ranks here), and a stand-in server whose tokens differ: the stage fails naming both."""
+    import pytest
+
+    from bench import gpu_multi
+    from tests.models.serving import vllm_kit
+
+    class FakeServer:
+        def __init__(self, shards, **kwargs):
+            assert (shards / "manifest.json").is_file() and kwargs["tp"] == 2 and kwargs["python"] == "py"
+            self.start_s = 0.5
+
+        def complete(self, prompts, max_tokens):
+            return [[0] * max_tokens for _ in prompts]
+
+        def stop(self):
+            pass
+
+    class FakeCheck:
+        out, tests_reserve_s = tmp_path, 0.0
+
+        def remaining(self):
+            return 600.0
+
+        def timed(self, fn):
+            return 0.0, fn()
+
+    monkeypatch.setattr(vllm_kit, "Server", FakeServer)
+    monkeypatch.setattr(gpu_multi, "probe_vllm", lambda _p: {"vllm": "0.0-fake", "torch": "x", "gpus": 2})
+    rec: dict = {}
+    with pytest.raises(RuntimeError, match="differ from dtp-layout generate's"):
+        gpu_multi.stage_serve_vllm(FakeCheck(), "py", rec)  # type: ignore[arg-type]
+    want = rec["generate_tokens"]
+    assert len(want) == gpu_multi.SERVE_PROMPTS and {len(row) for row in want} == {gpu_multi.SERVE_NEW_TOKENS}
+    assert rec["tokens_equal"] is False and rec["vllm"] == "0.0-fake" and rec["start_s"] == 0.5

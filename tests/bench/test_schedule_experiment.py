@@ -54,27 +54,34 @@ def test_missing_ffn_damage_sums_the_edges_into_ffns():
 def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_path, capsys):
     model_dir = tmp_path / "model"
     tiny_model("llama").save_pretrained(model_dir)
-    for seed, name in enumerate(("calib", "train", "eval")):  # three different texts: nothing held out
+    for seed, name in enumerate(("calib", "train", "eval", "eval2")):  # four different texts: nothing held out
         np.save(tmp_path / f"{name}.npy", np.random.default_rng(seed).integers(0, 97, size=4 * 32))
     results = exp.main(["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2",
                         "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
-                        "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])
+                        "--eval", str(tmp_path / "eval.npy"), "--eval2", str(tmp_path / "eval2.npy"),
+                        "--other", "dtp:1", "--work", str(tmp_path / "work")])
     out = capsys.readouterr().out
     assert exp.VERDICT_RULE in out
     row = results["dtp:2"]
     arms = {"optimised", "optimised-other", "contiguous", "random-1000"}
     assert set(row["final_kl"]) == arms and all(len(v) == 2 for v in row["final_kl"].values())
     assert row["verdict"]["verdict"] in ("helps", "not shown at this budget")
+    # the second domain's final KL per arm and seed, and no checkpoint left behind once it is measured
+    assert {arm: len(v) for arm, v in row["final_kl_second_domain"].items()} == dict.fromkeys(arms, 2)
+    assert all(kl > 0 for v in row["final_kl_second_domain"].values() for kl in v)
+    assert not list((tmp_path / "work").rglob("checkpoint"))
     assert row["predictors"]["J_damage"]["optimised"] >= row["predictors"]["J_damage"]["contiguous"]
     saved = json.loads((tmp_path / "work" / "results.json").read_text())
     assert saved["verdict_rule"] == exp.VERDICT_RULE and set(saved["schedules"]) == {"dtp:2"}
     again = exp.main(["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2",
                       "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
-                      "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])
+                      "--eval", str(tmp_path / "eval.npy"), "--eval2", str(tmp_path / "eval2.npy"), "--other", "dtp:1",
+                        "--work", str(tmp_path / "work")])
     assert again["dtp:2"]["final_kl"] == row["final_kl"]  # resumed: nothing retrained
     step0 = exp.main(["--quick", "--step0-only", "--model", str(model_dir), "--devices", "2", "--schedules",
                       "dtp:2", "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
-                      "--eval", str(tmp_path / "eval.npy"), "--work", str(tmp_path / "work")])["dtp:2"]
+                      "--eval", str(tmp_path / "eval.npy"), "--eval2", str(tmp_path / "eval2.npy"), "--other", "dtp:1",
+                        "--work", str(tmp_path / "work")])["dtp:2"]
     assert set(step0["step0_kl"]) == arms and step0["verdict"] is None
     for p in exp.PREDICTORS:  # one value an arm: every unequal pair is compared
         assert len(step0["ranking"][p]) == sum(a != b for a, b in itertools.combinations(

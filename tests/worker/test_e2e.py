@@ -71,6 +71,12 @@ def test_job_succeeds_and_artifacts_keep_the_dense_logits(client, settings, fini
                             *ablation_names("fo", restarts=4)}
     assert layouts["optimised"]["J"] >= max(v["J"] for v in layouts.values()) - 1e-9
     assert job["summary"]["layouts"]["optimised"] == pytest.approx(layouts["optimised"]["J"])
+    # how to serve the shards (issue 28): L from the exported manifest, the client's download, vllm-serve
+    serve = job["summary"]["serve"]
+    assert (serve["available"], serve["devices"], serve["architecture"]) == (True, 2, "DtpLlamaForCausalLM")
+    assert serve["commands"] == [f"dtp-layout client download {job['id']} shards --out ./{job['id'][:8]}",
+                                 f"dtp-layout vllm-serve ./{job['id'][:8]}/shards  # vLLM at --tensor-parallel-size "
+                                 "2, the shards' L"]
 
     arts = download_all(client, job["id"], tmp_path)
     kinds = {a["kind"] for a in arts.values()}

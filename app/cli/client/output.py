@@ -64,6 +64,7 @@ def print_json(doc: Any) -> None:
 
 def status_text(job: dict[str, Any]) -> str:
     from app.client.http import removed_text
+    from models.serving.commands import serve_lines
 
     spec = job.get("spec") or {}
     model = spec.get("model") or {}
@@ -87,6 +88,8 @@ def status_text(job: dict[str, Any]) -> str:
         lines += [f"{name:<16}{value:>9.3f}" for name, value in sorted(layouts.items(), key=lambda kv: -kv[1])]
         lines.append(f"random expectation {summary.get('random_expectation', 0):.3f}; "
                      f"upper bound {summary.get('upper_bound', 0):.3f}")
+    if not job.get("expired_at"):  # the shards are still there to download
+        lines += serve_lines((job.get("summary") or {}).get("serve"))
     return "\n".join(lines)
 
 

@@ -76,7 +76,10 @@ class JobOut(BaseModel):
     expired_reason: Literal["deleted", "retention"] | None = Field(
         default=None, description="deleted: DELETE /v1/jobs/{id}; retention: DTP_LAYOUT_RETENTION_DAYS passed")
     summary: dict[str, Any] | None = Field(
-        default=None, description="tokens, random expectation, upper bound and J per layout once the job succeeded")
+        default=None, description="tokens, random expectation, upper bound and J per layout once the job succeeded; "
+                                  "`serve`: how to serve its shards with vLLM (`available`, `commands`: the client's "
+                                  "download and `dtp-layout vllm-serve`, `devices` = L, `schedule`, `docs`), or "
+                                  "`available: false` and `why`")
     device: dict[str, Any] | None = Field(
         default=None, description="where the worker runs the job (latest attempt): `device` (cpu, cuda:N), `name` "
                                   "(e.g. NVIDIA H200), `memory_total_gib`, `capability`, `cuda`, `torch`; null "

@@ -73,11 +73,13 @@ class Server:
     """vLLM's OpenAI server on `model` (a shards/ or checkpoint/ directory), as a subprocess."""
 
     def __init__(self, model: Path, *, tp: int = 2, extra: list[str] | None = None, log: Path | None = None,
-                 dtype: str = "float32", max_model_len: int = 256) -> None:
+                 dtype: str = "float32", max_model_len: int = 256, python: str | Path | None = None,
+                 start_timeout_s: float | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log or model.parent / f"vllm-{self.port}.log"
-        cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        self.start_timeout_s = START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
+        cmd = [str(python or VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
                "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
                "--served-model-name", "dtp", *(extra or [])]
@@ -90,7 +92,7 @@ class Server:
         self.start_s = time.perf_counter() - t0
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting; log {self.log}:\n"
@@ -100,7 +102,7 @@ class Server:
                     return
             time.sleep(1.0)
         self.stop()
-        raise RuntimeError(f"vLLM not ready after {START_TIMEOUT_S:.0f} s; log {self.log}:\n" + self.tail())
+        raise RuntimeError(f"vLLM not ready after {self.start_timeout_s:.0f} s; log {self.log}:\n" + self.tail())
 
     def tail(self, chars: int = 4000) -> str:
         """The log's ERROR lines (the root cause sits far above the end) and its end."""

@@ -1,5 +1,5 @@
 // Job detail: status and live progress, stage timeline, layouts table, per-layer co-located
-// fractions (the paper's Figure 9 view), distillation curves, artifacts.
+// fractions (the paper's Figure 9 view), distillation curves, how to serve the shards with vLLM, artifacts.
 
 import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl, specInfo} from "../api.js";
 import {layoutColor, layoutDash, layoutOrder, lineChart, seedDash} from "../charts.js";
@@ -241,6 +241,27 @@ function artifactsTable(job, items, kinds = {}) {
   ];
 }
 
+// ---- serving ------------------------------------------------------------------------------------
+
+/** The summary's `serve` (the worker writes it when the job succeeds: models/serving/commands.py): the
+ *  client's download of the shards and `dtp-layout vllm-serve` on them, shown as written (text only, through
+ *  h()). null for a job without shards to serve: not succeeded, no shards exported, or artifacts removed. */
+function serveBlock(job) {
+  const serve = job.summary && job.summary.serve;
+  if (job.status !== "succeeded" || job.expired_at || !serve || !serve.available) return null;
+  const commands = serve.commands || [];
+  return [
+    h("p", {class: "muted"}, "vLLM's OpenAI-compatible server on this job's rank shards, at ",
+      h("strong", {id: "serve-tp"}, `tensor-parallel size ${serve.devices}`), ` (the shards' L), schedule ${serve.schedule}`,
+      serve.architecture ? ` (${serve.architecture})` : "", ":"),
+    h("div", {class: "serve-steps"}, commands.map((c) => h("div", {class: "serve-step"},
+      h("pre", {class: "code serve-command"}, c), copyButton(c)))),
+    h("p", {class: "muted"}, "The download reads the service's address and key from DTP_LAYOUT_URL and "
+      + "DTP_LAYOUT_API_KEY (or --url, --api-key); vllm-serve runs vLLM from .venv-vllm (make vllm-env) or --python. "
+      + "More: ", h("code", {id: "serve-docs"}, serve.docs || "docs/serving.md"), " in the repository."),
+  ];
+}
+
 // ---- the page ------------------------------------------------------------------------------------
 
 export function renderJob(container, {id}) {
@@ -250,14 +271,17 @@ export function renderJob(container, {id}) {
   const layoutsCard = card("layouts", "Layouts");
   const fractionsCard = card("fractions", "Co-located fraction per layer");
   const distillCard = card("distill", "Distillation");
+  const serveCard = card("serve", "Serve with vLLM");
   const artifactsCard = card("artifacts", "Artifacts");
-  for (const c of [layoutsCard, fractionsCard, distillCard]) c.hidden = true;
+  for (const c of [layoutsCard, fractionsCard, distillCard, serveCard]) c.hidden = true;
   const layoutsBody = h("div", {});
   const fractionsBody = h("div", {class: "chart-grid"});
   const distillHead = h("div", {});
   const distillCharts = h("div", {class: "chart-grid"});
   const timelineBody = h("div", {});
   const artifactsBody = h("div", {});
+  const serveBody = h("div", {});
+  serveCard.append(serveBody);
   layoutsCard.append(layoutsBody);
   fractionsCard.append(h("p", {class: "muted"}, "Share of each layer's affinity mass that a layout keeps on one device: up edges "
     + "(attention heads → FFN neurons of the same layer) and down edges (neurons → next layer's KV groups). "
@@ -265,7 +289,7 @@ export function renderJob(container, {id}) {
   distillCard.append(distillHead, distillCharts);
   timelineCard.append(timelineBody);
   artifactsCard.append(artifactsBody);
-  container.append(head, timelineCard, layoutsCard, fractionsCard, distillCard, artifactsCard);
+  container.append(head, timelineCard, layoutsCard, fractionsCard, distillCard, serveCard, artifactsCard);
 
   let job = null;
   let seen = "";
@@ -295,6 +319,9 @@ export function renderJob(container, {id}) {
   function renderHead() {
     replace(head, header(job, {onCancel: cancel, onDelete: removeArtifacts}));
     replace(timelineBody, timeline(job));
+    const serve = serveBlock(job);
+    serveCard.hidden = serve === null;
+    replace(serveBody, serve);
   }
 
   async function loadLayouts() {
