@@ -1,5 +1,5 @@
 """One attempt at a job (`JobRun`): the stages of `models/run/stages.py` run by `models.run.runner` with this worker's
-hooks — the lease, cancel checks and fencing, the stage rows, the job's spec in the stages' terms (its data
+hooks — the lease, cancel checks and fencing, the stage rows, the job's plan (`models.run.plan.plan_run`, its data
 sources resolved) — and, through `Publishing` (worker/publishing.py), the recorders of each finished stage.
 Torch is imported inside the methods that need it."""
 
@@ -28,7 +28,6 @@ from app.core.storage.uploads import UploadStore
 from models.run.runner import run_stages
 from models.run.stages import REPORT_INPUTS, STAGES
 from models.run.stages import build_report as stages_report
-from models.schedules.grammar import parse_schedule
 from worker.converted_mirror import StoreMirror
 from worker.device import prepare_device
 from worker.metrics import read_metrics_csv, upsert_metrics
@@ -241,18 +240,17 @@ class JobRun(Publishing):
         return location
 
     def context(self) -> Any:
-        """The job's spec in the stages' terms, its data sources resolved (refused now, before any work)."""
-        from models.data.calibration import CalibrationSpec
+        """The job's run: its plan (models.run.plan.plan_run: the stages and their parameters, from the spec, its
+        data sources resolved; what the run would refuse is refused now, before any work) and this worker's
+        places, stores and callbacks."""
         from models.io.loading import ModelSource
-        from models.run import pipeline
+        from models.run.plan import plan_run
         from models.run.stages import RunContext
         from worker.derived_data import OwnedConvertedCache, converted_recorder
 
         spec = self.spec
-        shown = CalibrationSpec(**spec.calibration.model_dump())
-        calibration = CalibrationSpec(**{**spec.calibration.model_dump(),
-                                         "source": self.data_source(spec.calibration.source, "calibration.source")})
-        distill = self.distill_plan(calibration) if spec.distill is not None else None
+        plan = plan_run(spec, data=self.data_source, max_memory=self.settings.memory_limit(spec.max_memory),
+                        layout_independent_ok=True)
 
         def source() -> ModelSource:
             # limits checked again; a hub id → its snapshot (a download: abandoned on cancel or stall)
@@ -263,18 +261,10 @@ class JobRun(Publishing):
                                               "model root or the hub cache")
             return ModelSource(**location.loader_args())
 
-        return RunContext(
-            run_dir=self.work, model_id=spec.model.id, source=source, dtype=spec.model.dtype,
-            device=self.settings.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
-            optimise=pipeline.OptimiseSpec(devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
-                                           score=spec.score,
-                                           random_layouts=spec.random_layouts, ablations=spec.ablations,
-                                           export=spec.export.any, batch_size=spec.batch_size,
-                                           restarts=spec.restarts, stability=spec.stability,
-                                           layout_independent_ok=True),
-            calibration=calibration, calibration_shown=shown, checkpoint=spec.export.checkpoint,
-            shards=spec.export.shards, export_dtype=spec.export.dtype, distill=distill,
-            affinity=CachedAffinity(self), max_memory=self.settings.memory_limit(spec.max_memory),
+        return RunContext.of(
+            plan, run_dir=self.work, source=source, device=self.settings.device,
+            distill_output=self.distill_output() if plan.distill is not None else None,
+            affinity=CachedAffinity(self),
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
             # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
@@ -285,27 +275,16 @@ class JobRun(Publishing):
                 on_entry=converted_recorder(self.db, owner=self.owner, namespace=tenant_scope(self.owner),
                                             job_id=self.job_id, model_id=spec.model.id)))
 
-    def distill_plan(self, calibration: Any) -> Any:
-        """The spec's `distill` as a models.distill.DistillSpec over work/layouts into work/distill/, each
+    def distill_output(self) -> Any:
+        """Where the distilling stage writes (work/distill/) and reads the job's layouts (work/layouts), each
         evaluation written to the metrics table as it is produced."""
-        from models import distill as D
-        from models.data.calibration import CalibrationSpec
-        from models.run.stages import DistillPlan
+        from models.run.stages import DistillOutput
 
-        spec = self.spec.distill
-        assert spec is not None
+        distill = self.spec.distill
+        assert distill is not None
         out_dir = self.work / "distill"
-        data = {part: CalibrationSpec(**{**fields, "source": self.data_source(fields["source"],
-                                                                              f"distill.{part}.source")})
-                for part, fields in zip(("train", "eval"), spec.data_specs(self.spec.calibration), strict=True)}
-        # spd:auto:K: its layers are chosen by the affinity stage; the distilling stage puts them in
-        from_affinity = self.spec.schedule is not None and not parse_schedule(self.spec.schedule).resolvable
-        dspec = D.DistillSpec(layouts=tuple(spec.layouts), train=data["train"], eval=data["eval"],
-                              devices=self.spec.devices, delta=self.spec.delta, seeds=tuple(spec.seeds),
-                              recipe=D.DistillRecipe.from_dict(spec.recipe_fields()), calibration=calibration,
-                              allow_overlap=spec.allow_overlap, world_size=spec.world_size,
-                              schedule=None if from_affinity else self.spec.schedule)
-        self._total_steps = len(dspec.layouts) * len(dspec.seeds) * dspec.recipe.steps
+        recipe = distill.effective_recipe()
+        self._total_steps = len(distill.layouts) * len(distill.seeds) * recipe["steps"]
 
         def on_step(_layout: str, _seed: int, _stats: Any, _last: Any) -> None:
             self._trained += 1
@@ -317,8 +296,8 @@ class JobRun(Publishing):
             # Evaluations read back from earlier attempts (finished runs, checkpoints) are in metrics.csv.
             self.write_metrics(read_metrics_csv(out_dir / "metrics.csv"))
 
-        return DistillPlan(spec=dspec, out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True,
-                           keep_checkpoints=False, on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
+        return DistillOutput(out_dir=out_dir, layouts_dir=self.work / "layouts", plot=True, keep_checkpoints=False,
+                             on_eval=on_eval, on_step=on_step, on_run_start=on_run_start)
 
     # -- the hooks (models.run.runner.Hooks) --
 

@@ -56,6 +56,12 @@ class DataError(ValueError):
     """The data spec or the data it names is unusable."""
 
 
+# Held-out J of the dtp:1 objective on SmolLM2-135M stops improving (within 1 %) at this many calibration
+# tokens (bench/calibration_sweep.py; docs/method.md): the defaults calibrate on at least this many, and a
+# run calibrated on fewer says so in its notes (a larger model may need more).
+CONVERGED_CALIBRATION_TOKENS = 16_384
+
+
 @dataclass(frozen=True)
 class CalibrationSpec:
     source: str

@@ -37,7 +37,15 @@ from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, ModelShape
 from models.layouts.names import RANDOM_SEED_BASE
 from models.optimise import Affinity, OptimiseResult, Problem, balanced_assignment, optimise, score, upper_bound
-from models.schedules.grammar import Schedule, ScheduleError, parse_schedule, resolve_schedule
+from models.schedules.grammar import (
+    Schedule,
+    ScheduleError,
+    ScheduleSpec,
+    dtp_spec,
+    parse_schedule,
+    resolve_schedule,
+    schedule_spec,
+)
 
 if TYPE_CHECKING:
     from models.affinity.file import AffinityResult
@@ -103,7 +111,7 @@ def restarts_used(variant: Variant, restarts: int) -> int:
     return 0 if variant.paper_restarts or not variant.move_heads else restarts
 
 
-def objective_schedule(schedule: str | None, *, delta: int, num_layers: int, devices: int,
+def objective_schedule(schedule: str | ScheduleSpec | None, *, delta: int, num_layers: int, devices: int,
                        resolved: str | None = None) -> Schedule | None:
     """The schedule a layout is optimised for, resolved for the model; None: the paper's chain objective.
 
@@ -115,8 +123,7 @@ def objective_schedule(schedule: str | None, *, delta: int, num_layers: int, dev
     """
     if schedule is None and delta <= 1:
         return None
-    text = schedule if schedule is not None else f"dtp:{delta}"
-    spec = parse_schedule(text)
+    spec = schedule_spec(schedule) if schedule is not None else dtp_spec(delta)
     if spec.kind == "spd-auto":
         if resolved is None:
             raise ScheduleError(f"schedule {spec}: its layers are chosen by their sensitivity on the calibration "

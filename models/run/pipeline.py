@@ -20,7 +20,7 @@ import transformers
 from models.affinity.edges import EDGE_MEMORY_LIMIT, KEPT_MASS, schedule_affinity_pass
 from models.affinity.names import SCORES
 from models.affinity.scoring import AffinityResult
-from models.data.calibration import CalibrationSpec, DataError, load_blocks
+from models.data.calibration import CONVERGED_CALIBRATION_TOKENS, CalibrationSpec, DataError, load_blocks
 from models.data.heldout import source_identity
 from models.export.files import dtype_name
 from models.export.writer import export_layout
@@ -249,6 +249,10 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
     reports = {name: lay.score for name, lay in state.layouts.items()}
     any_report = next(iter(reports.values())) or {}
     notes = []
+    if state.affinity.tokens < CONVERGED_CALIBRATION_TOKENS:
+        notes.append(f"calibrated on {state.affinity.tokens} tokens, below the {CONVERGED_CALIBRATION_TOKENS} at which "
+                     f"held-out J of the optimised layout stopped improving on SmolLM2-135M (docs/method.md): the "
+                     f"layout may miss heavy edges that more calibration text would show")
     if spec.restarts != PAPER_RESTARTS:
         notes.append(f"restarts={spec.restarts}: besides the paper's single start from the contiguous KV groups, "
                      f"the optimiser also started from {spec.restarts} random head assignments and kept the best; "

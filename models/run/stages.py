@@ -1,9 +1,11 @@
 """The stages of a run, declared once: `dtp-layout optimise`, `dtp-layout distill` and a worker's job
-all run this list through `models.run.runner.run_stages`; each supplies only its hooks and its context.
+all run this list through `models.run.runner.run_stages`; each supplies its run's plan (models.run.plan: which
+stages apply and with what), its hooks and where it runs (`RunContext.of(plan, …)`).
 
-  loading      config (always; the device count and δ checked), weights and tokenizer when a stage
-               still to run needs them (re-done on every run: they live in memory), a GGUF's from its
-               converted copy when the caller gives a `models.io.converted.ConvertedCache`
+  loading      config (always; L, δ, the schedule and the memory limit checked by models.run.rules), weights
+               and tokenizer when a stage still to run needs them (re-done on every run: they live in
+               memory), a GGUF's from its converted copy when the caller gives a
+               `models.io.converted.ConvertedCache`
   calibration  token blocks → blocks.npy (not read when the affinity is already there and no stage
                still to run reads the blocks)
   affinity     blocks.npy → affinity.safetensors (where `AffinityStore` keeps it: the run directory,
@@ -38,6 +40,8 @@ from models.run.files import (
     STABILITY_DIR,
     STABILITY_FILE,
 )
+from models.run.plan import RunPlan
+from models.run.rules import memory_refusals, model_refusals, raise_first
 from models.run.runner import Hooks, Note, Stage, StageContext
 from models.run.stage_names import STAGES as STAGE_ORDER
 
@@ -61,13 +65,14 @@ class AffinityStore:
 
 
 @dataclass
-class DistillPlan:
-    """What the distilling stage runs (a `models.distill.DistillSpec`) and where, with the caller's
-    callbacks for each evaluation, step and run start."""
+class DistillOutput:
+    """Where the distilling stage writes (out_dir; None: the run directory's distill/) and reads the layouts
+    by name (layouts_dir; None: none, only contiguous, random-SEED and layout files), with the caller's
+    callbacks for each evaluation, step and run start. What it runs is the plan's `distill` (a
+    models.distill.spec.DistillSpec)."""
 
-    spec: Any
-    out_dir: Path
-    layouts_dir: Path | None
+    out_dir: Path | None = None
+    layouts_dir: Path | None = None
     plot: bool = True
     keep_checkpoints: bool = True
     on_eval: Callable[[Any], None] | None = None
@@ -75,35 +80,19 @@ class DistillPlan:
     on_run_start: Callable[[str, int], None] | None = None
 
 
-@dataclass
-class RunContext(StageContext):
-    """One run's inputs (what the caller fills in) and what the stages produce."""
+@dataclass(kw_only=True)
+class RunContext(RunPlan, StageContext):
+    """One run: its plan (models.run.plan.RunPlan: what the stages run and with what), where and how it runs
+    (what the caller fills in), and what the stages produce."""
 
     run_dir: Path
-    model_id: str  # as shown in the report
     source: Callable[[], Any]  # → models.io.loading.ModelSource (the worker resolves and re-checks it here)
-    dtype: str  # compute dtype
     device: str
-    devices: int
-    delta: int
-    # The communication schedule (models.schedules.grammar, canonical) the shards are exported for and the
-    # students simulate; None: dtp:δ. Checked against the model's depth at loading.
-    schedule: str | None = None
-    optimise: Any = None  # models.run.pipeline.OptimiseSpec; None: no optimise stages (`dtp-layout distill`)
-    calibration: Any = None  # models.data.calibration.CalibrationSpec, as read (a server path)
-    calibration_shown: Any = None  # the same, as given (recorded in the affinity file and the report)
-    checkpoint: bool = False
-    shards: bool = False
-    export_dtype: str = "auto"
-    distill: DistillPlan | None = None
+    distill_output: DistillOutput | None = None
     affinity: AffinityStore | None = None
     # models.io.converted.ConvertedCache: a GGUF source's weights are loaded from its converted copy (made
     # by the first run that needs them); None: dequantised from the GGUF on every load
     converted: Any = None
-    # the memory limit in bytes (None: none) and whether to stream (None: when the model would not fit
-    # under the limit; models.streaming.memory_plan)
-    max_memory: int | None = None
-    stream: bool | None = None
     # made by the stages
     config: Any = None
     model: Any = None
@@ -115,6 +104,11 @@ class RunContext(StageContext):
     distill_summary: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, plan: RunPlan, **where: Any) -> RunContext:
+        """The run of `plan`, with the caller's `where` (run_dir, source, device, the stores, the callbacks)."""
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(RunPlan)}, **where)
+
     def run_state(self) -> Any:
         if self.state is None:
             from models.run import pipeline
@@ -122,20 +116,10 @@ class RunContext(StageContext):
         return self.state
 
 
-def _optimising(ctx: RunContext) -> bool:
-    return ctx.optimise is not None
-
-
-def _stability(ctx: RunContext) -> bool:
-    return ctx.optimise is not None and bool(ctx.optimise.stability)
-
-
-def _exporting(ctx: RunContext) -> bool:
-    return ctx.optimise is not None and (ctx.checkpoint or ctx.shards)
-
-
-def _distilling(ctx: RunContext) -> bool:
-    return ctx.distill is not None
+def _applies(name: str) -> Callable[[RunContext], bool]:
+    def applies(ctx: RunContext) -> bool:
+        return name in ctx.stage_names
+    return applies
 
 
 def _affinity_there(ctx: RunContext) -> bool:
@@ -153,23 +137,6 @@ def weights_of(ctx: RunContext) -> Any:
     return ctx.streamed if ctx.streamed is not None else ctx.model
 
 
-def _memory_plan(ctx: RunContext) -> Any:
-    """How the run fits `max_memory` (models.streaming.memory_plan): raises MemoryLimitError before any weight
-    is read."""
-    from models.streaming.memory_plan import MemoryLimitError, plan_memory
-
-    tokens = batch_tokens = 0
-    if ctx.calibration is not None and ctx.optimise is not None:
-        tokens = ctx.calibration.sequences * ctx.calibration.seq_len
-        batch_tokens = min(ctx.calibration.sequences, ctx.optimise.batch_size) * ctx.calibration.seq_len
-    plan = plan_memory(ctx.config, dtype=ctx.dtype, command="optimise", limit=ctx.max_memory, tokens=tokens,
-                       batch_tokens=batch_tokens, export=_exporting(ctx), stream=ctx.stream)
-    if plan.stream and _distilling(ctx):
-        raise MemoryLimitError("distillation holds the whole student and teacher and does not stream: "
-                               f"{plan.describe()}; raise max_memory or run the distillation without it")
-    return plan
-
-
 def needs_weights(ctx: RunContext) -> bool:
     """Whether a stage still to run needs the model's weights (not when the affinity is there already
     and nothing after it runs the model)."""
@@ -183,8 +150,6 @@ def needs_weights(ctx: RunContext) -> bool:
 def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
     from models.io.loading import ModelSource, load_config, load_model, load_tokenizer
-    from models.layouts.layout import check_delta, check_devices
-    from models.schedules.grammar import check_schedule
 
     source = ctx.source()
     # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
@@ -192,12 +157,13 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     # names its dtype, the compute dtype (its key): what an `auto` export of a GGUF follows anyway.
     copy = ctx.converted.lookup(source, dtype=ctx.dtype) if ctx.converted is not None else None
     ctx.config = load_config(ModelSource(str(copy)) if copy is not None else source)
-    shape = model_shape(ctx.config)
-    check_devices(shape, ctx.devices)
-    check_delta(shape, ctx.delta)
-    if ctx.schedule is not None:  # spd:auto:K: K checked now, its layers chosen by the affinity stage
-        check_schedule(ctx.schedule, shape.num_layers, ctx.devices)  # a ScheduleError names what does not fit
-    ctx.memory = _memory_plan(ctx)
+    # The rules the API's submit check also asks (models/run/rules.py): L, δ and the schedule against the model
+    # (spd:auto:K: K now, its layers chosen by the affinity stage), then the memory limit, before any weight
+    # is read. A streamed affinity pass is refused only where one is still to run.
+    raise_first(model_refusals(ctx.facts, model_shape(ctx.config)))
+    ctx.memory, refusals = memory_refusals(ctx.facts, ctx.config, limit=ctx.max_memory, stream=ctx.stream,
+                                           affinity_pass=_blocks_needed(ctx))
+    raise_first(refusals)
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
     if needs_weights(ctx) and ctx.memory.stream:
@@ -266,6 +232,16 @@ def _restore_affinity(ctx: RunContext) -> None:
 
     store = ctx.affinity or AffinityStore(ctx.run_dir)
     ctx.run_state().affinity = AffinityResult.load(store.path)
+    # spd:auto:K: the spd:B this affinity was computed for is the run's schedule from now on (into the plan)
+    ctx.resolve_schedule(ctx.run_state().affinity.schedule)
+
+
+def _schedule_now(ctx: RunContext) -> str | None:
+    """The run's schedule for the stages after the affinity: spd:auto:K's chosen spd:B (read back from the
+    affinity file where no stage of this run restored it)."""
+    if ctx.schedule_pending:
+        _restore_affinity(ctx)
+    return ctx.schedule_text
 
 
 def _optimise(ctx: RunContext, _hooks: Hooks) -> Note:
@@ -318,7 +294,7 @@ def _export(ctx: RunContext, hooks: Hooks) -> Note:
     # The checkpoint and the shards are written together, tensor by tensor, which reports progress.
     pipeline.stage_export(ctx.run_state(), model=weights_of(ctx), tokenizer=ctx.tokenizer,
                           progress=lambda _name, f: hooks.progress("exporting", f),
-                          overwrite=True, checkpoint=ctx.checkpoint, shards=ctx.shards, schedule=ctx.schedule,
+                          overwrite=True, checkpoint=ctx.checkpoint, shards=ctx.shards, schedule=_schedule_now(ctx),
                           dtype=export_dtype(ctx.export_dtype, config=ctx.config, compute=DTYPES[ctx.dtype]))
     return {}
 
@@ -329,19 +305,16 @@ def _restore_export(ctx: RunContext) -> None:
 
 def _distil(ctx: RunContext, hooks: Hooks) -> Note:
     from models import distill
-    from models.schedules.grammar import parse_schedule
 
-    plan = ctx.distill
-    assert plan is not None
-    spec = plan.spec
-    if ctx.schedule is not None and not parse_schedule(ctx.schedule).resolvable:
-        # spd:auto:K (`spec` says dtp:δ until then): the students run the spd:B the affinity stage chose
-        spec = dataclasses.replace(spec, schedule=ctx.run_state().affinity.schedule)
+    _schedule_now(ctx)  # spd:auto:K: the students run the spd:B the affinity stage chose (written into the plan)
+    spec = ctx.distill
+    assert spec is not None
+    out = ctx.distill_output or DistillOutput()
     ctx.distill_summary = distill.run_distill(
-        spec, teacher=ctx.model, tokenizer=ctx.tokenizer, out_dir=plan.out_dir, layouts_dir=plan.layouts_dir,
-        model_id=ctx.model_id, progress=hooks.progress, should_stop=hooks.should_stop, on_eval=plan.on_eval,
-        on_step=plan.on_step, on_run_start=plan.on_run_start, plot=plan.plot,
-        keep_checkpoints=plan.keep_checkpoints, abandonable=hooks.abandonable)
+        spec, teacher=ctx.model, tokenizer=ctx.tokenizer, out_dir=out.out_dir or ctx.run_dir / DISTILL_DIR,
+        layouts_dir=out.layouts_dir, model_id=ctx.model_id, progress=hooks.progress,
+        should_stop=hooks.should_stop, on_eval=out.on_eval, on_step=out.on_step, on_run_start=out.on_run_start,
+        plot=out.plot, keep_checkpoints=out.keep_checkpoints, abandonable=hooks.abandonable)
     runs = len(spec.layouts) * len(spec.seeds)
     return {"runs": runs, "total_steps": runs * spec.recipe.steps}
 
@@ -350,16 +323,18 @@ def _distil(ctx: RunContext, hooks: Hooks) -> Note:
 
 STAGES: tuple[Stage[RunContext], ...] = (
     Stage("loading", _load, resumable=False),
-    Stage("calibration", _calibrate, outputs=(BLOCKS_FILE,), applies=_optimising, restore=_restore_blocks),
-    Stage("affinity", _affinity, inputs=(BLOCKS_FILE,), outputs=(AFFINITY_FILE,), applies=_optimising,
+    Stage("calibration", _calibrate, outputs=(BLOCKS_FILE,), applies=_applies("calibration"),
+          restore=_restore_blocks),
+    Stage("affinity", _affinity, inputs=(BLOCKS_FILE,), outputs=(AFFINITY_FILE,), applies=_applies("affinity"),
           restore=_restore_affinity, checks_stop=True),
-    Stage("optimising", _optimise, inputs=(AFFINITY_FILE,), outputs=(LAYOUTS_DIR,), applies=_optimising,
+    Stage("optimising", _optimise, inputs=(AFFINITY_FILE,), outputs=(LAYOUTS_DIR,),
+          applies=_applies("optimising"),
           restore=_restore_layouts),
     Stage("stability", _stabilise, inputs=(BLOCKS_FILE,), outputs=(STABILITY_DIR, STABILITY_FILE),
-          applies=_stability, restore=_restore_stability),
-    Stage("exporting", _export, inputs=(LAYOUTS_DIR,), outputs=EXPORT_DIRS, applies=_exporting,
+          applies=_applies("stability"), restore=_restore_stability),
+    Stage("exporting", _export, inputs=(LAYOUTS_DIR,), outputs=EXPORT_DIRS, applies=_applies("exporting"),
           restore=_restore_export),
-    Stage("distilling", _distil, inputs=(LAYOUTS_DIR,), outputs=(DISTILL_DIR,), applies=_distilling,
+    Stage("distilling", _distil, inputs=(LAYOUTS_DIR,), outputs=(DISTILL_DIR,), applies=_applies("distilling"),
           checks_stop=True),
 )
 # The names are declared once, dependency-free (models.run.stage_names: the API and the dashboard read them

@@ -232,6 +232,11 @@ def parse_schedule(text: str) -> ScheduleSpec:
     raise _error(text, f"unknown schedule {name!r}")
 
 
+def schedule_spec(schedule: str | ScheduleSpec) -> ScheduleSpec:
+    """A schedule given as its string (a stored spec, a file's field, a flag) or already parsed: the spec."""
+    return parse_schedule(schedule) if isinstance(schedule, str) else schedule
+
+
 def dtp_spec(delta: int) -> ScheduleSpec:
     """`delta: δ` is the shorthand for `dtp:δ`."""
     return parse_schedule(f"dtp:{delta}")
@@ -240,14 +245,13 @@ def dtp_spec(delta: int) -> ScheduleSpec:
 def resolve_schedule(schedule: str | ScheduleSpec, num_layers: int, devices: int,
                      last_scale: LastScale = "sqrt") -> Schedule:
     """parse (if a string) and resolve for the model: the one entry point for callers with a string."""
-    spec = parse_schedule(schedule) if isinstance(schedule, str) else schedule
-    return spec.resolve(num_layers, devices, last_scale)
+    return schedule_spec(schedule).resolve(num_layers, devices, last_scale)
 
 
 def check_schedule(schedule: str | ScheduleSpec, num_layers: int, devices: int) -> None:
     """What `resolve_schedule` checks against the model, for every schedule: spd:auto:K, whose layers the
     calibration data chooses later, only needs K ≤ num_layers now. A ScheduleError names what does not fit."""
-    spec = parse_schedule(schedule) if isinstance(schedule, str) else schedule
+    spec = schedule_spec(schedule)
     if spec.resolvable:
         spec.resolve(num_layers, devices)
     else:

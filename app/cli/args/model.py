@@ -176,14 +176,11 @@ def layout_of(args: argparse.Namespace, config: Any) -> Any:
                           layouts_dir=layouts_dir_of(args))
 
 
-def check_layout_numbers(config: Any, devices: int, delta: int, schedule: str | None = None) -> None:
-    """L, δ and the schedule checked against the model's config (before any weights load)."""
+def check_layout_numbers(config: Any, devices: int, delta: int, schedule: Any = None) -> None:
+    """L, δ and the schedule (its string or parsed) checked against the model's config (before any weights load),
+    by the rules of a run's loading stage (models.run.rules.model_refusals)."""
     from models.families import model_shape
-    from models.layouts.layout import check_delta, check_devices
-    from models.schedules.grammar import resolve_schedule
+    from models.run.rules import RunFacts, as_schedule, model_refusals, raise_first
 
-    check_devices(model_shape(config), devices)
-    check_delta(model_shape(config), delta)
-    if schedule is not None:
-        resolve_schedule(schedule, model_shape(config).num_layers, devices)
-
+    facts = RunFacts(devices=devices, delta=delta, schedule=as_schedule(schedule), optimises=False)
+    raise_first(model_refusals(facts, model_shape(config)))

@@ -32,8 +32,9 @@ def schedule_flags(p: argparse.ArgumentParser) -> None:
 def schedule_text(args: argparse.Namespace, *, allow_auto: bool = False) -> str | None:
     """`--schedule S` canonical, None where it is the layout's dtp:δ (its shorthand) or not given.
     `allow_auto`: spd:auto:K passes (only `optimise` runs the sensitivity pass that chooses its layers)."""
-    spec = schedule_of(args, allow_auto=allow_auto)
-    return None if spec is None or str(spec) == f"dtp:{args.delta}" else str(spec)
+    from models.run.rules import shorthand
+
+    return shorthand(schedule_of(args, allow_auto=allow_auto), args.delta)
 
 
 def accepted_here(message: str, allow_auto: bool) -> str:
@@ -48,47 +49,47 @@ def schedule_of(args: argparse.Namespace, *, allow_auto: bool = False) -> Any:
     """`--schedule S` parsed (None: the layout's own dtp:δ), before any weights load. A dtp schedule sets
     args.delta to its δ (refused where --delta was given otherwise); for tp, ladder, spd and pt, --delta only
     names the layout's δ (recorded, not simulated)."""
-    from models.schedules.grammar import ScheduleError, parse_schedule
+    from models.run.rules import DeltaConflict, schedule_and_delta
+    from models.schedules.grammar import ScheduleError
 
     text = getattr(args, "schedule", None)
     if text is None:
         return None
     try:
-        spec = parse_schedule(text)
+        spec, delta = schedule_and_delta(text, args.delta if getattr(args, "delta_given", False) else None)
+    except DeltaConflict as exc:
+        raise CliError(f"--delta {exc.delta} and --schedule {exc.schedule} disagree (the schedule's δ is "
+                       f"{exc.schedule.delta}): give one of them, or the same δ in both") from exc
     except ScheduleError as exc:  # it names what is accepted: here, what this command accepts
         raise CliError(f"--schedule: {accepted_here(str(exc), allow_auto)}") from exc
+    assert spec is not None
     if not spec.resolvable and not allow_auto:
         raise CliError(f"--schedule {spec}: spd:auto:K chooses its K layers by the sensitivity pass (the KL each "
                        f"layer's dropped attention sync costs on calibration data), which only `optimise` and a job's "
                        f"affinity stage run (report.json names the layers chosen); give the layers here as spd:B "
                        f"(e.g. spd:1,3)")
-    if spec.kind == "dtp":
-        if getattr(args, "delta_given", False) and args.delta != spec.delta:
-            raise CliError(f"--delta {args.delta} and --schedule {spec} disagree (the schedule's δ is {spec.delta}): "
-                           f"give one of them, or the same δ in both")
-        args.delta = spec.delta
+    if delta is not None:
+        args.delta = delta
     return spec
 
 
-
-def check_objective_schedule(config: Any, spec: Any) -> None:
-    """The schedule `optimise` optimises for, checked against the model before any weights load."""
+def check_objective_schedule(config: Any, plan: Any) -> None:
+    """The run `optimise` plans (models.run.plan.RunPlan) against the model, before any weights load: L, δ and the
+    schedule it optimises for, by the rules its loading stage and the API's submit check apply
+    (models.run.rules.model_refusals)."""
     from models.families import model_shape
-    from models.schedules.grammar import parse_schedule
+    from models.run.rules import model_refusals
 
-    layers = model_shape(config).num_layers
-    if spec.chooses_spd_layers:
-        count = parse_schedule(spec.schedule).count
-        if count > layers:
-            raise CliError(f"--schedule {spec.schedule}: K={count} layers to drop, but the model has "
-                           f"num_layers={layers}: K must be in 1 .. {layers}")
-        print(f"{spec.schedule}: choosing the {count} layers whose dropped attention sync costs least KL "
-              f"on the calibration blocks, then optimising J_σ of that spd:B", file=sys.stderr)
+    shape = model_shape(config)
+    for refusal in model_refusals(plan.facts, shape):
+        if refusal.field == "schedule":
+            raise CliError(f"--schedule: {refusal.message}")
+        raise refusal.exception()
+    if plan.schedule_pending:
+        print(f"{plan.schedule}: choosing the {plan.schedule.count} layers whose dropped attention sync costs least "
+              f"KL on the calibration blocks, then optimising J_σ of that spd:B", file=sys.stderr)
         return
-    try:
-        schedule = spec.objective_schedule(layers)
-    except ValueError as exc:  # ScheduleError / LayoutError: malformed, does not fit, nothing to optimise
-        raise CliError(f"--schedule: {exc}") from exc
+    schedule = plan.optimise.objective_schedule(shape.num_layers)
     if schedule is not None:
         print(f"optimising J_σ of schedule {schedule} (docs/schedules_objective.md)", file=sys.stderr)
 

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from models.run.fields import NO_DEFAULT, Command, Flag
-from models.run.jobspec import FIELDS, GROUPS, SpecField, SpecGroup, command_default
+from models.run.jobspec import FIELDS, GROUP_BY_PATH, GROUPS, SpecField, SpecGroup, command_default
 
 SUBMIT: Command = "submit"
 
@@ -170,3 +170,33 @@ def spec_values(args: argparse.Namespace, command: str) -> dict[str, Any]:
             continue
         out[item.path] = value
     return out
+
+
+def set_path(spec: dict[str, Any], path: str, value: Any) -> None:
+    """Set a dotted path of a job spec's body (`calibration.seq_len`), making the blocks on the way."""
+    node = spec
+    *parents, leaf = path.split(".")
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[leaf] = value
+
+
+def with_flags(spec: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with what the flags say (`spec_values`) on top: each flag sets its field's path; a block a
+    flag or the spec sets to false (`--no-export`, `export: false`) stays false, its fields left out."""
+    off = {path for path, value in given.items() if path in GROUP_BY_PATH and value is False}
+    for path, value in given.items():
+        block = path.split(".")[0]
+        if path not in off and block not in off and spec.get(block) is not False:
+            set_path(spec, path, value)
+    for path in off:
+        spec[path] = False
+    return spec
+
+
+def spec_body(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """What a local command's spec flags say, as a job spec's body (what `client submit` would send)."""
+    return with_flags({}, spec_values(args, command))

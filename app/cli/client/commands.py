@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.cli.args.spec_flags import add_spec_flags, spec_values
+from app.cli.args.spec_flags import add_spec_flags, spec_values, with_flags
 from app.cli.client.output import (
     EXIT_ERROR,
     EXIT_FAILED,
@@ -37,17 +37,6 @@ from models.affinity.names import SCORES
 
 # ---- submit ----------------------------------------------------------------------------------------
 
-def _set(spec: dict[str, Any], path: str, value: Any) -> None:
-    node = spec
-    *parents, leaf = path.split(".")
-    for part in parents:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = node[part] = {}
-        node = child
-    node[leaf] = value
-
-
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The job spec: the JSON file (if any), then the flags on top (each flag sets its field's path; a
     field under a block the spec sets to false, `export: false`, stays out)."""
@@ -62,15 +51,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             raise ClientError(f"cannot read the job spec {args.spec}: {exc}") from exc
         if not isinstance(spec, dict):
             raise ClientError(f"the job spec {args.spec} must be a JSON object")
-    given = spec_values(args, "submit")
-    off = {path for path, value in given.items() if "." not in path and value is False}  # `--no-export`
-    for path, value in given.items():
-        block = path.split(".")[0]
-        if path not in off and block not in off and spec.get(block) is not False:
-            _set(spec, path, value)
-    for path in off:
-        spec[path] = False
-    return spec
+    return with_flags(spec, spec_values(args, "submit"))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -93,6 +93,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from models.families import model_shape
     from models.io.loading import ModelSource
     from models.run import stages
+    from models.run.plan import RunPlan
     from models.run.runner import run_stages
 
     spec = _spec(args)
@@ -113,14 +114,16 @@ def cmd_distill(args: argparse.Namespace) -> int:
             bars.bar.write(f"{record.layout} seed {record.seed} step {record.step}: KL {record.kl:.4f} "
                            f"ppl {record.ppl:.3f}", file=sys.stderr)
 
-    # The stages of models.run.stages that apply without an optimise spec: loading, then distilling (which
-    # resumes every run from its checkpoints in --out by itself).
-    ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
-                            device=args.device, devices=spec.devices, delta=spec.delta, schedule=spec.schedule,
-                            converted=converted_cache(args),
-                            distill=stages.DistillPlan(spec=spec, out_dir=out, layouts_dir=layouts_dir,
-                                                       keep_checkpoints=not args.no_checkpoints_kept,
-                                                       on_eval=on_eval, on_step=bars.step, on_run_start=bars.start))
+    # The run's plan: no optimise spec, so the stages that apply are loading, then distilling (which resumes
+    # every run from its checkpoints in --out by itself).
+    plan = RunPlan(model_id=args.model, dtype=args.dtype, devices=spec.devices, delta=spec.delta,
+                   schedule=spec.schedule, distill=spec)
+    ctx = stages.RunContext.of(plan, run_dir=out, source=lambda: source, device=args.device,
+                               converted=converted_cache(args),
+                               distill_output=stages.DistillOutput(out_dir=out, layouts_dir=layouts_dir,
+                                                                   keep_checkpoints=not args.no_checkpoints_kept,
+                                                                   on_eval=on_eval, on_step=bars.step,
+                                                                   on_run_start=bars.start))
     try:
         run_stages(stages.STAGES, ctx, CliHooks("distill", model=args.model))
     finally:

@@ -9,17 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.cli.args.model import check_layout_numbers, converted_cache, max_memory, model_config, progress_bar
+from app.cli.args.model import converted_cache, max_memory, model_config, progress_bar
 from app.cli.args.schedule import check_objective_schedule, schedule_text
 from app.cli.errors import CliError
 from app.cli.run import CliHooks
-
-
-def _calibration_spec(args: argparse.Namespace) -> Any:
-    from models.data.calibration import CalibrationSpec
-
-    return CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len,
-                           seed=args.calib_seed, text_field=args.text_field, skip_blocks=args.calib_skip_blocks)
 
 
 def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str, Any]:
@@ -71,36 +64,57 @@ def _forget_if_nothing_done(record: Any, out: Path, created: bool) -> None:
         out.rmdir()
 
 
+def job_spec(args: argparse.Namespace) -> Any:
+    """The command line as a job spec (app.core.schemas.jobs.JobSpec, the API's own): what the flags say, checked
+    by the spec's rules. The data and model are local paths here."""
+    from pydantic import ValidationError
+
+    from app.cli.args.spec_flags import spec_body
+    from app.core.schemas.jobs import JobSpec
+    from models.run.jobspec import BY_PATH
+
+    try:
+        return JobSpec.model_validate(spec_body(args, "optimise"))
+    except ValidationError as exc:
+        said = []
+        for error in exc.errors():
+            path = ".".join(str(part) for part in error["loc"])
+            flags = BY_PATH[path].rule.flags_of("optimise") if path in BY_PATH else []
+            said.append(f"{flags[0].names[0] if flags else path}: {error['msg'].removeprefix('Value error, ')}")
+        raise CliError("; ".join(said)) from None
+
+
+def run_plan(args: argparse.Namespace) -> Any:
+    """flags → job spec → the run's plan (models.run.plan.plan_run, as a worker's job): the data as given, this
+    machine's limit, and `optimise`'s own: a schedule no layout matters for is refused, the edges' memory."""
+    from models.run.plan import plan_run
+
+    schedule = schedule_text(args, allow_auto=True)  # a bad --schedule fails before anything loads
+    try:
+        return plan_run(job_spec(args), max_memory=max_memory(args), stream=True if args.stream else None,
+                        layout_independent_ok=False, edge_memory_limit=args.edge_memory_limit,
+                        edge_kept_mass=args.edge_kept_mass)
+    except ValueError as exc:  # ScheduleError names the bad part and what is accepted
+        raise CliError(f"--schedule: {exc}" if schedule else str(exc)) from exc
+
+
 def cmd_optimise(args: argparse.Namespace) -> int:
     from models.io.loading import ModelSource
     from models.run import pipeline, stages
     from models.run.runner import run_stages
 
-    schedule = schedule_text(args, allow_auto=True)  # a bad --schedule fails before anything loads
-    try:
-        spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, score=args.score,
-                                     random_layouts=args.random, ablations=args.ablations,
-                                     export=not args.no_export, batch_size=args.batch_size, restarts=args.restarts,
-                                     stability=args.stability, schedule=schedule,
-                                     edge_memory_limit=args.edge_memory_limit, edge_kept_mass=args.edge_kept_mass)
-    except ValueError as exc:  # ScheduleError names the bad part and what is accepted
-        raise CliError(f"--schedule: {exc}" if schedule else str(exc)) from exc
-    calibration = _calibration_spec(args)
+    plan = run_plan(args)
+    calibration = plan.calibration
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     config = model_config(args, source)
-    check_layout_numbers(config, args.devices, args.delta, None if spec.chooses_spd_layers else schedule)
-    check_objective_schedule(config, spec)
+    check_objective_schedule(config, plan)  # L, δ and the schedule against the model, before any weights load
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     record.save()
-    ctx = stages.RunContext(run_dir=out, model_id=args.model, source=lambda: source, dtype=args.dtype,
-                            device=args.device, devices=args.devices, delta=args.delta, schedule=schedule,
-                            optimise=spec,
-                            calibration=calibration, calibration_shown=calibration, checkpoint=spec.export,
-                            shards=spec.export, export_dtype=args.export_dtype, converted=converted_cache(args),
-                            max_memory=max_memory(args), stream=True if args.stream else None)
+    ctx = stages.RunContext.of(plan, run_dir=out, source=lambda: source, device=args.device,
+                               converted=converted_cache(args))
     try:
         outcome = run_stages(stages.STAGES, ctx, CliHooks("optimise", model=args.model, record=record,
                                                            progress=progress_bar()), keep=stages.REPORT_INPUTS)
@@ -120,6 +134,6 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     times = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
     resumed = f"; resumed: {', '.join(outcome.skipped)} done by an earlier run" if outcome.skipped else ""
     print(f"wrote {out}/affinity.safetensors, {out}/layouts/*.json, {out}/report.json"
-          + ("" if not spec.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({times}{resumed})")
+          + ("" if not plan.optimise.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({times}{resumed})")
     return 0
 

@@ -31,7 +31,8 @@ from models.layouts.set import ablation_names
 from models.run import jobspec
 from models.run.files import ARTIFACTS
 from models.run.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
-from models.schedules.grammar import ScheduleError, parse_schedule
+from models.run.rules import schedule_and_delta, shorthand
+from models.schedules.grammar import ScheduleError
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
 MetricName = Literal["kl", "ppl", "loss", "lr"]
@@ -339,14 +340,14 @@ class JobSpec(_Strict):
     @classmethod
     def _delta_of_schedule(cls, data: Any) -> Any:
         """`schedule: dtp:δ` (or dtp:δ@K) without `delta` gives the layouts that δ; with a different delta
-        the `schedule` validator refuses the pair."""
+        the `schedule` validator refuses the pair (models.run.rules.schedule_and_delta)."""
         if isinstance(data, dict) and "delta" not in data and isinstance(data.get("schedule"), str):
             try:
-                spec = parse_schedule(data["schedule"])
+                _spec, delta = schedule_and_delta(data["schedule"], None)
             except ScheduleError:
                 return data  # the field's validator says what is wrong
-            if spec.kind == "dtp":
-                data = {**data, "delta": spec.delta}
+            if delta is not None:
+                data = {**data, "delta": delta}
         return data
 
     @field_validator("schedule")
@@ -358,12 +359,9 @@ class JobSpec(_Strict):
             return None
         # a ScheduleError is a ValueError: it names the part and what is accepted. spd:auto:K is taken: the
         # job's affinity stage measures each layer's sensitivity and report.json names the K layers it chose.
-        spec = parse_schedule(value)
-        delta = info.data.get("delta")
-        if spec.kind == "dtp" and isinstance(delta, int) and delta != spec.delta:
-            raise ValueError(f"schedule {spec} and delta={delta} disagree (the schedule's δ is {spec.delta}): give "
-                             f"one of them, or the same δ in both")
-        return None if str(spec) == f"dtp:{delta}" else str(spec)
+        given = info.data.get("delta")
+        spec, delta = schedule_and_delta(value, given if isinstance(given, int) else None)
+        return shorthand(spec, delta)
 
     def effective_schedule(self) -> str:
         """The schedule the job runs: `schedule`, else dtp:δ of `delta`."""

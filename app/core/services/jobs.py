@@ -53,8 +53,8 @@ from app.core.services.timeline import stage_timeline
 from app.core.services.uploads import resolve_ref
 from app.core.settings import Settings
 from app.core.storage.root import DamagedFile, Storage
-from models.layouts.format import LAYOUT_FORMAT, LayoutError
-from models.layouts.names import canonical_layout_name
+from models.layouts.format import LAYOUT_FORMAT
+from models.run.rules import spec_refusals
 
 log = logging.getLogger(__name__)
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -79,6 +79,8 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
     downloading weights (`tenant`: whose cached reads may be reused). Returns the fingerprint and what was
     found; raises SpecError naming every bad field."""
     problems = budgets.job_problems(spec, settings)
+    # what the run would refuse whatever the model (models.run.rules: the plan of its worker refuses the same)
+    problems += [(r.field, r.message) for r in spec_refusals(spec)]
     location = None
     model_path: Path | None = None
     data_path: Path | None = None
@@ -180,36 +182,16 @@ def _data_problems(settings: Settings, source: str, field: str,
 
 def distill_problems(*, settings: Settings, spec: JobSpec,
                      uploads: UploadLookup | None = None) -> list[tuple[str, str]]:
-    """(field, message) for a `distill` spec the worker would refuse: layouts the job does not produce,
-    data sources outside the rules, fewer training blocks than one batch."""
+    """(field, message) for the data sources of a `distill` spec outside the rules (its layouts and training
+    blocks: models.run.rules.spec_refusals)."""
     distill = spec.distill
     if distill is None:
         return []
     problems: list[tuple[str, str]] = []
-    produced = spec.layout_names()
-    seen: dict[str, str] = {}
-    for i, name in enumerate(distill.layouts):
-        try:
-            canonical = canonical_layout_name(name)  # random:SEED is random-SEED
-        except LayoutError as exc:
-            problems.append((f"distill.layouts.{i}", str(exc)))
-            continue
-        if canonical not in produced:
-            hint = "" if spec.ablations else "; the ablation layouts (anti-optimised, …) need ablations=true"
-            problems.append((f"distill.layouts.{i}", f"layout {name!r} is not one this job produces (it produces: "
-                                                     f"{', '.join(produced)}{hint})"))
-        elif canonical in seen:
-            problems.append((f"distill.layouts.{i}", f"layout {name!r} is {seen[canonical]!r} again"))
-        seen.setdefault(canonical, name)
     for part in ("train", "eval"):
         data = getattr(distill, part)
         if data is not None:
             problems += _data_problems(settings, data.source, f"distill.{part}.source", uploads)
-    train, _ = distill.data_specs(spec.calibration)
-    batch = distill.effective_recipe()["batch_size"]
-    if train["sequences"] < batch:
-        problems.append(("distill.train.sequences", f"{train['sequences']} training blocks are fewer than one "
-                                                    f"batch (recipe.batch_size={batch})"))
     return problems
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeGuard
 from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from models.families.defaults import parameter_count, with_family_defaults
+from models.run.rules import RunFacts, as_schedule, memory_refusals, model_refusals
 
 __all__ = ["check_config", "check_model_config", "dimension_problems", "parameter_count", "upload_config_problems"]
 
@@ -54,15 +55,13 @@ def dimension_problems(config: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
-def check_config(config: dict[str, Any], *, devices: int, delta: int,
-                 schedule: str | None = None) -> list[tuple[str, str]]:
+def check_config(config: dict[str, Any], *, devices: int, delta: int, schedule: str | None = None,
+                 facts: RunFacts | None = None) -> list[tuple[str, str]]:
     """(field, message) for every reason the job would fail its loading stage: the dimension limits,
-    then the messages `models.families` and `models.layouts.layout` raise there."""
+    the family, then the rules that stage applies (models.run.rules.model_refusals). `facts`: the job's, where
+    there is one (else L, δ and the schedule alone)."""
     from app.core.services.sources import config_namespace
     from models.families import family_for_config, model_shape
-    from models.layouts.format import LayoutError
-    from models.layouts.layout import check_delta, check_devices
-    from models.schedules.grammar import check_schedule
 
     config = with_family_defaults(config)
     if problems := dimension_problems(config):
@@ -79,18 +78,9 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int,
         shape = model_shape(ns)
     except (AttributeError, TypeError, ZeroDivisionError):
         return []
-    problems = []
-    for field, check, value in (("devices", check_devices, devices), ("delta", check_delta, delta)):
-        try:
-            check(shape, value)
-        except LayoutError as exc:
-            problems.append((field, str(exc)))
-    if schedule is not None and not problems:  # its layers, blocks and δ against the model's depth
-        try:
-            check_schedule(schedule, shape.num_layers, devices)
-        except LayoutError as exc:
-            problems.append(("schedule", str(exc)))
-    return problems
+    if facts is None:
+        facts = RunFacts(devices=devices, delta=delta, schedule=as_schedule(schedule))
+    return [(r.field, r.message) for r in model_refusals(facts, shape)]
 
 
 def seq_len_problems(config: dict[str, Any], spec: JobSpec) -> list[tuple[str, str]]:
@@ -116,7 +106,7 @@ def too_many_parameters(params: int, settings: Settings) -> str:
 def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     """Every reason this server refuses to run `spec` on a model with this config."""
     config = with_family_defaults(config)
-    problems = check_config(config, devices=spec.devices, delta=spec.delta, schedule=spec.schedule)
+    problems = check_config(config, devices=spec.devices, delta=spec.delta, facts=RunFacts.of_spec(spec))
     if any(field == "model.id" for field, _ in problems):
         return problems
     params = parameter_count(config)
@@ -126,11 +116,12 @@ def check_model_config(config: dict[str, Any], *, spec: JobSpec, settings: Setti
 
 
 def memory_problems(config: dict[str, Any], *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
-    """The job under its memory limit (its max_memory, else the worker's): it streams when the model would
-    not fit (models.streaming.memory_plan); a job that cannot fit even streamed is refused now, naming its need."""
+    """The job under its memory limit (its max_memory, else the worker's), by the rules its loading stage applies
+    (models.run.rules.memory_refusals): it streams when the model would not fit; a job that cannot fit even
+    streamed, or that streamed would distil, choose spd:auto's layers or score edges beyond the chain, is
+    refused now, naming what it needs."""
     from app.core.services.sources import config_namespace
     from models.io.sizes import SizeError
-    from models.streaming.memory_plan import MemoryLimitError, plan_memory
 
     try:
         limit = settings.memory_limit(spec.max_memory)
@@ -138,17 +129,11 @@ def memory_problems(config: dict[str, Any], *, spec: JobSpec, settings: Settings
         return [("max_memory", str(exc))]
     if limit is None:
         return []
-    calibration = spec.calibration
     try:
-        plan_memory(config_namespace(config), dtype=spec.model.dtype, command="optimise", limit=limit,
-                    tokens=calibration.sequences * calibration.seq_len,
-                    batch_tokens=min(calibration.sequences, spec.batch_size) * calibration.seq_len,
-                    export=spec.export.any)
-    except MemoryLimitError as exc:
-        return [("max_memory", str(exc))]
+        _plan, refusals = memory_refusals(RunFacts.of_spec(spec), config_namespace(config), limit=limit)
     except (AttributeError, TypeError, ValueError, KeyError):
         return []  # an unusual config: the worker's own plan decides
-    return []
+    return [(r.field, r.message) for r in refusals]
 
 
 def upload_config_problems(config: dict[str, Any], *, settings: Settings) -> list[tuple[str, str]]:

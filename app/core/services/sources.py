@@ -26,7 +26,7 @@ from models.io.assets import available_corpora
 from models.io.bounded_json import load_object
 from models.io.gguf_header import GGUFError, GGUFLimits, read_header
 from models.io.ids import GGUF_FILE, HUB_ID, REVISION, hf_dataset_refusal
-from models.schedules.grammar import parse_schedule
+from models.schedules.grammar import ScheduleSpec, schedule_spec
 
 CORPORA = tuple(ASSET_CORPORA)  # the names; which of them an install has: models.io.assets, submit_corpora
 # The spelling; whether the name is a hub dataset id (owner/name, not a path): models.io.ids.hf_dataset_refusal.
@@ -344,10 +344,11 @@ def fingerprint(*, model_id: str, revision: str | None, gguf_file: str | None, d
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def affinity_schedule(schedule: str, devices: int) -> str | None:
+def affinity_schedule(schedule: str | ScheduleSpec, devices: int) -> str | None:
     """The part of a job's schedule its affinity file depends on: the edges of its J_σ (dtp:2 adds
     KV→KV and neuron→neuron edges, pt:D every lag in a block), and for spd:auto:K the layers SPD's rule
     chooses, which depend on the devices simulated. None for dtp:1, whose pass is the paper's chain."""
-    if schedule == "dtp:1":
+    spec = schedule_spec(schedule)
+    if str(spec) == "dtp:1":
         return None
-    return f"{schedule}@L={devices}" if not parse_schedule(schedule).resolvable else schedule
+    return f"{spec}@L={devices}" if not spec.resolvable else str(spec)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from app.cli.main import main
 from models.affinity.scoring import AffinityResult
+from models.data.calibration import CONVERGED_CALIBRATION_TOKENS
 from models.layouts.layout import load
 from models.layouts.set import affinity_for
 from models.optimise import is_block_optimal
@@ -48,6 +49,9 @@ def test_optimise_writes_everything(checkpoint, calib, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["restarts"] == 4 and report["paper_procedure"] is False
     assert any("paper" in note and "restarts=0" in note for note in report["notes"])
+    # 6 × 32 = 192 tokens: far below the size at which held-out J converged (issue 29), and the notes say so
+    below = f"calibrated on 192 tokens, below the {CONVERGED_CALIBRATION_TOKENS} "
+    assert any(note.startswith(below) for note in report["notes"])
     assert report["layouts"]["neurons-only"]["restarts"] == report["layouts"]["optimised-restarts-0"]["restarts"] == 0
     scores = {k: v["J"] for k, v in report["layouts"].items()}
     assert scores["optimised"] >= max(v for k, v in scores.items() if k != "optimised") - 1e-12
