@@ -29,7 +29,7 @@ _WRAPPER = ("import json, resource, subprocess, sys, time; t = time.perf_counter
 COMMAND_IMPORTS = ("import torch, transformers, safetensors; from transformers import AutoModelForCausalLM; "
                    "import app.cli.main, models.run.stages, models.run.pipeline, models.affinity.scoring, "
                    "models.layouts.set, "
-                   "models.affinity.streamed, models.export.streamed, models.evaluation.streamed, "
+                   "models.streaming.pipelines, models.export.writer, models.evaluation.evaluate, "
                    "models.data.calibration")
 
 

@@ -16,7 +16,7 @@ class CliError(Exception):
 # command never imports torch to classify its error.
 _USER_ERRORS = {"models.io.assets": "AssetNotFoundError", "models.data.calibration": "DataError",
                 "models.streaming.memory_plan": "MemoryLimitError", "models.io.sizes": "SizeError",
-                "models.export.resident": "ExportError", "models.families": "UnsupportedModelError",
+                "models.export.files": "ExportError", "models.families": "UnsupportedModelError",
                 "models.layouts.format": "LayoutError", "models.io.loading": "ModelLoadError"}
 
 

@@ -1,4 +1,4 @@
 """The affinity pass: head↔neuron (and, per schedule, every edge's) scores measured on calibration text
-(scoring; streamed feeds it one layer at a time), the edge scores (edges), the affinity file written
-and read (file), the score names (names).
+(scoring: one pass, fed its layers by a layer source, resident or streamed; streamed keeps its old name),
+the edge scores (edges: resident only), the affinity file written and read (file), the score names (names).
 """

@@ -46,6 +46,7 @@ from models.run.progress import Cancelled, Progress, ShouldStop
 from models.schedules.grammar import Schedule
 from models.sim.dtp import DTPModel
 from models.sim.permute import decoder_layers
+from models.streaming.source import layer_source
 
 EdgeScores = dict[str, EdgeMatrix]  # {"fo": [U_m, U_t], "add": [U_m, U_t]}
 
@@ -322,11 +323,16 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
 
     schedule None: the chain only, exactly `affinity_pass`; else the result records the schedule and the
     further edges' FO and ADD scores (`AffinityResult.edges`). With further edges the stage's progress is
-    reported in two halves: the chain's pass, then the edges'.
+    reported in two halves: the chain's pass, then the edges'. `model`: a loaded model or a layer source
+    (`models.streaming.source`); the further edges need every weight at once, which a streamed model refuses
+    (MemoryLimitError naming the fix) before any pass runs.
     """
+    source = layer_source(model)
     if schedule is None:
-        return affinity_pass(model, blocks, progress=progress, **options)
-    further = AffinityResult.missing_edges_of(model_shape(model.config), schedule)
+        return affinity_pass(source, blocks, progress=progress, **options)
+    further = AffinityResult.missing_edges_of(model_shape(source.config), schedule)
+    whole = source.whole_model(f"schedule {schedule} needs edges beyond the paper's chain, which only the "
+                               f"in-memory affinity pass scores") if further else None
     chain_progress, edge_progress = progress, progress
     if further and progress is not None:
         outer = progress
@@ -337,9 +343,11 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
         def edge_progress(stage: str, fraction: float) -> None:
             outer(stage, 0.5 + fraction / 2)
 
-    result = affinity_pass(model, blocks, progress=chain_progress, **options)
-    result.edges = edge_pass(model, blocks, further, batch_size=options.get("batch_size", 4),
-                             token_chunk=options.get("token_chunk", 128), memory_limit=edge_memory_limit,
-                             kept_mass=edge_kept_mass, progress=edge_progress, should_stop=options.get("should_stop"))
+    result = affinity_pass(source, blocks, progress=chain_progress, **options)
+    if whole is not None:
+        result.edges = edge_pass(whole, blocks, further, batch_size=options.get("batch_size", 4),
+                                 token_chunk=options.get("token_chunk", 128), memory_limit=edge_memory_limit,
+                                 kept_mass=edge_kept_mass, progress=edge_progress,
+                                 should_stop=options.get("should_stop"))
     result.schedule = str(schedule)
     return result

@@ -18,6 +18,7 @@ hidden_size, multiply-adds per neuron; tokens are chunked so the [H, tokens, I] 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from models.run.progress import Cancelled as Cancelled  # where callers of the p
 from models.run.progress import Progress, ShouldStop
 from models.sim.dtp import DTPModel, rms_norm
 from models.sim.permute import decoder_layers
+from models.streaming.source import layer_source
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,8 +121,7 @@ def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size
                sin: torch.Tensor, acc: LayerAccumulator, fold: Fold, token_chunk: int, *, last: bool) -> torch.Tensor:
     """Decoder layer i of the dense forward on one micro-batch's residual x [T, D] (batch_shape: [B, S, D]),
     adding its up sums and (unless it is the last layer) its down sums α² / r'² to `acc`; returns the
-    residual after the layer. The in-memory pass (blocks outer, layers inner) and the streamed one
-    (`models.affinity.streamed`: layers outer) both run it, so they agree to the bit."""
+    residual after the layer; `affinity_pass` runs it in either order of `models.streaming.pipelines`."""
     layer: Any = decoder_layers(dense.model)[i]
     heads_out = dense.attention_heads(i, x.view(1, *batch_shape), cos, sin)[0]  # [T, H*hd]
     x = x + heads_out @ layer.self_attn.o_proj.weight.t()
@@ -138,48 +139,81 @@ def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size
     return x
 
 
+class _ChainPass:
+    """The paper's chain scores as a `models.streaming.pipelines.LayerPass`: each micro-batch's residual stream
+    through `layer_step`, each layer's terms (`layer_terms`) once every micro-batch has been through it and the
+    next layer is loaded (its down score reads that layer's q/k/v)."""
+
+    needs_head = False
+
+    def __init__(self, model: Any, shape: ModelShape, device: torch.device, *, tokens: int, token_chunk: int,
+                 neuron_block: int, cache_folds: bool) -> None:
+        self.dense = DTPModel(model, devices=1, delta=0)  # L=1: the dense forward, built from explicit parts
+        self.shape, self.tokens, self.token_chunk, self.neuron_block = shape, tokens, token_chunk, neuron_block
+        self.cache_folds, self.device = cache_folds, device
+        self.accs: dict[int, LayerAccumulator] = {}  # a layer's sums, from its first micro-batch to its close
+        self.folds: dict[int, Fold] = {}
+        self.up_fo: list[Any] = []
+        self.up_add: list[Any] = []
+        self.down: list[Any] = []
+
+    def start(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.dense.model.model.embed_tokens(ids)  # [B, S, D]
+        return emb.reshape(-1, emb.shape[-1])  # [T, D] residual stream
+
+    def step(self, i: int, layer: Any, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        shape = self.shape
+        fold = self.folds[i] if i in self.folds else _fold(layer, shape.num_query_heads, shape.head_dim,
+                                                            self.neuron_block)
+        if self.cache_folds:
+            self.folds[i] = fold
+        if i not in self.accs:
+            self.accs[i] = LayerAccumulator(shape.num_query_heads, shape.intermediate_size, self.device)
+        cos, sin = self.dense.rotary(ids, x)
+        return layer_step(self.dense, i, x, torch.Size((*ids.shape, x.shape[-1])), cos, sin, self.accs[i], fold,
+                          self.token_chunk, last=i == shape.num_layers - 1)
+
+    def close(self, i: int, layer: Any, next_layer: Any | None) -> None:
+        self.folds.pop(i, None)
+        fo, add, down = layer_terms(self.accs.pop(i), layer, next_layer, self.shape, self.tokens)
+        self.up_fo.append(fo)
+        self.up_add.append(add)
+        if down is not None:
+            self.down.append(down)
+
+    def finish(self, ids: torch.Tensor, x: torch.Tensor) -> None:
+        pass
+
+
 @torch.no_grad()
 def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, token_chunk: int = 128,
                   cache_folds: bool | None = None, neuron_block: int = NEURON_BLOCK,
                   progress: Progress | None = None,
                   should_stop: ShouldStop | None = None,
-                  metadata: dict[str, str] | None = None) -> AffinityResult:
+                  metadata: dict[str, str] | None = None, spill_dir: Path | None = None) -> AffinityResult:
     """Run the dense model over `blocks` [n, S] and return the raw affinity means.
 
-    cache_folds keeps every layer's folded gate/up weights (2·H·hd·I values per layer) across
-    micro-batches instead of refolding per micro-batch; None: cache when there is more than one.
+    `model`: a loaded model, or a `models.streaming.source.LayerSource` (a `StreamedModel`: layers outer, two
+    decoder layers in memory, the calibration blocks' residual streams kept between layers, spilled under
+    `spill_dir` when given); the same result either way (`models.streaming.pipelines`).
+    cache_folds keeps a layer's folded gate/up weights (2·H·hd·I values) across micro-batches instead of
+    refolding per micro-batch (in memory: every layer's, at once); None: cache when there is more than one.
     """
-    shape = model_shape(model.config)
-    dense = DTPModel(model, devices=1, delta=0)  # L=1: the dense forward, built from explicit parts
-    layers: Any = decoder_layers(model)
-    device = next(model.parameters()).device
-    heads, n_layers = shape.num_query_heads, shape.num_layers
-    accs = [LayerAccumulator(heads, shape.intermediate_size, device) for _ in range(n_layers)]
+    source = layer_source(model)
+    shape = model_shape(source.config)
     n_blocks = blocks.shape[0]
     if cache_folds is None:
         cache_folds = n_blocks > batch_size
-    folds: dict[int, Fold] = {}
+    scores = _ChainPass(source.model, shape, source.device, tokens=int(blocks.numel()), token_chunk=token_chunk,
+                        neuron_block=neuron_block, cache_folds=cache_folds)
     t0 = time.perf_counter()
-    for start in range(0, n_blocks, batch_size):
-        if should_stop is not None and should_stop():
-            raise Cancelled(f"affinity pass cancelled after {start} of {n_blocks} blocks")
-        ids = blocks[start : start + batch_size].to(device)  # [B, S]
-        emb = model.model.embed_tokens(ids)  # [B, S, D]
-        cos, sin = dense.rotary(ids, emb)
-        x = emb.reshape(-1, emb.shape[-1])  # [T, D] residual stream
-        for i in range(n_layers):
-            fold = folds[i] if i in folds else _fold(layers[i], heads, shape.head_dim, neuron_block)
-            if cache_folds:
-                folds[i] = fold
-            x = layer_step(dense, i, x, emb.shape, cos, sin, accs[i], fold, token_chunk,
-                           last=i == n_layers - 1)
-            if progress is not None:  # per layer: a micro-batch of a large model is minutes on a CPU
-                progress("affinity", (start + ids.shape[0] * (i + 1) / n_layers) / n_blocks)
-    tokens = int(blocks.numel())
-    folds.clear()
-    result = _finalise(model, accs, shape, tokens)
+    batches = [blocks[start : start + batch_size].to(source.device) for start in range(0, n_blocks, batch_size)]
+    source.run(scores, batches, label="affinity pass", stage="affinity", progress=progress, should_stop=should_stop,
+               spill_dir=spill_dir)
+    result = AffinityResult(scores.up_fo, scores.up_add, scores.down, int(blocks.numel()), shape)
     result.metadata.update(metadata or {})
     result.metadata["seconds"] = f"{time.perf_counter() - t0:.3f}"
+    result.metadata.update(source.metadata)
     return result
 
 
@@ -198,16 +232,3 @@ def layer_terms(acc: LayerAccumulator, layer: Any, next_layer: Any | None, shape
         weight = _down_weight_norms(next_layer, w_down, shape)  # [I, G]
         down = ((acc.act / tokens)[:, None] * weight).cpu().numpy()
     return up_fo, up_add, down
-
-
-def _finalise(model: Any, accs: list[LayerAccumulator], shape: ModelShape, tokens: int) -> AffinityResult:
-    layers: Any = decoder_layers(model)
-    up_fo, up_add, down = [], [], []
-    for i, acc in enumerate(accs):
-        next_layer = layers[i + 1] if i < shape.num_layers - 1 else None
-        fo, add, dn = layer_terms(acc, layers[i], next_layer, shape, tokens)
-        up_fo.append(fo)
-        up_add.append(add)
-        if dn is not None:
-            down.append(dn)
-    return AffinityResult(up_fo, up_add, down, tokens, shape)

@@ -6,7 +6,7 @@ model's fp32 logits for the whole batch ever exist and autograd never stores a [
 decoder stack is then back-propagated once from the resulting hidden-state gradient.
 
 `kl_ce_chunk` is the one implementation of the per-chunk statistics: training (with the gradient),
-the evaluation of a run, and `models.evaluation.resident` (dense vs DTP) all use it.
+the evaluation of a run, and `models.evaluation.evaluate` (dense vs DTP) all use it.
 """
 
 from __future__ import annotations

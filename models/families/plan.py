@@ -17,7 +17,7 @@ norm gains, the LM head) is replicated.
 
 Everything else is derived from the plan: the permutation that realises a layout
 (`models.sim.permute`), the simulator's per-device views (`models.sim.partials`), the export's split into
-rank shards and the manifest's `split` rules (`models.export.resident`), and the runtime's check of each
+rank shards and the manifest's `split` rules (`models.export.writer`), and the runtime's check of each
 rank's tensors (`models.runtime`). This module imports no torch: the API process reads families.
 """
 

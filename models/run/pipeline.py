@@ -22,7 +22,8 @@ from models.affinity.names import SCORES
 from models.affinity.scoring import AffinityResult
 from models.data.calibration import CONVERGED_CALIBRATION_TOKENS, CalibrationSpec, DataError, load_blocks
 from models.data.heldout import source_identity
-from models.export.resident import dtype_name, export_checkpoint, export_copy, export_rank_shards
+from models.export.files import dtype_name
+from models.export.writer import export_layout
 from models.families import model_shape
 from models.io.assets import AssetNotFoundError
 from models.io.atomic import atomic_write_json
@@ -36,6 +37,7 @@ from models.run.files import AFFINITY_FILE, REPORT_FILE
 from models.run.progress import Progress, ShouldStop
 from models.schedules.grammar import Schedule, parse_schedule
 from models.schedules.spd_auto import resolve_spd_auto
+from models.streaming.source import layer_source
 
 # The paper's seven spread layouts (§5.4) for an FO run; models.layouts.set defines them.
 ABLATIONS = tuple(ablation_names("fo"))
@@ -116,42 +118,18 @@ class RunState:
 def run_affinity(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None, spec: OptimiseSpec,
                  spill_dir: Path | None = None, **kw: Any) -> AffinityResult:
     """The affinity pass of `schedule`'s objective (None: the paper's chain) over a loaded model, or
-    streamed layer by layer over a `StreamedModel` (the same result: models.affinity.streamed). The
-    streamed pass scores the chain's edges only: a schedule that needs further edges (KV→KV,
+    streamed layer by layer over a `StreamedModel` (the same pass, fed by `models.streaming.source`). A
+    streamed model scores the chain's edges only: a schedule that needs further edges (KV→KV,
     neuron→neuron, …) is refused there, naming what would run it."""
-    from models.streaming.layer_source import StreamedModel
-
-    if isinstance(model, StreamedModel):
-        from models.affinity.streamed import streamed_affinity_pass
-
-        if schedule is not None and AffinityResult.missing_edges_of(model_shape(model.config), schedule):
-            _refuse_streamed(model, f"schedule {schedule} needs edges beyond the paper's chain, which only the "
-                                    f"in-memory affinity pass scores")
-        result = streamed_affinity_pass(model, blocks, spill_dir=spill_dir, batch_size=spec.batch_size, **kw)
-        if schedule is not None:
-            result.schedule = str(schedule)
-        return result
     return schedule_affinity_pass(model, blocks, schedule=schedule, batch_size=spec.batch_size,
-                                  edge_memory_limit=spec.edge_memory_limit, edge_kept_mass=spec.edge_kept_mass, **kw)
-
-
-def _refuse_streamed(model: Any, why: str) -> None:
-    from models.streaming.layer_source import StreamedModel
-    from models.streaming.memory_plan import MemoryLimitError
-
-    if isinstance(model, StreamedModel):
-        raise MemoryLimitError(f"the model is streamed layer by layer to fit max_memory, and {why}: give a larger "
-                               f"max_memory (or none), or a schedule of the chain (dtp:1, spd:B)")
+                                  edge_memory_limit=spec.edge_memory_limit, edge_kept_mass=spec.edge_kept_mass,
+                                  spill_dir=spill_dir, **kw)
 
 
 def _spill_dir(model: Any, state: RunState) -> Path | None:
     """Where a streamed pass spills its hidden states when its plan says so: the run directory."""
-    plan = getattr(model, "memory_plan", None)
+    plan = layer_source(model).memory_plan
     return state.out_dir if plan is not None and plan.spill else None
-
-
-def _parameters_dtype(model: Any) -> torch.dtype:
-    return next(model.model.parameters()).dtype if hasattr(model, "reader") else next(model.parameters()).dtype
 
 
 def stage_calibration(state: RunState, *, model: Any, tokenizer: Any, calibration: CalibrationSpec) -> None:
@@ -166,11 +144,11 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     t0 = time.perf_counter()
     assert state.blocks is not None, "stage_calibration first"
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
-            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(_parameters_dtype(model))}
+            "calibration_fingerprint": calibration.fingerprint(), "dtype": str(layer_source(model).dtype)}
     resolved = None
     if spec.chooses_spd_layers:  # SPD's rule: each layer's dropped sync alone, KL on these blocks
-        _refuse_streamed(model, f"{spec.schedule} chooses its layers by simulating the whole model")
-        chosen, sensitivities, rounds = resolve_spd_auto(parse_schedule(str(spec.schedule)), model, state.blocks,
+        whole = layer_source(model).whole_model(f"{spec.schedule} chooses its layers by simulating the whole model")
+        chosen, sensitivities, rounds = resolve_spd_auto(parse_schedule(str(spec.schedule)), whole, state.blocks,
                                                          devices=spec.devices, batch_size=spec.batch_size,
                                                          progress=progress)
         resolved = str(chosen)
@@ -230,29 +208,19 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
                  overwrite: bool = False, checkpoint: bool = True, shards: bool = True,
                  dtype: torch.dtype | None = None, schedule: str | None = None) -> None:
     """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
-    in `dtype` (see `models.export.resident.export_dtype`; None: the dtype the model was loaded in); the shards
+    in `dtype` (see `models.export.files.export_dtype`; None: the dtype the model was loaded in); the shards
     are made for `schedule` (None: the layout's dtp:δ)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
-    compute = _parameters_dtype(model)
+    source = layer_source(model)  # tensor by tensor, from memory or from the safetensors: the same tensors
+    compute = source.dtype
     if schedule is not None and not parse_schedule(schedule).resolvable and state.affinity is not None:
         schedule = state.affinity.schedule  # spd:auto:K: the spd:B the affinity stage chose
-    if hasattr(model, "reader"):  # a StreamedModel: tensor by tensor, the same tensors
-        from models.export.streamed import streamed_export
-
-        streamed_export(model.directory, model.config, best, state.out_dir, dtype=dtype or compute,
-                        compute_dtype=compute, checkpoint=checkpoint, shards=shards, tokenizer=tokenizer,
-                        overwrite=overwrite, progress=progress, schedule=schedule)
-        state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
-        state.timed("export", t0)
-        return
-    permuted = export_copy(model, best, dtype)
+    export_layout(source, best, checkpoint_dir=state.out_dir / "checkpoint" if checkpoint else None,
+                  shards_dir=state.out_dir / "shards" if shards else None, dtype=dtype or compute,
+                  tokenizer=tokenizer, overwrite=overwrite, progress=progress, schedule=schedule,
+                  compute_dtype=compute)
     state.export_dtypes = {"dtype": dtype_name(dtype or compute), "compute_dtype": dtype_name(compute)}
-    if checkpoint:
-        export_checkpoint(permuted, best, state.out_dir / "checkpoint", tokenizer=tokenizer, overwrite=overwrite)
-    if shards:
-        export_rank_shards(permuted, best, state.out_dir / "shards", tokenizer=tokenizer, overwrite=overwrite,
-                           progress=progress, compute_dtype=compute, schedule=schedule)
     state.timed("export", t0)
 
 

@@ -291,10 +291,9 @@ def _export(ctx: RunContext, hooks: Hooks) -> Note:
 
     for sub in EXPORT_DIRS:
         shutil.rmtree(ctx.run_dir / sub, ignore_errors=True)
-    # The checkpoint is written first, then the shards rank by rank (those report progress).
-    offset = 0.5 if ctx.checkpoint else 0.0
+    # The checkpoint and the shards are written together, tensor by tensor, which reports progress.
     pipeline.stage_export(ctx.run_state(), model=weights_of(ctx), tokenizer=ctx.tokenizer,
-                          progress=lambda _name, f: hooks.progress("exporting", offset + (1 - offset) * f),
+                          progress=lambda _name, f: hooks.progress("exporting", f),
                           overwrite=True, checkpoint=ctx.checkpoint, shards=ctx.shards, schedule=_schedule_now(ctx),
                           dtype=export_dtype(ctx.export_dtype, config=ctx.config, compute=DTYPES[ctx.dtype]))
     return {}

@@ -212,8 +212,8 @@ class DTPModel(nn.Module):
             self.step(n, stream, cache)
         return self.finish(stream)
 
-    # The recurrence in three parts, so that a pass that streams the model layer by layer
-    # (models.evaluation.streamed) runs module n on every micro-batch before reading module n+1's weights.
+    # The recurrence in three parts, so that a pass fed the model layer by layer (models.evaluation.evaluate
+    # over a streamed source) runs module n on every micro-batch before reading module n+1's weights.
     def start(self, input_ids: torch.Tensor, cache: DTPCache | None = None) -> Streams:
         """The L device streams at the embeddings, before module 0."""
         emb = self.model.model.embed_tokens(input_ids)  # [B, S, D]

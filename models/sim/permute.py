@@ -72,7 +72,7 @@ def reorder_layer_(layer: nn.Module, family: Family, shape: ModelShape, group_or
 def permuted_tensor(name: str, tensor: torch.Tensor, family: Family, shape: ModelShape,
                     layout: Layout) -> torch.Tensor:
     """One checkpoint tensor as `permute_` leaves it (the same index_select: bit-identical), for a pass that
-    never holds the model (models.export.streamed). Tensors the plan does not name come back unchanged."""
+    never holds the model (models.export.writer). Tensors the plan does not name come back unchanged."""
     planned = family.plan.planned(name)
     if planned is None:
         return tensor

@@ -17,20 +17,28 @@ config, not a checkpoint tensor) is rebuilt on the device.
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from models.families import family_for_config
+from models.families import family_for_config, model_shape
 from models.io.loading import ModelLoadError
+from models.streaming.source import LayerSource
+
+if TYPE_CHECKING:
+    from models.layouts.layout import Layout
+    from models.run.progress import Progress, ShouldStop
+    from models.streaming.pipelines import LayerPass
 
 INDEX = "model.safetensors.index.json"
 LAYER_PREFIX = "model.layers."
@@ -129,8 +137,10 @@ def return_freed_memory() -> bool:
     return bool(trim is not None and trim(0))
 
 
-class StreamedModel:
+class StreamedModel(LayerSource):
     """A checkpoint directory's model on the meta device, materialised module by module."""
+
+    metadata: ClassVar[dict[str, str]] = {"streamed": "true"}  # recorded in a pass's result (the affinity file)
 
     def __init__(self, directory: Path, config: Any, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         family_for_config(config)  # refuse an unsupported architecture before anything is read
@@ -147,15 +157,6 @@ class StreamedModel:
     def open(cls, directory: Path, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> StreamedModel:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
         return cls(directory, config, dtype=dtype, device=device)
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
-
-    def layer(self, i: int) -> nn.Module:
-        layers: Any = self.model.model.layers
-        module: nn.Module = layers[i]
-        return module
 
     # ---- materialising and releasing --------------------------------------------------------------------
 
@@ -189,6 +190,12 @@ class StreamedModel:
             for i in indices:
                 self.release_layer(i)
 
+    def release_embeddings(self) -> None:
+        """embed_tokens back to the meta device (and the tied lm_head, which holds the same weight)."""
+        self.release(self.model.model.embed_tokens)
+        if self.tied:
+            self.release(self.model.lm_head)
+
     def load_embeddings(self) -> nn.Module:
         embed: nn.Module = self.model.model.embed_tokens
         if next(embed.parameters()).is_meta:
@@ -210,6 +217,77 @@ class StreamedModel:
     def release_all(self) -> None:
         self.model.to_empty(device="meta")
         _rebuild_rotary(self.model, self.config, self.device)
+
+    # ---- what a pass asks of its source (models.streaming.source.LayerSource) ----------------------------
+
+    def whole_model(self, why: str) -> Any:
+        from models.streaming.memory_plan import MemoryLimitError
+
+        raise MemoryLimitError(f"the model is streamed layer by layer to fit max_memory, and {why}: give a larger "
+                               f"max_memory (or none), or a schedule of the chain (dtp:1, spd:B)")
+
+    def permuted(self, layout: Layout) -> LayerSource:
+        return PermutedLayers(self, layout)
+
+    def run(self, pass_: LayerPass, batches: list[torch.Tensor], *, label: str, stage: str,
+            progress: Progress | None = None, should_stop: ShouldStop | None = None,
+            spill_dir: Path | None = None) -> None:
+        from models.streaming.pipelines import by_layer
+
+        by_layer(self, pass_, batches, label=label, stage=stage, progress=progress, should_stop=should_stop,
+                 spill_dir=spill_dir)
+
+    def checkpoint_tensor(self, name: str) -> torch.Tensor:
+        """Read from its file and cast to the compute dtype, as `from_pretrained(dtype=…)` casts it."""
+        return self.reader.tensor(name).to(self.dtype)
+
+    def save_configs(self, out: Path, dtype: torch.dtype, *, generation: bool) -> None:
+        """config.json as save_pretrained writes it for weights in `dtype`; generation_config.json as the
+        in-memory model carries it (the source's, else derived from the config)."""
+        saved = copy.deepcopy(self.config)
+        saved.dtype = str(dtype).removeprefix("torch.")
+        saved.save_pretrained(out)
+        if generation:
+            if (self.directory / "generation_config.json").is_file():
+                shutil.copyfile(self.directory / "generation_config.json", out / "generation_config.json")
+            else:
+                from transformers import GenerationConfig
+
+                GenerationConfig.from_model_config(self.config).save_pretrained(out)
+
+
+class PermutedLayers(StreamedModel):
+    """A `StreamedModel`'s layers with a layout realised: its own meta skeleton of the decoder layers, sharing
+    the embeddings, final norm, head and rotary embedding of `base`; layer i is made from `base`'s loaded
+    layer i (its tensors shared, the planned linears index-selected: `models.sim.permute.reorder_layer_`,
+    as `permute_` permutes a whole model) and released after."""
+
+    def __init__(self, base: StreamedModel, layout: Layout) -> None:
+        from models.layouts.layout import check_fits
+
+        self.base, self.layout = base, layout
+        self.directory, self.config, self.dtype, self.device = base.directory, base.config, base.dtype, base.device
+        self.reader, self.tied, self.memory_plan = base.reader, base.tied, base.memory_plan
+        self.family, self.shape = family_for_config(self.config), model_shape(self.config)
+        check_fits(layout, self.shape)
+        self.model = skeleton(self.config, self.dtype, self.device)
+        inner, own = base.model.model, self.model.model
+        own.embed_tokens, own.norm, own.rotary_emb = inner.embed_tokens, inner.norm, inner.rotary_emb
+        self.model.lm_head = base.model.lm_head
+
+    def load_layer(self, i: int) -> nn.Module:
+        from models.sim.permute import reorder_layer_
+
+        layer = self.layer(i)
+        if next(layer.parameters()).is_meta:
+            layer.load_state_dict(self.base.load_layer(i).state_dict(), assign=True, strict=True)
+            reorder_layer_(layer, self.family, self.shape, self.layout.group_order(i), self.layout.neuron_order(i))
+        return layer
+
+    def release_all(self) -> None:
+        for i in range(self.num_layers):
+            self.release_layer(i)
+        self.base.release_all()
 
 
 def checkpoint_directory(source: Any, *, dtype: str, converted: Any = None) -> Path:

@@ -24,8 +24,9 @@ from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from models.export.resident import export_checkpoint, export_copy, export_rank_shards
+    from models.export.writer import export_layout
     from models.io.loading import ModelSource
+    from models.streaming.source import layer_source
 
     schedule = schedule_text(args)  # a bad --schedule fails before anything loads
     config = model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
@@ -34,20 +35,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     dtype = export_dtype(args, config)
     out = Path(args.out)
     ckpt, shards = out / "checkpoint", out / "shards"
-    if memory_plan(args, config, "export").stream:  # tensor by tensor: the same tensors
-        from models.export.streamed import streamed_export
-        from models.io.loading import DTYPES
-
-        streamed, tokenizer = streamed_model(args, config)
-        streamed_export(streamed.directory, config, layout, out, dtype=dtype, compute_dtype=DTYPES[args.dtype],
-                        tokenizer=tokenizer, overwrite=args.overwrite, progress=progress_bar(), schedule=schedule)
-    else:
-        model, tokenizer = load_model(args)
-        permuted = export_copy(model, layout, dtype)
-        ckpt = export_checkpoint(permuted, layout, ckpt, tokenizer=tokenizer, overwrite=args.overwrite)
-        shards = export_rank_shards(permuted, layout, shards, tokenizer=tokenizer,
-                                    overwrite=args.overwrite, progress=progress_bar(),
-                                    compute_dtype=next(model.parameters()).dtype, schedule=schedule)
+    # read tensor by tensor from the safetensors when the plan streams, else from the loaded model: the same tensors
+    model, tokenizer = streamed_model(args, config) if memory_plan(args, config, "export").stream else load_model(args)
+    source = layer_source(model)
+    export_layout(source, layout, checkpoint_dir=ckpt, shards_dir=shards, dtype=dtype, tokenizer=tokenizer,
+                  overwrite=args.overwrite, progress=progress_bar(), schedule=schedule, compute_dtype=source.dtype)
     print(f"layout {layout.name}: L={layout.devices} δ={layout.delta}; weights in "
           f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
@@ -63,8 +55,7 @@ def eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule: 
     `--from` run's calibration (or None)."""
     from models.data.calibration import CalibrationSpec, load_blocks
     from models.data.heldout import place
-    from models.evaluation.resident import evaluate
-    from models.streaming.layer_source import StreamedModel
+    from models.evaluation.evaluate import evaluate
 
     layout = layout_of(args, model.config)
     spec = CalibrationSpec(source=args.data, sequences=args.blocks, seq_len=args.seq_len, seed=0,
@@ -76,14 +67,9 @@ def eval_result(args: argparse.Namespace, model: Any, tokenizer: Any, schedule: 
                           allow_overlap=getattr(args, "allow_overlap", False))
         spec = placement.eval
     blocks = load_blocks(spec, tokenizer, vocab_size=model.config.vocab_size)
-    if isinstance(model, StreamedModel):  # layer by layer: the same statistics
-        from models.evaluation.streamed import streamed_evaluate
-
-        result = streamed_evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
-                                   schedule=schedule, progress=progress_bar())
-    else:
-        result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
-                          schedule=schedule, progress=progress_bar())
+    # in memory or layer by layer (a streamed model): the same statistics
+    result = evaluate(model, layout, blocks, batch_size=args.batch_size, last_scale=args.last_scale,
+                      schedule=schedule, progress=progress_bar())
     return result, placement.as_dict() if placement is not None else None
 
 
