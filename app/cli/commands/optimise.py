@@ -135,5 +135,21 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     resumed = f"; resumed: {', '.join(outcome.skipped)} done by an earlier run" if outcome.skipped else ""
     print(f"wrote {out}/affinity.safetensors, {out}/layouts/*.json, {out}/report.json"
           + ("" if not plan.optimise.export else f", {out}/checkpoint/, {out}/shards/") + f"  ({times}{resumed})")
+    if (out / "shards" / "manifest.json").is_file():
+        print(serve_line(out / "shards"))
     return 0
+
+
+def serve_line(shards: Path) -> str:
+    """The command that serves the exported shards with vLLM (docs/serving.md), or why it cannot."""
+    import json
+    import shlex
+
+    from models.serving.commands import SERVING_DOC
+
+    serving = json.loads((shards / "manifest.json").read_text()).get("serving") or {}
+    if not serving.get("architecture"):
+        return f"serve with vLLM: not available for model_type {serving.get('model_type')!r} ({SERVING_DOC})"
+    return (f"serve with vLLM (TP = L = {serving.get('devices')}; {SERVING_DOC}): "
+            + shlex.join(["dtp-layout", "vllm-serve", str(shards)]))
 

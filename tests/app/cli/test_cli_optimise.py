@@ -41,6 +41,8 @@ def test_optimise_writes_everything(checkpoint, calib, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "random expectation" in printed and "anti-optimised" in printed
+    # the exported shards' serve command (issue 28): vLLM at TP = L, the manifest's
+    assert f"serve with vLLM (TP = L = 2; docs/serving.md): dtp-layout vllm-serve {out / 'shards'}" in printed
     names = {p.stem for p in (out / "layouts").glob("*.json")}
     # The paper's seven spread layouts, and (restarts 4 by default) the equal-restarts reference.
     assert names == {"optimised", "contiguous", "random-1000", "random-1001", "random-1002", "anti-optimised",
