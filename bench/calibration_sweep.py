@@ -44,12 +44,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heldout-start", type=int, default=128, help="the first held-out block (after every size)")
     ap.add_argument("--restarts", type=int, default=2)
     ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--distill-sizes", default="", help="calibration sizes (blocks) whose optimised layouts are "
+                    "also distilled, with contiguous, under dtp:1 (e.g. 1,4,16,64); empty: none")
+    ap.add_argument("--distill-steps", type=int, default=40)
+    ap.add_argument("--distill-seeds", default="0")
     ap.add_argument("--quick", action="store_true", help="a tiny random llama and 32-token blocks: a smoke run")
     ap.add_argument("--work", default=None, help="default var/calibration-sweep[-quick]")
     args = ap.parse_args(argv)
     if args.quick:
         args.seq_len, args.sizes, args.heldout_blocks, args.restarts, args.devices = 32, "1,2,4", 2, 0, 2
-        args.heldout_start = 4
+        args.heldout_start, args.distill_steps = 4, 2
     args.work = Path(args.work or REPO / "var" / ("calibration-sweep-quick" if args.quick else "calibration-sweep"))
     return args
 
@@ -136,11 +140,12 @@ class Sweep:
         def j_on(result: Any, lay: Any) -> float:
             return float(score_both(result, lay.kv_group_device, lay.neuron_device, a.devices)["fo"]["J"])
 
-        rows = []
+        rows, layouts = [], {}
         for size in sizes:
             calibration = mean_affinity([self.block(i) for i in range(size)])
             built = build_layouts(calibration, devices=a.devices, delta=1, restarts=a.restarts, random_layouts=1)
             optimised = built["optimised"]
+            layouts[size] = optimised.with_name(f"calibrated-{size * a.seq_len}")
             row = {"blocks": size, "tokens": size * a.seq_len, "J_calibration": j_on(calibration, optimised),
                    "J_heldout": j_on(heldout, optimised)}
             for name, lay in built.items():
@@ -152,9 +157,58 @@ class Sweep:
         out = {"rule": RULE.format(tol=a.tolerance), "devices": a.devices, "text": a.text, "seq_len": a.seq_len,
                "heldout_tokens": a.heldout_blocks * a.seq_len, "rows": rows,
                "converged_tokens": converged_size(by_size, a.tolerance)}
+        if a.distill_sizes:
+            out["distill"] = self.distill([int(s) for s in a.distill_sizes.split(",")], layouts)
         a.work.mkdir(parents=True, exist_ok=True)
         (a.work / "results.json").write_text(json.dumps(out, indent=1))
         return out
+
+    def distill(self, sizes: list[int], layouts: dict[int, Any]) -> dict[str, Any]:
+        """The chosen sizes' optimised layouts and contiguous, each distilled under dtp:1 with the same seeds
+        and recipe (the study's 40 steps of 2 × 64 tokens), KL on 64 × 64 held-out tokens of the same text:
+        {layout: {seed: final KL}}."""
+        from models import distill
+        from models.data.calibration import CalibrationSpec
+
+        a = self.args
+        paths = []
+        for size in sizes:
+            path = a.work / "layouts" / f"{layouts[size].name}.json"
+            layouts[size].save(path)
+            paths.append(str(path))
+        seq_len, batch = (16, 1) if a.quick else (64, 2)
+        recipe = distill.DistillRecipe(steps=a.distill_steps, batch_size=batch, micro_batch_size=batch, lr=1e-4,
+                                       min_lr=1e-5, warmup_steps=max(1, a.distill_steps // 10),
+                                       eval_every=a.distill_steps, eval_batch_size=4)
+        spec = distill.DistillSpec(
+            layouts=(*paths, "contiguous"), devices=a.devices, delta=1,
+            seeds=tuple(int(s) for s in a.distill_seeds.split(",")), recipe=recipe,
+            train=CalibrationSpec(source=a.text, sequences=a.distill_steps * batch, seq_len=seq_len),
+            eval=CalibrationSpec(source=a.text, sequences=4 if a.quick else 64, seq_len=seq_len),
+            calibration=CalibrationSpec(source=a.text, sequences=max(sizes), seq_len=a.seq_len))
+        if self.tokenizer is None:  # the smoke run: token ids in files, as the data specs take them
+            spec = self._token_files(spec)
+        summary = distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=a.work / "distill",
+                                      keep_checkpoints=False, plot=False)
+        finals: dict[str, dict[int, float]] = {}
+        for path in sorted((a.work / "distill" / "runs").glob("*/seed-*/metrics.json")):
+            last = json.loads(path.read_text())["records"][-1]
+            finals.setdefault(last["layout"], {})[int(last["seed"])] = float(last["kl"])
+        print(json.dumps({"distill_final_kl": finals}), flush=True)
+        return {"steps": a.distill_steps, "final_kl": finals, "dense_ppl": summary.get("dense_ppl")}
+
+    def _token_files(self, spec: Any) -> Any:
+        import dataclasses
+
+        import numpy as np
+
+        ids = np.random.default_rng(0).integers(0, int(self.model.config.vocab_size), size=4096)
+        path = self.args.work / "tokens.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, ids)
+        return dataclasses.replace(spec, train=dataclasses.replace(spec.train, source=str(path)),
+                                   eval=dataclasses.replace(spec.eval, source=str(path)),
+                                   calibration=dataclasses.replace(spec.calibration, source=str(path)))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

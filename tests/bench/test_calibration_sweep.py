@@ -37,9 +37,13 @@ def test_the_converged_size_is_the_smallest_within_the_tolerance_of_every_larger
 
 
 def test_a_quick_sweep_scores_every_size_on_the_held_out_blocks(tmp_path):
-    out = sweep.main(["--quick", "--work", str(tmp_path)])
+    out = sweep.main(["--quick", "--work", str(tmp_path), "--distill-sizes", "1,4"])
     assert [r["tokens"] for r in out["rows"]] == [32, 64, 128]
     assert len(list((tmp_path / "blocks").glob("*.safetensors"))) == 4 + 2  # 4 calibration + 2 held out
     for row in out["rows"]:
         assert row["J_heldout_contiguous"] == out["rows"][0]["J_heldout_contiguous"]  # one yardstick for all
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == out["rows"]
+    # the distilled arms: two sizes' optimised layouts and contiguous, one seed each, a finite final KL
+    finals = out["distill"]["final_kl"]
+    assert set(finals) == {"calibrated-32", "calibrated-128", "contiguous"}
+    assert all(set(by_seed) == {0} and by_seed[0] >= 0 for by_seed in finals.values())
