@@ -40,7 +40,7 @@ VERDICT_RULE = ('"helps" only if every seed of the schedule-optimised layout end
                 "and random, and reaches contiguous's final KL (mean over its seeds) at least 1.5x sooner; "
                 'otherwise "not shown at this budget"')
 SPEEDUP = 1.5
-CALIBRATION_BLOCKS = 16  # × 1024 tokens: see bench/calibration_sweep.py
+CALIBRATION_BLOCKS = 8  # × 1024 tokens: where held-out J converged (bench/calibration_sweep.py, docs/method.md)
 OPTIMISED, OTHER, CONTIGUOUS = "optimised", "optimised-other", "contiguous"
 PREDICTORS = ("J_damage", "J_unit", "neg_missing_ffn_damage")  # higher: predicted lower KL
 

@@ -59,7 +59,7 @@ class DataError(ValueError):
 # Held-out J of the dtp:1 objective on SmolLM2-135M stops improving (within 1 %) at this many calibration
 # tokens (bench/calibration_sweep.py; docs/method.md): the defaults calibrate on at least this many, and a
 # run calibrated on fewer says so in its notes (a larger model may need more).
-CONVERGED_CALIBRATION_TOKENS = 16_384
+CONVERGED_CALIBRATION_TOKENS = 8_192
 
 
 @dataclass(frozen=True)

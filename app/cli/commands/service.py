@@ -79,7 +79,7 @@ def provision_packaged_model(settings: Any) -> dict[str, Any] | None:
 
 def example_curl(url: str, model: dict[str, Any] | None, api_keys: bool) -> str:
     spec = {"model": model or {"id": "NAME_UNDER_MODEL_ROOT"}, "devices": 3, "delta": 1,
-            "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
+            "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 1024},
             "random_layouts": 2, "export": {"checkpoint": True, "shards": True}}
     key = " -H 'X-API-Key: YOUR_KEY'" if api_keys else ""
     return (f"curl -s -X POST {url}/v1/jobs -H 'Content-Type: application/json'{key} \\\n"

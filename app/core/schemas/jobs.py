@@ -45,7 +45,7 @@ EXAMPLE_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
     "devices": 3,
     "delta": 1,
-    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 1024},
     "score": "fo",
     "random_layouts": 2,
     "ablations": False,
@@ -56,7 +56,7 @@ EXAMPLE_DISTILL_SPEC: dict[str, Any] = {
     "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
     "devices": 3,
     "delta": 1,
-    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 256},
+    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 1024},
     "random_layouts": 1,
     "export": False,
     "distill": {
