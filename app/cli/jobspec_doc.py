@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from app.cli.generated_doc import write_or_check
 from models.run.fields import FieldRule
 from models.run.jobspec import FIELDS, GROUPS, SpecField, SpecGroup
 
@@ -122,16 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.cli.jobspec_doc", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the tables differ from the job spec")
     args = parser.parse_args(argv)
-    page = DOC_PATH.read_text()
-    text = render(page)
-    if args.check:
-        if text != page:
-            print(f"{DOC_PATH}'s job-spec tables are out of date: run `python -m app.cli.jobspec_doc`", file=sys.stderr)
-            return 1
-        return 0
-    DOC_PATH.write_text(text)
-    print(f"wrote {DOC_PATH}", file=sys.stderr)
-    return 0
+    return write_or_check(DOC_PATH, render(DOC_PATH.read_text()), check=args.check,
+                          stale=f"{DOC_PATH}'s job-spec tables are out of date: run `python -m app.cli.jobspec_doc`")
 
 
 if __name__ == "__main__":

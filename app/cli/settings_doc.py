@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import annotated_types
 from pydantic.fields import FieldInfo
 
+from app.cli.generated_doc import write_or_check
 from app.core.settings import Settings
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
@@ -125,15 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.cli.settings_doc", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the settings model")
     args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not DOC_PATH.is_file() or DOC_PATH.read_text() != text:
-            print(f"{DOC_PATH} is out of date: run `python -m app.cli.settings_doc`", file=sys.stderr)
-            return 1
-        return 0
-    DOC_PATH.write_text(text)
-    print(f"wrote {DOC_PATH}", file=sys.stderr)
-    return 0
+    return write_or_check(DOC_PATH, render(), check=args.check,
+                          stale=f"{DOC_PATH} is out of date: run `python -m app.cli.settings_doc`")
 
 
 if __name__ == "__main__":
