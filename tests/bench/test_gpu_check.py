@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +76,7 @@ def test_a_budget_too_small_skips_every_stage_and_says_why(tmp_path):
     assert "**skipped**: time budget" in (tmp_path / gpu_check.MD_FILE).read_text()
 
 
+@pytest.mark.serial  # a wall-time bound (< 60 s)
 def test_the_watchdog_stops_a_hung_run_and_leaves_its_files(tmp_path):
     done, wall = run("--tiny", "--out", str(tmp_path), "--device", "cpu", "--skip-tests", "--budget-s", "3",
                      "--grace-s", "0.5", "--hang-in", "model", timeout=120)
