@@ -69,9 +69,15 @@ typecheck: $(STAMP)
 
 # `make test PYTEST_ARGS=--junitxml=var/junit.xml` keeps every test's time; the 20 slowest are always listed.
 PYTEST_ARGS ?=
+# pytest-xdist: PYTEST_WORKERS processes (PYTEST_WORKERS=0: one, in make's own pytest). With loadgroup a
+# file's tests run on one worker, the longest files first, and the `serial` tests one at a time with nothing
+# else running (tests/xdist_kit.py; docs/service.md#tests).
+PYTEST_WORKERS ?= 2
+PYTEST_DIST ?= loadgroup
+XDIST_ARGS := -n $(PYTEST_WORKERS) $(if $(filter 0,$(PYTEST_WORKERS)),,--dist $(PYTEST_DIST))
 pytest: $(STAMP)
 	@$(MAKE) --no-print-directory check-chromium
-	$(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/python -m pytest $(XDIST_ARGS) --durations=20 $(PYTEST_ARGS); status=$$?; \
 		$(MAKE) --no-print-directory check-chromium; exit $$status
 
 # The dashboard's browser tests drive Debian's Chromium (tests/browser_kit.py looks in these places, then PATH,
@@ -99,12 +105,13 @@ test: lint typecheck pytest
 
 # The quick loop: lint and the tests that start no Celery worker, browser, venv or real model.
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not real and not worker and not browser and not install and not vllm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST_ARGS) -m "not real and not worker and not browser and not install and not vllm" \
+		$(PYTEST_ARGS)
 
 # Everything, with the bench-scale variants of the proofs (`long`: resuming a sharded distillation at W = 2
 # and 4 as well as at W = 1).
 test-long: $(STAMP)
-	DTP_LAYOUT_TEST_LONG=1 $(BIN)/python -m pytest --durations=20 $(PYTEST_ARGS)
+	DTP_LAYOUT_TEST_LONG=1 $(BIN)/python -m pytest $(XDIST_ARGS) --durations=20 $(PYTEST_ARGS)
 
 # The wheel and the sdist in dist/, for a machine without the checkout: dtp-layout is on no public index, so
 # `pip install 'dist/dtp_layout-0.1.0-py3-none-any.whl[worker]'` there (install CPU or CUDA torch first).

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+from tests import xdist_kit
+
+# Intra-op threads: the cores, at most 2, shared among the xdist workers (`make test` runs 2 on 2 cores: one
+# thread each); a `serial` test, which runs alone, gets them all (pytest_runtest_protocol below).
+TORCH_THREADS = max(1, min(2, os.cpu_count() or 1))
+WORKER_THREADS = max(1, TORCH_THREADS // max(1, xdist_kit.WORKER_COUNT))
+torch.set_num_threads(WORKER_THREADS)
 
 # The model commands keep converted GGUF copies (models.io.converted) and the concatenated corpus under
 # $DTP_LAYOUT_CACHE_DIR: this session's, and the processes it starts, go to a directory of its own, never
@@ -21,6 +27,8 @@ os.environ["DTP_LAYOUT_CACHE_DIR"] = TEST_CACHE_DIR
 
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(TEST_CACHE_DIR, ignore_errors=True)
+    if _xdist is not None:
+        _xdist.finish()
 
 
 # Tests marked `long` are the bench-scale variants of proofs whose short version runs by default (`make test`
@@ -29,12 +37,66 @@ LONG_TESTS = os.environ.get("DTP_LAYOUT_TEST_LONG") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
+    if _xdist is not None:
+        _xdist.collected(items)
     if LONG_TESTS:
         return
     skip = pytest.mark.skip(reason="a bench-scale variant: set DTP_LAYOUT_TEST_LONG=1 (make test-long)")
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- pytest-xdist (tests/xdist_kit.py) ------------------------------------------------------------------
+
+_xdist: xdist_kit.Run | None = None
+
+
+def pytest_configure(config):
+    global _xdist
+    _xdist = xdist_kit.Run(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The controller: each worker is told the run's shared directory (the serial lock, the serial tests)."""
+    assert _xdist is not None
+    node.workerinput[xdist_kit.SHARED_KEY] = str(_xdist.shared_dir())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, a `serial` test runs alone: the other workers' tests wait until it (and the `serial`
+    tests right after it on this worker) have finished, teardown included, and it has every core."""
+    lock = _xdist.lock if _xdist is not None else None
+    if lock is None:
+        return (yield)
+    serial = xdist_kit.is_serial(item)
+    if serial:
+        lock.exclusive()
+        torch.set_num_threads(TORCH_THREADS)
+    else:
+        lock.shared()
+    try:
+        return (yield)
+    finally:
+        if not (serial and xdist_kit.is_serial(nextitem)):
+            torch.set_num_threads(WORKER_THREADS)
+            lock.release()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: a file's tests together on one worker, the longest files first, the `serial`
+    tests one group, last (tests/xdist_kit.py). Other --dist modes are xdist's own."""
+    if config.getvalue("dist") == "loadgroup" and _xdist is not None:
+        return _xdist.scheduler(log)
+    return None
+
+
+def pytest_runtest_logreport(report):
+    if _xdist is not None:  # the controller (or a run without xdist): each test's time, for the next order
+        _xdist.add(report)
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +120,29 @@ def smollm2():
 # Tests marked `postgres` / `redis` need the real servers on 127.0.0.1 (override with
 # DTP_LAYOUT_TEST_POSTGRES_URL / DTP_LAYOUT_TEST_REDIS_URL). Unreachable: skipped, or failed when CI=true.
 # The terminal summary lists the server-backed tests that were skipped and why.
+#
+# Under pytest-xdist each worker is a session of its own: its databases are named with its id
+# (`dtp_api_gw1_…`), and its broker keys live in a Redis database of its own (gw0: 1, gw1: 2, …; the URL's
+# own database without xdist) under a prefix of its own, so two workers never see each other's rows, queues
+# or keys.
 
 SERVER_MARKERS = ("postgres", "redis", "worker", "browser")
 POSTGRES_ADMIN_URL = os.environ.get("DTP_LAYOUT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("DTP_LAYOUT_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_DATABASES = 16  # Redis's default `databases`
+
+
+def worker_redis_url(url: str) -> str:
+    """`url` with this xdist worker's own database number (the URL's number + 1 + the worker's index, modulo
+    16); the URL as it is without xdist."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    index = xdist_kit.worker_index()
+    if index is None:
+        return url
+    parts = urlsplit(url)
+    base = int(parts.path.strip("/") or 0)
+    return urlunsplit(parts._replace(path=f"/{(base + 1 + index) % REDIS_DATABASES}"))
 
 
 def server_unavailable(what: str, reason: str) -> None:
@@ -92,7 +173,7 @@ class PostgresServer:
 
         from sqlalchemy.engine import make_url
 
-        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        name = f"{prefix}_{xdist_kit.worker_tag()}_{uuid.uuid4().hex[:12]}"
         self.conn.execute(f'CREATE DATABASE "{name}"')
         self.created.append(name)
         return make_url(self.admin_url).set(database=name).render_as_string(hide_password=False)
@@ -130,18 +211,20 @@ def postgres_url(postgres_server):
 
 @pytest.fixture(scope="session")
 def redis_broker():
-    """(broker URL, key prefix): every broker key of this session carries the prefix; deleted at the end."""
+    """(broker URL, key prefix): every broker key of this session carries the prefix; deleted at the end.
+    Under xdist the URL names this worker's own Redis database and the prefix names the worker."""
     import uuid
 
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+    url = worker_redis_url(REDIS_URL)
+    client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
     except Exception as exc:
-        server_unavailable("Redis", f"{REDIS_URL}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    prefix = f"dtp-test-{uuid.uuid4().hex[:12]}:"
-    yield REDIS_URL, prefix
+        server_unavailable("Redis", f"{url}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    prefix = f"dtp-test-{xdist_kit.worker_tag()}-{uuid.uuid4().hex[:12]}:"
+    yield url, prefix
     for key in client.scan_iter(match=f"{prefix}*"):
         client.delete(key)
     client.close()

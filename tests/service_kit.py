@@ -16,6 +16,7 @@ import numpy as np
 
 from app.core.settings import Settings
 from tests.faults import Faults
+from tests.xdist_kit import free_port  # this xdist worker's own port range (the kits import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = "tiny"  # a llama with 4 KV groups, FFN width 96, 3 layers, vocabulary 97 (tests/tiny.py)
@@ -271,14 +272,6 @@ def wait_for(client: Any, job_id: str, statuses: tuple[str, ...] = ("succeeded",
         time.sleep(0.1)
     tail = worker.log()[-4000:] if worker is not None else ""
     raise TimeoutError(f"job {job_id} still {job.get('status')}/{job.get('stage')} after {timeout}s: {job}\n{tail}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServeProcess:

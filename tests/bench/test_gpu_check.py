@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,6 +82,7 @@ def test_a_budget_too_small_skips_every_stage_and_says_why(tmp_path):
     assert "Not applicable here: distill-sharded (" in md and "serve-vllm (no GPU visible; vLLM TP=2 needs 2" in md
 
 
+@pytest.mark.serial  # a wall-time bound (< 60 s)
 def test_the_watchdog_stops_a_hung_run_and_leaves_its_files(tmp_path):
     done, wall = run("--tiny", "--out", str(tmp_path), "--device", "cpu", "--skip-tests", "--budget-s", "3",
                      "--grace-s", "0.5", "--hang-in", "model", timeout=120)

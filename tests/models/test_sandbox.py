@@ -57,6 +57,7 @@ def test_the_value_comes_back():
     assert run_limited(_value, (21,), limits=LIMITS, what="x") == {"twice": 42}
 
 
+@pytest.mark.serial  # CPU-second and wall-clock limits, a wall-time bound
 @pytest.mark.parametrize(("target", "reason", "words"), [
     (_allocate, "memory", "huge.bin: reading it needs more than 256 MiB of memory (MEM)"),
     (_spin, "cpu", "spin.json: reading it took more than 2 CPU seconds (CPU)"),

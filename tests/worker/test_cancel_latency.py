@@ -31,7 +31,8 @@ from tests.faults import Faults
 from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for, worker_settings
 from worker.jobs import run_job
 
-pytestmark = [pytest.mark.postgres]
+# serial: cancel latency against LATENCY_S
+pytestmark = [pytest.mark.postgres, pytest.mark.serial]
 
 # A tick (1 s) plus one unit of work: here the stage delay (0.1 s) and one forward of up to 16 384 tokens
 # through the teacher and the student, up to a second on 2 shared CPU cores (milliseconds on a GPU).

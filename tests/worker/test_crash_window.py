@@ -53,6 +53,7 @@ def _events(settings: Settings, job_id: str) -> list[JobEvent]:
         return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
 
 
+@pytest.mark.serial  # busy-loops both cores; latency bound (≤ 0.5 s)
 def test_worker_killed_before_its_claim_costs_a_restart_not_the_requeue_period(tmp_path):
     """`serve` (SQLite, its supervised worker): the worker dies holding the job's message, before the
     claim; the supervisor restarts it and the job runs at once — with REQUEUE_AFTER_S at 600 s. Then, with
@@ -164,6 +165,7 @@ def test_a_message_for_another_databases_job_is_an_error_and_goes_back_boundedly
         worker.stop()
 
 
+@pytest.mark.serial  # kills a worker; a wall-time bound
 def test_on_redis_a_worker_killed_before_its_claim_costs_the_next_worker_start(tmp_path, postgres_server, redis_broker):
     """Postgres and Redis, workers on other machines (no supervisor): the worker dies holding the job's
     message, before the claim, and nothing restarts it. The next worker to start — a replacement, or one

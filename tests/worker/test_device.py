@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from app.core.caller import OPEN
-from app.core.db import Job, JobEvent, database
+from app.core.db import Job, JobEvent
 from app.core.events import device as job_device
 from app.core.events import job_events
-from app.core.migrate import upgrade
 from app.core.schemas.jobs import JobSpec
 from app.core.services.jobs import job_view, submit_job
 from models.io.loading import ModelLoadError
-from tests.service_kit import make_settings, provision, spec
+from tests.service_kit import spec
 from worker import device as D
 from worker.jobs import run_job
 
@@ -88,14 +87,6 @@ def test_job_device_is_the_latest_attempts():
                JobEvent(kind="stage-done", stage="loading")]
     assert job_device(history) == {"device": "cuda:0"}
     assert job_device([JobEvent(kind="submitted")]) is None and job_device([]) is None
-
-
-@pytest.fixture
-def embedded(tmp_path):
-    settings = make_settings(tmp_path, device="cpu")
-    upgrade(settings.database_url)
-    provision(settings)
-    return settings, database(settings.database_url)
 
 
 def submit(settings, db, **overrides) -> str:

@@ -82,6 +82,7 @@ def test_stored_spec_that_no_longer_validates_fails_with_the_reason(tmp_path):
     assert job.error.startswith("the stored job spec no longer validates: ") and "devices" in job.error, job.error
 
 
+@pytest.mark.serial  # a wall-time bound (< 8 s)
 def test_stalled_run_is_retried_then_failed_with_the_reason(tmp_path, inject_faults):
     """A loading stage that never returns and never reports progress (a hung download)."""
     inject_faults(hang_stage="loading")
@@ -141,6 +142,7 @@ def test_time_limits_grow_with_the_job_and_are_bounded(tmp_path):
     assert settings.time_limits(10**9)[0] == 1000
 
 
+@pytest.mark.serial  # a latency bound (< 3 s)
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising"])
 def test_cancel_is_honoured_within_seconds_in_a_hung_stage(tmp_path, stage, inject_faults):
     from app.core.services.jobs import cancel_job

@@ -9,7 +9,8 @@ import pytest
 from bench.kill_soak import PRE_CLAIM, run_soak
 from tests.service_kit import worker_settings
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
+# serial: the kill soak
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker, pytest.mark.serial]
 
 
 def test_kill_soak_short(tmp_path, postgres_server, redis_broker):

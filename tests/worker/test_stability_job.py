@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from sqlalchemy import select
 
 from app.core.caller import OPEN
-from app.core.db import Artifact, Job, LayoutRow, database
+from app.core.db import Artifact, Job, LayoutRow
 from app.core.events import job_events
-from app.core.migrate import upgrade
 from app.core.schemas.jobs import JobSpec
 from app.core.services.jobs import job_view, submit_job
 from app.core.storage.root import Storage
 from models.run.files import kind_of
-from tests.service_kit import make_settings, provision, spec
+from tests.service_kit import spec
 from worker.jobs import run_job
-
-
-@pytest.fixture
-def embedded(tmp_path):
-    settings = make_settings(tmp_path, device="cpu")
-    upgrade(settings.database_url)
-    provision(settings)
-    return settings, database(settings.database_url)
 
 
 def submit(settings, db, **overrides) -> str:

@@ -4,29 +4,19 @@ by layer and tensor by tensor, and the outputs equal those of the same job witho
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from sqlalchemy import select
 
 from app.core.caller import OPEN
-from app.core.db import Artifact, database
-from app.core.migrate import upgrade
+from app.core.db import Artifact
 from app.core.schemas.jobs import JobSpec
 from app.core.services.jobs import submit_job
 from app.core.storage.root import Storage
 from models.streaming.layer_source import StreamedModel
 from models.streaming.memory_plan import plan_memory
-from tests.service_kit import TINY_MODEL, job_history, make_settings, provision, spec
+from tests.service_kit import TINY_MODEL, job_history, spec
 from worker.jobs import run_job
-
-
-@pytest.fixture
-def embedded(tmp_path):
-    settings = make_settings(tmp_path, device="cpu")
-    upgrade(settings.database_url)
-    provision(settings)
-    return settings, database(settings.database_url)
 
 
 def _artifacts(settings, db, job_id) -> dict[str, object]:

@@ -21,7 +21,7 @@ from app.api.main import create_app
 from app.core.db import Job, database, utcnow
 from app.core.keys import create_key
 from app.core.migrate import upgrade
-from tests.service_kit import make_settings, provision, spec
+from tests.service_kit import free_port, make_settings, provision, spec
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -61,6 +61,7 @@ def crafted_model(settings, name, **config):
     return name
 
 
+@pytest.mark.serial  # a latency bound (median < 0.1 s)
 def test_crafted_configs_answer_422_in_milliseconds(base):
     """2^40 heads (a loop over the heads would never finish), 2^24 heads (0.77 s on main), and the
     largest accepted dimensions with an L that divides nothing (the valid L from the divisors of gcd)."""
@@ -93,9 +94,7 @@ def test_crafted_configs_answer_422_in_milliseconds(base):
 def _serve(base, tmp_path):
     """The API under uvicorn in a subprocess (a real HTTP server, its own memory), on a free port."""
     root, kwargs, _ = base
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, **make_settings(root, **kwargs).worker_env()}
     log = open(tmp_path / "uvicorn.log", "wb")  # noqa: SIM115 (the subprocess's)
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.api.main:create_app", "--factory",
@@ -207,6 +206,7 @@ EVAL_HEAVY = {"layouts": ["optimised"], "steps": 9_998, "train": {"source": "cal
               "recipe": {"batch_size": 1, "micro_batch_size": 1, "eval_every": 1, "eval_batch_size": 65_536}}
 
 
+@pytest.mark.serial  # a latency bound (median < 0.1 s)
 def test_every_unit_of_work_is_counted_at_submit(base):
     """Evaluation (every cadence, run and block) and layout work (optimiser starts, layouts scored)
     count in the job's work tokens: 10¹⁰ evaluation tokens are 422 naming DTP_LAYOUT_MAX_EVAL_TOKENS,
@@ -388,6 +388,7 @@ def test_spec_strings_and_filters_are_nfc_normalised(base):
         assert lists[0].json() == lists[1].json()
 
 
+@pytest.mark.serial  # a latency bound (median < 1 s)
 def test_the_key_and_the_rate_limit_come_before_the_body(base, tmp_path):
     """A malformed or deeply nested body from a caller without a valid key is 401, over the rate limit
     429: the body is never parsed. On a real server, a request announcing a body it never sends is

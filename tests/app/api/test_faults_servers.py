@@ -39,7 +39,8 @@ from tests.service_kit import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
+# serial: it stops and freezes private servers and bounds the submit's time (SUBMIT_BOUND_S)
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker, pytest.mark.serial]
 SUBMIT_BOUND_S = 6.0  # "within ~5 s": publish connect/socket timeouts of 2 s, one retry
 LEASE_S = 3.0
 OUTAGE_S = 8.0  # the database outage: longer than the lease, which expires while it is away

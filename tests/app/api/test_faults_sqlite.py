@@ -50,6 +50,7 @@ def service(tmp_path):
         yield settings, client, job_id, queued.id
 
 
+@pytest.mark.serial  # a latency bound (READ_BOUND_S)
 def test_reads_never_wait_behind_a_writer(service):
     settings, client, job_id, queued = service
     db_file = settings.database_url.removeprefix("sqlite:///")

@@ -39,7 +39,8 @@ from tests.hostile_kit import (
 )
 from tests.service_kit import make_settings, provision
 
-pytestmark = [pytest.mark.postgres]
+# serial: latency bounds of bystanders and an RSS bound
+pytestmark = [pytest.mark.postgres, pytest.mark.serial]
 REPO = Path(__file__).resolve().parents[3]
 
 

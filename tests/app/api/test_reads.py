@@ -184,6 +184,7 @@ def test_the_gguf_metadata_cache_is_per_tenant(idle_api, tmp_path, capsys):
         print(f"\nsubmit seconds with a GGUF model: {seconds}")
 
 
+@pytest.mark.serial  # a latency bound (< 2 s)
 def test_models_there_at_start_are_read_before_the_first_submit(idle_api, tmp_path, monkeypatch):
     """Issue 30 item 10: the first submit naming the packaged GGUF took 9.2 s (its metadata read then).
     What submit reads of the models under the model root and in the hub cache is read at start, into

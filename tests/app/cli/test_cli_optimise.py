@@ -154,6 +154,7 @@ def _files(out, *, across_runs=False):
     return files
 
 
+@pytest.mark.serial  # compares two wall times
 def test_rerun_in_the_same_out_skips_every_finished_stage(checkpoint, calib, tmp_path, capsys):
     import time
 

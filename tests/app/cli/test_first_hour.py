@@ -127,6 +127,7 @@ def test_arguments_are_refused_before_the_model_loads(command, flag, message, no
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.serial  # a wall-time bound (< 8 s)
 def test_eval_refuses_a_bad_argument_in_a_second_not_after_the_load(tmp_path):
     """Measured through the real command on the packaged model: the load alone takes 9–15 s."""
     import subprocess

@@ -51,14 +51,6 @@ def run(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-@pytest.fixture
-def env(keyed_service, monkeypatch):
-    """The service and the `ci` key from the environment, as a CI job would set them."""
-    monkeypatch.setenv("DTP_LAYOUT_URL", keyed_service.url)
-    monkeypatch.setenv("DTP_LAYOUT_API_KEY", API_KEYS["ci"])
-    return keyed_service
-
-
 @pytest.fixture(scope="module")
 def submitted(keyed_service, tmp_path_factory):
     """`client submit SPEC.json --devices 2 --random 1 --wait`: a spec file with flags on top."""
@@ -389,6 +381,7 @@ def test_exit_status_of_every_command_for_every_job_state(env, seeded_jobs, tmp_
 
 # ---- wait against a service that does not answer -----------------------------------------------------
 
+@pytest.mark.serial  # a wall-time bound (3–8 s)
 def test_wait_says_what_it_waits_for_while_the_service_is_unreachable():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     started = time.monotonic()

@@ -8,18 +8,9 @@ import pytest
 
 from app.client.http import LayoutClient
 from tests.app.client.test_client import run
-from tests.app.conftest import API_KEYS
 from tests.service_kit import delete_jobs, make_settings, seed_finished_job
 
 pytestmark = [pytest.mark.worker]
-
-
-@pytest.fixture
-def env(keyed_service, monkeypatch):
-    """The service and the `ci` key from the environment, as a CI job would set them."""
-    monkeypatch.setenv("DTP_LAYOUT_URL", keyed_service.url)
-    monkeypatch.setenv("DTP_LAYOUT_API_KEY", API_KEYS["ci"])
-    return keyed_service
 
 
 def test_after_delete_the_job_its_artifacts_status_and_download_say_they_are_gone(env, tmp_path):

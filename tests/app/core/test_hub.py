@@ -133,6 +133,7 @@ def test_a_job_that_cannot_fit_its_memory_limit_even_streamed_is_422_on_max_memo
         Settings(var_dir=tmp_path / "var", max_memory="lots")
 
 
+@pytest.mark.serial  # a wall-time bound (< 1 s)
 def test_a_hostile_gguf_from_the_hub_or_the_model_root_is_refused_before_any_loader(tmp_path, hub_cache):
     """A hub repository is anyone's: a GGUF whose header declares a 2^62-element array is refused by the
     bounded reader (models.io.gguf_header) in milliseconds, never handed to a loader that loops over it."""

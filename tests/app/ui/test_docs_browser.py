@@ -31,12 +31,6 @@ def served(tmp_path_factory):
     serve.stop()
 
 
-@pytest.fixture(scope="module")
-def playwright():
-    with browser_kit.playwright_or_skip() as p:
-        yield p
-
-
 def operations(url: str) -> int:
     spec = httpx.get(f"{url}/openapi.json").json()
     return sum(1 for item in spec["paths"].values() for method in item if method in ("get", "post", "put", "delete"))

@@ -19,12 +19,6 @@ from tests.service_kit import delete_jobs, make_settings, seed_finished_job
 pytestmark = [pytest.mark.worker, pytest.mark.browser]
 
 
-@pytest.fixture(scope="module")
-def playwright():
-    with browser_kit.playwright_or_skip() as p:
-        yield p
-
-
 def test_list_and_job_page_agree_on_the_time_and_the_narrow_list_filters_by_owner(keyed_service, playwright,
                                                                                    tmp_path):
     url = keyed_service.url

@@ -17,12 +17,6 @@ from tests.service_kit import make_settings, seed_finished_job
 pytestmark = [pytest.mark.worker, pytest.mark.browser]
 
 
-@pytest.fixture(scope="module")
-def playwright():
-    with browser_kit.playwright_or_skip() as p:
-        yield p
-
-
 def test_storage_page_uploads_and_deletes_and_the_job_page_deletes_artifacts(keyed_service, playwright, tmp_path):
     url = keyed_service.url
     headers = {"X-API-Key": API_KEYS["alice"]}

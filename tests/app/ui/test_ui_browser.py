@@ -29,12 +29,6 @@ STAGES = ["queued", "loading", "calibration", "affinity", "optimising", "exporti
 LAYOUTS = {"optimised", *ablation_names("fo", restarts=4), "contiguous", "random-1000"}
 
 
-@pytest.fixture(scope="module")
-def playwright():
-    with browser_kit.playwright_or_skip() as p:
-        yield p
-
-
 class Watch:
     """Console errors, page errors, and every request (to check where the key goes)."""
 

@@ -16,6 +16,9 @@ import pytest
 from models.runtime import DTPRuntime, RankFailure, RuntimeStopped
 from tests.tiny import tokens
 
+# serial: ranks killed, stopped and hung, each failure noticed within a bounded wall time
+pytestmark = pytest.mark.serial
+
 
 def _generate_in_background(rt: DTPRuntime) -> tuple[threading.Thread, dict[str, BaseException]]:
     """A long generation (an emulated 2 ms link makes every token slow) running in a thread."""

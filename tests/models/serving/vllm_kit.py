@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.xdist_kit import free_port  # this xdist worker's own port range
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("DTP_LAYOUT_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
@@ -51,12 +52,6 @@ def export_tiny(out: Path, *, case: str, schedule: str, devices: int = 2, seed: 
     export_checkpoint(permuted, layout, out / "checkpoint", tokenizer=tokenizer)
     export_rank_shards(permuted, layout, out / "shards", tokenizer=tokenizer, schedule=schedule)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_env(tp: int = 2) -> dict[str, str]:
