@@ -4,11 +4,14 @@
   per-worker Postgres database names, Redis database number and key prefix (tests/conftest.py) and the
   per-worker TCP port ranges (`free_port`).
 - `serial` tests run alone: a test marked `serial` holds a lock the other workers' tests wait for, so that
-  nothing else runs while it measures a wall time, a latency or an RSS against its bound (`SerialLock`).
+  nothing else runs while it measures a wall time, a latency or an RSS against its bound (`SerialLock`,
+  in a directory the controller makes and hands each worker: `Run`).
 - The schedule: with `--dist loadgroup`, the tests of one file go to one worker together (its module
-  fixtures, a running service or worker, are set up once), the `serial` tests are one group, and the
-  files go out longest first (the times of the last run, kept in pytest's cache; markers estimate the
-  time of a file never timed) so that no long file starts last (`FileGroupScheduling`).
+  fixtures, a running service or worker, are set up once), the `serial` tests are one group, last, and the
+  files go out longest first (each test's time in the last run, kept in pytest's cache; else the file's
+  average in tests/xdist_durations.json) so that no long file starts last (`make_scheduler`). xdist's own
+  loadgroup reads `xdist_group` marks through a node-id suffix that pytest 9 no longer honours; the
+  workers list their `serial` tests in the shared directory instead.
 """
 
 from __future__ import annotations

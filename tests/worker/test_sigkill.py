@@ -21,8 +21,12 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 @pytest.fixture
 def settings(tmp_path, postgres_server, redis_broker):
-    # A short lease so that the dead worker's job is re-enqueued within seconds.
-    return worker_settings(tmp_path, postgres_server, redis_broker, "kill", lease_s=2.0)
+    # A short lease so that the dead worker's job is re-enqueued within seconds (the sweeper's `requeued`).
+    # The dead worker's own message comes back only after the visibility timeout (default 2 × LEASE_S, at
+    # least 10 s): on a loaded machine the kill and the second worker's start took longer than that, the
+    # second worker got the old message back before its sweeper ran and claimed the job with no `requeued`
+    # event. Far past the test's end, it cannot race the sweep this test checks.
+    return worker_settings(tmp_path, postgres_server, redis_broker, "kill", lease_s=2.0, visibility_timeout_s=600)
 
 
 # A stage delay (tests/faults.py) so that the affinity stage is reliably in progress when the worker is killed.
