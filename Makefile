@@ -103,10 +103,11 @@ chromium:
 
 test: lint typecheck pytest
 
-# The quick loop: lint and the tests that start no Celery worker, browser, venv or real model.
+# The quick loop: lint and the tests that start no Celery worker, browser, venv or real model, nor the `serial`
+# ones (timing bounds that run alone; `make test` runs them).
 test-fast: lint
-	$(BIN)/python -m pytest -q $(XDIST_ARGS) -m "not real and not worker and not browser and not install and not vllm" \
-		$(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST_ARGS) \
+		-m "not real and not worker and not browser and not install and not vllm and not serial" $(PYTEST_ARGS)
 
 # Everything, with the bench-scale variants of the proofs (`long`: resuming a sharded distillation at W = 2
 # and 4 as well as at W = 1).
