@@ -1,3 +1,4 @@
-"""Communication schedules: the grammar and the per-module (b_n, s_n, a_n) table (grammar) and
-spd:auto:K's sensitivity rule (spd_auto).
+"""Communication schedules: the grammar (a string → `ScheduleSpec`), the presets as a registry (one class
+each: parse, format, table), the per-module (b_n, s_n, a_n) table (`table.Schedule`) and spd:auto:K's
+sensitivity rule (spd_auto).
 """
