@@ -52,11 +52,9 @@ EXAMPLE_SPEC: dict[str, Any] = {
     "export": {"checkpoint": True, "shards": True},
     "distill": None,
 }
+# The same job, distilling its optimised layout against two baselines instead of exporting it.
 EXAMPLE_DISTILL_SPEC: dict[str, Any] = {
-    "model": {"id": "smollm2-135m", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"},
-    "devices": 3,
-    "delta": 1,
-    "calibration": {"source": "corpus:shakespeare", "sequences": 8, "seq_len": 1024},
+    **{key: EXAMPLE_SPEC[key] for key in ("model", "devices", "delta", "calibration")},
     "random_layouts": 1,
     "export": False,
     "distill": {
