@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from app.cli.main import main
-from tests.app.client.test_client import env, run, submitted  # noqa: F401  (fixtures)
+from tests.app.client.test_client import run, submitted  # noqa: F401  (a fixture; `env` is in conftest.py)
 
 pytestmark = [pytest.mark.worker]
 
