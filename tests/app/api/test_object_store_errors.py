@@ -1,0 +1,29 @@
+"""An S3 call that fails after botocore's retries (a 500 from the store, as moto answered once under load)
+is an outage for the caller: a JSON 503 with Retry-After, never the API's 500."""
+
+from __future__ import annotations
+
+from botocore.exceptions import ClientError
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.api import errors
+
+
+def test_a_failed_object_store_call_is_a_503_not_a_500():
+    app = FastAPI()
+    errors.install(app)
+
+    @app.put("/part")
+    def put_part() -> None:
+        raise ClientError({"Error": {"Code": "InternalError", "Message": "Internal Server Error"}}, "UploadPart")
+
+    @app.get("/bug")
+    def bug() -> None:
+        raise RuntimeError("a bug")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    failed = client.put("/part")
+    assert failed.status_code == 503 and failed.headers["Retry-After"] == "5"
+    assert failed.json()["error"] == "object_store_unavailable" and "object store" in failed.json()["detail"]
+    assert client.get("/bug").status_code == 500  # anything else stays a logged bug
