@@ -33,10 +33,12 @@ from app.core.errors import (  # noqa: F401  (raised by routes, answered here)
     RangeNotSatisfiable,
     ServiceUnavailable,
     SpecError,
+    StoreUnreachable,
     TooManyRequests,
     Unauthorized,
     redact_paths,
 )
+from app.core.storage.root import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +162,12 @@ def install(app: FastAPI) -> None:
         # A bug: the traceback goes to the log, the caller gets JSON without internals. Starlette calls
         # this outside every middleware, so the request id is taken from the request's state.
         rid = getattr(request.state, "request_id", None)
-        if type(exc).__module__.split(".")[0] in ("botocore", "boto3"):
-            # the S3 store failed or refused a call after botocore's own retries: an outage, not a bug
+        if isinstance(exc, StoreUnavailable) or type(exc).__module__.split(".")[0] in ("botocore", "boto3"):
+            # the object store failed a call (after botocore's own retries) where no route mapped it to
+            # StoreUnreachable: the same outage answer, not a bug
             log.warning("object store error [request_id=%s]: %s", rid, exc)
             return error_response(503, "the object store failed the request (logged); try again shortly", None,
-                                  {"Retry-After": "5"}, code="object_store_unavailable")
+                                  {"Retry-After": "5"}, code=StoreUnreachable.code)
         log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
         return error_response(500, f"internal error (logged on the server with request id {rid})", None,
                               {"X-Request-ID": rid} if rid else None, code="internal_error")
