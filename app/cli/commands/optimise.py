@@ -141,15 +141,14 @@ def cmd_optimise(args: argparse.Namespace) -> int:
 
 
 def serve_line(shards: Path) -> str:
-    """The command that serves the exported shards with vLLM (docs/serving.md), or why it cannot."""
-    import json
+    """The command that serves the exported shards with vLLM (docs/serving.md), or why it cannot: the
+    manifest read and judged as a job's summary does (models.serving.commands.serve_summary)."""
     import shlex
 
-    from models.serving.commands import SERVING_DOC
+    from models.serving.commands import serve_summary
 
-    serving = json.loads((shards / "manifest.json").read_text()).get("serving") or {}
-    if not serving.get("architecture"):
-        return f"serve with vLLM: not available for model_type {serving.get('model_type')!r} ({SERVING_DOC})"
-    return (f"serve with vLLM (TP = L = {serving.get('devices')}; {SERVING_DOC}): "
+    serve = serve_summary("", exported_shards=True, shards_dir=shards)
+    if not serve["available"]:
+        return f"serve with vLLM: not available: {serve['why']}"
+    return (f"serve with vLLM (TP = L = {serve['devices']}; {serve['docs']}): "
             + shlex.join(["dtp-layout", "vllm-serve", str(shards)]))
-
