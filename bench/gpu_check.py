@@ -346,7 +346,9 @@ def stage_optimise(check: Check, affinity: Any, rec: dict[str, Any]) -> dict[str
 def stage_export(check: Check, model: Any, layouts: dict[str, Any], rec: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
-    from models.export.resident import checkpoint_state, permuted_copy, rank_slice, read_manifest
+    from models.export.files import checkpoint_state, read_manifest
+    from models.export.resident import permuted_copy
+    from models.families.plan import rank_slice
     from models.run import pipeline
 
     work = Path(tempfile.mkdtemp(prefix="dtp-gpu-check-export-"))

@@ -105,13 +105,19 @@ def missing_ffn_damage(edges: list[dict[str, Any]]) -> float:
 # other layer's sync, spd:auto:8 drops the 8 syncs SPD's cumulative rule picks).
 SCHEDULES = "dtp:1 dtp:2 pt:2 pt:4 dtp:1@15 spd:auto:8"
 PRESETS: dict[str, dict[str, Any]] = {
-    # the 2-core CPU: 100 steps of 4 × 64 tokens, evaluations on 64 × 64 = 4,096 tokens of each domain
-    "cpu": {"steps": 100, "batch_size": 4, "seq_len": 64, "eval_every": 25, "eval_blocks": 64, "eval2_blocks": 64},
+    # the 2-core CPU in about two hours (54 runs on two pinned one-thread processes, measured: 4 × 64 tokens
+    # a step ≈ 2.6 s, an evaluation of 4,096 tokens ≈ 10 s): 50 steps of 4 × 64 tokens, evaluations on
+    # 64 × 64 = 4,096 tokens of each domain, the primary every 10 steps
+    "cpu": {"steps": 50, "batch_size": 4, "seq_len": 64, "eval_every": 10, "eval_blocks": 64, "eval2_blocks": 64},
+    # the example budget: 100 steps of 4 × 64 (about 4.5 hours on the same machine)
+    "cpu-long": {"steps": 100, "batch_size": 4, "seq_len": 64, "eval_every": 10, "eval_blocks": 64,
+                 "eval2_blocks": 64},
     # a GPU (not run here): 300 steps of 8 × 512 tokens, evaluations on 16 × 512 = 8,192 tokens of each domain
-    "gpu": {"steps": 300, "batch_size": 8, "seq_len": 512, "eval_every": 50, "eval_blocks": 16, "eval2_blocks": 16},
+    "gpu": {"steps": 300, "batch_size": 8, "seq_len": 512, "eval_every": 50, "eval_blocks": 16, "eval2_blocks": 16,
+            "spd_blocks": 8},
     # the smoke run: 2 steps, tiny data, two seeds
     "quick": {"steps": 2, "eval_every": 1, "batch_size": 1, "seq_len": 32, "eval_blocks": 2, "eval2_blocks": 2,
-              "calib_sequences": 2, "calib_seq_len": 32, "restarts": 0, "seeds": "0,1"},
+              "calib_sequences": 2, "calib_seq_len": 32, "restarts": 0, "seeds": "0,1", "spd_blocks": 1},
 }
 
 
@@ -128,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="calibration blocks of --calib-seq-len (default: the size at which held-out J converged "
                          "on SmolLM2-135M, docs/schedules.md)")
     ap.add_argument("--calib-seq-len", type=int, default=1024)
+    ap.add_argument("--spd-blocks", type=int, default=None,
+                    help="calibration blocks spd:auto:K's cumulative rule measures on (default 1 on a CPU: its "
+                         "K rounds of N - r simulations on all 8 blocks would take hours)")
     ap.add_argument("--train", default="corpus:kjv")
     ap.add_argument("--eval", default="corpus:kjv", help="the primary evaluation text (held out from the "
                     "calibration and training blocks where it is their text)")
@@ -147,10 +156,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="train nothing: rank the arms by their KL at step 0 (one value each) instead")
     ap.add_argument("--quick", action="store_true", help="--preset quick")
     ap.add_argument("--work", default=None, help="default var/schedule-experiment[-PRESET]")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="write this page (e.g. docs/schedules.md) from the finished runs and stop (no model loaded)")
+    ap.add_argument("--report-command", default=None, help="the command shown on the page as how the runs ran")
     args = ap.parse_args(argv)
     given = {k for k, v in vars(args).items() if v != ap.get_default(k)}  # flags the command line set
     if args.quick:
         args.preset = "quick"
+    if args.spd_blocks is None:
+        args.spd_blocks = PRESETS[args.preset].get("spd_blocks", 1)
     for key, value in PRESETS[args.preset].items():
         if key not in given:
             setattr(args, key, value)
@@ -163,6 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.schedule_experiment_runs import Experiment
 
     args = parse_args(argv)
+    if args.report is not None:
+        from bench.schedule_experiment_report import write_report
+
+        command = args.report_command or f".venv/bin/python bench/schedule_experiment.py --preset {args.preset}"
+        write_report(args, args.report, command=command)
+        return {}
     print(f"verdict rule (fixed before the runs): {VERDICT_RULE}", flush=True)
     experiment = Experiment(args)
     results = {}

@@ -83,10 +83,13 @@ class Experiment:
             return str(spec)
         path = self.work / f"{slug(schedule)}.json"
         if not path.exists():
-            chosen, _, rounds = resolve_spd_auto(spec, self.model, self.blocks(), devices=self.args.devices)
+            t0 = time.perf_counter()
+            blocks = self.blocks()[: self.args.spd_blocks]
+            chosen, _, rounds = resolve_spd_auto(spec, self.model, blocks, devices=self.args.devices)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"chosen": str(chosen), "rounds": [{str(k): v for k, v in r.items()}
-                                                                          for r in rounds]}))
+            path.write_text(json.dumps({"chosen": str(chosen), "tokens": int(blocks.numel()),
+                                        "seconds": time.perf_counter() - t0,
+                                        "rounds": [{str(k): v for k, v in r.items()} for r in rounds]}))
         return str(json.loads(path.read_text())["chosen"])
 
     def schedule(self, schedule: str) -> Schedule:
@@ -199,7 +202,7 @@ class Experiment:
 
     def step0(self, schedule: str) -> dict[str, Any]:
         """No training: each arm's KL(dense ‖ σ) at step 0 on the eval blocks, against the predictors."""
-        from models.evaluation.resident import evaluate
+        from models.evaluation.evaluate import evaluate
 
         t0 = time.perf_counter()
         a = self.args

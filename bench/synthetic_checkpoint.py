@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from models.export.streamed import checkpoint_names
 from models.export.writer import DEFAULT_SHARD_BYTES, SAFE_INDEX, _file_groups
+from models.streaming.layer_source import checkpoint_names
 from models.streaming.safetensors_reader import SafetensorsWriter
 
 

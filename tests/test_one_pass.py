@@ -46,13 +46,26 @@ def _defines(path: Path) -> set[str]:
     return {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
 
 
-def test_the_streamed_modules_only_keep_the_old_names():
-    """models/*/streamed.py (and evaluation/resident.py) define no pass of their own: each calls the one pass."""
-    for path, allowed in [(REPO / "models" / "affinity" / "streamed.py", {"streamed_affinity_pass"}),
-                          (REPO / "models" / "evaluation" / "streamed.py", set()),
-                          (REPO / "models" / "evaluation" / "resident.py", set()),
-                          (REPO / "models" / "export" / "streamed.py", {"streamed_export", "checkpoint_names"})]:
-        assert _defines(path) <= allowed, path
+def test_no_second_module_per_pass():
+    """No streamed or resident twin of a pass is left (not even one keeping an old name): one module each."""
+    for twin in ("affinity/streamed.py", "evaluation/streamed.py", "evaluation/resident.py", "export/streamed.py"):
+        assert not (REPO / "models" / twin).exists(), twin
     shard_writers = [p for p in (REPO / "models").rglob("*.py")
                      if "SHARDS_FORMAT," in p.read_text() and '"format": SHARDS_FORMAT' in p.read_text()]
     assert [p.relative_to(REPO) for p in shard_writers] == [Path("models/export/writer.py")]  # one manifest writer
+
+
+def _builds_streamed(path: Path) -> list[int]:
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "StreamedModel"
+                                                or getattr(node.func, "attr", None) == "StreamedModel")]
+
+
+def test_the_pipeline_is_chosen_in_one_place():
+    """The stage runner and the CLI open a model's weights through `open_weights` (the memory plan's choice):
+    no module outside models/streaming/ builds a StreamedModel itself."""
+    found = {str(p.relative_to(REPO)): lines for root in ROOTS for p in sorted((REPO / root).rglob("*.py"))
+             if "__pycache__" not in p.parts and ALLOWED not in p.parents and (lines := _builds_streamed(p))}
+    assert found == {}
+    sample = REPO / "models" / "streaming" / "source.py"
+    assert _builds_streamed(sample), "the check finds the one place that builds it"

@@ -80,7 +80,7 @@ def public_error(message: str, *, job_id: str, tenant: str | None) -> str:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from models.export.resident import ExportError
+    from models.export.files import ExportError
     from models.io.assets import AssetNotFoundError
 
     return (ValueError, AssetNotFoundError, ExportError, OSError)

@@ -1,4 +1,3 @@
 """Evaluating a layout under DTP: dense and DTP perplexity and KL(dense ‖ DTP), one pass (evaluate) for a
-model in memory or streamed layer by layer (the layer source feeds it: models.streaming.source); resident
-and streamed keep the names callers have imported.
+model in memory or streamed layer by layer (the layer source feeds it: models.streaming.source).
 """

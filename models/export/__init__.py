@@ -1,4 +1,4 @@
 """Exporting a layout: the permuted checkpoint and per-rank shards with their manifest, written once tensor by
 tensor from a layer source, resident or streamed (writer); the shards format, export dtype and reading shards
-back (files); the names callers import for a permuted model (resident) and a checkpoint directory (streamed).
+back (files); the permuted copy of a model in memory and its export (resident).
 """

@@ -1,7 +1,6 @@
-"""Exporting a model that already realises a layout (a permuted copy): its checkpoint and its rank shards,
-through the one export (`models.export.writer.export_layout`, permute=False), and the names callers of the
-export have imported from here (`models.export.files`).
-"""
+"""Exporting a model in memory: the permuted copy of a model for a layout, and the checkpoint and rank shards
+of a model that already realises it, through the one export (`models.export.writer.export_layout`,
+permute=False)."""
 
 from __future__ import annotations
 
@@ -12,35 +11,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from models.export.files import (
-    LAYOUT_FILE,
-    MANIFEST,
-    SHARDS_FORMAT,
-    ExportError,
-    atomic_dir,
-    checkpoint_state,
-    dtype_name,
-    export_dtype,
-    load_rank_shards,
-    read_manifest,
-    shard_file_name,
-    source_dtype,
-    split_rules,
-)
 from models.export.writer import export_layout
-from models.families.plan import rank_slice
-from models.io.digest import sha256_file
 from models.io.sizes import UNITS
 from models.layouts.layout import Layout
 from models.run.progress import Progress
 from models.schedules.grammar import LastScale
 from models.sim.permute import permute_
 from models.streaming.source import ResidentModel
-
-__all__ = ["LAYOUT_FILE", "MANIFEST", "SHARDS_FORMAT", "ExportError", "atomic_dir", "checkpoint_state", "dtype_name",
-           "export_checkpoint", "export_copy", "export_dtype", "export_rank_shards", "load_rank_shards",
-           "permuted_copy", "rank_slice", "read_manifest", "sha256_file", "shard_file_name", "source_dtype",
-           "split_rules"]
 
 
 def permuted_copy(model: Any, layout: Layout) -> Any:

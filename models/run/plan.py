@@ -152,3 +152,11 @@ def distill_spec(spec: Any, *, calibration: Any, read: DataSource, schedule: str
                        delta=spec.delta, seeds=tuple(d.seeds), recipe=DistillRecipe.from_dict(d.recipe_fields()),
                        calibration=calibration, allow_overlap=d.allow_overlap, world_size=d.world_size,
                        schedule=schedule)
+
+
+def plan_distill(distill: Any, *, model_id: str, dtype: str) -> RunPlan:
+    """The run of a distillation alone (`dtp-layout distill`: layouts already made, a DistillSpec from its
+    flags): no optimise spec, so the stages that apply are loading, then distilling (which resumes every
+    run from its checkpoints by itself). The schedule is parsed here, once, as for a job."""
+    return RunPlan(model_id=model_id, dtype=dtype, devices=distill.devices, delta=distill.delta,
+                   schedule=as_schedule(distill.schedule), distill=distill)

@@ -149,7 +149,7 @@ def needs_weights(ctx: RunContext) -> bool:
 
 def _load(ctx: RunContext, hooks: Hooks) -> Note:
     from models.families import model_shape
-    from models.io.loading import ModelSource, load_config, load_model, load_tokenizer
+    from models.io.loading import ModelSource, load_config
 
     source = ctx.source()
     # A GGUF's config read from its converted copy when there is one: parsing the GGUF's metadata (its
@@ -166,24 +166,20 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     raise_first(refusals)
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
-    if needs_weights(ctx) and ctx.memory.stream:
-        from models.io.loading import DTYPES, resolve_device
-        from models.streaming.layer_source import StreamedModel, checkpoint_directory
+    if needs_weights(ctx):
+        from models.streaming.source import open_weights
 
-        directory = checkpoint_directory(source, dtype=ctx.dtype, converted=ctx.converted)
-        ctx.streamed = StreamedModel(directory, ctx.config, dtype=DTYPES[ctx.dtype], device=resolve_device(ctx.device))
-        ctx.streamed.memory_plan = ctx.memory
-        ctx.tokenizer = load_tokenizer(ModelSource(str(directory)))
-        note["streamed"] = ctx.memory.describe()
-    elif needs_weights(ctx):
-        if ctx.converted is not None:  # converted only when the weights are needed
-            converted = ctx.converted.converted_source(source, dtype=ctx.dtype)
-            if converted != source:
+        weights = open_weights(source, ctx.config, plan=ctx.memory, dtype=ctx.dtype, device=ctx.device,
+                               converted=ctx.converted)  # converted only when the weights are needed
+        if ctx.memory.stream:
+            ctx.streamed = weights.model
+            note["streamed"] = ctx.memory.describe()
+        else:
+            ctx.model = weights.model
+            if weights.read_from != source:
                 note["converted"] = "reused" if copy is not None else "made"
-                source = converted
-        ctx.model = load_model(source, dtype=ctx.dtype, device=ctx.device)
+        ctx.tokenizer = weights.tokenizer
         hooks.progress("loading", 0.9)
-        ctx.tokenizer = load_tokenizer(source)
     return {"weights": ctx.model is not None or ctx.streamed is not None, **note}
 
 
@@ -276,7 +272,7 @@ def _restore_stability(ctx: RunContext) -> None:
 
 def export_dtypes(ctx: RunContext) -> dict[str, str]:
     """The dtype the export stores and the one the passes computed in, by name."""
-    from models.export.resident import dtype_name, export_dtype
+    from models.export.files import dtype_name, export_dtype
     from models.io.loading import DTYPES
 
     compute = DTYPES[ctx.dtype]
@@ -285,7 +281,7 @@ def export_dtypes(ctx: RunContext) -> dict[str, str]:
 
 
 def _export(ctx: RunContext, hooks: Hooks) -> Note:
-    from models.export.resident import export_dtype
+    from models.export.files import export_dtype
     from models.io.loading import DTYPES
     from models.run import pipeline
 

@@ -19,9 +19,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from models.export.resident import MANIFEST, SHARDS_FORMAT, sha256_file
+from models.export.files import MANIFEST, SHARDS_FORMAT
 from models.families import Family, UnsupportedModelError, family_for_config, model_shape
 from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias, stacked_weight
+from models.io.digest import sha256_file
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, ModelShape, check_fits, from_json_dict
 from models.runtime.errors import ShardError

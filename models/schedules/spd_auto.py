@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from models.distill.loss import chunked_kl_nll, next_token_targets
-from models.evaluation.resident import LOGIT_CHUNK
+from models.evaluation.evaluate import LOGIT_CHUNK
 from models.families import model_shape
 from models.run.progress import Progress
 from models.schedules.grammar import ScheduleError, ScheduleSpec

@@ -106,6 +106,15 @@ def skeleton(config: Any, dtype: torch.dtype, device: torch.device) -> Any:
     return model.eval()
 
 
+def checkpoint_names(config: Any, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor a checkpoint of `config` holds, in the model's state-dict order (the
+    tied lm_head left out), from the meta skeleton."""
+    state = skeleton(config, dtype, torch.device("cpu")).state_dict()
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return [(name, tuple(t.shape)) for name, t in state.items()]
+
+
 def _rebuild_rotary(model: Any, config: Any, device: torch.device) -> None:
     """The rotary embedding's buffers (inv_freq, from the config) computed for real on `device`."""
     inner = model.model

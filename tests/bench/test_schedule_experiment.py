@@ -86,3 +86,16 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     for p in exp.PREDICTORS:  # one value an arm: every unequal pair is compared
         assert len(step0["ranking"][p]) == sum(a != b for a, b in itertools.combinations(
             [v[0] for v in step0["step0_kl"].values()], 2))
+    # the page is written from the result files alone, and a hand-written reading under the mark survives
+    page = tmp_path / "schedules.md"
+    common = ["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2 pt:2",
+              "--work", str(tmp_path / "work"), "--report", str(page)]
+    exp.main(common)
+    text = page.read_text()
+    assert exp.VERDICT_RULE in text and "Not run yet: pt:2" in text
+    for arm in arms:
+        assert f"| {arm} | {row['predictors']['J_damage'][arm]:.3f} |" in text
+    assert f"Verdict: **{row['verdict']['verdict']}**" in text
+    page.write_text(text + "Reading written by hand.\n")
+    exp.main(common)
+    assert page.read_text().endswith("Reading written by hand.\n") and page.read_text().count("## Verdicts") == 1

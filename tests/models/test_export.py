@@ -9,16 +9,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from models.export.resident import (
-    ExportError,
-    atomic_dir,
-    export_checkpoint,
-    export_rank_shards,
-    load_rank_shards,
-    permuted_copy,
-    sha256_file,
-)
+from models.export.files import ExportError, atomic_dir, load_rank_shards
+from models.export.resident import export_checkpoint, export_rank_shards, permuted_copy
 from models.families import model_shape
+from models.io.digest import sha256_file
 from models.layouts import layout as lay
 from models.sim.dtp import DTPModel
 from tests.tiny import tiny_model, tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.export.resident import checkpoint_state, split_rules
+from models.export.files import checkpoint_state, split_rules
 from models.families import LLAMA_PLAN, Colwise, PlanError, Rowwise, ShardingPlan, family_for_config, model_shape
 from models.families.plan import local_shape, rank_slice, stacked_bias, stacked_weight
 from tests.tiny import FAMILY_CASES, fresh, tiny_config

@@ -10,7 +10,7 @@ from models.run import progress
 
 
 @pytest.mark.parametrize("module", ["models.affinity.scoring", "models.distill", "models.distill.run",
-                                    "models.evaluation.resident", "models.export.resident", "models.run.pipeline"])
+                                    "models.evaluation.evaluate", "models.export.resident", "models.run.pipeline"])
 def test_every_stage_reports_through_the_same_progress_type(module):
     assert importlib.import_module(module).Progress is progress.Progress
 

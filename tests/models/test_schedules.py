@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from models.evaluation.resident import evaluate
+from models.evaluation.evaluate import evaluate
 from models.families import model_shape
 from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random

@@ -14,11 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from models.affinity.scoring import affinity_pass
-from models.affinity.streamed import streamed_affinity_pass
-from models.evaluation.resident import evaluate
-from models.evaluation.streamed import streamed_evaluate
-from models.export.resident import export_checkpoint, export_copy, export_rank_shards, load_rank_shards
-from models.export.streamed import streamed_export
+from models.evaluation.evaluate import evaluate
+from models.export.files import load_rank_shards
+from models.export.resident import export_checkpoint, export_copy, export_rank_shards
+from models.export.writer import export_layout
 from models.families import model_shape
 from models.io.sizes import SizeError, parse_size
 from models.layouts.resolve import resolve_layout
@@ -56,8 +55,7 @@ def test_streamed_affinity_equals_in_memory(tmp_path: Path, case: str, devices: 
     spill = tmp_path / "spill" if devices == 3 else None  # hidden states on disk for half the cases
     if spill is not None:
         spill.mkdir()
-    streamed = streamed_affinity_pass(StreamedModel.open(src, dtype=torch.float32), blocks, batch_size=2,
-                                      spill_dir=spill)
+    streamed = affinity_pass(StreamedModel.open(src, dtype=torch.float32), blocks, batch_size=2, spill_dir=spill)
     for name in ("up_fo", "up_add", "down"):
         ours, theirs = getattr(streamed, name), getattr(dense, name)
         assert len(ours) == len(theirs) == (3 if name != "down" else 2)
@@ -74,8 +72,9 @@ def test_streamed_export_is_bit_identical(tmp_path: Path, case: str, devices: in
     permuted = export_copy(model, layout, dtype)
     export_checkpoint(permuted, layout, tmp_path / "mem" / "checkpoint")
     export_rank_shards(permuted, layout, tmp_path / "mem" / "shards", compute_dtype=torch.float32)
-    streamed_export(src, model.config, layout, tmp_path / "str", dtype=dtype, compute_dtype=torch.float32,
-                    max_shard_bytes=30_000)
+    export_layout(StreamedModel(src, model.config, dtype=torch.float32), layout,
+                  checkpoint_dir=tmp_path / "str" / "checkpoint", shards_dir=tmp_path / "str" / "shards", dtype=dtype,
+                  max_shard_bytes=30_000)
     ours, theirs = _all_tensors(tmp_path / "str" / "checkpoint"), _all_tensors(tmp_path / "mem" / "checkpoint")
     assert ours.keys() == theirs.keys()
     assert all(ours[k].dtype == theirs[k].dtype == dtype and torch.equal(ours[k], theirs[k]) for k in ours)
@@ -103,7 +102,7 @@ def test_streamed_eval_equals_in_memory(tmp_path: Path, case: str, devices: int)
     layout = _layout(model, devices)
     blocks = tokens(3, 16)
     dense = evaluate(model, layout, blocks, batch_size=2)
-    ours = streamed_evaluate(StreamedModel.open(src, dtype=torch.float32), layout, blocks, batch_size=2)
+    ours = evaluate(StreamedModel.open(src, dtype=torch.float32), layout, blocks, batch_size=2)
     for name in ("dense_ppl", "dtp_ppl", "kl"):
         assert getattr(ours, name) == pytest.approx(getattr(dense, name), rel=1e-5, abs=1e-7), name
     assert (ours.schedule, ours.tokens, ours.layout) == (dense.schedule, dense.tokens, dense.layout)

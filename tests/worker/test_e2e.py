@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from app.api.main import create_app
-from models.export.resident import load_rank_shards
+from models.export.files import load_rank_shards
 from models.layouts.layout import from_json_dict
 from models.layouts.set import ablation_names
 from tests.faults import Faults

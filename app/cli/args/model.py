@@ -74,7 +74,7 @@ def model_config(args: argparse.Namespace, source: Any) -> Any:
 
 
 def export_dtype(args: argparse.Namespace, config: Any) -> Any:
-    from models.export.resident import export_dtype
+    from models.export.files import export_dtype
     from models.io.loading import DTYPES
 
     return export_dtype(args.export_dtype, config=config, compute=DTYPES[args.dtype])
@@ -105,16 +105,18 @@ def max_memory(args: argparse.Namespace) -> int | None:
     return parse_size(args.max_memory) if getattr(args, "max_memory", None) is not None else None
 
 
-def streamed_model(args: argparse.Namespace, config: Any) -> tuple[Any, Any]:
-    """The model on the meta device, read layer by layer from its safetensors (a GGUF's converted copy,
-    a hub model's snapshot), and its tokenizer."""
-    from models.io.loading import DTYPES, ModelSource, load_tokenizer, resolve_device
-    from models.streaming.layer_source import StreamedModel, checkpoint_directory
+def weights(args: argparse.Namespace, config: Any, plan: Any) -> tuple[Any, Any]:
+    """The model and its tokenizer as `plan` chose (models.streaming.source.open_weights): read layer by layer
+    from its safetensors when the plan streams, else loaded whole."""
+    from models.io.loading import ModelSource
+    from models.streaming.source import open_weights
 
+    if not plan.stream:
+        return load_model(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    directory = checkpoint_directory(source, dtype=args.dtype, converted=converted_cache(args))
-    streamed = StreamedModel(directory, config, dtype=DTYPES[args.dtype], device=resolve_device(args.device))
-    return streamed, load_tokenizer(ModelSource(str(directory)))
+    opened = open_weights(source, config, plan=plan, dtype=args.dtype, device=args.device,
+                          converted=converted_cache(args))
+    return opened.model, opened.tokenizer
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -125,17 +127,17 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    from models.io.loading import ModelSource, load_model, load_tokenizer
+    """The model loaded whole (a GGUF converted on its first load only) and its tokenizer."""
+    from models.io.loading import ModelSource
+    from models.streaming.source import open_weights
 
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     t0 = time.perf_counter()
     print(f"loading {args.model} …", file=sys.stderr)
-    if (cache := converted_cache(args)) is not None:
-        source = cache.converted_source(source, dtype=args.dtype)  # a GGUF converted on its first load only
-    model = load_model(source, dtype=args.dtype, device=args.device)
-    tokenizer = load_tokenizer(source)
+    opened = open_weights(source, None, plan=None, dtype=args.dtype, device=args.device,
+                          converted=converted_cache(args))
     print(f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return model, tokenizer
+    return opened.model, opened.tokenizer
 
 
 def layouts_dir_of(args: argparse.Namespace) -> Path | None:

@@ -93,7 +93,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from models.families import model_shape
     from models.io.loading import ModelSource
     from models.run import stages
-    from models.run.plan import RunPlan
+    from models.run.plan import plan_distill
     from models.run.runner import run_stages
 
     spec = _spec(args)
@@ -114,10 +114,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
             bars.bar.write(f"{record.layout} seed {record.seed} step {record.step}: KL {record.kl:.4f} "
                            f"ppl {record.ppl:.3f}", file=sys.stderr)
 
-    # The run's plan: no optimise spec, so the stages that apply are loading, then distilling (which resumes
-    # every run from its checkpoints in --out by itself).
-    plan = RunPlan(model_id=args.model, dtype=args.dtype, devices=spec.devices, delta=spec.delta,
-                   schedule=spec.schedule, distill=spec)
+    plan = plan_distill(spec, model_id=args.model, dtype=args.dtype)
     ctx = stages.RunContext.of(plan, run_dir=out, source=lambda: source, device=args.device,
                                converted=converted_cache(args),
                                distill_output=stages.DistillOutput(out_dir=out, layouts_dir=layouts_dir,

@@ -17,7 +17,7 @@ from app.cli.args.model import (
     memory_plan,
     model_config,
     progress_bar,
-    streamed_model,
+    weights,
 )
 from app.cli.args.schedule import schedule_of, schedule_text
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
@@ -36,7 +36,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     ckpt, shards = out / "checkpoint", out / "shards"
     # read tensor by tensor from the safetensors when the plan streams, else from the loaded model: the same tensors
-    model, tokenizer = streamed_model(args, config) if memory_plan(args, config, "export").stream else load_model(args)
+    model, tokenizer = weights(args, config, memory_plan(args, config, "export"))
     source = layer_source(model)
     export_layout(source, layout, checkpoint_dir=ckpt, shards_dir=shards, dtype=dtype, tokenizer=tokenizer,
                   overwrite=args.overwrite, progress=progress_bar(), schedule=schedule, compute_dtype=source.dtype)
@@ -82,7 +82,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
     plan = memory_plan(args, config, "eval", tokens=args.blocks * args.seq_len,
                         batch_tokens=min(args.blocks, args.batch_size) * args.seq_len, devices=args.devices)
-    model, tokenizer = streamed_model(args, config) if plan.stream else load_model(args)
+    model, tokenizer = weights(args, config, plan)
     result, data = eval_result(args, model, tokenizer, schedule)
     syncs = resolve_schedule(result.schedule, model_shape(model.config).num_layers, result.devices,
                              args.last_scale).syncs_per_token

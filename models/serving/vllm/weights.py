@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from models.export.resident import MANIFEST, SHARDS_FORMAT, sha256_file
+from models.export.files import MANIFEST, SHARDS_FORMAT
+from models.io.digest import sha256_file
 from models.serving.manifest import ServingError
 
 # HF module -> (vLLM fused module, position in it)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from app.cli.main import main
-from models.export.resident import load_rank_shards
+from models.export.files import load_rank_shards
 from tests.tiny import tiny_model, tokens
 
 

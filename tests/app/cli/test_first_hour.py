@@ -228,7 +228,7 @@ def test_the_source_dtype_of_a_config_without_one_reads_no_deprecated_attribute(
     import torch
     from transformers import LlamaConfig
 
-    from models.export.resident import export_dtype, source_dtype
+    from models.export.files import export_dtype, source_dtype
 
     class NoDeprecatedRead(LlamaConfig):
         @property

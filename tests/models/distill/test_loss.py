@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models import distill as D
-from models.evaluation.resident import evaluate
+from models.evaluation.evaluate import evaluate
 from models.sim.dtp import DTPModel
 from tests.models.distill.kit import layout_of, recipe
 from tests.tiny import tiny_model, tokens

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.export.resident import load_rank_shards
+from models.export.files import load_rank_shards
 from models.runtime.sampling import Sampling, next_tokens
 from models.sim.dtp import DTPCache, DTPModel
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.export.resident import sha256_file
+from models.io.digest import sha256_file
 from models.runtime import DTPRuntime, ShardError
 from models.runtime.shards import read_shard_set
 from tests.tiny import tokens
