@@ -15,7 +15,7 @@ once and give both K.
     .venv/bin/python bench/schedules_study.py            # the CPU study (6 steps per arm; ~45 core-min at load 5-7)
     .venv/bin/python bench/schedules_study.py --quick    # smoke run: tiny budget, var/schedules-quick
 
-Outputs: docs/schedules.md (table + command + times; a hand-written `## Reading` section survives
+Outputs: docs/schedules_study.md (table + command + times; a hand-written `## Reading` section survives
 regeneration), docs/schedules_pareto.png, docs/schedules_metrics.csv (every evaluation). The working
 directory (--work) keeps affinities, layouts and runs: a rerun skips what exists.
 """
@@ -541,7 +541,7 @@ Pareto front of each schedule's better arm, with tp at KL 0); every evaluation: 
 
 Wall times per stage (this run; two processes on the two cores): {times}.
 """
-    path = docs / "schedules.md"
+    path = docs / "schedules_study.md"
     if path.exists() and NOTES_MARKER in (old := path.read_text()):
         text += "\n" + old[old.index(NOTES_MARKER):]
     path.write_text(text)

@@ -4,8 +4,9 @@ From the config alone (torch-free: the API checks a job's `max_memory` at submit
 commands before any weight is read). Bytes are counted in the compute dtype; the interpreter's own
 base (python + torch, ~0.3-0.5 GB on CPU) is not part of any figure.
 
-    in memory   every weight, plus the export's or evaluation's permuted copy (a second set), plus the
-                micro-batch working set (and, on both paths, RUNTIME_OVERHEAD: what else the run holds)
+    in memory   every weight, plus the evaluation's permuted copy (a second set; the export permutes tensor by
+                tensor: a few copies of the largest), plus the micro-batch working set (and, on both
+                paths, RUNTIME_OVERHEAD: what else the run holds)
     streamed    the affinity pass: two decoder layers (the window the down score needs) + one more while
                 a layer is read and cast, the embeddings (read before the first layer, released after),
                 the calibration blocks' hidden states (unless spilled to disk) and the working set;
@@ -96,7 +97,7 @@ def plan_memory(config: Any, *, dtype: str, command: Command, limit: int | None,
     """What `command` needs and how it runs under `limit` (None: no limit; in memory unless `stream`).
 
     tokens: the calibration (or evaluation) tokens whose hidden states the streamed pass keeps;
-    batch_tokens: tokens per micro-batch; export: optimise also exports (a permuted copy in memory).
+    batch_tokens: tokens per micro-batch; export: optimise also exports (tensor by tensor, from the weights).
     """
     item = dtype_bytes(dtype)
     s = model_shape(config)
@@ -104,10 +105,13 @@ def plan_memory(config: Any, *, dtype: str, command: Command, limit: int | None,
     embed = embedding_params(config) * item
     weights = s.num_layers * layer + embed
     work = working_bytes(config, batch_tokens, item)
-    copies = 2 if command in ("export", "eval") or export else 1
-    in_memory = copies * weights + work + RUNTIME_OVERHEAD
     largest = max(config.vocab_size * s.hidden_size, s.hidden_size * s.intermediate_size) * max(item, 4)
     export_part = ("the export's largest tensor read, cast, permuted and written", 4 * largest)
+    # in memory: the evaluation permutes a deep copy (`ResidentModel.permuted`); the export writes from the
+    # loaded weights tensor by tensor (`models.export.writer`), holding a few copies of one tensor at a time
+    copies = 2 if command == "eval" else 1
+    exporting = command == "export" or export
+    in_memory = copies * weights + work + RUNTIME_OVERHEAD + (export_part[1] if exporting else 0)
     embed_tokens = config.vocab_size * s.hidden_size * item
     if command == "export":
         parts: list[tuple[str, int]] = [export_part]
