@@ -52,7 +52,7 @@ def gap_row(finals: dict[str, list[float]], arm: str) -> str:
         said = f"separated the other way (every {arm} seed below)"
     else:
         said = "within the seed spread"
-    return f"{gap:+.3f} nats, {said}"
+    return f"{arm}'s mean KL minus optimised's {gap:+.3f} nats, {said}"
 
 
 def step0_kl(curves: dict[str, dict[str, list[list[float]]]], arm: str) -> float:
@@ -88,8 +88,7 @@ def schedule_section(schedule: str, row: dict[str, Any]) -> list[str]:
     lines.append("")
     for arm in arms:
         if arm != OPTIMISED and OPTIMISED in finals:
-            lines.append(f"- optimised vs {arm}, primary: {gap_row(finals, arm)}; second domain: "
-                         f"{gap_row(second, arm)}.")
+            lines.append(f"- Primary: {gap_row(finals, arm)}; second domain: {gap_row(second, arm)}.")
     ranks = row["ranking"]
     lines.append("- Objectives against the trained order (pairs of arms separated beyond the seed spread): "
                  + "; ".join(f"{PREDICTOR_NAMES[p]} {sum(r['agrees'] for r in ranks[p])} of {len(ranks[p])}"
