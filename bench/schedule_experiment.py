@@ -109,7 +109,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # a step ≈ 2.6 s, an evaluation of 4,096 tokens ≈ 10 s): 50 steps of 4 × 64 tokens, evaluations on
     # 64 × 64 = 4,096 tokens of each domain, the primary every 10 steps
     "cpu": {"steps": 50, "batch_size": 4, "seq_len": 64, "eval_every": 10, "eval_blocks": 64, "eval2_blocks": 64},
-    # the example budget: 100 steps of 4 × 64 (about 4.5 hours on the same machine)
+    # the example budget: 100 steps of 4 × 64 (about 4 hours on the same machine)
     "cpu-long": {"steps": 100, "batch_size": 4, "seq_len": 64, "eval_every": 10, "eval_blocks": 64,
                  "eval2_blocks": 64},
     # a GPU (not run here): 300 steps of 8 × 512 tokens, evaluations on 16 × 512 = 8,192 tokens of each domain
