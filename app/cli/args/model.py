@@ -106,16 +106,20 @@ def max_memory(args: argparse.Namespace) -> int | None:
 
 
 def weights(args: argparse.Namespace, config: Any, plan: Any) -> tuple[Any, Any]:
-    """The model and its tokenizer as `plan` chose (models.streaming.source.open_weights): read layer by layer
-    from its safetensors when the plan streams, else loaded whole."""
+    """The model and its tokenizer as `plan` chose (models.streaming.source.open_weights; None: loaded whole):
+    read layer by layer from its safetensors when the plan streams, else loaded whole (timed on stderr)."""
     from models.io.loading import ModelSource
     from models.streaming.source import open_weights
 
-    if not plan.stream:
-        return load_model(args)
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
+    whole = plan is None or not plan.stream
+    t0 = time.perf_counter()
+    if whole:
+        print(f"loading {args.model} …", file=sys.stderr)
     opened = open_weights(source, config, plan=plan, dtype=args.dtype, device=args.device,
-                          converted=converted_cache(args))
+                          converted=converted_cache(args))  # a GGUF converted on its first load only
+    if whole:
+        print(f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return opened.model, opened.tokenizer
 
 
@@ -127,17 +131,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The model loaded whole (a GGUF converted on its first load only) and its tokenizer."""
-    from models.io.loading import ModelSource
-    from models.streaming.source import open_weights
-
-    source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
-    t0 = time.perf_counter()
-    print(f"loading {args.model} …", file=sys.stderr)
-    opened = open_weights(source, None, plan=None, dtype=args.dtype, device=args.device,
-                          converted=converted_cache(args))
-    print(f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return opened.model, opened.tokenizer
+    """The model loaded whole and its tokenizer."""
+    return weights(args, None, None)
 
 
 def layouts_dir_of(args: argparse.Namespace) -> Path | None:
