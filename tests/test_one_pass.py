@@ -67,5 +67,5 @@ def test_the_pipeline_is_chosen_in_one_place():
     found = {str(p.relative_to(REPO)): lines for root in ROOTS for p in sorted((REPO / root).rglob("*.py"))
              if "__pycache__" not in p.parts and ALLOWED not in p.parents and (lines := _builds_streamed(p))}
     assert found == {}
-    sample = REPO / "models" / "streaming" / "source.py"
+    sample = REPO / "models" / "streaming" / "weights.py"
     assert _builds_streamed(sample), "the check finds the one place that builds it"

@@ -167,12 +167,13 @@ def _load(ctx: RunContext, hooks: Hooks) -> Note:
     hooks.progress("loading", 0.05)
     note: dict[str, Any] = {}
     if needs_weights(ctx):
-        from models.streaming.source import open_weights
+        from models.streaming.weights import open_weights
 
         weights = open_weights(source, ctx.config, plan=ctx.memory, dtype=ctx.dtype, device=ctx.device,
                                converted=ctx.converted)  # converted only when the weights are needed
         if ctx.memory.stream:
             ctx.streamed = weights.model
+            ctx.streamed.memory_plan = ctx.memory
             note["streamed"] = ctx.memory.describe()
         else:
             ctx.model = weights.model

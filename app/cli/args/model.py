@@ -109,7 +109,7 @@ def weights(args: argparse.Namespace, config: Any, plan: Any) -> tuple[Any, Any]
     """The model and its tokenizer as `plan` chose (models.streaming.source.open_weights; None: loaded whole):
     read layer by layer from its safetensors when the plan streams, else loaded whole (timed on stderr)."""
     from models.io.loading import ModelSource
-    from models.streaming.source import open_weights
+    from models.streaming.weights import open_weights
 
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     whole = plan is None or not plan.stream
