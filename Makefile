@@ -72,7 +72,10 @@ PYTEST_ARGS ?=
 # pytest-xdist: PYTEST_WORKERS processes (PYTEST_WORKERS=0: one, in make's own pytest). With loadgroup a
 # file's tests run on one worker, the longest files first, and the `serial` tests one at a time with nothing
 # else running (tests/xdist_kit.py; docs/service.md#tests).
-PYTEST_WORKERS ?= 2
+# Default: one more worker than cores, at most 8. The suite waits on subprocesses, servers and sockets much of
+# the time (2 workers kept 2 cores 34-44 % busy); on 2 cores a third worker took the whole suite from 19:02 (CI,
+# 2 workers) to about 14 minutes (docs/benchmarks.md#the-test-suite-on-xdist-workers-make-test).
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n + 1 > 8 ? 8 : n + 1 )))
 PYTEST_DIST ?= loadgroup
 XDIST_ARGS := -n $(PYTEST_WORKERS) $(if $(filter 0,$(PYTEST_WORKERS)),,--dist $(PYTEST_DIST))
 pytest: $(STAMP)

@@ -1,4 +1,5 @@
-"""The suite under pytest-xdist (`make test` runs `pytest -n 2 --dist loadgroup`; docs/service.md#tests).
+"""The suite under pytest-xdist (`make test` runs `pytest -n N --dist loadgroup`, N one more than the cores;
+docs/service.md#tests).
 
 - Which xdist worker this process is (`gw0`, `gw1`, …; None when the run is not distributed), for the
   per-worker Postgres database names, Redis database number and key prefix (tests/conftest.py) and the
@@ -7,7 +8,9 @@
   nothing else runs while it measures a wall time, a latency or an RSS against its bound (`SerialLock`,
   in a directory the controller makes and hands each worker: `Run`).
 - The schedule: with `--dist loadgroup`, the tests of one file go to one worker together (its module
-  fixtures, a running service or worker, are set up once), the `serial` tests are one group, last, and the
+  fixtures, a running service or worker, are set up once), except in a file marked `split_by_param`, whose
+  tests go out one parameter set at a time (each set starts its own module fixtures anyway: the vLLM
+  engines), the `serial` tests are one group, last, and the
   files go out longest first (each test's time in the last run, kept in pytest's cache; else the file's
   average in tests/xdist_durations.json) so that no long file starts last (`make_scheduler`). xdist's own
   loadgroup reads `xdist_group` marks through a node-id suffix that pytest 9 no longer honours; the
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", … in an xdist worker; None otherwise
 WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 SERIAL = "serial"
+SPLIT_BY_PARAM = "split_by_param"
 DURATIONS_KEY = "dtp-layout/xdist-test-seconds"
 SHARED_KEY = "dtp_layout_shared_dir"  # in each worker's workerinput: the run's shared directory
 
@@ -120,6 +124,14 @@ class SerialLock:
             self.held = None
 
 
+def param_unit(item: pytest.Item) -> str | None:
+    """The work unit of a test of a `split_by_param` file: the file and its parameter set's id."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or item.get_closest_marker(SPLIT_BY_PARAM) is None:
+        return None
+    return f"{item.nodeid.split('::', 1)[0]}[{callspec.id}]"
+
+
 def is_serial(item: pytest.Item | None) -> bool:
     return item is not None and item.get_closest_marker(SERIAL) is not None
 
@@ -172,7 +184,7 @@ class Durations:
 
 
 def make_scheduler(config: pytest.Config, log: Any, durations: Durations,
-                   serial_ids: Callable[[], set[str]]) -> Any:
+                   serial_ids: Callable[[], set[str]], param_units: Callable[[], dict[str, str]]) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroupScheduling(LoadScopeScheduling):
@@ -184,13 +196,15 @@ def make_scheduler(config: pytest.Config, log: Any, durations: Durations,
         def __init__(self, config: pytest.Config, log: Any) -> None:
             super().__init__(config, log)
             self.serial: set[str] = set()
+            self.units: dict[str, str] = {}
 
         def _split_scope(self, nodeid: str) -> str:
-            return SERIAL if plain_nodeid(nodeid) in self.serial else unit_of(nodeid)
+            plain = plain_nodeid(nodeid)
+            return SERIAL if plain in self.serial else self.units.get(plain) or unit_of(nodeid)
 
         def schedule(self) -> None:
             if self.collection is None and self.collection_is_completed and self._check_nodes_have_same_collection():
-                self.serial = serial_ids()
+                self.serial, self.units = serial_ids(), param_units()
                 collection = next(iter(self.registered_collections.values()))
                 units: dict[str, list[str]] = {}
                 for nodeid in collection:
@@ -224,8 +238,9 @@ def make_scheduler(config: pytest.Config, log: Any, durations: Durations,
 
 class Run:
     """This process's part in the run: the controller (or a run without xdist) keeps the tests' times and
-    makes the run's shared directory; a worker takes the serial lock there and lists its `serial` tests
-    there for the controller's schedule (xdist tells the controller only the test ids)."""
+    makes the run's shared directory; a worker takes the serial lock there and lists its `serial` tests and
+    the units of its `split_by_param` tests there for the controller's schedule (xdist tells the controller
+    only the test ids)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -245,17 +260,25 @@ class Run:
     def collected(self, items: list[pytest.Item]) -> None:
         if WORKER is None or self._shared is None:
             return
-        path = self._shared / f"serial-{WORKER}.json"
-        path.with_suffix(".tmp").write_text(json.dumps([item.nodeid for item in items if is_serial(item)]))
-        path.with_suffix(".tmp").replace(path)
+        units = {item.nodeid: unit for item in items if (unit := param_unit(item)) is not None}
+        for name, listed in (("units", units), ("serial", [item.nodeid for item in items if is_serial(item)])):
+            path = self._shared / f"{name}-{WORKER}.json"
+            path.with_suffix(".tmp").write_text(json.dumps(listed))
+            path.with_suffix(".tmp").replace(path)
 
     def serial_ids(self) -> set[str]:
         if self._shared is None:
             return set()
         return {nodeid for path in self._shared.glob("serial-*.json") for nodeid in json.loads(path.read_text())}
 
+    def param_units(self) -> dict[str, str]:
+        if self._shared is None:
+            return {}
+        return {nodeid: unit for path in self._shared.glob("units-*.json")
+                for nodeid, unit in json.loads(path.read_text()).items()}
+
     def scheduler(self, log: Any) -> Any:
-        return make_scheduler(self.config, log, self.durations, self.serial_ids)
+        return make_scheduler(self.config, log, self.durations, self.serial_ids, self.param_units)
 
     def add(self, report: pytest.TestReport) -> None:
         if WORKER is None:

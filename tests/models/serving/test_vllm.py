@@ -2,11 +2,12 @@
 
 Each engine is vLLM's OpenAI server run from .venv-vllm as a subprocess (TP = 2 on the CPU, fp32, eager),
 started once per (family, schedule, load path) and shared by that engine's tests (module-scoped,
-parametrized: one engine at a time). Every engine runs with --max-num-batched-tokens 16, so the longer
-prompts are prefilled in chunks, and every request is a batch of prompts of different lengths sent as
-token ids at temperature 0. The reference is the project's runtime (`models.runtime`, what `dtp-layout
-generate` runs) on the same shards. Skipped without .venv-vllm (`make vllm-env`); the engines take
-minutes to start on two cores (DTP_LAYOUT_VLLM_START_S bounds each start).
+parametrized: one engine at a time in a process; under xdist the engines go to the workers one by one).
+Every engine runs with --max-num-batched-tokens 16, so the longer prompts are prefilled in chunks, and
+every request is a batch of prompts of different lengths sent as token ids at temperature 0. The
+reference is the project's runtime (`models.runtime`, what `dtp-layout generate` runs) on the same shards.
+Skipped without .venv-vllm (`make vllm-env`); the engines take minutes to start on two cores
+(DTP_LAYOUT_VLLM_START_S bounds each start).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from models.serving.manifest import hf_overrides
 from tests.models.serving.vllm_kit import Server, export_tiny, runtime_tokens, vllm_missing
 from tests.tiny import tokens
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
+# split_by_param: each engine's tests are a unit of their own under xdist (an engine is started per parameter
+# set whatever the grouping; one file of 11 engines was the suite's longest tail, 6 minutes on one worker)
+pytestmark = [pytest.mark.vllm, pytest.mark.split_by_param,
+              pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
 
 PROMPT_LENGTHS = (5, 19, 37)  # 37 > 16: two chunks and a remainder under --max-num-batched-tokens 16
 MAX_TOKENS = 10
