@@ -194,6 +194,14 @@ class DtpForCausalLM(nn.Module):
         return AutoWeightsLoader(self).load_weights(weights)  # it handles a tied LM head itself
 
 
+def _layer_of_hf_config(layer_class: Any, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+    """vLLM's Qwen2 and Qwen3 decoder layers take the HF config and the cache and quantisation configs, where
+    Llama's and Mistral's take the whole VllmConfig."""
+    layer: nn.Module = layer_class(config=vllm_config.model_config.hf_config, cache_config=vllm_config.cache_config,
+                                   quant_config=vllm_config.quant_config, prefix=prefix)
+    return layer
+
+
 class DtpLlamaForCausalLM(DtpForCausalLM):
     @staticmethod
     def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
@@ -211,8 +219,7 @@ class DtpQwen2ForCausalLM(DtpForCausalLM):
 
     @staticmethod
     def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
-        return Qwen2DecoderLayer(config=vllm_config.model_config.hf_config, cache_config=vllm_config.cache_config,
-                                 quant_config=vllm_config.quant_config, prefix=prefix)
+        return _layer_of_hf_config(Qwen2DecoderLayer, vllm_config, prefix)
 
 
 class DtpQwen3ForCausalLM(DtpForCausalLM):
@@ -220,5 +227,4 @@ class DtpQwen3ForCausalLM(DtpForCausalLM):
 
     @staticmethod
     def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
-        return Qwen3DecoderLayer(config=vllm_config.model_config.hf_config, cache_config=vllm_config.cache_config,
-                                 quant_config=vllm_config.quant_config, prefix=prefix)
+        return _layer_of_hf_config(Qwen3DecoderLayer, vllm_config, prefix)
