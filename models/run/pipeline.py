@@ -35,7 +35,7 @@ from models.layouts.stability import HALVES, half_layouts, stability_report
 from models.optimise.edges import schedule_pairs
 from models.run.files import AFFINITY_FILE, REPORT_FILE
 from models.run.progress import Progress, ShouldStop
-from models.schedules.grammar import Schedule, parse_schedule
+from models.schedules.grammar import Schedule, ScheduleSpec, parse_schedule
 from models.schedules.spd_auto import resolve_spd_auto
 from models.streaming.source import layer_source
 
@@ -64,11 +64,14 @@ class OptimiseSpec:
     # the others; its layouts then optimise the paper's dtp:δ objective (they cannot matter), where the
     # `optimise` command refuses such a schedule outright.
     layout_independent_ok: bool = False
+    # `schedule` parsed, once, here (None: dtp:δ)
+    schedule_spec: ScheduleSpec | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.schedule is not None:
             spec = parse_schedule(self.schedule)  # ScheduleError (a ValueError) naming what is accepted
             object.__setattr__(self, "schedule", str(spec))
+            object.__setattr__(self, "schedule_spec", spec)
         if not 0 < self.edge_kept_mass <= 1 or self.edge_memory_limit < 0:
             raise ValueError(f"edge_kept_mass must be in (0, 1] and edge_memory_limit ≥ 0, got "
                              f"{self.edge_kept_mass}, {self.edge_memory_limit}")
@@ -96,7 +99,7 @@ class OptimiseSpec:
     @property
     def chooses_spd_layers(self) -> bool:
         """spd:auto:K: the affinity stage first measures each layer's sensitivity and picks K layers."""
-        return self.schedule is not None and parse_schedule(self.schedule).kind == "spd-auto"
+        return self.schedule_spec is not None and self.schedule_spec.kind == "spd-auto"
 
 
 @dataclass
@@ -146,9 +149,9 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
             "calibration_fingerprint": calibration.fingerprint(), "dtype": str(layer_source(model).dtype)}
     resolved = None
-    if spec.chooses_spd_layers:  # SPD's rule: each layer's dropped sync alone, KL on these blocks
+    if spec.schedule_spec is not None and spec.chooses_spd_layers:  # spd:auto:K, spd:isolated:K: chosen here
         whole = layer_source(model).whole_model(f"{spec.schedule} chooses its layers by simulating the whole model")
-        chosen, sensitivities, rounds = resolve_spd_auto(parse_schedule(str(spec.schedule)), whole, state.blocks,
+        chosen, sensitivities, rounds = resolve_spd_auto(spec.schedule_spec, whole, state.blocks,
                                                          devices=spec.devices, batch_size=spec.batch_size,
                                                          progress=progress)
         resolved = str(chosen)
