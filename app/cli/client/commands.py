@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
 # ---- status / wait / cancel / list -----------------------------------------------------------------
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _answer(args: argparse.Namespace, ask: Callable[[Any], Any], show: Callable[[Any], None]) -> int:
+    """One request; its answer printed as JSON with --json, else as `show` writes it."""
     with client_for(args) as client:
-        job = client.job(args.job)
+        answer = ask(client)
     if args.json:
-        print_json(job)
+        print_json(answer)
     else:
-        out(status_text(job))
+        show(answer)
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _answer(args, lambda client: client.job(args.job), lambda job: out(status_text(job)))
 
 
 
@@ -112,15 +118,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    with client_for(args) as client:
-        jobs = client.jobs(status=args.status, model=args.model, devices=args.devices, delta=args.delta,
-                           owner=args.owner, limit=args.limit)
-    if args.json:
-        print_json(jobs)
-        return 0
+    return _answer(args, lambda client: client.jobs(status=args.status, model=args.model, devices=args.devices,
+                                                    delta=args.delta, owner=args.owner, limit=args.limit), _show_jobs)
+
+
+def _show_jobs(jobs: list[dict[str, Any]]) -> None:
     if not jobs:
         err("no jobs")
-        return 0
+        return
     out(f"{'id':<33}{'status':<11}{'stage':<24}{'model':<28}{'L':>3}{'δ':>3}{'J opt':>9}  created")
     for job in jobs:
         spec = job.get("spec") or {}
@@ -129,7 +134,6 @@ def cmd_list(args: argparse.Namespace) -> int:
         model = str((spec.get("model") or {}).get("id"))
         out(f"{job['id']:<33}{job['status']:<11}{state[:23]:<24}{model[:27]:<28}{spec.get('devices', ''):>3}"
              f"{spec.get('delta', ''):>3}{'' if opt is None else f'{opt:.3f}':>9}  {job.get('created_at', '')[:19]}")
-    return 0
 
 
 # ---- download --------------------------------------------------------------------------------------
@@ -222,19 +226,17 @@ def cmd_upload(args: argparse.Namespace) -> int:
 
 
 def cmd_uploads(args: argparse.Namespace) -> int:
-    with client_for(args) as client:
-        items = client.uploads()
-    if args.json:
-        print_json(items)
-        return 0
+    return _answer(args, lambda client: client.uploads(), _show_uploads)
+
+
+def _show_uploads(items: list[dict[str, Any]]) -> None:
     if not items:
         err("no uploads")
-        return 0
+        return
     out(f"{'id':<33}{'kind':<7}{'status':<10}{'bytes':>14}  {'name':<30}created")
     for u in items:
         out(f"{u['id']:<33}{u['kind']:<7}{u['status']:<10}{u['size']:>14}  {u['name'][:29]:<30}"
              f"{u['created_at'][:19]}")
-    return 0
 
 
 def cmd_delete_upload(args: argparse.Namespace) -> int:
@@ -254,11 +256,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    with client_for(args) as client:
-        usage = client.usage()
-    if args.json:
-        print_json(usage)
-        return 0
+    return _answer(args, lambda client: client.usage(), _show_usage)
+
+
+def _show_usage(usage: dict[str, Any]) -> None:
     quota = usage["quota_bytes"]
     out(f"tenant {usage['tenant'] or '(open API)'}: {usage['used_bytes']} bytes used of "
          + (f"{quota} ({100 * usage['used_bytes'] / quota:.1f}%)" if quota else "no quota"))
@@ -267,7 +268,6 @@ def cmd_usage(args: argparse.Namespace) -> int:
     out("  " + ", ".join(f"{k} {v}" for k, v in usage["counts"].items()))
     if usage["retention_days"]:
         out(f"  finished jobs' artifacts are removed after {usage['retention_days']:g} days")
-    return 0
 
 
 

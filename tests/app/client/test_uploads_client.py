@@ -84,6 +84,8 @@ def test_upload_a_model_and_data_run_a_job_on_them_then_delete(env, tmp_path):
     usage = json.loads(out)
     assert usage["bytes"]["uploads_model"] == model["charged"] >= model["size"]  # each file at least the minimum
     assert usage["counts"]["jobs_expired"] >= 1 and usage["bytes"]["affinity"] == 0  # the job's entry went with it
+    code, out, _ = run("usage")  # the same answer as text
+    assert code == 0 and f"{usage['used_bytes']} bytes used" in out and f"uploads_model{' ' * 2}" in out
     for upload_id in (model["id"], data_id):
         assert run("delete-upload", upload_id)[0] == 0
     code, _out, err = run("delete-upload", data_id)
