@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 REPO = Path(__file__).resolve().parent.parent
 RULE = ("the converged calibration size is the smallest measured size whose held-out J is within {tol:.0%} of the "
         "held-out J of every larger measured size")
+KL_RULE = ("after distillation, one arm is better than another only if every seed of it ends below every seed of the "
+           "other; the default calibration size stands if no larger size is better than it, and more calibration "
+           "lowers the KL only where a larger size is better than a smaller one")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +72,13 @@ def mean_affinity(results: list[Any]) -> Any:
 
     return AffinityResult(avg("up_fo"), avg("up_add"), avg("down"), sum(r.tokens for r in results), first.shape,
                           dict(first.metadata))
+
+
+def kl_separations(final_kl: dict[str, dict[int, float]]) -> list[tuple[str, str]]:
+    """(better, worse) for every pair of arms where every seed of the first ends below every seed of the
+    second (KL_RULE); arms with different seed sets are not compared."""
+    return [(a, b) for a, by_a in final_kl.items() for b, by_b in final_kl.items()
+            if a != b and by_a and set(by_a) == set(by_b) and max(by_a.values()) < min(by_b.values())]
 
 
 def converged_size(heldout: dict[int, float], tolerance: float) -> int | None:
@@ -194,8 +204,12 @@ class Sweep:
         for path in sorted((a.work / "distill" / "runs").glob("*/seed-*/metrics.json")):
             last = json.loads(path.read_text())["records"][-1]
             finals.setdefault(last["layout"], {})[int(last["seed"])] = float(last["kl"])
+        separated = kl_separations(finals)
         print(json.dumps({"distill_final_kl": finals}), flush=True)
-        return {"steps": a.distill_steps, "final_kl": finals, "dense_ppl": summary.get("dense_ppl")}
+        print("rule (fixed before the run): " + KL_RULE, flush=True)
+        print("separated (better < worse): " + (", ".join(f"{b} < {w}" for b, w in separated) or "none"), flush=True)
+        return {"steps": a.distill_steps, "final_kl": finals, "dense_ppl": summary.get("dense_ppl"),
+                "rule": KL_RULE, "separated": [list(pair) for pair in separated]}
 
     def _token_files(self, spec: Any) -> Any:
         import dataclasses

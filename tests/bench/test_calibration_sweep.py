@@ -36,6 +36,13 @@ def test_the_converged_size_is_the_smallest_within_the_tolerance_of_every_larger
     assert sweep.converged_size({1024: 28.0, 2048: 29.0}, 0.01) is None
 
 
+def test_an_arm_is_better_only_where_every_seed_of_it_ends_below_every_seed_of_the_other():
+    finals = {"calibrated-1024": {0: 1.20, 1: 1.24, 2: 1.21}, "calibrated-8192": {0: 1.10, 1: 1.30, 2: 1.25},
+              "contiguous": {0: 1.50, 1: 1.45, 2: 1.60}, "one-seed": {0: 1.0}}
+    assert sorted(sweep.kl_separations(finals)) == [("calibrated-1024", "contiguous"),
+                                                    ("calibrated-8192", "contiguous")]
+
+
 def test_a_quick_sweep_scores_every_size_on_the_held_out_blocks(tmp_path):
     out = sweep.main(["--quick", "--work", str(tmp_path), "--distill-sizes", "1,4"])
     assert [r["tokens"] for r in out["rows"]] == [32, 64, 128]
@@ -47,3 +54,4 @@ def test_a_quick_sweep_scores_every_size_on_the_held_out_blocks(tmp_path):
     finals = out["distill"]["final_kl"]
     assert set(finals) == {"calibrated-32", "calibrated-128", "contiguous"}
     assert all(set(by_seed) == {0} and by_seed[0] >= 0 for by_seed in finals.values())
+    assert out["distill"]["separated"] == [list(p) for p in sweep.kl_separations(finals)]
