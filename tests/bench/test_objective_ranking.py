@@ -8,8 +8,9 @@ of the other; there the damage-weighted J_σ(dtp:2) must be higher for the one t
 
 What it asserts is the issue's ranking among the schedule-optimised, contiguous and random layouts. The
 fourth arm is recorded, not asserted: in this 2-layer, 10-step setup the dtp:1-optimised layout trains
-*ahead* of contiguous at dtp:2 while J_σ(dtp:2) puts it behind (on the 30-layer model it trains behind
-contiguous, as J_σ says — docs/schedules.md). That pair is the open question of the objective, printed by
+*ahead* of contiguous at dtp:2 while J_σ(dtp:2) puts it behind; on the 30-layer model it is the reverse
+(it trains far behind contiguous, 1.998–2.029 vs 1.426–1.550, while J_σ(dtp:2) ranks it above:
+docs/schedules.md). J_σ misorders that pair in both setups: the open question of the objective, printed by
 this test and the bench, not hidden.
 """
 
