@@ -106,7 +106,7 @@ def max_memory(args: argparse.Namespace) -> int | None:
 
 
 def weights(args: argparse.Namespace, config: Any, plan: Any) -> tuple[Any, Any]:
-    """The model and its tokenizer as `plan` chose (models.streaming.source.open_weights; None: loaded whole):
+    """The model and its tokenizer as `plan` chose (models.streaming.weights.open_weights; None: loaded whole):
     read layer by layer from its safetensors when the plan streams, else loaded whole (timed on stderr)."""
     from models.io.loading import ModelSource
     from models.streaming.weights import open_weights
