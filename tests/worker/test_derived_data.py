@@ -138,7 +138,6 @@ def files_under(root: Path) -> list[str]:
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.worker
-@pytest.mark.serial  # once under -n 2, moto lost its fresh multipart upload: alone until that is explained
 def test_nothing_is_left_after_a_tenant_deletes_everything(tmp_path, postgres_server, redis_broker, s3_server,
                                                            s3_bucket):
     settings = worker_settings(tmp_path / "worker", postgres_server, redis_broker, "derived_e2e")

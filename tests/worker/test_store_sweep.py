@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from app.core.db import Artifact, database
+from app.core.db import Artifact, Upload, UploadFile, database, utcnow
 from app.core.migrate import upgrade
 from app.core.storage.local import LocalStore
 from app.core.storage.root import Storage
@@ -67,6 +67,31 @@ def test_sweep_removes_what_no_row_lists_of_ended_jobs_and_aborts_stale_uploads(
     assert keys == listed | {unrecorded}
     assert work.read_bytes() == b"scratch"
     assert sweep_store(db, objects, stale_s=1.0).removed == 0  # idempotent
+
+
+def test_a_declared_uploads_multipart_is_left_to_the_owned_sweep_whatever_the_stores_clock_says(world):
+    """The store's "initiated" time cannot abort a live client upload: moto reports every multipart upload
+    as begun in 2010, so before this rule a worker's sweep aborted a tenant's upload between its last part
+    and its completion (CI: 'its parts are no longer in the store'). The undeclared one (an API killed
+    between beginning it and writing the rows) is still aborted."""
+    settings, objects = world
+    db = database(settings.database_url)
+    declared = objects.begin_multipart("uploads/t/u1/files/model.safetensors")
+    objects.put_part("uploads/t/u1/files/model.safetensors", declared, 1, io.BytesIO(b"p"), 1)
+    with db.session() as session, session.begin():
+        session.add(Upload(id="u1", owner="t", kind="model", name="m", status="open", part_size=1, size=1,
+                           charged=1, storage_prefix="uploads/t/u1", created_at=utcnow()))
+        session.flush()
+        session.add(UploadFile(upload_id="u1", index=0, path="model.safetensors", size=1, sha256="0" * 64,
+                               multipart=declared, done=False))
+    orphan = objects.begin_multipart("uploads/t/u2/files/model.safetensors")
+    time.sleep(1.1)
+
+    swept = sweep_store(db, objects, stale_s=1.0)
+
+    assert swept.aborted == 1 and orphan
+    assert [u.upload_id for u in objects.list_multipart("")] == [declared]
+    assert [p.number for p in objects.list_parts("uploads/t/u1/files/model.safetensors", declared)] == [1]
 
 
 def test_local_sweep_removes_old_temporaries(tmp_path):

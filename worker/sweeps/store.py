@@ -1,8 +1,12 @@
 """The object store's sweep, run by every worker's sweeper (worker.tasks) every STORE_SWEEP_EVERY_S:
 
 - multipart uploads begun more than DTP_LAYOUT_MULTIPART_STALE_S ago are aborted (a worker killed while
-  uploading an artifact, a client that never finished an upload): S3 keeps, and bills, their parts
-  until someone does;
+  uploading an artifact, an API process killed while declaring an upload): S3 keeps, and bills, their
+  parts until someone does. One that a declared upload's file row names is not: the owned sweep
+  (worker.sweeps.owned) expires open uploads by the database's clock (DTP_LAYOUT_UPLOAD_OPEN_TTL_S).
+  The store's own "initiated" time is not trusted with a live client upload: a store whose clock is
+  off (moto reports every upload as begun on 2010-11-10) would have it aborted between its last part
+  and its completion;
 - objects under `jobs/<id>/artifacts*/` that no artifact row lists are removed once the job has ended
   or is gone (an attempt killed between its upload and its row, a run that lost its job, a retried
   attempt's copy): while the job is queued or running, its upload may be about to be recorded;
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from app.core.db import Artifact, Database, Job
+from app.core.db import Artifact, Database, Job, UploadFile
 from app.core.jobstate import ACTIVE
 from app.core.storage.object_store import ObjectStore
 
@@ -44,11 +48,24 @@ def _artifact_object(key: str) -> str | None:
     return None
 
 
+def _declared_multiparts(db: Database, upload_ids: list[str]) -> set[str]:
+    """Those of `upload_ids` that an upload's file row names (a client upload the owned sweep governs)."""
+    found: set[str] = set()
+    for start in range(0, len(upload_ids), 500):
+        chunk = upload_ids[start:start + 500]
+        with db.session() as session:
+            found.update(m for m in session.scalars(select(UploadFile.multipart).where(
+                UploadFile.multipart.in_(chunk))) if m is not None)
+    return found
+
+
 def sweep_store(db: Database, objects: ObjectStore, *, stale_s: float) -> StoreSweep:
     now = time.time()
     aborted = 0
-    for upload in objects.list_multipart(""):
-        if now - upload.started > stale_s:
+    pending = objects.list_multipart("")
+    declared = _declared_multiparts(db, [u.upload_id for u in pending])
+    for upload in pending:
+        if now - upload.started > stale_s and upload.upload_id not in declared:
             objects.abort_multipart(upload.key, upload.upload_id)
             log.warning("store sweep: aborted the multipart upload to %s begun %.0f s ago", upload.key,
                         now - upload.started)
