@@ -25,6 +25,7 @@ one GPU per rank, run it with `--backend nccl`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -123,24 +124,45 @@ def main() -> None:
     def median(latency: float, schedule: str, k: int) -> float:
         return statistics.median(r[k] for r in runs[(latency, schedule)])
 
+    def growths(latency: float, schedule: str) -> list[float]:
+        """Per repeat, the blocked ms/token at `latency` minus the same repeat's at 0 µs (paired: the two ran
+        minutes apart in the same interleaved sweep, so the slow drift of the machine cancels)."""
+        return [a[1] - b[1] for a, b in zip(runs[(latency, schedule)], runs[(0.0, schedule)], strict=True)]
+
     print(f"SmolLM2-135M-shaped (random weights, {heads}), {args.layers} layers, L={args.devices} ranks {pinned}, "
           f"{args.backend}, 1 thread/rank, fp32 CPU, prompt {args.prompt}, {args.tokens} tokens, median of "
           f"{args.repeats}; load average {min(load):.1f}–{max(load):.1f} (a shared machine)")
     head = f"{'schedule':<14}{'syncs':>6}{'ms/tok@0':>10}{'blocked@0':>10}"
-    head += "".join(f"{f'+blocked@{x:g}µs (exposed)':>30}" for x in latencies[1:])
+    head += "".join(f"{f'+blocked@{x:g}µs [min–max] (exposed)':>42}" for x in latencies[1:])
     print(head)
     tp_ms = median(0.0, schedules[0], 0)
     for s in schedules:
         syncs = tables[s].syncs_per_token
         row = f"{s:<14}{syncs:>6}{median(0.0, s, 0):>10.1f}{median(0.0, s, 1):>10.1f}"
         for x in latencies[1:]:
-            growth = median(x, s, 1) - median(0.0, s, 1)
-            row += f"{growth:>20.1f} ({(syncs + 2) * x / 1e3:6.1f})"
+            g = growths(x, s)
+            row += f"{statistics.median(g):>16.1f} [{min(g):6.1f}–{max(g):6.1f}] ({(syncs + 2) * x / 1e3:6.1f})"
         print(row)
     print(f"ms/token at 0 µs relative to {schedules[0]}: "
           + ", ".join(f"{s} {median(0.0, s, 0) / tp_ms:.2f}" for s in schedules[1:]))
-    print("+blocked@X: median blocked ms/token at X minus the same schedule's at 0 µs (mean over ranks); "
-          "exposed: (syncs + 2)·X, what waiting for every exchange at once would add")
+    print("+blocked@X: per repeat, blocked ms/token at X minus the same schedule's at 0 µs (mean over ranks); "
+          "the median and [min–max] over repeats; exposed: (syncs + 2)·X, what waiting for every exchange at "
+          "once would add. The 0-µs columns are this machine's compute and loopback costs, not a link's: they "
+          "order schedules by how much work each token does here, nothing more")
+    x = latencies[-1]
+    for line in resolved_order({s: growths(x, s) for s in schedules}):
+        print(f"@{x:g}µs {line}")
+
+
+def resolved_order(growth: dict[str, list[float]]) -> list[str]:
+    """Schedules by median growth, each neighbouring pair marked resolved ('<') when every repeat of the
+    first grew less than every repeat of the second, else unresolved ('≈'): the only differences the
+    spread lets one call."""
+    ranked = sorted(growth, key=lambda s: statistics.median(growth[s]))
+    text = ranked[0]
+    for a, b in itertools.pairwise(ranked):
+        text += (" < " if max(growth[a]) < min(growth[b]) else " ≈ ") + b
+    return [f"growth order (< resolved by every repeat, ≈ within the spread): {text}"]
 
 
 if __name__ == "__main__":  # the ranks' forkserver (or spawn) imports this module too
