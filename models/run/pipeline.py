@@ -212,13 +212,12 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
                  dtype: torch.dtype | None = None, schedule: str | None = None) -> None:
     """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
     in `dtype` (see `models.export.files.export_dtype`; None: the dtype the model was loaded in); the shards
-    are made for `schedule` (None: the layout's dtp:δ)."""
+    are made for `schedule`, resolved (spd:auto:K already its spd:B: `models.run.stages` passes the plan's;
+    None: the layout's dtp:δ)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
     source = layer_source(model)  # tensor by tensor, from memory or from the safetensors: the same tensors
     compute = source.dtype
-    if schedule is not None and not parse_schedule(schedule).resolvable and state.affinity is not None:
-        schedule = state.affinity.schedule  # spd:auto:K: the spd:B the affinity stage chose
     export_layout(source, best, checkpoint_dir=state.out_dir / "checkpoint" if checkpoint else None,
                   shards_dir=state.out_dir / "shards" if shards else None, dtype=dtype or compute,
                   tokenizer=tokenizer, overwrite=overwrite, progress=progress, schedule=schedule,
