@@ -25,6 +25,7 @@ from models.affinity.file import AffinityResult
 from models.data.calibration import CalibrationSpec, load_blocks
 from models.distill.checkpoint import CHECKPOINT_DIR, checkpoint_to_read, read_run_state, remove_checkpoint, restore
 from models.distill.comparison.compare import run_dir_for
+from models.distill.data import place_data
 from models.distill.evaluation import DenseReference, evaluate_student
 from models.distill.student import make_student
 from models.distill.train import make_optimizer
@@ -158,6 +159,14 @@ class Experiment:
             self._secondary = DenseReference.compute(self.model, blocks, recipe=self.recipe())
         return self._secondary
 
+    def distill_spec(self, schedule: str, arm: str, seed: int) -> distill.DistillSpec:
+        a = self.args
+        return distill.DistillSpec(
+            layouts=(arm,), devices=a.devices, delta=1, seeds=(seed,), recipe=self.recipe(),
+            train=CalibrationSpec(source=a.train, sequences=a.steps * a.batch_size, seq_len=a.seq_len),
+            eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
+            calibration=self.calibration, schedule=self.resolved(schedule))
+
     def train(self, schedule: str) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:
         """Every arm × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}} on the primary
         evaluation set, {arm: [final KL on the second domain per seed]}), from the runs' own files."""
@@ -168,11 +177,7 @@ class Experiment:
         secondary: dict[str, list[float]] = {}
         for arm in self.arms(schedule):
             for seed in seeds:
-                spec = distill.DistillSpec(
-                    layouts=(arm,), devices=a.devices, delta=1, seeds=(seed,), recipe=recipe,
-                    train=CalibrationSpec(source=a.train, sequences=a.steps * a.batch_size, seq_len=a.seq_len),
-                    eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
-                    calibration=self.calibration, schedule=self.resolved(schedule))
+                spec = self.distill_spec(schedule, arm, seed)
                 run_dir = run_dir_for(out, arm, seed)
                 done = run_dir / "secondary.json"
                 if not done.exists():  # keep the final weights until the second domain has evaluated them
@@ -201,13 +206,14 @@ class Experiment:
         return kl
 
     def step0(self, schedule: str) -> dict[str, Any]:
-        """No training: each arm's KL(dense ‖ σ) at step 0 on the eval blocks, against the predictors."""
+        """No training: each arm's KL(dense ‖ σ) at step 0 on the blocks training evaluates (held out from the
+        calibration and training text, as `models.distill` places them), against the predictors."""
         from models.evaluation.evaluate import evaluate
 
         t0 = time.perf_counter()
-        a = self.args
-        blocks = load_blocks(CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
-                             self.tokenizer, vocab_size=int(self.model.config.vocab_size))
+        # the blocks training's step 0 evaluates: held out from the calibration and training text
+        held_out = place_data(self.distill_spec(schedule, OPTIMISED, 0)).eval
+        blocks = load_blocks(held_out, self.tokenizer, vocab_size=int(self.model.config.vocab_size))
         predicted = self.predictors(schedule)
         kl0 = {arm: [evaluate(self.model, layout_mod.load(self.layouts(schedule) / f"{arm}.json"), blocks,
                               schedule=self.resolved(schedule)).kl] for arm in self.arms(schedule)}
