@@ -1,11 +1,13 @@
 """bench/edge_intervention.py: relabelling one layer's FFN devices moves only the edges into that FFN, and
-the broken / repaired arms move the neuron → neuron edge the way they are named."""
+the broken / repaired arms move the neuron → neuron edge the way they are named; and
+bench/schedule_experiment.py's --step0-only on held-out blocks."""
 
 from __future__ import annotations
 
 import json
 
 import numpy as np
+import pytest
 
 from bench import edge_intervention as edge
 from bench import schedule_experiment as exp
@@ -47,3 +49,8 @@ def test_the_relabelled_ffn_moves_only_its_own_edges_and_the_arms_train_from_the
     # the work directory is one schedule_experiment trains: the four arms, nothing rebuilt
     trained = exp.main([*common, "--other", "", "--work", str(tmp_path / "edge")])["dtp:2"]
     assert set(trained["final_kl"]) == {"optimised", "optimised-other", edge.BROKEN, edge.REPAIRED}
+    # calibration, training and evaluation read one text here: --step0-only must score the arms on the
+    # held-out blocks training's step 0 evaluates, not on the first blocks (the calibration's; it did)
+    step0 = exp.main([*common, "--other", "", "--step0-only", "--work", str(tmp_path / "edge")])["dtp:2"]
+    for arm, kl in step0["step0_kl"].items():
+        assert kl[0] == pytest.approx(trained["curves"][arm][0][0][1], rel=1e-4)

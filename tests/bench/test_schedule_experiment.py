@@ -102,18 +102,3 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     exp.main(common)
     assert page.read_text().endswith("Reading written by hand.\n") and page.read_text().count("## Verdicts") == 1
 
-
-def test_step0_only_evaluates_the_held_out_blocks_that_training_evaluates_at_step_0(tmp_path):
-    """Calibration, training and evaluation from one text: the step-0 ranking must not score the layouts on
-    the calibration blocks their affinity was measured on (it did: the first blocks of --eval)."""
-    model_dir = tmp_path / "model"
-    tiny_model("llama").save_pretrained(model_dir)
-    text = tmp_path / "one.npy"
-    np.save(text, np.random.default_rng(0).integers(0, 97, size=16 * 32))
-    common = ["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2", "--other", "",
-              "--seeds", "0", "--calib", str(text), "--train", str(text), "--eval", str(text), "--eval2", str(text),
-              "--work", str(tmp_path / "work")]
-    trained = exp.main(common)["dtp:2"]
-    step0 = exp.main([*common, "--step0-only"])["dtp:2"]
-    for arm in ("optimised", "contiguous", "random-1000"):
-        assert step0["step0_kl"][arm][0] == pytest.approx(trained["curves"][arm][0][0][1], rel=1e-4)
