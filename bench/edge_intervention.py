@@ -57,8 +57,11 @@ def relabel_ffn(lay: Layout, layer: int, perm: tuple[int, ...], name: str) -> La
 def fractions(sigma: Any, lay: Layout) -> dict[tuple[int, int], float]:
     """{(sender module, receiver module): co-located fraction} of every edge of J_σ (module 2l attention,
     2l + 1 the FFN of layer l)."""
-    got = score(sigma, lay.kv_group_device, lay.neuron_device, devices=lay.devices)
-    return {(int(e["from"]), int(e["to"])): float(e["fraction"]) for e in got.edges}
+    return edge_fractions(score(sigma, lay.kv_group_device, lay.neuron_device, devices=lay.devices).edges)
+
+
+def edge_fractions(edges: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    return {(int(e["from"]), int(e["to"])): float(e["fraction"]) for e in edges}
 
 
 def intervene(result: AffinityResult, optimised: Layout, other: Layout, schedule: str,
@@ -86,7 +89,7 @@ def intervene(result: AffinityResult, optimised: Layout, other: Layout, schedule
     for name, lay in ((OPTIMISED, optimised), (BROKEN, made[BROKEN]), (OTHER, other), (REPAIRED, made[REPAIRED])):
         got = score(sigma, lay.kv_group_device, lay.neuron_device, devices=lay.devices)
         unit = score(sigma.with_weighting("unit"), lay.kv_group_device, lay.neuron_device, devices=lay.devices)
-        frac = fractions(sigma, lay)
+        frac = edge_fractions(got.edges)
         report["arms"][name] = {"J_damage": got.J, "J_unit": unit.J,
                                 "neg_missing_ffn_damage": -missing_ffn_damage(got.edges),
                                 "into_ffn": {f"{a}->{b}": frac[(a, b)] for a, b in frac if b == ffn}}
