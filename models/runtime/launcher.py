@@ -36,6 +36,7 @@ from models.runtime.errors import RankFailure, RuntimeStopped, ShardError
 from models.runtime.generation import GenerateRequest, GenerationResult, LoadInfo
 
 BACKENDS = ("auto", "gloo", "nccl")
+WAIT_SLICE_S = 0.25  # the longest the launcher waits on its ranks before it looks at pending signals
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -336,11 +337,16 @@ class DTPRuntime:
             while len(replies) + len(exits) < n:
                 waiting = [r for r in range(n) if r not in replies and r not in exits]
                 ends = [t for t in (deadline, grace_end) if t is not None]
-                timeout = max(0.0, min(ends) - time.monotonic()) if ends else None
+                left = max(0.0, min(ends) - time.monotonic()) if ends else None
+                # Never one unbounded wait: a ctrl-C the kernel delivers to another thread of this process (the
+                # rendezvous store's) only sets Python's flag, and the main thread acts on it once its wait returns.
                 ready = multiprocessing.connection.wait(
-                    [self._conns[r] for r in waiting] + [self._processes[r].sentinel for r in waiting], timeout)
+                    [self._conns[r] for r in waiting] + [self._processes[r].sentinel for r in waiting],
+                    WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
                 if not ready:
-                    break
+                    if left is not None and left <= WAIT_SLICE_S:
+                        break  # the deadline (or the grace after a failure) has passed
+                    continue
                 for r in waiting:
                     conn, proc = self._conns[r], self._processes[r]
                     try:
