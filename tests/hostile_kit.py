@@ -140,6 +140,24 @@ class Service:
             r = c.post(f"/v1/uploads/{upload_id}/complete")
             return r, time.perf_counter() - t0
 
+    def await_completing(self, upload_ids: list[str], within_s: float = 60.0) -> None:
+        """Wait until every one of `upload_ids` is being completed at once (the database's `completing_at`
+        mark, set after the API took the request's check slot), by `within_s`."""
+        from sqlalchemy import func, select
+
+        from app.core.db import Upload
+
+        db = database(self.settings.database_url)
+        deadline = time.monotonic() + within_s
+        while True:
+            with db.session() as session:
+                marked = session.scalar(select(func.count()).select_from(Upload).where(
+                    Upload.id.in_(upload_ids), Upload.completing_at.is_not(None)))
+            if marked == len(upload_ids):
+                return
+            assert time.monotonic() < deadline, f"{marked} of {len(upload_ids)} completions started in {within_s:g} s"
+            time.sleep(0.02)
+
     def status(self, tenant: str, upload_id: str) -> int:
         with self.client(tenant) as c:
             return c.get(f"/v1/uploads/{upload_id}").status_code

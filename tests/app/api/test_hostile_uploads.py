@@ -205,7 +205,7 @@ def test_completions_run_off_the_request_threads_a_bounded_number_per_tenant(ser
     extra = {t: service.send(t, "model", {"slow.gguf": slow}) for t in ("hostile", "fourth")}
     with Bystander(service) as bystander, concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(service.complete, t, i) for t, i in zip(tenants, ids, strict=True)]
-        time.sleep(0.5)  # the four are being checked
+        service.await_completing(ids)  # the four hold their slots (a fixed sleep raced a loaded machine)
         over_tenant, _ = service.complete("hostile", extra["hostile"])
         over_server, _ = service.complete("fourth", extra["fourth"])
         answers = [f.result() for f in running]
