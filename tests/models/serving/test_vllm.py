@@ -57,8 +57,11 @@ def runtime2() -> Iterator[DTPRuntime]:
         rt.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """The exports made so far under this session's base temp directory, which outlives a module's fixtures:
+    with the file split by parameter set, a worker may run `llama-dtp:1-shards`, another file, then
+    `llama-dtp:1-plain`, and a module-scoped cache forgot the first export while its directory remained."""
     return {}
 
 
