@@ -70,8 +70,8 @@ typecheck: $(STAMP)
 # `make test PYTEST_ARGS=--junitxml=var/junit.xml` keeps every test's time; the 20 slowest are always listed.
 PYTEST_ARGS ?=
 # pytest-xdist: PYTEST_WORKERS processes (PYTEST_WORKERS=0: one, in make's own pytest). With loadgroup a
-# file's tests run on one worker, the longest files first, and the `serial` tests one at a time with nothing
-# else running (tests/xdist_kit.py; docs/service.md#tests).
+# file's tests run on one worker, the longest files first, and the `serial` tests first, on one worker, with
+# the others at nice 19 (tests/xdist_kit.py; docs/service.md#tests).
 # Default: one more worker than cores, at most 8. The suite waits on subprocesses, servers and sockets much of
 # the time (2 workers kept 2 cores 34-44 % busy); on 2 cores a third worker took the whole suite from 19:02 (CI,
 # 2 workers) to about 14 minutes (docs/benchmarks.md#the-test-suite-on-xdist-workers-make-test).

@@ -13,7 +13,7 @@ import torch
 from tests import xdist_kit
 
 # Intra-op threads: the cores, at most 2, shared among the xdist workers (`make test` runs 2 on 2 cores: one
-# thread each); a `serial` test, which runs alone, gets them all (pytest_runtest_protocol below).
+# thread each); a `serial` test, which has the CPU to itself, gets them all (pytest_runtest_protocol below).
 TORCH_THREADS = max(1, min(2, os.cpu_count() or 1))
 WORKER_THREADS = max(1, TORCH_THREADS // max(1, xdist_kit.WORKER_COUNT))
 torch.set_num_threads(WORKER_THREADS)
@@ -66,16 +66,22 @@ def pytest_configure_node(node):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under xdist, a `serial` test runs alone: the other workers' tests wait until it (and the `serial`
-    tests right after it on this worker) have finished, teardown included, and it has every core."""
+    """Under xdist, a `serial` test has the CPU to itself (tests/xdist_kit.py): on the worker that runs the
+    serial group first, at the priority it started with, while every other test runs at the least
+    priority; on a worker already at the least priority, alone: the other workers' tests wait until it (and
+    the `serial` tests right after it on this worker) have finished, teardown included. It has every core."""
     lock = _xdist.lock if _xdist is not None else None
     if lock is None:
         return (yield)
     serial = xdist_kit.is_serial(item)
     if serial:
-        lock.exclusive()
+        if xdist_kit.in_foreground():
+            lock.release()
+        else:
+            lock.exclusive()
         torch.set_num_threads(TORCH_THREADS)
     else:
+        xdist_kit.background()
         lock.shared()
     try:
         return (yield)
@@ -88,7 +94,7 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup`: a file's tests together on one worker, the longest files first, the `serial`
-    tests one group, last (tests/xdist_kit.py). Other --dist modes are xdist's own."""
+    tests one group, first (tests/xdist_kit.py). Other --dist modes are xdist's own."""
     if config.getvalue("dist") == "loadgroup" and _xdist is not None:
         return _xdist.scheduler(log)
     return None

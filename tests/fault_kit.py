@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.cli.supervisor import share_priority
 from tests.service_kit import free_port
 
 
@@ -68,6 +69,7 @@ class PrivateRedis:
         self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
                                       str(self.dir), "--save", "", "--appendonly", "yes", "--protected-mode", "no"],
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
         log.close()
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=1)
         try:

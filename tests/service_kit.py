@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from app.cli.supervisor import share_priority
 from app.core.settings import Settings
 from tests.faults import Faults
 from tests.xdist_kit import free_port  # this xdist worker's own port range (the kits import it from here)
@@ -237,6 +238,7 @@ class WorkerProcess:
         env = importable_from_anywhere(self.env) if self.cwd is not None else self.env
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=self.cwd)
+        share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -304,6 +306,7 @@ class ServeProcess:
         self.proc = subprocess.Popen([*self.program, "serve", "--port", str(self.port), "--var-dir", str(self.var),
                                       *self.options], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=self.cwd)
+        share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

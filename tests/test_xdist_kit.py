@@ -34,3 +34,26 @@ def test_the_workers_lists_reach_the_schedule(tmp_path, monkeypatch) -> None:
     run.collected(items)
     assert run.param_units() == {"tests/v.py::test_a[e1]": "tests/v.py[e1]", "tests/v.py::test_b[e2]": "tests/v.py[e2]"}
     assert run.serial_ids() == {"tests/s.py::test_c"}
+
+
+
+def test_the_serial_group_goes_out_first_then_the_longest_units() -> None:
+    seconds = {"tests/a.py": 3.0, xdist_kit.SERIAL: 1.0, "tests/v.py[e1]": 60.0, "tests/b.py": 9.0}
+    assert xdist_kit.schedule_order(seconds) == [xdist_kit.SERIAL, "tests/v.py[e1]", "tests/b.py", "tests/a.py"]
+
+
+def test_background_lowers_this_process_and_what_it_starts_once_for_good() -> None:
+    """In a child process (a priority cannot be raised back): `background()` takes it to nice 19, which a
+    process it starts inherits, and a second call changes nothing."""
+    import subprocess
+    import sys
+
+    code = ("import os, subprocess, sys; from tests import xdist_kit as k; n = os.nice(0); a = k.in_foreground(); "
+            "b = k.background(); c = k.background(); d = k.in_foreground(); "
+            "child = subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0))'], capture_output=True, "
+            "text=True).stdout.strip(); print(n, a, b, c, d, os.nice(0), child)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(xdist_kit.SEED.parents[1])).stdout.split()
+    least = str(xdist_kit.BACKGROUND_NICE)
+    assert out[1] == str(int(out[0]) < xdist_kit.BACKGROUND_NICE)  # foreground unless started at the least
+    assert out[2:] == ["True", "True", "False", least, least]

@@ -4,13 +4,18 @@ docs/service.md#tests).
 - Which xdist worker this process is (`gw0`, `gw1`, …; None when the run is not distributed), for the
   per-worker Postgres database names, Redis database number and key prefix (tests/conftest.py) and the
   per-worker TCP port ranges (`free_port`).
-- `serial` tests run alone: a test marked `serial` holds a lock the other workers' tests wait for, so that
-  nothing else runs while it measures a wall time, a latency or an RSS against its bound (`SerialLock`,
-  in a directory the controller makes and hands each worker: `Run`).
+- `serial` tests have the CPU to themselves: they are one group, the first unit the schedule hands out, so
+  one worker runs them before any other test, at the priority it started with, while every other worker
+  lowers its own to the least (`nice 19`, `background()`) before its first test. The kernel then gives the
+  other workers' processes (~1.5 % of a core against one at nice 0) only the CPU the serial tests leave idle
+  (about two thirds of it: they mostly wait on deadlines), instead of leaving it unused while they run alone.
+  Where the serial group reaches a worker that has already lowered its priority (the group handed out
+  later, or a `--dist` of xdist's own), its tests run alone instead: they hold a lock the other workers'
+  tests wait for (`SerialLock`, in a directory the controller makes and hands each worker: `Run`).
 - The schedule: with `--dist loadgroup`, the tests of one file go to one worker together (its module
   fixtures, a running service or worker, are set up once), except in a file marked `split_by_param`, whose
   tests go out one parameter set at a time (each set starts its own module fixtures anyway: the vLLM
-  engines), the `serial` tests are one group, last, and the
+  engines), the `serial` tests are one group, first, and the
   files go out longest first (each test's time in the last run, kept in pytest's cache; else the file's
   average in tests/xdist_durations.json) so that no long file starts last (`make_scheduler`). xdist's own
   loadgroup reads `xdist_group` marks through a node-id suffix that pytest 9 no longer honours; the
@@ -84,6 +89,26 @@ def free_port() -> int:
 
 
 # ---- serial tests ----------------------------------------------------------------------------------------
+
+BACKGROUND_NICE = 19  # the least priority: CFS weight 15 against 1024 at nice 0
+
+
+def background() -> bool:
+    """Lower this process (and every process it starts from now on) to the least CPU priority, once; True
+    when it is there. A process may always lower its priority, never raise it back without privileges."""
+    try:
+        current = os.nice(0)
+        if current < BACKGROUND_NICE:
+            os.nice(BACKGROUND_NICE - current)
+        return True
+    except OSError:
+        return False
+
+
+def in_foreground() -> bool:
+    """Whether this process still has the priority it started with (it has not run `background()`)."""
+    return os.nice(0) < BACKGROUND_NICE
+
 
 class SerialLock:
     """A readers-writer lock over two files shared by the workers of one run (flock(2)): every test holds
@@ -183,15 +208,20 @@ class Durations:
             self.cache.set(DURATIONS_KEY, {**self.cached, **{k: round(v, 3) for k, v in self.seen.items()}})
 
 
+def schedule_order(seconds: dict[str, float]) -> list[str]:
+    """The work units in the order they go out: the `serial` group first, then the longest first."""
+    return sorted(seconds, key=lambda unit: (unit != SERIAL, -seconds[unit]))
+
+
 def make_scheduler(config: pytest.Config, log: Any, durations: Durations,
                    serial_ids: Callable[[], set[str]], param_units: Callable[[], dict[str, str]]) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroupScheduling(LoadScopeScheduling):
         """loadgroup where a test without an xdist_group is grouped with its file and the `serial` tests are
-        one group; the units go out longest first, the `serial` group last (while it runs the other workers
-        wait, so it had better not wait behind a long test of theirs); a worker gets its next unit when it
-        is down to its last test."""
+        one group; the `serial` group goes out first (to the first worker, which runs it before any other
+        test, while the others run theirs at the least priority), then the units longest first; a worker
+        gets its next unit when it is down to its last test."""
 
         def __init__(self, config: pytest.Config, log: Any) -> None:
             super().__init__(config, log)
@@ -210,7 +240,7 @@ def make_scheduler(config: pytest.Config, log: Any, durations: Durations,
                 for nodeid in collection:
                     units.setdefault(self._split_scope(nodeid), []).append(nodeid)
                 seconds = {u: sum(durations.of(n) for n in ids) for u, ids in units.items()}
-                ordered = sorted(units, key=lambda u: (u == SERIAL, -seconds[u]))
+                ordered = schedule_order(seconds)
                 self.collection = list(collection)
                 self.workqueue = OrderedDict((u, dict.fromkeys(units[u], False)) for u in ordered)
                 for node in self.nodes:

@@ -9,7 +9,7 @@ with its whole process group when the server stops.
 
 The worker runs in its own session (a Ctrl-C in the terminal reaches the server only, which then
 stops the worker) and, on Linux, with a parent-death signal: should the server itself be SIGKILLed,
-the kernel kills the worker too. Torch-free.
+the kernel kills the worker too; it keeps the server's CPU priority (`share_priority`). Torch-free.
 """
 
 from __future__ import annotations
@@ -34,6 +34,26 @@ def _die_with_parent() -> None:
 
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def share_priority(pid: int) -> None:
+    """Give process `pid`, just started by this one in a session of its own, this process's nice value as
+    its session's. Under Linux's autogroup scheduling (on by default in many kernels) a new session is a
+    scheduling group of its own at nice 0, and a nice value counts only within its group: without this, the
+    worker of a `nice dtp-layout serve` takes the CPU at full weight. Best effort: nothing where there are
+    no autogroups; an unprivileged change is refused within 0.1 s of the last one on the machine (retried)."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= 0:
+        return
+    for _ in range(10):
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(nice))
+            return
+        except BlockingIOError:  # EAGAIN: the kernel's once-per-0.1-s limit on unprivileged changes
+            time.sleep(0.1)
+        except OSError:  # no autogroups (no such file), the process gone, or not allowed
+            return
 
 
 def _say(message: str) -> None:
@@ -66,8 +86,10 @@ class WorkerSupervisor:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:
-            return subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_die_with_parent)
+        share_priority(proc.pid)
+        return proc
 
     def _watch(self) -> None:
         # Popen runs in this thread, which lives as long as the supervisor: the parent-death signal

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.io.converted import MANIFEST, ConvertedCache, publish
-from models.io.loading import ModelLoadError, ModelSource, load_config, load_model, load_tokenizer
+from models.io.loading import ModelLoadError, ModelSource, load_config, load_model
 from tests.tiny import tiny_gguf, tiny_model, tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,15 +220,5 @@ def test_a_hub_gguf_converts_from_the_hf_cache_offline(tmp_path, monkeypatch):
         cache.converted_source(ModelSource("acme/tiny-gguf", revision="main", gguf_file="absent.gguf"))
 
 
-@pytest.mark.real
-def test_smollm2_converted_equals_the_direct_load(tmp_path, smollm2):
-    """The packaged SmolLM2-135M GGUF: weights, logits and token ids from the copy equal the direct load."""
-    direct, direct_tokenizer, gguf = smollm2
-    cache = ConvertedCache(tmp_path / "converted")
-    source = cache.converted_source(ModelSource(str(gguf)))
-    model, tokenizer = load_model(source), load_tokenizer(source)
-    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
-    assert tokenizer(text).input_ids == direct_tokenizer(text).input_ids
-    assert tokenizer.eos_token_id == direct_tokenizer.eos_token_id
-    assert_same_model(model, direct)
-    assert cache.converted_source(ModelSource(str(gguf))) == source
+# The packaged SmolLM2-135M's copy against its direct load: tests/models/test_real.py, where the session's
+# direct load (the `smollm2` fixture) and the copy the CLI tests read are made once, on one worker.

@@ -1,4 +1,5 @@
-"""The real pretrained SmolLM2-135M (GGUF, dequantised): permutation invariance and evaluation."""
+"""The real pretrained SmolLM2-135M (GGUF, dequantised): its converted copy, permutation invariance and
+evaluation."""
 
 from __future__ import annotations
 
@@ -22,6 +23,25 @@ def test_smollm2_shape(smollm2):
     assert (shape.num_layers, shape.num_kv_groups, shape.num_query_heads, shape.intermediate_size) == (
         30, 3, 9, 1536)
     assert tokenizer is not None
+
+
+def test_smollm2_converted_equals_the_direct_load(smollm2):
+    """The packaged SmolLM2-135M GGUF: weights, logits and token ids from the converted copy
+    (models.io.converted) equal the direct load. The copy is made in the session's cache
+    ($DTP_LAYOUT_CACHE_DIR, tests/conftest.py), where the CLI tests below then read it."""
+    from models.io.converted import ConvertedCache
+    from models.io.loading import ModelSource, load_model, load_tokenizer
+    from tests.models.test_converted import assert_same_model
+
+    direct, direct_tokenizer, gguf = smollm2
+    cache = ConvertedCache()
+    source = cache.converted_source(ModelSource(str(gguf)))
+    model, tokenizer = load_model(source), load_tokenizer(source)
+    text = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
+    assert tokenizer(text).input_ids == direct_tokenizer(text).input_ids
+    assert tokenizer.eos_token_id == direct_tokenizer.eos_token_id
+    assert_same_model(model, direct)
+    assert cache.converted_source(ModelSource(str(gguf))) == source
 
 
 def test_smollm2_permutation_keeps_logits_at_L3(smollm2):

@@ -57,3 +57,30 @@ def test_worker_restarted_when_killed_and_stopped_with_serve_on_sigterm(tmp_path
         assert not alive(second), f"worker {second} survived serve's SIGTERM"
     finally:
         serve.stop()
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").is_file(), reason="no autogroup scheduling in this kernel")
+def test_a_worker_in_its_own_session_keeps_the_servers_nice_value(tmp_path):
+    """Autogroup scheduling makes a new session a group of its own at nice 0, where a nice value inherited
+    from the server would count for nothing: `share_priority` gives the worker's session the server's nice
+    (checked in a child at nice 7 and one at its start value; a priority cannot be raised back)."""
+    import subprocess
+    import sys
+
+    code = """
+import os, subprocess, sys
+from app.cli.supervisor import share_priority
+start = os.nice(0)
+if sys.argv[1] == "lowered":
+    os.nice(7 - start if start < 7 else 0)
+child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+share_priority(child.pid)
+print(os.nice(0), open(f"/proc/{child.pid}/autogroup").read().split()[-1])
+child.kill()
+"""
+    repo = Path(__file__).resolve().parents[3]
+    for case in ("lowered", "as-started"):
+        out = subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, check=True,
+                             cwd=str(repo)).stdout.split()
+        own, group = int(out[0]), int(out[1])
+        assert group == (own if own > 0 else 0), (case, out)  # the group's nice: the server's, never below 0

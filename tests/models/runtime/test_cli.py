@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.cli.supervisor import share_priority
 from models.runtime.sampling import Sampling
 from tests.models.runtime.reference import simulator_generation
 from tests.tiny import tokens
@@ -183,6 +184,7 @@ def test_ctrl_c_stops_every_rank(shards: Any, prompt: Any, thread: str) -> None:
                              str(prompt[0]), "--max-new-tokens", "1000000", "--ignore-eos", "--link-latency-us", "2000",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                             start_new_session=True)
+    share_priority(proc.pid)  # a session of its own: keep this test process's priority (tests/xdist_kit.py)
     try:
         lines = _stderr_lines(proc)
         started, said = _until(lines, time.monotonic() + START_BOUND_S, "generating")  # every rank has loaded

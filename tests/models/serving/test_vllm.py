@@ -1,8 +1,12 @@
 """vLLM serves the exported shards with the project runtime's tokens (issue 28).
 
-Each engine is vLLM's OpenAI server run from .venv-vllm as a subprocess (TP = 2 on the CPU, fp32, eager),
-started once per (family, schedule, load path) and shared by that engine's tests (module-scoped,
-parametrized: one engine at a time in a process; under xdist the engines go to the workers one by one).
+Each engine (TP = 2 on the CPU, fp32, eager) is started once per (family, schedule, load path) and shared by
+that engine's tests (module-scoped, parametrized: one engine at a time in a process; under xdist the engines
+go to the workers one by one). Two run as vLLM's OpenAI server from .venv-vllm, as docs/serving.md has users
+run it: the llama dtp:1 shards (also compared with the `generate` command) and the checkpoint with the table
+on the server's --hf-overrides. The others are loaded by this session's engine host (vllm_host.py: `vllm.LLM`
+in one process that imported vLLM once; the same plugin, model classes, executor and TP workers), which
+readies an engine in ~10 s instead of the server's ~25 s on an idle machine.
 Every engine runs with --max-num-batched-tokens 16, so the longer prompts are prefilled in chunks, and
 every request is a batch of prompts of different lengths sent as token ids at temperature 0. The
 reference is the project's runtime (`models.runtime`, what `dtp-layout generate` runs) on the same shards.
@@ -22,7 +26,7 @@ import pytest
 
 from models.runtime import DTPRuntime
 from models.serving.manifest import hf_overrides
-from tests.models.serving.vllm_kit import Server, export_tiny, runtime_tokens, vllm_missing
+from tests.models.serving.vllm_kit import EngineHost, HostedEngine, Server, export_tiny, runtime_tokens, vllm_missing
 from tests.tiny import tokens
 
 # split_by_param: each engine's tests are a unit of their own under xdist (an engine is started per parameter
@@ -41,6 +45,8 @@ ENGINES = [("llama", "tp", "shards"), ("llama", "dtp:1", "shards"), ("llama", "d
            ("llama", "pt:2", "shards"), ("llama", "spd:1", "shards"), ("llama", "ladder", "shards"),
            ("qwen3", "dtp:1", "shards"), ("qwen2", "pt:2", "shards"), ("mistral", "ladder", "shards"),
            ("llama", "dtp:2", "checkpoint"), ("llama", "dtp:1", "plain")]
+Engine = tuple[str, str, str, Path, "Server | HostedEngine"]  # case, schedule, load path, shards, the engine
+SERVED = {("llama", "dtp:1", "shards"), ("llama", "dtp:2", "checkpoint")}  # on the OpenAI server; the rest hosted
 TIMES: dict[str, float] = {}
 
 
@@ -72,21 +78,33 @@ def _export(exports: dict[tuple[str, str], Path], root: Path, case: str, schedul
     return exports[case, schedule]
 
 
+@pytest.fixture(scope="session")
+def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
+    """One engine host per test process (per xdist worker), started when its first hosted engine is wanted."""
+    host = EngineHost(tmp_path_factory.mktemp("vllm-host") / "host.log")
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
 @pytest.fixture(scope="module", params=ENGINES, ids=["-".join(e) for e in ENGINES])
 def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str, Path, Server]]:
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     case, schedule, path = request.param
     out = _export(exports, tmp_path_factory.getbasetemp() / "vllm-exports", case, schedule)
     shards = out / "shards"
-    if path == "shards":
-        server = Server(shards, extra=CHUNK)
-    elif path == "checkpoint":
-        serving = json.loads((shards / "manifest.json").read_text())["serving"]
-        server = Server(out / "checkpoint", extra=[*CHUNK, "--hf-overrides", json.dumps(hf_overrides(serving))])
+    model = shards if path == "shards" else out / "checkpoint"
+    overrides = hf_overrides(json.loads((shards / "manifest.json").read_text())["serving"]) \
+        if path == "checkpoint" else None
+    server: Server | HostedEngine
+    if request.param in SERVED:
+        server = Server(model, extra=[*CHUNK, *(["--hf-overrides", json.dumps(overrides)] if overrides else [])])
     else:
-        server = Server(out / "checkpoint", extra=CHUNK)
+        server = request.getfixturevalue("engine_host").load(model, hf_overrides=overrides)
     TIMES["-".join(request.param)] = server.start_s
-    print(f"\nvLLM engine {'-'.join(request.param)}: ready in {server.start_s:.1f} s")
+    how = "OpenAI server" if request.param in SERVED else "engine host"
+    print(f"\nvLLM engine {'-'.join(request.param)} ({how}): ready in {server.start_s:.1f} s")
     try:
         yield case, schedule, path, shards, server
     finally:
@@ -99,7 +117,7 @@ def _reference(rt: DTPRuntime, shards: Path, prompts: list[list[int]], override:
                         schedule_override=override).tokens.tolist()[0] for p in prompts]
 
 
-def test_greedy_tokens_equal_the_runtime(engine: tuple[str, str, str, Path, Server], runtime2: DTPRuntime) -> None:
+def test_greedy_tokens_equal_the_runtime(engine: Engine, runtime2: DTPRuntime) -> None:
     """A batch of prompts of different lengths, the longest prefilled in chunks: vLLM's greedy tokens are the
     runtime's (plain TP, the negative control: they are not, and are the runtime's at tp instead)."""
     case, schedule, path, shards, server = engine
@@ -116,7 +134,7 @@ def test_greedy_tokens_equal_the_runtime(engine: tuple[str, str, str, Path, Serv
         assert got == want, f"{case} {schedule} via {path}: vLLM {got} != runtime {want}"
 
 
-def test_single_requests_equal_the_batch(engine: tuple[str, str, str, Path, Server]) -> None:
+def test_single_requests_equal_the_batch(engine: Engine) -> None:
     """Each prompt alone gives the tokens it gets in the batch (no cross-talk between sequences)."""
     _, _, path, _, server = engine
     if path != "shards":
@@ -126,7 +144,7 @@ def test_single_requests_equal_the_batch(engine: tuple[str, str, str, Path, Serv
     assert [server.complete([p], MAX_TOKENS)[0] for p in prompts] == batch
 
 
-def test_the_generate_command_gives_the_same_tokens(engine: tuple[str, str, str, Path, Server]) -> None:
+def test_the_generate_command_gives_the_same_tokens(engine: Engine) -> None:
     """`dtp-layout generate --ids ... --json` itself (the CLI, its own rank processes) on the dtp:1 shards."""
     case, schedule, path, shards, server = engine
     if (case, schedule, path) != ("llama", "dtp:1", "shards"):

@@ -1,11 +1,13 @@
 """The vLLM tests' kit: tiny fp32 shards vLLM's CPU attention takes (head_dim 32), an OpenAI server of
-.venv-vllm started as a subprocess, greedy completions by token ids, and the project runtime's tokens."""
+.venv-vllm started as a subprocess, an engine host (tests/models/serving/vllm_host.py) that loads engines one
+after another in one process, greedy completions by token ids, and the project runtime's tokens."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from app.cli.supervisor import share_priority
 from tests.xdist_kit import free_port  # this xdist worker's own port range
 
 REPO = Path(__file__).resolve().parents[3]
@@ -64,6 +67,15 @@ def cpu_env(tp: int = 2) -> dict[str, str]:
     return env
 
 
+def log_tail(log: Path, chars: int = 4000) -> str:
+    """The log's ERROR lines (the root cause sits far above the end) and its end."""
+    if not log.is_file():
+        return ""
+    text = log.read_text(errors="replace")
+    errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith(("ServingError", "E "))]
+    return "\n".join(errors[:40]) + "\n...\n" + text[-chars:]
+
+
 class Server:
     """vLLM's OpenAI server on `model` (a shards/ or checkpoint/ directory), as a subprocess."""
 
@@ -83,6 +95,7 @@ class Server:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=cpu_env(tp),
                                          start_new_session=True, cwd=str(REPO))
+        share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
         self._wait_ready()
         self.start_s = time.perf_counter() - t0
 
@@ -100,12 +113,7 @@ class Server:
         raise RuntimeError(f"vLLM not ready after {self.start_timeout_s:.0f} s; log {self.log}:\n" + self.tail())
 
     def tail(self, chars: int = 4000) -> str:
-        """The log's ERROR lines (the root cause sits far above the end) and its end."""
-        if not self.log.is_file():
-            return ""
-        text = self.log.read_text(errors="replace")
-        errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith(("ServingError", "E "))]
-        return "\n".join(errors[:40]) + "\n...\n" + text[-chars:]
+        return log_tail(self.log, chars)
 
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy token ids for each prompt (given as token ids), from POST /v1/completions."""
@@ -137,6 +145,84 @@ def served(model: Path, **kwargs: Any) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+class EngineError(RuntimeError):
+    """An engine host's request failed (its reply's traceback), or the host died or did not answer."""
+
+
+class EngineHost:
+    """tests/models/serving/vllm_host.py as a subprocess of .venv-vllm: vLLM imported once, engines loaded
+    one at a time (`load` unloads the previous one); its log (vLLM's output) in `log`."""
+
+    def __init__(self, log: Path, *, python: str | Path | None = None, timeout_s: float | None = None) -> None:
+        self.log = log
+        self.timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen([str(python or VLLM_PYTHON), "-m", "tests.models.serving.vllm_host"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         env=cpu_env(2), start_new_session=True, cwd=str(REPO))
+        share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
+        self.import_s = float(self._reply(self.timeout_s)["import_s"])
+
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)  # one reply per request, whole lines
+        if not ready:
+            self.stop()
+            raise EngineError(f"the vLLM engine host did not answer in {timeout_s:.0f} s; log {self.log}:\n"
+                              + log_tail(self.log))
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            raise EngineError(f"the vLLM engine host exited with {self.proc.returncode}; log {self.log}:\n"
+                              + log_tail(self.log))
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise EngineError(reply["error"])
+        return reply
+
+    def request(self, timeout_s: float | None = None, **message: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        if self.proc.poll() is not None:
+            raise EngineError(f"the vLLM engine host has exited ({self.proc.returncode}); log {self.log}")
+        self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._reply(self.timeout_s if timeout_s is None else timeout_s)
+
+    def load(self, model: Path, *, tp: int = 2, max_num_batched_tokens: int = 16,
+             hf_overrides: dict[str, Any] | None = None) -> HostedEngine:
+        t0 = time.perf_counter()
+        self.request(op="load", model=str(model), tp=tp, max_num_batched_tokens=max_num_batched_tokens,
+                     hf_overrides=hf_overrides)
+        return HostedEngine(self, time.perf_counter() - t0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(EngineError, OSError, ValueError):
+                self.request(timeout_s=60, op="exit")
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # TP workers left by a failed load
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+class HostedEngine:
+    """The engine an EngineHost has loaded, used as a Server is: `complete`, `start_s`, `stop` (unload)."""
+
+    def __init__(self, host: EngineHost, start_s: float) -> None:
+        self.host, self.start_s = host, start_s
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy token ids for each prompt (token ids), through `LLM.generate`."""
+        reply = self.host.request(timeout_s=300, op="complete", prompts=prompts, max_tokens=max_tokens)
+        return [[int(t) for t in ids] for ids in reply["token_ids"]]
+
+    def stop(self) -> None:
+        with contextlib.suppress(EngineError):
+            self.host.request(timeout_s=120, op="unload")
 
 
 def runtime_tokens(shards: Path, prompts: list[list[int]], max_new_tokens: int,
