@@ -21,8 +21,9 @@ import pytest
 from bench import schedule_experiment as exp
 
 # Twelve real distillations: 1:57 wall pinned to one core (the other busy), 5 min at load 4 (2m44s of CPU), 35 min
-# at load 10; `make test` already takes 14:45–16:18 of pytest against its 15-minute target, so it runs under
-# `make test-long` with the other bench-scale proofs.
+# at load 10; `make test` takes 12:56 of pytest against its 15-minute target with the CPU busy 96 % of it, so
+# these 2m44s of CPU (~1.5 min on 2 cores) would leave it half a minute of margin: it runs under `make test-long`
+# with the other bench-scale proofs.
 pytestmark = [pytest.mark.real, pytest.mark.long]
 
 ISSUE_ARMS = ("optimised", "contiguous", "random-1000")
