@@ -60,6 +60,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from app.cli.supervisor import share_priority  # noqa: E402
 from bench.load_http import CLIENT_ERRORS, HttpxHTTP, RawHTTP  # noqa: E402
 from bench.server_backing import create_backing, drop_backing  # noqa: E402
 
@@ -219,6 +220,7 @@ class Server:
         log = open(self.root / "server.log", "ab")  # noqa: SIM115 (the subprocess owns it)
         self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        share_priority(self.proc.pid)  # a session of its own: keep this process's nice (tests/xdist_kit.py)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -75,9 +75,7 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     serial = xdist_kit.is_serial(item)
     if serial:
-        if xdist_kit.in_foreground():
-            lock.release()
-        else:
+        if not xdist_kit.in_foreground():
             lock.exclusive()
         torch.set_num_threads(TORCH_THREADS)
     else:

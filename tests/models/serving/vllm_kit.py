@@ -169,7 +169,7 @@ class EngineHost:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)  # one reply per request, whole lines
         if not ready:
-            self.stop()
+            self._kill()  # a host that does not answer would not answer `exit` either
             raise EngineError(f"the vLLM engine host did not answer in {timeout_s:.0f} s; log {self.log}:\n"
                               + log_tail(self.log))
         line = self.proc.stdout.readline()
@@ -201,12 +201,13 @@ class EngineHost:
         if self.proc.poll() is None:
             with contextlib.suppress(EngineError, OSError, ValueError):
                 self.request(timeout_s=60, op="exit")
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # TP workers left by a failed load
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL to the host's process group (the host, if still there, and any TP worker a failed load left)."""
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
 
 
 class HostedEngine:
