@@ -37,6 +37,8 @@ from models.affinity.scoring import (
     _down_weight_norms,
     _rms_inverse,
     affinity_pass,
+    counted,
+    counted_tokens,
     sum_dtype,
 )
 from models.families import model_shape
@@ -241,7 +243,8 @@ class _EntryPool:
 @torch.no_grad()
 def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_size: int = 4,
               token_chunk: int = 128, memory_limit: int = EDGE_MEMORY_LIMIT, kept_mass: float = KEPT_MASS,
-              progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict[Pair, EdgeScores]:
+              progress: Progress | None = None, should_stop: ShouldStop | None = None,
+              skip_positions: int = 0) -> dict[Pair, EdgeScores]:
     """The FO and ADD scores of every edge (m, t) in `pairs` (raw per-token means, not normalised).
 
     memory_limit: bytes the finished edges may take; above it the neuron → neuron edges are kept as their
@@ -268,7 +271,7 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
                 progress(stage, (index + fraction) / len(rounds))
 
         found = _edge_round(model, blocks, round_pairs, shape, batch_size=batch_size, token_chunk=token_chunk,
-                            progress=round_progress, should_stop=should_stop)
+                            progress=round_progress, should_stop=should_stop, skip_positions=skip_positions)
         for pair, edge in found.items():  # cut now: the next pass's accumulators take the room
             scores[pair] = ({name: pool.store(np.asarray(m), kept_mass) for name, m in edge.items()}
                             if pool is not None and edge_kind(pair) == "neuron-neuron" else edge)
@@ -276,8 +279,10 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
 
 
 def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: ModelShape, *, batch_size: int,
-                token_chunk: int, progress: Progress, should_stop: ShouldStop | None) -> dict[Pair, EdgeScores]:
-    """One pass over the blocks: the dense scores of `pairs`."""
+                token_chunk: int, progress: Progress, should_stop: ShouldStop | None,
+                skip_positions: int = 0) -> dict[Pair, EdgeScores]:
+    """One pass over the blocks: the dense scores of `pairs` (over each block's positions from
+    `skip_positions` on)."""
     dense = DTPModel(model, devices=1, delta=0)
     layers: Any = decoder_layers(model)
     device = next(model.parameters()).device
@@ -291,6 +296,7 @@ def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: Mode
         emb = model.model.embed_tokens(ids)  # [B, S, D]
         cos, sin = dense.rotary(ids, emb)
         x = emb.reshape(-1, emb.shape[-1])  # [T, D]
+        keep = counted(ids.shape, skip_positions, x.device)  # [T, 1] or None
         writes: dict[int, torch.Tensor] = {}  # module -> its units' writes, kept until last read
         for t in range(2 * shape.num_layers):
             layer = layers[t // 2]
@@ -308,11 +314,11 @@ def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: Mode
                 write = F.silu(receiver["gate"]) * receiver["up"]  # [T, I]
                 x = x + write @ layer.mlp.down_proj.weight.t()
             writes = {m: w for m, w in writes.items() if last_read[m] > t}
-            if t in last_read:
-                writes[t] = write
+            if t in last_read:  # a sender's skipped tokens write nothing into the sums
+                writes[t] = write if keep is None else write * keep.to(write.dtype)
             if t % 2:  # per layer
                 progress("affinity", (start + ids.shape[0] * (t + 1) / (2 * shape.num_layers)) / n_blocks)
-    tokens = int(blocks.numel())
+    tokens = counted_tokens(blocks, skip_positions)
     return {p: _finalise_edge(accs.pop(p), p, layers, shape, tokens) for p in pairs}
 
 
@@ -348,6 +354,7 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
         result.edges = edge_pass(whole, blocks, further, batch_size=options.get("batch_size", 4),
                                  token_chunk=options.get("token_chunk", 128), memory_limit=edge_memory_limit,
                                  kept_mass=edge_kept_mass, progress=edge_progress,
-                                 should_stop=options.get("should_stop"))
+                                 should_stop=options.get("should_stop"),
+                                 skip_positions=options.get("skip_positions", 0))
     result.schedule = str(schedule)
     return result

@@ -117,11 +117,27 @@ def _rms_inverse(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)  # [T, 1]
 
 
+def counted(batch_shape: torch.Size, skip_positions: int, device: torch.device) -> torch.Tensor | None:
+    """[T, 1] 1.0 for the tokens the scores' means count, 0.0 for the first `skip_positions` positions of each
+    sequence of a [B, S, ...] micro-batch; None when every token counts."""
+    if skip_positions <= 0:
+        return None
+    keep = (torch.arange(batch_shape[1], device=device) >= skip_positions).repeat(batch_shape[0])  # [B*S]
+    return keep[:, None].float()
+
+
+def counted_tokens(blocks: torch.Tensor, skip_positions: int) -> int:
+    """The tokens the means divide by: every block's positions from `skip_positions` on."""
+    return int(blocks.shape[0] * max(0, blocks.shape[1] - max(0, skip_positions)))
+
+
 def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size, cos: torch.Tensor,
-               sin: torch.Tensor, acc: LayerAccumulator, fold: Fold, token_chunk: int, *, last: bool) -> torch.Tensor:
+               sin: torch.Tensor, acc: LayerAccumulator, fold: Fold, token_chunk: int, *, last: bool,
+               skip_positions: int = 0) -> torch.Tensor:
     """Decoder layer i of the dense forward on one micro-batch's residual x [T, D] (batch_shape: [B, S, D]),
-    adding its up sums and (unless it is the last layer) its down sums α² / r'² to `acc`; returns the
-    residual after the layer; `affinity_pass` runs it in either order of `models.streaming.pipelines`."""
+    adding its up sums and (unless it is the last layer) its down sums α² / r'² to `acc`, over the tokens
+    from position `skip_positions` of each sequence on; returns the residual after the layer;
+    `affinity_pass` runs it in either order of `models.streaming.pipelines`."""
     layer: Any = decoder_layers(dense.model)[i]
     heads_out = dense.attention_heads(i, x.view(1, *batch_shape), cos, sin)[0]  # [T, H*hd]
     x = x + heads_out @ layer.self_attn.o_proj.weight.t()
@@ -129,12 +145,16 @@ def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size
     normed = rms_norm(x, layer.post_attention_layernorm.weight, dense.eps)
     gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
     up = normed @ layer.mlp.up_proj.weight.t()
-    _accumulate_up(acc, heads_out, inv_r, gate, up, fold, token_chunk)
+    keep = counted(batch_shape, skip_positions, x.device)  # a sender's skipped tokens write nothing
+    _accumulate_up(acc, heads_out if keep is None else heads_out * keep.to(heads_out.dtype), inv_r, gate, up,
+                   fold, token_chunk)
     act = F.silu(gate) * up  # [T, I]
     x = x + act @ layer.mlp.down_proj.weight.t()
     if not last:  # α² / r'², r' the rms of the residual entering layer i+1
         act_sq = act.to(sum_dtype(act.dtype)).square()
         inv = _rms_inverse(x, dense.eps).to(act_sq.dtype)
+        if keep is not None:
+            act_sq = act_sq * keep.to(act_sq.dtype)
         acc.act += (act_sq * inv.square()).sum(0).double()
     return x
 
@@ -147,10 +167,10 @@ class _ChainPass:
     needs_head = False
 
     def __init__(self, model: Any, shape: ModelShape, device: torch.device, *, tokens: int, token_chunk: int,
-                 neuron_block: int, cache_folds: bool) -> None:
+                 neuron_block: int, cache_folds: bool, skip_positions: int = 0) -> None:
         self.dense = DTPModel(model, devices=1, delta=0)  # L=1: the dense forward, built from explicit parts
         self.shape, self.tokens, self.token_chunk, self.neuron_block = shape, tokens, token_chunk, neuron_block
-        self.cache_folds, self.device = cache_folds, device
+        self.cache_folds, self.device, self.skip_positions = cache_folds, device, skip_positions
         self.accs: dict[int, LayerAccumulator] = {}  # a layer's sums, from its first micro-batch to its close
         self.folds: dict[int, Fold] = {}
         self.up_fo: list[Any] = []
@@ -171,7 +191,7 @@ class _ChainPass:
             self.accs[i] = LayerAccumulator(shape.num_query_heads, shape.intermediate_size, self.device)
         cos, sin = self.dense.rotary(ids, x)
         return layer_step(self.dense, i, x, torch.Size((*ids.shape, x.shape[-1])), cos, sin, self.accs[i], fold,
-                          self.token_chunk, last=i == shape.num_layers - 1)
+                          self.token_chunk, last=i == shape.num_layers - 1, skip_positions=self.skip_positions)
 
     def close(self, i: int, layer: Any, next_layer: Any | None) -> None:
         self.folds.pop(i, None)
@@ -190,12 +210,14 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
                   cache_folds: bool | None = None, neuron_block: int = NEURON_BLOCK,
                   progress: Progress | None = None,
                   should_stop: ShouldStop | None = None,
-                  metadata: dict[str, str] | None = None, spill_dir: Path | None = None) -> AffinityResult:
+                  metadata: dict[str, str] | None = None, spill_dir: Path | None = None,
+                  skip_positions: int = 0) -> AffinityResult:
     """Run the dense model over `blocks` [n, S] and return the raw affinity means.
 
     `model`: a loaded model, or a `models.streaming.source.LayerSource` (a `StreamedModel`: layers outer, two
     decoder layers in memory, the calibration blocks' residual streams kept between layers, spilled under
     `spill_dir` when given); the same result either way (`models.streaming.pipelines`).
+    skip_positions: leave each block's first positions out of the means (0: every token counts).
     cache_folds keeps a layer's folded gate/up weights (2·H·hd·I values) across micro-batches instead of
     refolding per micro-batch (in memory: every layer's, at once); None: cache when there is more than one.
     """
@@ -204,13 +226,17 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     n_blocks = blocks.shape[0]
     if cache_folds is None:
         cache_folds = n_blocks > batch_size
-    scores = _ChainPass(source.model, shape, source.device, tokens=int(blocks.numel()), token_chunk=token_chunk,
-                        neuron_block=neuron_block, cache_folds=cache_folds)
+    if not 0 <= skip_positions < blocks.shape[1]:
+        raise ValueError(f"skip_positions must be in [0, {blocks.shape[1] - 1}] for blocks of {blocks.shape[1]} "
+                         f"tokens, got {skip_positions}")
+    scores = _ChainPass(source.model, shape, source.device, tokens=counted_tokens(blocks, skip_positions),
+                        token_chunk=token_chunk, neuron_block=neuron_block, cache_folds=cache_folds,
+                        skip_positions=skip_positions)
     t0 = time.perf_counter()
     batches = [blocks[start : start + batch_size].to(source.device) for start in range(0, n_blocks, batch_size)]
     source.run(scores, batches, label="affinity pass", stage="affinity", progress=progress, should_stop=should_stop,
                spill_dir=spill_dir)
-    result = AffinityResult(scores.up_fo, scores.up_add, scores.down, int(blocks.numel()), shape)
+    result = AffinityResult(scores.up_fo, scores.up_add, scores.down, counted_tokens(blocks, skip_positions), shape)
     result.metadata.update(metadata or {})
     result.metadata["seconds"] = f"{time.perf_counter() - t0:.3f}"
     result.metadata.update(source.metadata)

@@ -1,0 +1,104 @@
+"""Issue 29: is J_σ's misranking of layouts the first position's doing?
+
+Diagnosis (bench/joint_damage.py's per-position output, SmolLM2-135M, dtp:2): the first position of each
+1,024-token calibration block — one token in 1,024 — carries 46–74 % of the FFNs' first-order damage of
+the four dtp:2 layouts (random: 419k of 565k). That is the first position's massive activations (the
+attention sink every block starts with), and the affinity means inherit it: a few edges whose weight is
+mostly one token dominate J_σ's weights. Training sees that position as one of 64 in a block.
+
+This script rescores the recorded arms' layouts (unchanged) with J_σ on an affinity whose means leave out
+each calibration block's first `--skip-positions` positions (`affinity_pass(..., skip_positions=k)`), and
+counts the separated pairs it orders against the same counts for today's J_σ.
+
+Rule fixed before its first run (2026-12-05, committed with this script): the skipped-position J_σ ranks
+better than J_σ only if it orders more of the recorded separated pairs (every seed of one arm ending below
+every seed of the other) over all the sets given, and none fewer in any set; it "ranks the other-schedule
+layout" only if it orders every separated pair of both dtp:2 four-arm sets (the 30-layer and the 2-layer).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/objective_positions.py \
+        --set "var/jd dtp:2 docs/schedules_other_dtp2.json" --set "var/jd-edge dtp:2 docs/schedules_edge_dtp2.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+RULE = ("the skipped-position J_σ ranks better than J_σ only if it orders more of the recorded separated pairs "
+        "over all the sets and none fewer in any set; it ranks the other-schedule layout only if it orders every "
+        "separated pair of both dtp:2 four-arm sets")
+
+
+def pairs_ordered(predicted: dict[str, float], finals: dict[str, list[float]]) -> tuple[int, int, list[str]]:
+    """(ordered, separated, the misordered pairs as 'better<worse') of a predictor (higher: better)."""
+    from bench.schedule_experiment import ranking
+
+    rows = ranking(predicted, finals)
+    return (sum(r["agrees"] for r in rows), len(rows),
+            [f"{r['better']}<{r['worse']}" for r in rows if not r["agrees"]])
+
+
+def score_set(work: str, schedule: str, results: str, extra: list[str], skip: int) -> dict[str, Any]:
+    from bench.schedule_experiment import PREDICTORS, missing_ffn_damage
+    from bench.schedule_experiment import parse_args as experiment_args
+    from bench.schedule_experiment_runs import Experiment, slug
+    from models.affinity.edges import schedule_affinity_pass
+    from models.affinity.file import AffinityResult
+    from models.layouts import layout as layout_mod
+    from models.optimise import score
+
+    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *extra]))
+    sched = experiment.schedule(schedule)
+    path = Path(work) / f"affinity-skip{skip}" / slug(schedule) / "affinity.safetensors"
+    if not path.exists():
+        result = schedule_affinity_pass(experiment.model, experiment.blocks(), schedule=sched, batch_size=1,
+                                        skip_positions=skip)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        result.save(path)
+    sigma_skip = AffinityResult.load(path).schedule_affinity("fo", sched)
+    today = experiment.predictors(schedule)
+    predicted: dict[str, dict[str, float]] = {**today, "J_damage_skip": {}, "J_unit_skip": {},
+                                              "neg_missing_ffn_damage_skip": {}}
+    for arm in experiment.arms(schedule):
+        lay = layout_mod.load(experiment.layouts(schedule) / f"{arm}.json")
+        damage = score(sigma_skip, lay.kv_group_device, lay.neuron_device, devices=experiment.args.devices)
+        unit = score(sigma_skip.with_weighting("unit"), lay.kv_group_device, lay.neuron_device,
+                     devices=experiment.args.devices)
+        predicted["J_damage_skip"][arm], predicted["J_unit_skip"][arm] = damage.J, unit.J
+        predicted["neg_missing_ffn_damage_skip"][arm] = -missing_ffn_damage(damage.edges)
+    finals = json.loads(Path(results).read_text())["final_kl"]
+    finals = {arm: kls for arm, kls in finals.items() if arm in predicted["J_damage"]}
+    names = [*PREDICTORS, "J_damage_skip", "J_unit_skip", "neg_missing_ffn_damage_skip"]
+    return {"work": work, "schedule": schedule, "results": results, "predicted": predicted, "final_kl": finals,
+            "ordered": {p: pairs_ordered(predicted[p], finals) for p in names}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", action="append", required=True,
+                    help='"WORK SCHEDULE RESULTS.json [experiment flags...]": a work directory whose layouts were '
+                         "trained, and the result file with their final KLs")
+    ap.add_argument("--skip-positions", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    print(f"rule (fixed before the first run): {RULE}", flush=True)
+    sets = []
+    for spec in args.set:
+        work, schedule, results, *extra = spec.split()
+        row = score_set(work, schedule, results, extra, args.skip_positions)
+        sets.append(row)
+        print(f"{work} {schedule}: " + "; ".join(f"{p} {o}/{n}" + (f" (misorders {', '.join(bad)})" if bad else "")
+                                                  for p, (o, n, bad) in row["ordered"].items()), flush=True)
+    out = {"rule": RULE, "skip_positions": args.skip_positions, "sets": sets}
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
