@@ -78,12 +78,43 @@ def score_set(work: str, schedule: str, results: str, extra: list[str], skip: in
             "ordered": {p: pairs_ordered(predicted[p], finals) for p in names}}
 
 
+TRAIN_RULE = ("per schedule, the layout optimised on the skipped-position J_σ trains better than the one optimised "
+              "on J_σ only if every seed of it ends below every seed of the recorded J_σ-optimised arm (the same "
+              "recipe, seeds and data), worse only if every seed ends above; otherwise no difference is shown")
+
+
+def train_skip_arm(work: str, schedule: str, skip: int, extra: list[str]) -> dict[str, Any]:
+    """The layout optimised on the skipped-position J_σ (the experiment's optimiser and restarts), written as
+    `optimised-skip<k>` into WORK/layouts/<σ>/ and distilled under σ with the experiment's recipe and seeds;
+    only that arm is trained. Returns its per-seed final KLs, second-domain KLs and curves."""
+    from bench.schedule_experiment import parse_args as experiment_args
+    from bench.schedule_experiment_runs import Experiment, slug
+    from models.affinity.file import AffinityResult
+    from models.layouts.set import build_layouts
+
+    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *extra]))
+    sched = experiment.schedule(schedule)
+    arm = f"optimised-skip{skip}"
+    layouts = Path(work) / "layouts" / slug(schedule)
+    if not (layouts / f"{arm}.json").exists():
+        result = AffinityResult.load(Path(work) / f"affinity-skip{skip}" / slug(schedule) / "affinity.safetensors")
+        made = build_layouts(result, devices=experiment.args.devices, delta=1, restarts=experiment.args.restarts,
+                             schedule=sched)["optimised"]
+        made.with_name(arm, made.score).save(layouts / f"{arm}.json")
+    experiment.arms = lambda _schedule: [arm]  # type: ignore[method-assign]  # train this arm only
+    curves, secondary = experiment.train(schedule)
+    return {"arm": arm, "final_kl": [c[-1][1] for _, c in sorted(curves[arm].items())],
+            "final_kl_second_domain": secondary[arm], "curves": curves[arm]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", action="append", required=True,
                     help='"WORK SCHEDULE RESULTS.json [experiment flags...]": a work directory whose layouts were '
                          "trained, and the result file with their final KLs")
     ap.add_argument("--skip-positions", type=int, default=1)
+    ap.add_argument("--train", action="store_true", help="also build and train each set's skipped-position-optimised "
+                    "arm (the experiment's recipe; the set's extra flags choose seeds and budget)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     print(f"rule (fixed before the first run): {RULE}", flush=True)
@@ -92,6 +123,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work, schedule, results, *extra = spec.split()
         row = score_set(work, schedule, results, extra, args.skip_positions)
         sets.append(row)
+        if args.train:
+            print(f"training rule (fixed before the runs): {TRAIN_RULE}", flush=True)
+            row["trained"] = train_skip_arm(work, schedule, args.skip_positions, extra)
+            print(f"{work} {schedule}: {row['trained']['arm']} final KL {row['trained']['final_kl']}", flush=True)
         print(f"{work} {schedule}: " + "; ".join(f"{p} {o}/{n}" + (f" (misorders {', '.join(bad)})" if bad else "")
                                                   for p, (o, n, bad) in row["ordered"].items()), flush=True)
     out = {"rule": RULE, "skip_positions": args.skip_positions, "sets": sets}
