@@ -75,7 +75,7 @@ def _transcribed(model, blocks, schedule, heads, cells):
                             q = attn.q_proj.weight.double()[g * per_group * hd:(g + 1) * per_group * hd]
                             k = attn.k_proj.weight.double()[g * hd:(g + 1) * hd]
                             v = attn.v_proj.weight.double()[g * hd:(g + 1) * hd]
-                            attn_total += float((q @ p).square().sum() + (k @ p).square().sum() + (v @ p).square().sum())
+                            attn_total += float(sum((w @ p).square().sum() for w in (q, k, v)))
                     else:
                         gamma = layer.post_attention_layernorm.weight.double()
                         normed = gamma * x / r
