@@ -44,13 +44,10 @@ def pairs_ordered(predicted: dict[str, float], finals: dict[str, list[float]]) -
 
 
 def score_set(work: str, schedule: str, results: str, extra: list[str], skip: int) -> dict[str, Any]:
-    from bench.schedule_experiment import PREDICTORS, missing_ffn_damage
     from bench.schedule_experiment import parse_args as experiment_args
     from bench.schedule_experiment_runs import Experiment, slug
     from models.affinity.edges import schedule_affinity_pass
     from models.affinity.file import AffinityResult
-    from models.layouts import layout as layout_mod
-    from models.optimise import score
 
     experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *extra]))
     sched = experiment.schedule(schedule)
@@ -60,22 +57,13 @@ def score_set(work: str, schedule: str, results: str, extra: list[str], skip: in
                                         skip_positions=skip)
         path.parent.mkdir(parents=True, exist_ok=True)
         result.save(path)
-    sigma_skip = AffinityResult.load(path).schedule_affinity("fo", sched)
     today = experiment.predictors(schedule)
-    predicted: dict[str, dict[str, float]] = {**today, "J_damage_skip": {}, "J_unit_skip": {},
-                                              "neg_missing_ffn_damage_skip": {}}
-    for arm in experiment.arms(schedule):
-        lay = layout_mod.load(experiment.layouts(schedule) / f"{arm}.json")
-        damage = score(sigma_skip, lay.kv_group_device, lay.neuron_device, devices=experiment.args.devices)
-        unit = score(sigma_skip.with_weighting("unit"), lay.kv_group_device, lay.neuron_device,
-                     devices=experiment.args.devices)
-        predicted["J_damage_skip"][arm], predicted["J_unit_skip"][arm] = damage.J, unit.J
-        predicted["neg_missing_ffn_damage_skip"][arm] = -missing_ffn_damage(damage.edges)
+    skipped = experiment.predictors(schedule, AffinityResult.load(path))
+    predicted = {**today, **{f"{name}_skip": values for name, values in skipped.items()}}
     finals = json.loads(Path(results).read_text())["final_kl"]
     finals = {arm: kls for arm, kls in finals.items() if arm in predicted["J_damage"]}
-    names = [*PREDICTORS, "J_damage_skip", "J_unit_skip", "neg_missing_ffn_damage_skip"]
     return {"work": work, "schedule": schedule, "results": results, "predicted": predicted, "final_kl": finals,
-            "ordered": {p: pairs_ordered(predicted[p], finals) for p in names}}
+            "ordered": {p: pairs_ordered(values, finals) for p, values in predicted.items()}}
 
 
 TRAIN_RULE = ("per schedule, the layout optimised on the skipped-position J_σ trains better than the one optimised "

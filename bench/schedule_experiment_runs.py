@@ -130,10 +130,11 @@ class Experiment:
     def arms(self, schedule: str) -> list[str]:
         return sorted(p.stem for p in self.layouts(schedule).glob("*.json"))
 
-    def predictors(self, schedule: str) -> dict[str, dict[str, float]]:
-        """{predictor: {arm: value}}: J_σ damage-weighted and unit-mass, and minus the missing FFN damage."""
-        sched, result = self.schedule(schedule), self.affinity(schedule)
-        sigma = result.schedule_affinity("fo", sched)
+    def predictors(self, schedule: str, result: AffinityResult | None = None) -> dict[str, dict[str, float]]:
+        """{predictor: {arm: value}}: J_σ damage-weighted and unit-mass, and minus the missing FFN damage, on
+        `result` (default: the work directory's affinity of σ)."""
+        sched = self.schedule(schedule)
+        sigma = (result or self.affinity(schedule)).schedule_affinity("fo", sched)
         out: dict[str, dict[str, float]] = {p: {} for p in PREDICTORS}
         for arm in self.arms(schedule):
             lay = layout_mod.load(self.layouts(schedule) / f"{arm}.json")
