@@ -89,8 +89,7 @@ def train_skip_arm(work: str, schedule: str, skip: int, extra: list[str]) -> dic
         made = build_layouts(result, devices=experiment.args.devices, delta=1, restarts=experiment.args.restarts,
                              schedule=sched)["optimised"]
         made.with_name(arm, made.score).save(layouts / f"{arm}.json")
-    experiment.arms = lambda _schedule: [arm]  # type: ignore[method-assign]  # train this arm only
-    curves, secondary = experiment.train(schedule)
+    curves, secondary = experiment.train(schedule, arms=[arm])  # this arm only
     return {"arm": arm, "final_kl": [c[-1][1] for _, c in sorted(curves[arm].items())],
             "final_kl_second_domain": secondary[arm], "curves": curves[arm]}
 

@@ -168,15 +168,16 @@ class Experiment:
             eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
             calibration=self.calibration, schedule=self.resolved(schedule))
 
-    def train(self, schedule: str) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:
-        """Every arm × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}} on the primary
+    def train(self, schedule: str, arms: list[str] | None = None
+              ) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:
+        """Every arm (or only `arms`) × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}} on the primary
         evaluation set, {arm: [final KL on the second domain per seed]}), from the runs' own files."""
         a = self.args
         seeds = tuple(int(s) for s in a.seeds.split(","))
         out = self.work / "distill" / slug(schedule)
         recipe = self.recipe()
         secondary: dict[str, list[float]] = {}
-        for arm in self.arms(schedule):
+        for arm in arms if arms is not None else self.arms(schedule):
             for seed in seeds:
                 spec = self.distill_spec(schedule, arm, seed)
                 run_dir = run_dir_for(out, arm, seed)
