@@ -170,8 +170,9 @@ class Experiment:
 
     def train(self, schedule: str, arms: list[str] | None = None
               ) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:
-        """Every arm (or only `arms`) × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}} on the primary
-        evaluation set, {arm: [final KL on the second domain per seed]}), from the runs' own files."""
+        """Every arm (or only `arms`) × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}}
+        on the primary evaluation set, {arm: [final KL on the second domain per seed]}), from the runs' own
+        files."""
         a = self.args
         seeds = tuple(int(s) for s in a.seeds.split(","))
         out = self.work / "distill" / slug(schedule)
