@@ -67,6 +67,7 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
                  ) -> dict[str, Any]:
     """The joint first-order damage of the layout (heads [N, G], cells [N, I] device ids) under `schedule`
     (a resolved `Schedule`) over `blocks` [n, S], one block at a time: {"ffn", "attention", "per_module"}."""
+    from models.affinity.edges import _qkv_rows
     from models.families import model_shape
     from models.sim.dtp import DTPModel, rms_norm
     from models.sim.permute import decoder_layers
@@ -75,10 +76,9 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
     L, M = schedule.devices, schedule.num_modules
     dense = DTPModel(model, devices=1, delta=0)  # the dense forward, built from explicit parts
     layers: Any = decoder_layers(model)
-    hd, per_group, G = shape.head_dim, shape.heads_per_group, shape.num_kv_groups
+    hd, per_group = shape.head_dim, shape.heads_per_group
     attn_cols, ffn_units = _unit_masks(heads, cells, L, per_group, hd)
-    per_module = np.zeros(M)  # Σ over tokens of each receiving module's damage (all devices)
-    per_position = np.zeros((M, blocks.shape[1]))  # the same by position in the block
+    per_position = np.zeros((M, blocks.shape[1]))  # Σ over blocks of each receiving module's damage by position
     tokens = 0
     for block in blocks:
         ids = block[None]  # [1, S]
@@ -90,18 +90,16 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
         for n in range(M):
             layer = layers[n // 2]
             i = n // 2
+            inv_r = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + dense.eps)  # [T, 1]: 1 / r_n
             # module n reads dev_{n,d} on device d through its units there
             if n % 2 == 0:
                 gamma = layer.input_layernorm.weight.double()
-                inv_r = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + dense.eps)  # [T, 1]
                 attn = layer.self_attn
-                w = torch.cat([attn.q_proj.weight.view(G, per_group * hd, D), attn.k_proj.weight.view(G, hd, D),
-                               attn.v_proj.weight.view(G, hd, D)], 1).double()  # [G, rows, D]
+                w = torch.stack(_qkv_rows(attn, shape)).double()  # W^qkv_g: [G, rows, D]
                 for d in range(L):
                     p = dev[d] * inv_r * gamma  # [T, D]
                     groups = torch.from_numpy(heads[i] == d)
                     per_token = torch.einsum("td,grd->gtr", p, w[groups]).square().sum((0, 2))  # [T]
-                    per_module[n] += per_token.sum().item()
                     per_position[n, :T] += per_token.numpy()
                 heads_out = dense.attention_heads(i, x[None, None], cos, sin)[0]  # [T, H*hd]
                 w_o = attn.o_proj.weight  # [D, H*hd]
@@ -109,7 +107,6 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
                 parts = torch.stack([heads_out[:, c] @ w_o[:, c].t() for c in attn_cols[i]])  # [L, T, D]
             else:
                 gamma = layer.post_attention_layernorm.weight
-                inv_r = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + dense.eps)
                 normed = rms_norm(x, gamma, dense.eps)
                 mlp = layer.mlp
                 gate, up = normed @ mlp.gate_proj.weight.t(), normed @ mlp.up_proj.weight.t()  # [T, I]
@@ -122,7 +119,6 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
                     delta = A[:, k] * (p @ mlp.gate_proj.weight[k].double().t()) \
                         + B[:, k] * (p @ mlp.up_proj.weight[k].double().t())  # Δ_k: [T, I_d]
                     per_token = (delta.square() * down_norm[k]).sum(1)  # [T]
-                    per_module[n] += per_token.sum().item()
                     per_position[n, :T] += per_token.numpy()
                 act = F.silu(gate) * up  # [T, I]
                 w_d = mlp.down_proj.weight  # [D, I]
@@ -141,7 +137,7 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
                       and (schedule.other_arrival[m] is None or schedule.other_arrival[m] <= t)]:
                 del held[m]  # both its arrivals are past: nothing reads it again
         tokens += T
-    per_module /= tokens
+    per_module = per_position.sum(1) / tokens  # the mean over every token
     per_position /= blocks.shape[0]
     return {"ffn": float(per_module[1::2].sum()), "attention": float(per_module[0::2].sum()),
             "per_module": per_module.tolist(), "per_position": per_position, "tokens": tokens}
