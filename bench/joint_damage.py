@@ -36,6 +36,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,23 @@ def _unit_masks(heads: np.ndarray, cells: np.ndarray, devices: int, per_group: i
     return attn, ffn
 
 
+# (module n, device d, block b, p [T, D], the device's normed input [T, D]) → the p whose damage is counted
+Deviation = Callable[[int, int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _device_input(x: torch.Tensor, dev: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """What module n's units on the device read: RMSNorm of the device's own stream x + dev ([T, D], fp64)."""
+    stream = x.double() + dev
+    return stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+
+
 @torch.no_grad()
-def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndarray, cells: np.ndarray
-                 ) -> dict[str, Any]:
+def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndarray, cells: np.ndarray,
+                 deviation: Deviation | None = None) -> dict[str, Any]:
     """The joint first-order damage of the layout (heads [N, G], cells [N, I] device ids) under `schedule`
-    (a resolved `Schedule`) over `blocks` [n, S], one block at a time: {"ffn", "attention", "per_module"}."""
+    (a resolved `Schedule`) over `blocks` [n, S], one block at a time: {"ffn", "attention", "per_module"}.
+    `deviation`, when given, sees each (module, device, block)'s p and the device's normed input and returns
+    the p to score (bench/repairable_damage.py: the part of p its input does not predict)."""
     from models.affinity.edges import _qkv_rows
     from models.families import model_shape
     from models.sim.dtp import DTPModel, rms_norm
@@ -80,7 +93,7 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
     attn_cols, ffn_units = _unit_masks(heads, cells, L, per_group, hd)
     per_position = np.zeros((M, blocks.shape[1]))  # Σ over blocks of each receiving module's damage by position
     tokens = 0
-    for block in blocks:
+    for b, block in enumerate(blocks):
         ids = block[None]  # [1, S]
         x = model.model.embed_tokens(ids)[0]  # [T, D] dense residual
         cos, sin = dense.rotary(ids, x[None])
@@ -98,6 +111,8 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
                 w = torch.stack(_qkv_rows(attn, shape)).double()  # W^qkv_g: [G, rows, D]
                 for d in range(L):
                     p = dev[d] * inv_r * gamma  # [T, D]
+                    if deviation is not None:
+                        p = deviation(n, d, b, p, _device_input(x, dev[d], gamma, dense.eps))
                     groups = torch.from_numpy(heads[i] == d)
                     per_token = torch.einsum("td,grd->gtr", p, w[groups]).square().sum((0, 2))  # [T]
                     per_position[n, :T] += per_token.numpy()
@@ -116,6 +131,8 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
                 for d in range(L):
                     k = ffn_units[i][d]
                     p = dev[d] * inv_r * gamma.double()  # [T, D]
+                    if deviation is not None:
+                        p = deviation(n, d, b, p, _device_input(x, dev[d], gamma, dense.eps))
                     delta = A[:, k] * (p @ mlp.gate_proj.weight[k].double().t()) \
                         + B[:, k] * (p @ mlp.up_proj.weight[k].double().t())  # Δ_k: [T, I_d]
                     per_token = (delta.square() * down_norm[k]).sum(1)  # [T]
