@@ -56,25 +56,33 @@ export class ApiError extends Error {
   }
 }
 
-function headers(extra) {
+/** A request's headers, with `key` ("" for none) as X-API-Key; the caller keeps `key` for errorFrom. */
+function headers(key, extra) {
   const out = {Accept: "application/json", ...(extra || {})};
-  const key = getKey();
   if (key) out["X-API-Key"] = key;
   return out;
 }
 
-async function errorFrom(response, url) {
+/** The ApiError of a non-2xx answer to a request sent with `sentKey`. A 401 asks for the key only when
+ *  that request carried the key in use now: one sent before the user entered a new key (with none, or an
+ *  older one) can be refused after the dialog has closed, and must not open it again. Its caller still
+ *  gets the error; the next request reads the new key. */
+async function errorFrom(response, url, sentKey) {
   let body = null;
   try { body = await response.json(); } catch { body = {detail: response.statusText}; }
   const err = new ApiError(response.status, body, url);
-  if (response.status === 401) window.dispatchEvent(new CustomEvent("dtp-need-key", {detail: err.message}));
+  if (response.status === 401 && sentKey === getKey()) {
+    window.dispatchEvent(new CustomEvent("dtp-need-key", {detail: err.message}));
+  }
   return err;
 }
 
-/** GET/POST a JSON endpoint; throws ApiError for a non-2xx answer (401 also asks for the key). */
+/** GET/POST a JSON endpoint; throws ApiError for a non-2xx answer (a 401 for the current key also asks
+ *  for the key). */
 export async function api(path, {method = "GET", params, body, signal} = {}) {
   const url = apiUrl(path, params);
-  const init = {method, headers: headers(body !== undefined ? {"Content-Type": "application/json"} : {}), signal,
+  const key = getKey();
+  const init = {method, headers: headers(key, body !== undefined ? {"Content-Type": "application/json"} : {}), signal,
                 cache: "no-store"};
   if (body !== undefined) init.body = JSON.stringify(body);
   let response;
@@ -84,7 +92,7 @@ export async function api(path, {method = "GET", params, body, signal} = {}) {
     if (err.name === "AbortError") throw err;
     throw new ApiError(0, {detail: `the service at ${ROOT.origin} is unreachable (${err.message})`}, url);
   }
-  if (!response.ok) throw await errorFrom(response, url);
+  if (!response.ok) throw await errorFrom(response, url, key);
   return response.status === 204 ? null : response.json();
 }
 
@@ -100,14 +108,15 @@ export function specInfo() {
 /** PUT raw bytes (an upload's part); throws ApiError for a non-2xx answer. */
 export async function apiPut(path, blob) {
   const url = apiUrl(path);
+  const key = getKey();
   let response;
   try {
     response = await fetch(url, {method: "PUT", body: blob, cache: "no-store",
-                                 headers: headers({"Content-Type": "application/octet-stream"})});
+                                 headers: headers(key, {"Content-Type": "application/octet-stream"})});
   } catch (err) {
     throw new ApiError(0, {detail: `the service at ${ROOT.origin} is unreachable (${err.message})`}, url);
   }
-  if (!response.ok) throw await errorFrom(response, url);
+  if (!response.ok) throw await errorFrom(response, url, key);
 }
 
 export async function sha256Hex(blob) {
@@ -123,8 +132,10 @@ export async function downloadWithKey(path, filename, expectedSha256) {
   // X-Store-Redirect: a service that redirects downloads to its object store (DTP_LAYOUT_STORAGE_REDIRECT)
   // answers with the presigned URL as JSON instead: a fetch would carry the key to the store, and the
   // page's CSP keeps fetch on this origin. The browser then opens the URL itself (verified by the service).
-  const response = await fetch(url, {headers: headers({Accept: "*/*", "X-Store-Redirect": "json"}), cache: "no-store"});
-  if (!response.ok) throw await errorFrom(response, url);
+  const key = getKey();
+  const response = await fetch(url, {headers: headers(key, {Accept: "*/*", "X-Store-Redirect": "json"}),
+                                     cache: "no-store"});
+  if (!response.ok) throw await errorFrom(response, url, key);
   if (response.headers.get("x-store-redirect") === "json") {
     const {location} = await response.json();
     openLink(location, filename);

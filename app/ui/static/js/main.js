@@ -82,8 +82,8 @@ function showKeyStatus() {
 
 function askKey(message) {
   keyError.textContent = message || "";
-  keyInput.value = "";
-  if (!dialog.open) dialog.showModal();
+  // a second 401 while the dialog is up (the page sends several requests at once) keeps what is typed
+  if (!dialog.open) { keyInput.value = ""; dialog.showModal(); }
   keyInput.focus();
 }
 
