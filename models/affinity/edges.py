@@ -37,6 +37,7 @@ from models.affinity.scoring import (
     _down_weight_norms,
     _rms_inverse,
     affinity_pass,
+    check_skip_positions,
     counted,
     counted_tokens,
     sum_dtype,
@@ -256,6 +257,7 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
     """
     if not 0 < kept_mass <= 1:
         raise ValueError(f"kept_mass must be in (0, 1], got {kept_mass}")
+    check_skip_positions(blocks, skip_positions)
     pairs = sorted(set(pairs))
     if not pairs:
         return {}

@@ -126,6 +126,13 @@ def counted(batch_shape: torch.Size, skip_positions: int, device: torch.device) 
     return keep[:, None].float()
 
 
+def check_skip_positions(blocks: torch.Tensor, skip_positions: int) -> None:
+    """Refuse a skip that leaves a block [n, S] nothing to count (or is negative), naming what would do."""
+    if not 0 <= skip_positions < blocks.shape[1]:
+        raise ValueError(f"skip_positions must be in [0, {blocks.shape[1] - 1}] for blocks of {blocks.shape[1]} "
+                         f"tokens, got {skip_positions}")
+
+
 def counted_tokens(blocks: torch.Tensor, skip_positions: int) -> int:
     """The tokens the means divide by: every block's positions from `skip_positions` on."""
     return int(blocks.shape[0] * max(0, blocks.shape[1] - max(0, skip_positions)))
@@ -226,9 +233,7 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     n_blocks = blocks.shape[0]
     if cache_folds is None:
         cache_folds = n_blocks > batch_size
-    if not 0 <= skip_positions < blocks.shape[1]:
-        raise ValueError(f"skip_positions must be in [0, {blocks.shape[1] - 1}] for blocks of {blocks.shape[1]} "
-                         f"tokens, got {skip_positions}")
+    check_skip_positions(blocks, skip_positions)
     scores = _ChainPass(source.model, shape, source.device, tokens=counted_tokens(blocks, skip_positions),
                         token_chunk=token_chunk, neuron_block=neuron_block, cache_folds=cache_folds,
                         skip_positions=skip_positions)

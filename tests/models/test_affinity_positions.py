@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.affinity.edges import schedule_affinity_pass
+from models.affinity.edges import edge_pass, schedule_affinity_pass
 from models.affinity.scoring import affinity_pass
 from models.schedules.grammar import resolve_schedule
 from tests.tiny import tiny_model, tokens
@@ -34,6 +34,10 @@ def test_the_skipped_positions_sums_and_the_first_positions_sums_add_to_every_to
     assert not np.allclose(_sums(rest, "rest")[0], _sums(whole, "whole")[0])
 
 
-def test_skip_positions_is_refused_outside_the_block():
-    with pytest.raises(ValueError, match="skip_positions must be in \\[0, 8\\]"):
-        affinity_pass(tiny_model("llama"), tokens(batch=1, seq=9), skip_positions=9)
+@pytest.mark.parametrize("skip", [9, -1])
+def test_skip_positions_is_refused_outside_the_block_by_both_passes(skip):
+    model, ids = tiny_model("llama"), tokens(batch=1, seq=9)
+    with pytest.raises(ValueError, match=f"skip_positions must be in \\[0, 8\\] for blocks of 9 tokens, got {skip}"):
+        affinity_pass(model, ids, skip_positions=skip)
+    with pytest.raises(ValueError, match=f"skip_positions must be in \\[0, 8\\] for blocks of 9 tokens, got {skip}"):
+        edge_pass(model, ids, [(1, 2)], skip_positions=skip)  # called directly, not through affinity_pass
