@@ -35,6 +35,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.cli.supervisor import share_priority  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,6 +73,7 @@ def serve(var: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]
     proc = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--no-worker", "--port", str(port),
                              "--var-dir", str(var)], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    share_priority(proc.pid)  # a session of its own: keep this process's nice value (supervisor.py)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

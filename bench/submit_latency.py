@@ -40,6 +40,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from app.cli.supervisor import share_priority  # noqa: E402
 from bench.server_backing import create_backing, drop_backing  # noqa: E402
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M"
@@ -107,6 +108,7 @@ def start_server(var: Path, port: int, backend: Backend) -> subprocess.Popen[str
     proc = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--no-worker", "--port", str(port),
                              "--var-dir", str(var)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    share_priority(proc.pid)  # a session of its own: keep this process's nice value (supervisor.py)
     assert proc.stdout is not None
     seen = []
     deadline = time.monotonic() + 120

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from app.cli.supervisor import share_priority  # noqa: E402
 
 
 def _free_port() -> int:
@@ -46,6 +49,7 @@ def _serve(var: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--no-worker", "--port", str(port),
                              "--var-dir", str(var)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    share_priority(proc.pid)  # a session of its own: keep this process's nice value (supervisor.py)
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
