@@ -11,10 +11,12 @@ fourth arm is recorded, not asserted: in this 2-layer, 10-step setup the dtp:1-o
 *ahead* of contiguous at dtp:2 while J_σ(dtp:2) puts it behind; on the 30-layer model it is the reverse
 (it trains far behind contiguous, 1.998–2.029 vs 1.426–1.550, while J_σ(dtp:2) ranks it above:
 docs/schedules.md). J_σ misorders that pair in both setups: the open question of the objective, printed by
-this test and the bench, not hidden. Two alternatives were measured on both setups and rejected
+this test and the bench, not hidden. Three alternatives were measured on both setups and rejected
 (docs/schedules.md, "Does a better damage measure rank the other-schedule arm?"): the joint damage of every
-missing write at once orders this setup's six pairs 1 of 6, and J_σ without each block's first position
-orders this setup 6 of 6 but the 30-layer one 4 of 6, and its optimised layouts train worse at dtp:2 and pt:4.
+missing write at once orders this setup's six pairs 1 of 6; J_σ without each block's first position
+orders this setup 6 of 6 but the 30-layer one 4 of 6, and its optimised layouts train worse at dtp:2 and pt:4;
+the joint damage of the part of each device's missing input that its own input does not linearly predict
+orders this setup 5 of 6 and the 30-layer one 3 of 6.
 """
 
 from __future__ import annotations
