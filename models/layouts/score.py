@@ -30,6 +30,15 @@ from models.schedules.grammar import resolve_schedule
 
 SCORES_FORMAT = "dtp-layout-scores/1"
 
+# What docs/schedules.md measured (issue 29): no damage score tried (J_σ, the raw, joint or unabsorbed damage,
+# with or without the block's first position) orders a layout made for another schedule the way it trains,
+# while the trained runs' own KL at step 20 of 50 already did. The warning says so rather than let the rank
+# stand for more than it is.
+OTHER_SCHEDULE_CAVEAT = ("J_σ is not shown to rank a layout made for another schedule the way it trains (on "
+                         "SmolLM2-135M it ranks the dtp:1 layout above contiguous under dtp:2, and that layout "
+                         "trains behind it: docs/schedules.md); compare such layouts by training them with "
+                         "`dtp-layout distill`")
+
 
 def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, score_name: str = "fo",
             schedule: str | None = None) -> dict[str, Any]:
@@ -70,7 +79,7 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
             random_expectation = rep.random_expectation
         if lay.made_for != scored_for:
             warnings.append(f"{path}: layout {lay.name!r} was made for schedule {lay.made_for}, scored here "
-                            f"for {scored_for}")
+                            f"for {scored_for}; {OTHER_SCHEDULE_CAVEAT}")
         rows.append({"name": lay.name, "path": str(path), "devices": lay.devices, "made_for": lay.made_for,
                      "J": J, "J_over_bound": J / bound_value if bound_value else None,
                      "random_expectation": random_expectation, "upper_bound": bound_value,

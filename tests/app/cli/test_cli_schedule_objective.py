@@ -66,6 +66,7 @@ def test_layout_and_score_take_the_schedule(run, tmp_path, capsys):
     doc = json.loads(captured.out)
     assert doc["schedule"] == "dtp:2" and [r["made_for"] for r in doc["layouts"]] == ["dtp:2", "dtp:1"]
     assert "chain.json" in captured.err and "made for schedule dtp:1" in captured.err
+    assert "not shown to rank" in doc["warnings"][0] and "dtp-layout distill" in doc["warnings"][0]
     assert len(doc["warnings"]) == 1
     assert doc["layouts"][0]["J"] >= doc["layouts"][1]["J"] - 1e-12  # each optimised for its own objective
     assert main(["score", "--affinity", aff, str(out)]) == 0  # the chain objective: dtp:2's layout is warned
