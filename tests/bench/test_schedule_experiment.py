@@ -12,6 +12,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from bench import schedule_experiment as exp
 from tests.tiny import tiny_model
@@ -63,6 +64,7 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     out = capsys.readouterr().out
     assert exp.VERDICT_RULE in out
     row = results["dtp:2"]
+    assert row["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     arms = {"optimised", "optimised-other", "contiguous", "random-1000"}
     assert set(row["final_kl"]) == arms and all(len(v) == 2 for v in row["final_kl"].values())
     assert row["verdict"]["verdict"] in ("helps", "not shown at this budget")
@@ -102,3 +104,10 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     exp.main(common)
     assert page.read_text().endswith("Reading written by hand.\n") and page.read_text().count("## Verdicts") == 1
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses a GPU that torch cannot see: this one can")
+def test_a_cuda_device_torch_cannot_see_is_refused_before_the_model_loads(tmp_path):
+    with pytest.raises(SystemExit, match=r"--device cuda:1: this torch .* sees no GPU; use --device cpu or auto"):
+        exp.main(["--quick", "--model", str(tmp_path / "never-loaded"), "--device", "cuda:1", "--schedules", "dtp:2",
+                  "--work", str(tmp_path / "work")])
