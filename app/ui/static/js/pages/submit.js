@@ -419,7 +419,9 @@ export function renderSubmit(container, {params, navigate}) {
     try {
       info = await api("v1/spec");
     } catch (err) {
-      if (err instanceof ApiError && err.status === 401) return;  // the key prompt is up; the page is drawn again
+      // 401: the key prompt is up, or a key was entered after this request went out; either way the key
+      // dialog draws the page again once the key works
+      if (err instanceof ApiError && err.status === 401) return;
       general.hidden = false;
       general.textContent = `Cannot read this service's defaults (GET /v1/spec): ${err.message}`;
       submitButton.disabled = false;
