@@ -266,6 +266,10 @@ def test_a_401_for_a_request_sent_before_the_key_was_entered_does_not_ask_again(
         page.fill("#key-input", "half-typed")
         assert page.evaluate(SEND_THEN_SET_KEY, {"sent": refused, "current": refused}) == 401
         assert page.input_value("#key-input") == "half-typed"
+        # nor does a 401 for a request with no key (the key forgotten after a refusal) replace what it says
+        assert page.evaluate(SEND_THEN_SET_KEY, {"sent": "", "current": ""}) == 401
+        assert "refused the key" in page.inner_text("#key-error")
+        assert page.input_value("#key-input") == "half-typed"
         assert watch.api_errors() == [], watch.errors
 
 

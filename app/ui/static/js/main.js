@@ -81,9 +81,15 @@ function showKeyStatus() {
 }
 
 function askKey(message) {
-  keyError.textContent = message || "";
-  // a second 401 while the dialog is up (the page sends several requests at once) keeps what is typed
-  if (!dialog.open) { keyInput.value = ""; dialog.showModal(); }
+  // A 401 while the dialog is up (the page sends several requests at once) keeps what is typed and what the
+  // dialog already says: "refused this key" from the user's own try outranks a page request's "needs a key".
+  if (!dialog.open) {
+    keyError.textContent = message || "";
+    keyInput.value = "";
+    dialog.showModal();
+  } else if (!keyError.textContent) {
+    keyError.textContent = message || "";
+  }
   keyInput.focus();
 }
 
