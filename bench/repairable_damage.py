@@ -70,9 +70,11 @@ class LinearRepair:
             others = [(n, d, f) for f in range(self.folds) if f != fold and (n, d, f) in self.gram]
             gram = sum(self.gram[k] for k in others)
             cross = sum(self.cross[k] for k in others)
-            assert isinstance(gram, torch.Tensor) and isinstance(cross, torch.Tensor), "one fold only: nothing held out"
+            if not isinstance(gram, torch.Tensor) or not isinstance(cross, torch.Tensor):
+                raise ValueError(f"blocks in one fold only: nothing held out to fit module {n}, device {d} on "
+                                 f"(score at least {self.folds} blocks)")
             size = gram.shape[0]
-            lam = self.ridge * float(gram.diagonal().sum()) / size + 1e-300  # 0 stream (module 0): Q = 0
+            lam = self.ridge * float(gram.diagonal().sum()) / size + 1e-300  # > 0 even for an all-zero input
             self.q[(n, d, fold)] = torch.linalg.solve(gram + lam * torch.eye(size, dtype=gram.dtype), cross)
         self.gram.clear()
         self.cross.clear()
