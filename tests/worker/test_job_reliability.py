@@ -230,22 +230,28 @@ def test_queued_sweeper_resends_lost_messages_once_per_period(tmp_path, postgres
     from app.core.queue import enqueue, make_celery
     from tests.service_kit import worker_settings
 
-    settings = worker_settings(tmp_path, postgres_server, redis_broker, "sweep", requeue_after_s=0.5)
+    period = 30.0  # far longer than a send can take on a busy machine: the second sweep is inside it
+    settings = worker_settings(tmp_path, postgres_server, redis_broker, "sweep", requeue_after_s=period)
     db = database(settings.database_url)
     celery = make_celery(settings)
     job_id = submit(settings)  # inserted; the message never sent
     client = redis.Redis.from_url(redis_broker[0])
     queue_key = f"{settings.broker_key_prefix}{settings.queue}"
 
-    assert requeue_queued(db, lambda jid: None, after_s=0.5) == []  # younger than the period
-    time.sleep(0.6)
-    sweepers = [lambda: requeue_queued(db, lambda jid: enqueue(celery, settings, jid), after_s=0.5)
+    def period_passes() -> None:  # the message's send time moved a period back, as if one had elapsed
+        with db.transaction() as session:
+            session.execute(update(Job).where(Job.id == job_id)
+                            .values(enqueued_at=Job.enqueued_at - timedelta(seconds=period + 1)))
+
+    assert requeue_queued(db, lambda jid: None, after_s=period) == []  # younger than the period
+    period_passes()
+    sweepers = [lambda: requeue_queued(db, lambda jid: enqueue(celery, settings, jid), after_s=period)
                 for _ in range(2)]
-    assert [s() for s in sweepers] == [[job_id], []]  # one sweeper wins
+    assert [s() for s in sweepers] == [[job_id], []]  # one sweeper wins; the other is inside the new period
     assert client.llen(queue_key) == 1
     client.delete(queue_key)  # the broker lost it (purged, restarted without persistence)
-    time.sleep(0.6)
-    assert requeue_queued(db, lambda jid: enqueue(celery, settings, jid), after_s=0.5) == [job_id]
+    period_passes()
+    assert requeue_queued(db, lambda jid: enqueue(celery, settings, jid), after_s=period) == [job_id]
     assert client.llen(queue_key) == 1
     job = row(settings, job_id)
     assert job.status == "queued" and job.requeues == 2 and events(settings, job_id)["requeued"] == 2
