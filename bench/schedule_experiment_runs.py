@@ -30,7 +30,7 @@ from models.distill.evaluation import DenseReference, evaluate_student
 from models.distill.student import make_student
 from models.distill.train import make_optimizer
 from models.families import model_shape
-from models.io.loading import ModelSource, load_model, load_tokenizer
+from models.io.loading import ModelLoadError, ModelSource, load_model, load_tokenizer, resolve_device
 from models.layouts import layout as layout_mod
 from models.layouts.set import build_layouts, scored_layout
 from models.optimise import score
@@ -53,18 +53,6 @@ def truncated(model: Any, layers: int) -> Any:
     return model
 
 
-def run_device(name: str) -> torch.device:
-    """--device: `auto` is CUDA when torch sees a GPU (the `gpu` preset's budget assumes one), else the CPU;
-    a named CUDA device that torch cannot see is refused here, not after the model has loaded."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: this torch ({torch.__version__}, CUDA build {torch.version.cuda}) sees no "
-                         "GPU; use --device cpu or auto")
-    return device
-
-
 class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -73,7 +61,10 @@ class Experiment:
 
             args.model = str(smollm2_gguf())
         source = ModelSource(args.model)
-        self.device = run_device(args.device)
+        try:  # refused before the model loads: auto is CUDA when torch sees a GPU (the gpu preset assumes one)
+            self.device = resolve_device(args.device)
+        except ModelLoadError as exc:
+            raise SystemExit(f"--device {args.device}: {exc}; use --device cpu or auto") from None
         self.model = load_model(source, device=str(self.device)).eval()
         if args.layers is not None:
             self.model = truncated(self.model, args.layers)

@@ -108,6 +108,7 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses a GPU that torch cannot see: this one can")
 def test_a_cuda_device_torch_cannot_see_is_refused_before_the_model_loads(tmp_path):
-    with pytest.raises(SystemExit, match=r"--device cuda:1: this torch .* sees no GPU; use --device cpu or auto"):
+    refused = r"--device cuda:1: device 'cuda:1' requested but CUDA is not available; use --device cpu or auto"
+    with pytest.raises(SystemExit, match=refused):
         exp.main(["--quick", "--model", str(tmp_path / "never-loaded"), "--device", "cuda:1", "--schedules", "dtp:2",
                   "--work", str(tmp_path / "work")])
