@@ -39,7 +39,7 @@ out of its bounds, or a malformed `DTP_LAYOUT_API_KEYS`, stops the process at st
 # Variables read outside the settings model: (variable, read by, meaning).
 ELSEWHERE = (
     ("DTP_LAYOUT_CORPUS_DIR", "workers, the model commands, the API's submit checks",
-     "where `corpus:NAME` reads `NAME.txt` (then `../shared/data/corpus/` beside the checkout); see "
+     "where `corpus:NAME` reads `NAME.txt` first (then the texts the packages ship); see "
      "[cli.md](cli.md#the-corpus)"),
     ("DTP_LAYOUT_CACHE_DIR", "the same", "where the packaged corpus is concatenated once and the model commands "
      "keep their converted GGUF copies, `converted/` (a worker keeps its under `STORAGE_ROOT/converted/`) (default "

@@ -74,8 +74,7 @@ def _on(names: tuple[str, ...], *commands: str, **kw: Any) -> Flag:
     return Flag(names, commands, **kw)  # type: ignore[arg-type]
 
 
-_SOURCE_DOC = ("corpus:shakespeare (every install) | corpus:kjv (where the King James Bible is installed; refused at "
-               "submit otherwise) | hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset id) | upload:ID (the tenant's own "
+_SOURCE_DOC = ("corpus:shakespeare | corpus:kjv (both shipped with every install) | hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset id) | upload:ID (the tenant's own "
                "data upload: POST /v1/uploads, `client upload`) | a name under the server's data root (.txt, "
                ".jsonl, .npy of token ids, or a directory of .txt)")
 _TEXT_FIELD_DOC = "text field of .jsonl / hf rows"
@@ -168,7 +167,7 @@ FIELDS: tuple[SpecField, ...] = (
     _f("calibration.source", "str", _SOURCE_DOC, REQUIRED,
        _on(("--calib",), "optimise", metavar="SOURCE",
            help="calibration text: a local .txt file, .jsonl (--text-field), .npy of token ids or directory of "
-                ".txt files, corpus:shakespeare (every install), corpus:kjv (where installed) or "
+                ".txt files, corpus:shakespeare or corpus:kjv (both shipped with every install) or "
                 "hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset, with the hf extra)"),
        _on(("--calib",), "submit"),
        min_length=1, max_length=300, examples=("corpus:shakespeare", "calibration/tokens.npy")),

