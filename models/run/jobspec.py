@@ -74,8 +74,9 @@ def _on(names: tuple[str, ...], *commands: str, **kw: Any) -> Flag:
     return Flag(names, commands, **kw)  # type: ignore[arg-type]
 
 
-_SOURCE_DOC = ("corpus:shakespeare | corpus:kjv (both shipped with every install) | hf:OWNER/NAME[:CONFIG[:SPLIT]] (a hub dataset id) | upload:ID (the tenant's own "
-               "data upload: POST /v1/uploads, `client upload`) | a name under the server's data root (.txt, "
+_SOURCE_DOC = ("corpus:shakespeare | corpus:kjv (both shipped with every install) | hf:OWNER/NAME[:CONFIG[:SPLIT]] "
+               "(a hub dataset id) | upload:ID (the tenant's own data upload: POST /v1/uploads, `client upload`) | "
+               "a name under the server's data root (.txt, "
                ".jsonl, .npy of token ids, or a directory of .txt)")
 _TEXT_FIELD_DOC = "text field of .jsonl / hf rows"
 # The schedule as a local command (optimise, distill, export, eval) takes it: no `null`, no service.
