@@ -12,7 +12,11 @@ with every seed of `--seeds`. Two results per schedule, with rules fixed here be
 - VERDICT (printed by every run): "helps" only if every seed of the σ-optimised arm ends below every seed
   of contiguous and random, and it reaches contiguous's final KL (its seeds' mean) at least 1.5× sooner
   (its slowest seed's first evaluation at or below it, against contiguous's mean curve's); otherwise
-  "not shown at this budget".
+  "not shown at this budget". A 0/0 speedup (contiguous at its own final KL at step 0) is none: not "helps".
+- AMENDED RULE (issue 45, bench/schedule_verdicts.py, committed before any run under it), printed and
+  recorded beside the first: verdicts over layouts x seeds (2 optimised and 2 random layouts at least, else
+  "not decided"), speedups interpolated on each run's curve, "not applicable at this budget" where
+  contiguous needs no training to reach its own final KL.
 
 Resumable: the work directory keeps affinities, layouts and every run (`models.distill` skips finished
 runs and resumes an interrupted one); rerunning only trains what is missing. The full experiment (every
@@ -89,16 +93,23 @@ def verdict(curves: dict[str, dict[int, list[tuple[int, float]]]]) -> dict[str, 
     target = sum(final_kls(curves[CONTIGUOUS])) / len(curves[CONTIGUOUS])
     optimised_step = max(first_reach(c, target) for c in curves[OPTIMISED].values())
     contiguous_step = first_reach(mean_curve(curves[CONTIGUOUS]), target)
-    if optimised_step == 0:
+    speedup: float | None
+    if contiguous_step == 0:  # 0 steps against 0 (spd:auto:8, where training raised every arm): no speedup
+        speedup = None
+    elif optimised_step == 0:
         speedup = float("inf")
     elif optimised_step == float("inf"):
         speedup = 0.0
     else:
         speedup = contiguous_step / optimised_step
-    helps = below and speedup >= SPEEDUP
+    helps = below and speedup is not None and speedup >= SPEEDUP
     return {"verdict": "helps" if helps else "not shown at this budget", "below_every_baseline_seed": below,
             "target_kl": target, "optimised_reaches_at": optimised_step, "contiguous_reaches_at": contiguous_step,
             "speedup": speedup}
+
+
+def speedup_text(speedup: float | None) -> str:
+    return "undefined (contiguous at its own final KL at step 0)" if speedup is None else f"{speedup:.2f}×"
 
 
 def missing_ffn_damage(edges: list[dict[str, Any]]) -> float:
@@ -182,6 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.schedule_experiment_runs import Experiment
+    from bench.schedule_verdicts import AMENDED_RULE
 
     args = parse_args(argv)
     if args.report is not None:
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_report(args, args.report, command=command)
         return {}
     print(f"verdict rule (fixed before the runs): {VERDICT_RULE}", flush=True)
+    print(f"amended rule (issue 45, fixed before its runs): {AMENDED_RULE}", flush=True)
     experiment = Experiment(args)
     results = {}
     for schedule in args.schedules.split():
@@ -198,11 +211,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row = results[schedule]
         said = row["verdict"] or {"verdict": "no verdict (step 0 only, or no optimised or contiguous arm)",
                                   "speedup": 0.0}
-        print(f"{schedule}: {said['verdict']} (speedup {said['speedup']:.2f}); ranking "
+        amended = row.get("amended_verdict") or {"verdict": "–", "why": "step 0 only"}
+        print(f"{schedule}: {said['verdict']} (speedup {speedup_text(said['speedup'])}); amended rule: "
+              f"{amended['verdict']} ({amended['why']}); ranking "
               + ", ".join(f"{p} {sum(r['agrees'] for r in row['ranking'][p])}/{len(row['ranking'][p])}"
                           for p in PREDICTORS), flush=True)
-    (args.work / "results.json").write_text(json.dumps({"verdict_rule": VERDICT_RULE, "schedules": results},
-                                                       indent=1))
+    (args.work / "results.json").write_text(json.dumps({"verdict_rule": VERDICT_RULE, "amended_rule": AMENDED_RULE,
+                                                        "schedules": results}, indent=1))
     return results
 
 

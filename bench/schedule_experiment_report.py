@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.schedule_experiment import CONTIGUOUS, OPTIMISED, PREDICTORS, SPEEDUP, VERDICT_RULE
+from bench.schedule_experiment import CONTIGUOUS, OPTIMISED, PREDICTORS, SPEEDUP, VERDICT_RULE, speedup_text
 
 ARM_ORDER = (OPTIMISED, "optimised-other", CONTIGUOUS)
 PREDICTOR_NAMES = {"J_damage": "J_σ damage-weighted (the objective)", "J_unit": "J_σ unit-mass (issue 20's)",
@@ -70,7 +70,7 @@ def verdict_line(row: dict[str, Any]) -> str:
     return (f"**{v['verdict']}** — every optimised seed below every baseline seed: "
             f"{'yes' if v['below_every_baseline_seed'] else 'no'}; contiguous's final mean KL {v['target_kl']:.3f} "
             f"reached by every optimised seed at {reach}, by contiguous's mean curve at {contiguous} "
-            f"(speedup {v['speedup']:.2f}×, the rule needs {SPEEDUP}×)")
+            f"(speedup {speedup_text(v['speedup'])}, the rule needs {SPEEDUP}×)")
 
 
 def schedule_section(schedule: str, row: dict[str, Any]) -> list[str]:
@@ -114,7 +114,7 @@ def summary_table(results: dict[str, dict[str, Any]]) -> list[str]:
         v = row["verdict"] or {"verdict": "–", "speedup": float("nan")}
         lines.append(f"| {schedule} | {v['verdict']} | {spread(finals.get(OPTIMISED, [float('nan')]))} | "
                      f"{spread(finals.get(CONTIGUOUS, [float('nan')]))} | "
-                     f"{spread(finals[rand]) if rand else '–'} | {v['speedup']:.2f}× |")
+                     f"{spread(finals[rand]) if rand else '–'} | {speedup_text(v['speedup'])} |")
     return lines
 
 

@@ -20,6 +20,7 @@ from bench.schedule_experiment import (
     ranking,
     verdict,
 )
+from bench.schedule_verdicts import Run, amended_verdict, arm_of
 from models import distill
 from models.affinity.file import AffinityResult
 from models.data.calibration import CalibrationSpec, load_blocks
@@ -200,6 +201,17 @@ class Experiment:
                 curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
         return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}, secondary
 
+    def runs(self, schedule: str, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> list[Run]:
+        """Each (layout, seed) run as the verdict rule reads it, with the second domain's KL after the last step
+        from the run's own secondary.json."""
+        out = []
+        for layout, by_seed in curves.items():
+            for seed, curve in sorted(by_seed.items()):
+                done = run_dir_for(self.work / "distill" / slug(schedule), layout, seed) / "secondary.json"
+                second = ((curve[-1][0], float(json.loads(done.read_text())["kl"])),) if done.exists() else ()
+                out.append(Run(arm_of(layout), layout, seed, tuple(curve), second))
+        return out
+
     def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: str | None,
                        recipe: distill.DistillRecipe) -> float:
         """KL(dense ‖ student) on the second domain of the run's final weights (its kept checkpoint)."""
@@ -243,6 +255,7 @@ class Experiment:
                "final_kl_second_domain": secondary, "curves": curves,
                "ranking": {p: ranking(predicted[p], finals) for p in PREDICTORS},
                "verdict": verdict(curves) if {OPTIMISED, CONTIGUOUS} <= curves.keys() else None,
+               "amended_verdict": amended_verdict(self.runs(schedule, curves)),
                "seconds": time.perf_counter() - t0}
         (self.work / f"result-{slug(schedule)}.json").write_text(json.dumps(row, indent=1))
         return row

@@ -68,6 +68,9 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     arms = {"optimised", "optimised-other", "contiguous", "random-1000"}
     assert set(row["final_kl"]) == arms and all(len(v) == 2 for v in row["final_kl"].values())
     assert row["verdict"]["verdict"] in ("helps", "not shown at this budget")
+    # the amended rule reads every (layout, seed) run, the second domain's KL included; one layout an arm
+    assert row["amended_verdict"]["counts"]["optimised"] == {"layouts": 1, "seeds": 2, "runs": 2}
+    assert row["amended_verdict"]["verdict"] in ("not decided", "not applicable at this budget")
     # the second domain's final KL per arm and seed, and no checkpoint left behind once it is measured
     assert {arm: len(v) for arm, v in row["final_kl_second_domain"].items()} == dict.fromkeys(arms, 2)
     assert all(kl > 0 for v in row["final_kl_second_domain"].values() for kl in v)

@@ -7,6 +7,7 @@ interpolated step to the same KL). Curves are means over seeds, on the steps eve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -29,6 +30,38 @@ def reach_step(steps: Sequence[float], kls: Sequence[float], target: float) -> f
             s0, k0 = steps[i - 1], kls[i - 1]
             return float(s0 + (k0 - target) / (k0 - k) * (s - s0))
     return None
+
+
+def mean_of_runs(runs: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The runs' KL averaged at the steps every run evaluated: [(step, mean kl)]."""
+    by_run = [dict(run) for run in runs]
+    steps = sorted(set.intersection(*(set(r) for r in by_run)))
+    return [(s, sum(r[s] for r in by_run) / len(by_run)) for s in steps]
+
+
+def rule_speedup(reference: Sequence[Sequence[tuple[float, float]]],
+                 candidate: Sequence[Sequence[tuple[float, float]]]) -> dict[str, Any]:
+    """How many times sooner each candidate run reaches the reference's final KL, as the schedule verdicts'
+    rule (bench/schedule_verdicts.py) and the headline count it.
+
+    reference, candidate: runs (layouts × seeds), each [(step, kl)] in step order. The target is the
+    reference's mean curve at its last step (its runs' final KL averaged); the reference's step is where
+    that mean curve first reaches it and each candidate run's step where its own curve does, both linearly
+    interpolated between evaluations (a grid of evaluations every 10 of 50 steps would otherwise allow
+    only 5, 2.5, 1.67 and 1.25×). Per run: reference step / run step; inf for a run at the target before
+    training, 0 for one that never reaches it. `speedup` is the slowest run's. Not `applicable` (speedup
+    None) when the reference's mean curve is at the target at step 0: 0 steps against 0 steps says nothing.
+    """
+    ref_curve = mean_of_runs(reference)
+    target = ref_curve[-1][1]
+    ref_step = reach_step([s for s, _ in ref_curve], [k for _, k in ref_curve], target)
+    assert ref_step is not None  # the mean curve's last point is the target itself
+    steps = [reach_step([s for s, _ in run], [k for _, k in run], target) for run in candidate]
+    applicable = ref_step > 0
+    per_run = [(ref_step / s if s else math.inf) if s is not None else 0.0 for s in steps] if applicable else []
+    return {"target_kl": target, "reference_step": ref_step, "candidate_steps": steps, "applicable": applicable,
+            "per_run": per_run, "speedup": min(per_run) if per_run else None,
+            "max": max(per_run) if per_run else None, "runs": len(candidate)}
 
 
 def multipliers(reference: tuple[Sequence[int], Sequence[float]],

@@ -1,0 +1,119 @@
+"""The amended verdict rule (issue 45) on hand-made curves; every expected figure is worked out by hand here.
+
+Interpolated step at which a curve reaches KL T between evaluations (s0, k0) and (s1, k1), k0 > T ≥ k1:
+s0 + (k0 − T) / (k0 − k1) · (s1 − s0).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import schedule_experiment as exp
+from bench import schedule_verdicts as sv
+
+STEPS = (0, 10, 20, 30, 40, 50)
+
+
+def run(arm: str, layout: str, seed: int, kls: tuple[float, ...]) -> sv.Run:
+    return sv.Run(arm, layout, seed, tuple(zip(STEPS, kls, strict=True)))
+
+
+# contiguous: one layout, two seeds; mean curve 5.0, 3.0, 2.0, 1.7, 1.56, 1.5 — reaches its final 1.5 at step 50
+CONTIGUOUS = [run("contiguous", "contiguous", 0, (5.0, 3.1, 2.1, 1.75, 1.58, 1.45)),
+              run("contiguous", "contiguous", 1, (5.0, 2.9, 1.9, 1.65, 1.54, 1.55))]
+RANDOM = [run("random", "random-1000", 0, (6.0, 3.2, 2.2, 1.8, 1.65, 1.60)),
+          run("random", "random-1001", 0, (6.0, 3.3, 2.3, 1.9, 1.70, 1.62))]
+# each optimised run at 1.5 between step 20 and 30: 20 + (1.8 − 1.5) / (1.8 − 1.4) · 10 = 27.5 → 50 / 27.5 = 1.818×
+FAST = [run("optimised", "optimised", 0, (4.0, 2.5, 1.8, 1.4, 1.3, 1.25)),
+        run("optimised", "optimised-seed1", 0, (4.0, 2.5, 1.8, 1.4, 1.3, 1.26))]
+
+
+def test_two_layouts_an_arm_below_every_baseline_run_and_1_5x_sooner_helps():
+    said = sv.amended_verdict([*CONTIGUOUS, *RANDOM, *FAST])
+    assert said["verdict"] == sv.HELPS
+    assert said["target_kl"] == pytest.approx(1.5) and said["contiguous_reaches_at"] == pytest.approx(50.0)
+    assert said["optimised_reach_at"] == pytest.approx([27.5, 27.5])
+    assert said["speedup_range"] == pytest.approx([50 / 27.5, 50 / 27.5])
+    assert said["counts"] == {"optimised": {"layouts": 2, "seeds": 1, "runs": 2},
+                              "contiguous": {"layouts": 1, "seeds": 2, "runs": 2},
+                              "random": {"layouts": 2, "seeds": 1, "runs": 2}}
+
+
+def test_one_run_of_the_second_random_layout_below_an_optimised_run_is_not_shown():
+    close = run("random", "random-1001", 1, (6.0, 3.3, 2.3, 1.9, 1.50, 1.255))  # below optimised-s1's 1.26
+    said = sv.amended_verdict([*CONTIGUOUS, *RANDOM, close, *FAST])
+    assert said["verdict"] == sv.NOT_SHOWN and not said["below_every_baseline_run"]
+
+
+def test_the_speedup_is_read_between_evaluations_dtp2_at_50_steps():
+    # dtp:2's recorded optimised seeds at steps 20, 30, 40 against contiguous's final mean 1.495 (its mean curve
+    # reaches it at step 50). The slowest seed: 30 + (1.517 − 1.495) / (1.517 − 1.397) · 10 = 31.833 → 1.571×;
+    # on the grid of evaluations that seed is first at or below 1.495 at step 40: 1.25×, "not shown".
+    cont = [run("contiguous", "contiguous", 0, (5.683, 2.7, 1.95, 1.66, 1.54, 1.495))]
+    opt = [run("optimised", "optimised", 0, (4.959, 2.36, 1.724, 1.489, 1.383, 1.343)),
+           run("optimised", "optimised-seed1", 1, (4.959, 2.33, 1.732, 1.517, 1.397, 1.348))]
+    rand = [run("random", f"random-{k}", 0, (7.8, 2.7, 2.0, 1.73, 1.62, 1.57)) for k in (1000, 1001)]
+    said = sv.amended_verdict([*cont, *opt, *rand])
+    assert said["speedup"] == pytest.approx(50 / (30 + 0.022 / 0.120 * 10))
+    assert said["speedup"] == pytest.approx(1.571, abs=5e-4) and said["verdict"] == sv.HELPS
+    old = exp.verdict({"optimised": {r.seed: list(r.primary) for r in opt},
+                       "contiguous": {0: list(cont[0].primary)}, "random-1000": {0: list(rand[0].primary)}})
+    assert old["speedup"] == pytest.approx(1.25) and old["verdict"] == "not shown at this budget"
+
+
+def test_a_run_between_the_grid_and_the_bar_the_grid_would_round_away():
+    # reaches 1.5 at 20 + (1.9 − 1.5) / (1.9 − 1.3) · 10 = 26.667 → 1.875× interpolated; the grid says step 30:
+    # 1.67×. A seed at 1.52 at step 30 and 1.40 at step 40: 30 + 0.02 / 0.12 · 10 = 31.667 → 1.579×; grid 1.25×.
+    steps = sv.rule_speedup([c.primary for c in CONTIGUOUS],
+                            [run("optimised", "o", 0, (4.0, 2.5, 1.9, 1.3, 1.2, 1.1)).primary,
+                             run("optimised", "o", 1, (4.0, 2.5, 1.9, 1.52, 1.40, 1.3)).primary])
+    assert steps["candidate_steps"] == pytest.approx([80 / 3, 95 / 3])
+    assert steps["per_run"] == pytest.approx([1.875, 50 / (95 / 3)]) and steps["speedup"] == pytest.approx(1.5789,
+                                                                                                          abs=1e-4)
+
+
+def test_contiguous_at_its_final_kl_at_step_0_is_not_applicable_never_an_infinite_speedup():
+    # spd:auto:8's shape: training raises every arm; contiguous starts at 0.088, ends at 0.096
+    cont = [run("contiguous", "contiguous", s, (0.088, 0.124, 0.127, 0.112, 0.102, 0.096)) for s in (0, 1)]
+    opt = [run("optimised", name, 0, (0.048, 0.096, 0.109, 0.098, 0.091, 0.086))
+           for name in ("optimised", "optimised-seed1")]
+    rand = [run("random", name, 0, (0.082, 0.121, 0.118, 0.107, 0.098, 0.093))
+            for name in ("random-1000", "random-1001")]
+    said = sv.amended_verdict([*cont, *opt, *rand])
+    assert said["verdict"] == sv.NOT_APPLICABLE and said["speedup"] is None
+    assert said["contiguous_reaches_at"] == 0.0 and said["training_lowered"] == dict.fromkeys(
+        ("optimised", "contiguous", "random"), False)
+    assert "lowers no arm" in said["why"]
+    # the registered rule: 0 steps against 0 is no speedup (it said inf, and "helps")
+    old = exp.verdict({"optimised": {0: list(opt[0].primary)}, "contiguous": {0: list(cont[0].primary)},
+                       "random-1000": {0: list(rand[0].primary)}})
+    assert old["speedup"] is None and old["verdict"] == "not shown at this budget"
+    assert old["below_every_baseline_seed"]
+
+
+def test_an_optimised_run_at_the_target_before_training_is_unbounded_not_undefined():
+    at_once = run("optimised", "optimised", 0, (1.4, 1.3, 1.2, 1.1, 1.0, 0.9))  # below 1.5 from step 0
+    speed = sv.rule_speedup([c.primary for c in CONTIGUOUS], [at_once.primary, FAST[0].primary])
+    assert speed["applicable"] and speed["per_run"] == pytest.approx([float("inf"), 50 / 27.5])
+    assert speed["speedup"] == pytest.approx(50 / 27.5)
+
+
+def test_one_layout_per_arm_is_not_decided():
+    said = sv.amended_verdict([*CONTIGUOUS, RANDOM[0], *FAST])  # one random layout
+    assert said["verdict"] == sv.NOT_DECIDED and "1 random" in said["why"]
+    again = run("optimised", "optimised", 1, (4.0, 2.5, 1.8, 1.4, 1.3, 1.26))  # the same layout, another seed
+    said = sv.amended_verdict([*CONTIGUOUS, *RANDOM, FAST[0], again])
+    assert said["verdict"] == sv.NOT_DECIDED and said["counts"]["optimised"] == {"layouts": 1, "seeds": 2, "runs": 2}
+    assert sv.amended_verdict([*RANDOM, *FAST])["verdict"] == sv.NOT_DECIDED  # no contiguous run
+
+
+def test_a_never_reaching_run_counts_as_no_speedup():
+    slow = run("optimised", "optimised-s2", 0, (4.0, 3.5, 3.0, 2.5, 2.0, 1.51))  # above 1.5 at every evaluation
+    said = sv.amended_verdict([*CONTIGUOUS, *RANDOM, *FAST, slow])
+    assert said["speedup"] == 0.0 and said["optimised_reach_at"][-1] is None and said["verdict"] == sv.NOT_SHOWN
+
+
+def test_arms_by_layout_name():
+    assert [sv.arm_of(n) for n in ("optimised", "optimised-seed1", "optimised-other", "contiguous", "random-1000",
+                                   "optimised-broken", "optimised-skip1")] == [
+        "optimised", "optimised", "other", "contiguous", "random", "other", "other"]
