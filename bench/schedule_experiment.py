@@ -26,6 +26,7 @@ schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` i
     .venv/bin/python bench/schedule_experiment.py --schedules "dtp:2 pt:2 spd:auto:8" --seeds 0,1,2
     .venv/bin/python bench/schedule_experiment.py --layers 3 --schedules dtp:2 --steps 20   # small setup
     .venv/bin/python bench/schedule_experiment.py --schedules dtp:2 --step0-only --restarts 0  # minutes
+    .venv/bin/python -m bench.schedule_experiment verdicts [--json]   # the table from docs/schedule_runs alone
     .venv-gpu/bin/python bench/schedule_experiment.py --preset gpu   # on a GPU (--device auto picks it)
 
 The model runs on `--device` (auto: CUDA when torch sees a GPU); tests/gpu/test_schedule_experiment_gpu.py
@@ -174,6 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="train nothing: rank the arms by their KL at step 0 (one value each) instead")
     ap.add_argument("--quick", action="store_true", help="--preset quick")
     ap.add_argument("--work", default=None, help="default var/schedule-experiment[-PRESET]")
+    ap.add_argument("--runs-dir", type=Path, default=None,
+                    help="where each schedule's runs file goes (per-seed, per-evaluation KL on both domains, the "
+                         "input of `verdicts`; default WORK/schedule_runs; docs/schedule_runs is the committed one)")
     ap.add_argument("--report", type=Path, default=None,
                     help="write this page (e.g. docs/schedules.md) from the finished runs and stop (no model loaded)")
     ap.add_argument("--report-command", default=None, help="the command shown on the page as how the runs ran")
@@ -188,10 +192,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     suffix = "" if args.preset == "cpu" else f"-{args.preset}"
     args.work = Path(args.work or REPO / "var" / f"schedule-experiment{suffix}")
+    args.runs_dir = Path(args.runs_dir or args.work / "schedule_runs")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> Any:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verdicts"]:  # the verdict table from the committed runs files alone (no model loaded)
+        from bench.schedule_verdicts import verdicts_main
+
+        return verdicts_main(argv[1:])
     from bench.schedule_experiment_runs import Experiment
     from bench.schedule_verdicts import AMENDED_RULE
 

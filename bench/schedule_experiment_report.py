@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.schedule_experiment import CONTIGUOUS, OPTIMISED, PREDICTORS, SPEEDUP, VERDICT_RULE, speedup_text
+from bench.schedule_verdicts import spread
 
 ARM_ORDER = (OPTIMISED, "optimised-other", CONTIGUOUS)
 PREDICTOR_NAMES = {"J_damage": "J_σ damage-weighted (the objective)", "J_unit": "J_σ unit-mass (issue 20's)",
@@ -33,13 +34,6 @@ def load_results(work: Path, schedules: list[str]) -> dict[str, dict[str, Any]]:
 
 def arms_in_order(arms: Any) -> list[str]:
     return sorted(arms, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
-
-
-def spread(values: list[float]) -> str:
-    """Mean and the range over the seeds: `1.234 (1.200–1.260)`."""
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.fmean(values):.3f} ({min(values):.3f}–{max(values):.3f})"
 
 
 def gap_row(finals: dict[str, list[float]], arm: str) -> str:

@@ -20,7 +20,7 @@ from bench.schedule_experiment import (
     ranking,
     verdict,
 )
-from bench.schedule_verdicts import Run, amended_verdict, arm_of
+from bench.schedule_verdicts import Run, amended_verdict, arm_of, runs_file, write_runs
 from models import distill
 from models.affinity.file import AffinityResult
 from models.data.calibration import CalibrationSpec, load_blocks
@@ -258,4 +258,15 @@ class Experiment:
                "amended_verdict": amended_verdict(self.runs(schedule, curves)),
                "seconds": time.perf_counter() - t0}
         (self.work / f"result-{slug(schedule)}.json").write_text(json.dumps(row, indent=1))
+        self.write_runs(schedule, row)
         return row
+
+    def write_runs(self, schedule: str, row: dict[str, Any]) -> None:
+        """The schedule's runs file (bench/schedule_verdicts.py's format: the verdicts' only input)."""
+        a = self.args
+        setup = {k: getattr(a, k) for k in ("preset", "devices", "batch_size", "seq_len", "lr", "eval_every", "calib",
+                                            "calib_sequences", "calib_seq_len", "restarts", "train", "eval",
+                                            "eval_blocks", "eval2", "eval2_blocks", "layers")}
+        write_runs(runs_file(a.runs_dir, schedule, a.steps), schedule, a.steps, self.runs(schedule, row["curves"]),
+                   resolved=row["resolved"], device=row["device"], model=Path(str(a.model)).name, setup=setup,
+                   source="bench/schedule_experiment.py")

@@ -21,13 +21,17 @@ meant "≥ 1.67×", and that one layout stood for each arm. The amended rule, fi
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from models.distill.comparison.report import rule_speedup
+from models.distill.records import json_safe
 
 AMENDED_RULE = ('"helps" only with at least 2 optimised layouts (different optimiser restart seeds or calibration '
                 "subsets) and 2 random layouts, every optimised run (layout x training seed) ending below every "
@@ -117,3 +121,127 @@ def amended_verdict(runs: Sequence[Run]) -> dict[str, Any]:
     why = [] if below else ["an optimised run ends at or above a baseline run"]
     why += [] if fast else [f"the slowest optimised run is {speed['speedup']:.2f}x, under {SPEEDUP}x"]
     return {**said, "verdict": NOT_SHOWN, "why": "; ".join(why)}
+
+
+# ---- the runs behind the verdicts, as committed files --------------------------------------------------------
+
+RUNS_FORMAT = "dtp-layout-schedule-runs/1"
+RUNS_DIR = Path(__file__).resolve().parent.parent / "docs" / "schedule_runs"
+# The verdict table of docs/schedules.md: every layout-dependent schedule at 50 steps, dtp:2 and pt:4 also at 100.
+TABLE = (*((s, 50) for s in ("dtp:1", "dtp:2", "pt:2", "pt:4", "dtp:1@15", "spd:auto:8")),
+         ("dtp:2", 100), ("pt:4", 100))
+LOST = "raw runs not in the repository: re-run needed"
+
+
+def runs_file(runs_dir: Path, schedule: str, steps: int) -> Path:
+    slug = schedule.replace(":", "-").replace(",", "_").replace("@", "at")
+    return runs_dir / f"{slug}-{steps}steps.json"
+
+
+def runs_text(schedule: str, steps: int, runs: Sequence[Run], **about: Any) -> str:
+    """The file: what ran (`about`: resolved schedule, setup, source), then one line per run."""
+    head = {"format": RUNS_FORMAT, "schedule": schedule, "steps": steps, **about}
+    lines = [json.dumps({"arm": r.arm, "layout": r.layout, "seed": r.seed, "primary": [list(p) for p in r.primary],
+                         "second": [list(p) for p in r.second]}) for r in runs]
+    return json.dumps(head, indent=1)[:-2] + ',\n "runs": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n"
+
+
+def write_runs(path: Path, schedule: str, steps: int, runs: Sequence[Run], **about: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(runs_text(schedule, steps, runs, **about))
+
+
+def load_runs(path: Path) -> tuple[dict[str, Any], list[Run]]:
+    """(the file's header, its runs); ValueError naming the file for another format."""
+    doc = json.loads(path.read_text())
+    if doc.get("format") != RUNS_FORMAT:
+        raise ValueError(f"{path}: format {doc.get('format')!r}, expected {RUNS_FORMAT!r}")
+    runs = [Run(r["arm"], r["layout"], int(r["seed"]), tuple((int(s), float(k)) for s, k in r["primary"]),
+                tuple((int(s), float(k)) for s, k in r["second"])) for r in doc.pop("runs")]
+    return doc, runs
+
+
+def spread(values: Sequence[float]) -> str:
+    """Mean and the range, as docs/schedules.md prints them: `1.343 (1.340–1.348)`."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+
+def registered_verdict(runs: Sequence[Run]) -> dict[str, Any] | None:
+    """Issue 29's registered rule (bench/schedule_experiment.py `verdict`) on the same runs, by layout name."""
+    from bench.schedule_experiment import verdict
+
+    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for r in runs:
+        curves.setdefault(r.layout, {})[r.seed] = list(r.primary)
+    return verdict(curves) if {OPTIMISED, CONTIGUOUS} <= curves.keys() else None
+
+
+def table_row(schedule: str, steps: int, runs_dir: Path, path: Path | None = None) -> dict[str, Any]:
+    """One row of the verdict table, from its runs file alone (LOST where the file is not there)."""
+    path = path or runs_file(runs_dir, schedule, steps)
+    row: dict[str, Any] = {"schedule": schedule, "steps": steps, "file": path.name}
+    if not path.exists():
+        return {**row, "verdict": LOST}
+    about, runs = load_runs(path)
+    said = amended_verdict(runs)
+    arms = by_arm(runs)
+    finals = {arm: [r.final for r in rs] for arm, rs in arms.items() if rs and arm != OTHER}
+    second = {arm: [r.second[-1][1] for r in rs if r.second] for arm, rs in arms.items() if rs and arm != OTHER}
+    return {**row, "resolved": about.get("resolved", schedule), "verdict": said["verdict"], "why": said["why"],
+            "counts": said["counts"], "speedup": said.get("speedup"), "speedup_range": said.get("speedup_range"),
+            "final_kl": finals, "final_kl_second_domain": second, "registered": registered_verdict(runs)}
+
+
+def verdict_table(runs_dir: Path = RUNS_DIR) -> list[dict[str, Any]]:
+    """docs/schedules.md's rows (TABLE), then a row for every other runs file in `runs_dir`."""
+    rows = [table_row(schedule, steps, runs_dir) for schedule, steps in TABLE]
+    listed = {runs_file(runs_dir, schedule, steps) for schedule, steps in TABLE}
+    for path in sorted(set(runs_dir.glob("*steps.json")) - listed):
+        about, _ = load_runs(path)
+        rows.append(table_row(about["schedule"], int(about["steps"]), runs_dir, path))
+    return rows
+
+
+def speedup_spread(row: dict[str, Any]) -> str:
+    """The rule's speedup (the slowest optimised run) with the range over runs, or why there is none."""
+    low, high = row.get("speedup_range") or (None, None)
+    if low is None:
+        return "–"
+    runs = row["counts"][OPTIMISED]["runs"]
+    if runs == 1:
+        return f"{low:.2f}× (one run)"
+    return f"{low:.2f}× (runs {low:.2f}–{high:.2f}×, {runs} runs)"
+
+
+def table_text(rows: Sequence[dict[str, Any]]) -> str:
+    """The table as text: one line per schedule and budget."""
+    lines = [f"amended rule: {AMENDED_RULE}", ""]
+    for row in rows:
+        head = f"{row['schedule']} at {row['steps']} steps: {row['verdict']}"
+        if row["verdict"] == LOST:
+            lines.append(f"{head} ({row['file']} missing)")
+            continue
+        n = row["counts"]
+        arms = ", ".join(f"{arm} {c['layouts']} layout(s) × {c['seeds']} seed(s)" for arm, c in n.items())
+        finals = "; ".join(f"{arm} {spread(v)}" for arm, v in row["final_kl"].items())
+        old = row["registered"]
+        lines += [head + f" ({row['why']})", f"  {arms}", f"  final KL, primary: {finals}",
+                  f"  speedup to contiguous's final KL, interpolated: {speedup_spread(row)}",
+                  f"  the registered rule on these runs: {old['verdict']}, "
+                  f"{'undefined' if old['speedup'] is None else format(old['speedup'], '.2f') + '×'} on the grid"
+                  if old else "  the registered rule: no optimised or contiguous run"]
+    return "\n".join(lines)
+
+
+def verdicts_main(argv: Sequence[str]) -> list[dict[str, Any]]:
+    """`python -m bench.schedule_experiment verdicts [--json] [--runs DIR]`: the table from the runs files."""
+    ap = argparse.ArgumentParser(prog="python -m bench.schedule_experiment verdicts",
+                                 description="The verdict table recomputed from the committed runs files alone.")
+    ap.add_argument("--json", action="store_true", help="one JSON object per schedule and budget, in a list")
+    ap.add_argument("--runs", type=Path, default=RUNS_DIR, help="the runs files' folder (default docs/schedule_runs)")
+    args = ap.parse_args(list(argv))
+    rows = verdict_table(args.runs)
+    print(json.dumps(json_safe(rows), indent=1) if args.json else table_text(rows))
+    return rows

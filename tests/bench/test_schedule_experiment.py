@@ -76,6 +76,12 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     assert all(kl > 0 for v in row["final_kl_second_domain"].values() for kl in v)
     assert not list((tmp_path / "work").rglob("checkpoint"))
     assert row["predictors"]["J_damage"]["optimised"] >= row["predictors"]["J_damage"]["contiguous"]
+    # the runs file, the verdicts' only input: every (layout, seed) run with both domains' KL
+    rows = exp.main(["verdicts", "--json", "--runs", str(tmp_path / "work" / "schedule_runs")])
+    (mine,) = [r for r in rows if r["file"] == "dtp-2-2steps.json"]
+    assert mine["verdict"] == row["amended_verdict"]["verdict"] and mine["final_kl"]["optimised"] == \
+        row["final_kl"]["optimised"]
+    assert mine["final_kl_second_domain"]["contiguous"] == row["final_kl_second_domain"]["contiguous"]
     saved = json.loads((tmp_path / "work" / "results.json").read_text())
     assert saved["verdict_rule"] == exp.VERDICT_RULE and set(saved["schedules"]) == {"dtp:2"}
     again = exp.main(["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2",

@@ -6,6 +6,9 @@ s0 + (k0 − T) / (k0 − k1) · (s1 − s0).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from bench import schedule_experiment as exp
@@ -117,3 +120,69 @@ def test_arms_by_layout_name():
     assert [sv.arm_of(n) for n in ("optimised", "optimised-seed1", "optimised-other", "contiguous", "random-1000",
                                    "optimised-broken", "optimised-skip1")] == [
         "optimised", "optimised", "other", "contiguous", "random", "other", "other"]
+
+
+# ---- the committed runs files and the verdicts command ------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+RECOVERED = {("dtp:2", 50): "docs/schedules_other_dtp2.json", ("dtp:2", 100): "docs/schedules_dtp2_100steps.json",
+             ("pt:4", 100): "docs/schedules_pt4_100steps.json"}
+
+
+def doc_verdict_table() -> dict[str, list[str]]:
+    """docs/schedules.md's verdict table: {schedule: [verdict, optimised, contiguous, random, speedup]}."""
+    text = (REPO / "docs" / "schedules.md").read_text()
+    table = text[text.index("## Verdicts"):].split("\n\n")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    return {r[0]: r[1:] for r in rows}
+
+
+@pytest.mark.parametrize(("schedule", "steps"), sorted(RECOVERED))
+def test_each_runs_file_holds_the_committed_result_files_curves(schedule, steps):
+    about, runs = sv.load_runs(sv.runs_file(sv.RUNS_DIR, schedule, steps))
+    recorded = json.loads((REPO / RECOVERED[schedule, steps]).read_text())
+    assert about["schedule"] == schedule and about["steps"] == steps and about["format"] == sv.RUNS_FORMAT
+    assert {(r.layout, r.seed) for r in runs} == {(a, int(s)) for a, c in recorded["curves"].items() for s in c}
+    for r in runs:
+        assert [list(p) for p in r.primary] == recorded["curves"][r.layout][str(r.seed)]
+        assert r.second == ((steps, recorded["final_kl_second_domain"][r.layout][r.seed]),)  # seeds 0, 1, 2 in order
+
+
+def test_the_verdicts_command_recomputes_the_docs_table_where_the_runs_are_committed(capsys):
+    rows = {(r["schedule"], r["steps"]): r for r in exp.main(["verdicts", "--json"])}
+    printed = json.loads(capsys.readouterr().out)
+    assert [(r["schedule"], r["steps"]) for r in printed] == list(sv.TABLE)
+    doc = doc_verdict_table()
+    for schedule, steps in sv.TABLE:
+        row = rows[schedule, steps]
+        if (schedule, steps) not in RECOVERED:  # no raw runs committed: nothing invented
+            assert row["verdict"] == sv.LOST and set(row) == {"schedule", "steps", "file", "verdict"}
+            continue
+        finals = row["final_kl"]
+        if steps == 50:  # the table's own row, recomputed from the runs alone by the registered rule
+            verdict, optimised, contiguous, random, speedup = doc[schedule]
+            assert [sv.spread(finals[a]) for a in ("optimised", "contiguous", "random")] == [
+                optimised, contiguous, random]
+            assert row["registered"]["verdict"] == verdict and f"{row['registered']['speedup']:.2f}×" == speedup
+        else:  # the 100-step runs are in the page's prose: each arm's range and the grid's speedup
+            text = (REPO / "docs" / "schedules.md").read_text().replace("\n  ", " ")
+            for arm in ("optimised", "contiguous", "random"):
+                assert f"{arm} {min(finals[arm]):.3f}–{max(finals[arm]):.3f}" in text
+            assert f"{row['registered']['speedup']:.2f}×, short of" in text or \
+                f"{row['registered']['speedup']:.2f}×, so" in text
+        # one layout an arm in every recorded run: the amended rule cannot decide them
+        assert row["verdict"] == sv.NOT_DECIDED and row["counts"]["optimised"] == {"layouts": 1, "seeds": 3, "runs": 3}
+    assert rows["dtp:2", 50]["speedup"] == pytest.approx(1.571, abs=5e-4)  # the issue's interpolated figure
+
+
+def test_the_text_table_says_which_runs_must_be_rerun(tmp_path, capsys):
+    _, runs = sv.load_runs(sv.runs_file(sv.RUNS_DIR, "dtp:2", 50))
+    sv.write_runs(sv.runs_file(tmp_path, "dtp:2", 50), "dtp:2", 50, runs, resolved="dtp:2")
+    exp.main(["verdicts", "--runs", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "dtp:1 at 50 steps: raw runs not in the repository: re-run needed" in out
+    assert "dtp:2 at 50 steps: not decided (1 optimised and 1 random layout(s); the rule needs 2 of each)" in out
+    assert "1.57× (runs 1.57–1.68×, 3 runs)" in out and "not shown at this budget, 1.25× on the grid" in out
+    (tmp_path / "x-2steps.json").write_text(json.dumps({"format": "something else", "runs": []}))
+    with pytest.raises(ValueError, match=r"x-2steps\.json: format 'something else'"):
+        exp.main(["verdicts", "--runs", str(tmp_path)])
