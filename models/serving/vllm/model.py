@@ -4,15 +4,20 @@ attention) run under the communication schedule that the config's `dtp` entry re
 Each rank keeps its own residual stream X_l (vLLM's layout, [T, D]: the batch's tokens flattened). o_proj
 and down_proj do not all-reduce (reduce_results=False), so module n yields this rank's partial o_n^l. As
 in the project's runtime (`models.runtime.rank.RankModel.forward`, read off the same `ArrivalPlan`): after
-module n the rank starts the exchange that n completes (an async all-reduce of the sum of the partials
-arriving together, on the TP group's device group), adds its own partials due before module n+1 (scaled
-by s_m) and waits for the exchange due there only then, adding the others' share (total − own). An
-exchange waited right after it starts (every module of tp, the block ends of pt:D, the final average) goes
-through vLLM's own all-reduce instead (its shared-memory all-reduce on CPU, custom all-reduce or NCCL on
-GPU): nothing could overlap it, and vLLM's is much faster than a gloo all-reduce on CPU. At the
-end every rank applies the final norm to its stream and the streams are averaged by one all-reduce, so
-the hidden state reaching vLLM's vocab-parallel LM head is the same on every rank (the runtime sums onto
-rank 0 and divides by L: the same numbers).
+module n the rank sends the exchange that n completes (the all-reduce of the sum of the partials arriving
+together), and before module n+1 its own partials due there (scaled by s_m) and the others' share of the
+exchange due there (total − own; the total where every partial in it arrives whole) enter its stream.
+How an exchange runs is the plugin's `exchange` setting (models/serving/vllm/options.py): `eager` reduces
+at once with vLLM's own all-reduce and keeps the others' share until it is due; `overlap` starts an
+asynchronous all-reduce on the TP group's device group and waits only where it is due. Both give the same
+numbers. `link_latency_us` makes each result usable that long after its collective completed.
+
+What each module does is read off the plan once, in __init__ (`ModuleStep`); the additions due before a
+norm enter the stream through vLLM's fused residual RMSNorm (`norm(addend, x)`), as in vLLM's own Llama.
+Where every exchange arrives whole (tp, pt:D) the ranks' streams are equal and the final norm's output is
+used as it is; otherwise every rank applies the final norm to its stream and the streams are averaged by
+one all-reduce, so the hidden state reaching vLLM's vocab-parallel LM head is the same on every rank (the
+runtime sums onto rank 0 and divides by L: the same numbers).
 
 Python async handles cannot be captured by CUDA graphs or torch.compile: the model is not compiled, and
 on a GPU vLLM must run it with enforce_eager (checked at construction).
@@ -20,7 +25,10 @@ on a GPU vLLM must run it with enforce_eager (checked at construction).
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +41,7 @@ from vllm.distributed import (
     get_tp_group,
     tensor_model_parallel_all_reduce,
 )
+from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -46,12 +55,14 @@ from vllm.sequence import IntermediateTensors
 
 from models.runtime.arrivals import ArrivalPlan
 from models.serving.manifest import ServingError, check_entry
+from models.serving.vllm.options import PluginSettings, check_exchange, check_link_latency, resolve_settings
 from models.serving.vllm.weights import check_devices, load_rank_shard, shards_manifest
 
 __all__ = ["DtpForCausalLM", "DtpLlamaForCausalLM", "DtpMistralForCausalLM", "DtpModel", "DtpQwen2ForCausalLM",
-           "DtpQwen3ForCausalLM"]
+           "DtpQwen3ForCausalLM", "ModuleStep", "module_steps"]
 
 LayerFactory = Callable[[VllmConfig, str], nn.Module]
+logger = init_logger("vllm.dtp_layout")  # under vLLM's logger: printed with its own lines
 
 
 def _check_config(vllm_config: VllmConfig) -> None:
@@ -62,6 +73,88 @@ def _check_config(vllm_config: VllmConfig) -> None:
     if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
         raise ServingError("the DTP model waits on asynchronous all-reduces that CUDA graphs cannot capture: "
                            "serve it with --enforce-eager (enforce_eager=True)")
+
+
+def _platform() -> str:
+    return "cuda" if current_platform.is_cuda_alike() else str(current_platform.device_type)
+
+
+@dataclass(frozen=True)
+class ModuleStep:
+    """What a rank does around module n, read off the ArrivalPlan once."""
+
+    n: int
+    hold: bool  # its own partial enters the stream alone later (kept until then)
+    joins: int | None  # the arrival point of the exchange its partial is summed into (None: never sent)
+    first: bool  # ... and it is the first module of that exchange's sum
+    sends: int | None  # the arrival point whose exchange is sent right after it
+    whole: bool  # that exchange enters the stream as the sum over ranks (no own share to take out)
+    own: tuple[tuple[int, float], ...]  # (m, s_m): own partials entering before module n+1
+    exchange: bool  # the exchange due before module n+1 enters there
+    fuse: bool  # what enters before module n+1 is a fresh tensor the fused norm may overwrite
+
+
+def module_steps(plan: ArrivalPlan) -> tuple[ModuleStep, ...]:
+    held = {m for arrival in plan.arrivals for m, _ in arrival.own}
+    steps = []
+    for n in range(plan.num_modules):
+        due, sends, arrival = plan.others_due[n], plan.sends[n], plan.arrivals[n]
+        first = due is not None and min(plan.members[due]) == n
+        whole = sends is not None and plan.arrivals[sends - 1].whole
+        # a lone unscaled own partial may still be summed into an exchange or wanted for its own share
+        lone_raw = not arrival.exchange and len(arrival.own) == 1 and arrival.own[0][1] == 1.0
+        steps.append(ModuleStep(n, n in held, due, first, sends, whole, arrival.own, arrival.exchange, not lone_raw))
+    return tuple(steps)
+
+
+@dataclass
+class Flight:
+    """A sent exchange: eager holds the others' share already; overlap the work, its buffer and own sum."""
+
+    value: torch.Tensor  # eager: what enters the stream; overlap: the buffer being reduced
+    own: torch.Tensor | None  # overlap, not whole: the own sum to take out of the total
+    work: Any  # overlap: the async work; None once reduced
+    completed: list[float]  # when the collective completed (perf_counter), for the emulated latency
+
+
+class Exchanger:
+    """Runs a schedule's exchanges in one mode, with the emulated link latency."""
+
+    def __init__(self, settings: PluginSettings, group: Any, cuda: bool) -> None:
+        self.overlap = settings.exchange == "overlap" and group is not None
+        self.latency_s = settings.link_latency_us * 1e-6
+        self.group, self.cuda = group, cuda
+
+    def send(self, own: torch.Tensor, *, whole: bool, waited_now: bool, keep: bool) -> Flight:
+        """Start the all-reduce of `own` (`keep`: `own` is used again, reduce a copy)."""
+        if self.overlap and not waited_now:
+            total = own.clone()  # [T, D]
+            work = dist.all_reduce(total, group=self.group, async_op=True)
+            completed: list[float] = []
+            if self.latency_s > 0 and not self.cuda:  # gloo runs the future's callbacks at completion
+                work.get_future().add_done_callback(lambda _: completed.append(time.perf_counter()))
+            return Flight(total, None if whole else own, work, completed)
+        total = tensor_model_parallel_all_reduce(own.clone() if keep or not whole else own)  # in place on CPU
+        return Flight(total if whole else total - own, None, None, [time.perf_counter()] if self.latency_s else [])
+
+    def receive(self, flight: Flight) -> torch.Tensor:
+        """What the exchange adds to the stream, once it is usable."""
+        if flight.work is not None:
+            flight.work.wait()
+        self._await_link(flight.completed)
+        return flight.value if flight.own is None else flight.value - flight.own
+
+    def average(self, h: torch.Tensor, devices: int) -> torch.Tensor:
+        """Σ_l h_l / L, usable `latency` after the all-reduce (the final norm's exchange)."""
+        total = tensor_model_parallel_all_reduce(h)
+        self._await_link([time.perf_counter()])
+        return total / devices
+
+    def _await_link(self, completed: list[float]) -> None:
+        if self.latency_s > 0:  # a result waited for before it is usable blocks for the rest
+            remaining = (completed[0] if completed else time.perf_counter()) + self.latency_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
 
 
 class DtpModel(nn.Module):
@@ -76,9 +169,12 @@ class DtpModel(nn.Module):
         self.config = config
         self.mapper = mapper
         self.devices = get_tensor_model_parallel_world_size()
-        self.schedule = check_entry(getattr(config, "dtp", None), num_layers=config.num_hidden_layers,
-                                    tp_size=self.devices)
+        entry = getattr(config, "dtp", None)
+        self.schedule = check_entry(entry, num_layers=config.num_hidden_layers, tp_size=self.devices)
         self.plan = ArrivalPlan.of(self.schedule)
+        self.steps = module_steps(self.plan)
+        # every exchange whole, no own partial alone: the ranks' streams stay equal (tp, pt:D)
+        self.equal_streams = all(not a.own for a in self.plan.arrivals) and None not in self.plan.others_due
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList([make_layer(vllm_config, f"{prefix}.layers.{i}")
@@ -88,62 +184,84 @@ class DtpModel(nn.Module):
             layer.self_attn.o_proj.reduce_results = False
             layer.mlp.down_proj.reduce_results = False
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # module n's norm and body, as plain callables (no per-step lookups)
+        self._norms: list[Any] = [n for layer in self.layers for n in (layer.input_layernorm,
+                                                                         layer.post_attention_layernorm)]
+        self._bodies: list[Any] = [b for layer in self.layers for b in (layer.self_attn, layer.mlp)]
+        try:
+            settings = resolve_settings(entry, os.environ, _platform())
+        except ValueError as exc:
+            raise ServingError(str(exc)) from exc
+        self.configure(settings)
+        if get_tensor_model_parallel_rank() == 0:
+            logger.info("DTP schedule %s on TP=%d: %s", self.schedule.name, self.devices, settings.describe())
+
+    def configure(self, settings: PluginSettings) -> None:
+        """Run the exchanges as `settings` says from the next forward on (the bench switches it in place)."""
+        check_exchange(settings.exchange, "exchange")
+        check_link_latency(settings.link_latency_us, "link_latency_us")
+        self.settings = settings
+        group = None if self.devices == 1 else get_tp_group().device_group
+        self.exchanger = Exchanger(settings, group, current_platform.is_cuda_alike())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [T, D], the same on every rank
 
-    def _partial(self, n: int, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial output of module n from its stream x: [T, D] -> [T, D]."""
-        layer: Any = self.layers[n // 2]
-        if n % 2 == 0:
-            out: torch.Tensor = layer.self_attn(positions=positions, hidden_states=layer.input_layernorm(x))
-        else:
-            out = layer.mlp(layer.post_attention_layernorm(x))
+    def _body(self, n: int, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output of module n from its normed stream h: [T, D] -> [T, D]."""
+        out: torch.Tensor = self._bodies[n](positions=positions, hidden_states=h) if n % 2 == 0 else \
+            self._bodies[n](h)
         return out
+
+    @staticmethod
+    def _enter(norm: Any, x: torch.Tensor, addends: list[torch.Tensor], fuse: bool) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+        """(norm(x'), x') with x' = x + the addends: [T, D] each; one fused add-and-norm where it may."""
+        if not addends:
+            return norm(x), x
+        addend = addends[0]
+        for more in addends[1:]:
+            addend = addend + more  # a new tensor: the addends themselves stay as they are
+        if not fuse:  # the lone addend is still wanted elsewhere: the fused norm would overwrite it
+            x = x + addend
+            return norm(x), x
+        h, x = norm(addend, x)
+        return h, x
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         if inputs_embeds is not None:
-            x = inputs_embeds  # [T, D]
+            x = inputs_embeds.clone()  # [T, D]: the fused norm updates the stream in place
         else:
             assert input_ids is not None
             x = self.embed_input_ids(input_ids)  # [T, D]
-        group = None if self.devices == 1 else get_tp_group().device_group
-        plan = self.plan
+        exchanger = self.exchanger
+        addends: list[torch.Tensor] = []  # what enters the stream before the next norm
+        fuse = True
         held: dict[int, torch.Tensor] = {}  # own partials not yet in x, [T, D]
         sums: dict[int, torch.Tensor] = {}  # arrival point -> the sum of its exchange's own partials so far
-        inflight: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # arrival -> (work, total, own)
-        for n in range(plan.num_modules):
-            partial = self._partial(n, positions, x)  # [T, D]
-            held[n] = partial
-            due = plan.others_due[n]
-            if due is not None:
-                sums[due] = partial if due not in sums else sums[due] + partial
-                if plan.sends[n] == due:  # the last module of that exchange: start it, wait before module `due`
-                    own = sums.pop(due)
-                    if group is None:
-                        inflight[due] = (None, own, own)
-                    elif due == n + 1:  # waited right away: vLLM's own all-reduce (shm on CPU, custom/NCCL on GPU)
-                        inflight[due] = (None, tensor_model_parallel_all_reduce(own.clone()), own)
-                    else:  # waited modules later: an asynchronous all-reduce on the TP group's device group
-                        total = own.clone()  # [T, D]
-                        inflight[due] = (dist.all_reduce(total, group=group, async_op=True), total, own)
-            arrival = plan.arrivals[n]  # before module n+1
-            for m, scale in arrival.own:
-                mine = held.pop(m)
-                x = x + (mine * scale if scale != 1.0 else mine)
-            if arrival.exchange:
-                work, total, own = inflight.pop(n + 1)
-                if work is not None:
-                    work.wait()
-                x = x + (total if arrival.whole else total - own)  # Σ_j o^j, or the others' share alone
-            for m in plan.own_done[n]:
-                held.pop(m, None)
-        h = self.norm(x)  # [T, D]: this rank's normed stream
-        if group is None:
+        flights: dict[int, Flight] = {}  # arrival point -> the exchange sent for it
+        for step in self.steps:
+            h, x = self._enter(self._norms[step.n], x, addends, fuse)
+            partial = self._body(step.n, positions, h)  # [T, D]
+            if step.hold:
+                held[step.n] = partial
+            if step.joins is not None:
+                own = partial if step.first else sums.pop(step.joins) + partial
+                if step.sends is None:
+                    sums[step.joins] = own
+                else:
+                    flights[step.sends] = exchanger.send(own, whole=step.whole, waited_now=step.sends == step.n + 1,
+                                                         keep=step.hold and own is partial)
+            addends = [held.pop(m) * s if s != 1.0 else held.pop(m) for m, s in step.own]
+            if step.exchange:
+                addends.append(exchanger.receive(flights.pop(step.n + 1)))
+            fuse = step.fuse
+        h, x = self._enter(self.norm, x, addends, fuse)  # [T, D]: this rank's normed stream
+        if self.devices == 1 or self.equal_streams:
             return h
-        return tensor_model_parallel_all_reduce(h) / self.devices  # Σ_l final_norm(X_l) / L, the same on every rank
+        return exchanger.average(h, self.devices)  # Σ_l final_norm(X_l) / L, the same on every rank
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return AutoWeightsLoader(self).load_weights(weights, mapper=self.mapper)

@@ -10,8 +10,11 @@ keeps the server for the engines that check what only the server does (the docum
 --hf-overrides given on its command line).
 
 Requests: {"op": "load", "model": DIR, "tp": 2, "max_num_batched_tokens": 16, "hf_overrides": {...}},
-{"op": "complete", "prompts": [[ids]], "max_tokens": N}, {"op": "unload"}, {"op": "exit"}. Replies carry
-"ok" or "error" (the traceback's text). vLLM's own prints and logs go to stderr (the client's log file).
+{"op": "complete", "prompts": [[ids]], "max_tokens": N} (the reply has the tokens and "elapsed_s"),
+{"op": "configure", "exchange": MODE, "link_latency_us": X} (the DTP plugin's settings, switched in every TP
+worker's model through `LLM.collective_rpc`: one load serves both exchange modes and every latency),
+{"op": "unload"}, {"op": "exit"}. Replies carry "ok" or "error" (the traceback's text). vLLM's own prints and
+logs go to stderr (the client's log file).
 """
 
 from __future__ import annotations
@@ -28,6 +31,16 @@ from typing import Any, TextIO
 def _reply(out: TextIO, message: dict[str, Any]) -> None:
     out.write(json.dumps(message) + "\n")
     out.flush()
+
+
+def configure_worker(worker: Any, exchange: str, link_latency_us: float) -> str:
+    """In a TP worker (through collective_rpc): the DTP model's exchange settings; its class name."""
+    from models.serving.vllm.options import PluginSettings
+
+    model = worker.get_model()
+    if hasattr(model, "model") and hasattr(model.model, "configure"):
+        model.model.configure(PluginSettings(exchange, float(link_latency_us), "set by the engine host"))
+    return type(model).__name__
 
 
 def main() -> None:
@@ -59,16 +72,23 @@ def main() -> None:
             if op == "load":
                 unload()
                 t = time.perf_counter()
-                llm = LLM(model=request["model"], tensor_parallel_size=int(request.get("tp", 2)), dtype="float32",
+                llm = LLM(model=request["model"], tensor_parallel_size=int(request.get("tp", 2)),
+                          dtype=request.get("dtype", "float32"),
                           enforce_eager=True, max_model_len=int(request.get("max_model_len", 256)), max_num_seqs=8,
                           max_num_batched_tokens=int(request.get("max_num_batched_tokens", 16)),
-                          hf_overrides=request.get("hf_overrides"), seed=0)
+                          hf_overrides=request.get("hf_overrides"), seed=0, **request.get("engine_args", {}))
                 _reply(replies, {"ok": True, "start_s": time.perf_counter() - t})
             elif op == "complete":
                 params = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]), ignore_eos=True)
+                t = time.perf_counter()
                 outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], params,
                                        use_tqdm=False)
-                _reply(replies, {"ok": True, "token_ids": [list(o.outputs[0].token_ids) for o in outputs]})
+                _reply(replies, {"ok": True, "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                                 "elapsed_s": time.perf_counter() - t})
+            elif op == "configure":
+                names = llm.collective_rpc(configure_worker, args=(request["exchange"],
+                                                                   float(request.get("link_latency_us", 0.0))))
+                _reply(replies, {"ok": True, "models": names})
             elif op == "unload":
                 unload()
                 _reply(replies, {"ok": True})

@@ -191,10 +191,11 @@ class EngineHost:
         return self._reply(self.timeout_s if timeout_s is None else timeout_s)
 
     def load(self, model: Path, *, tp: int = 2, max_num_batched_tokens: int = 16,
-             hf_overrides: dict[str, Any] | None = None) -> HostedEngine:
+             hf_overrides: dict[str, Any] | None = None, max_model_len: int = 256,
+             engine_args: dict[str, Any] | None = None) -> HostedEngine:
         t0 = time.perf_counter()
         self.request(op="load", model=str(model), tp=tp, max_num_batched_tokens=max_num_batched_tokens,
-                     hf_overrides=hf_overrides)
+                     hf_overrides=hf_overrides, max_model_len=max_model_len, engine_args=engine_args or {})
         return HostedEngine(self, time.perf_counter() - t0)
 
     def stop(self) -> None:
@@ -215,11 +216,18 @@ class HostedEngine:
 
     def __init__(self, host: EngineHost, start_s: float) -> None:
         self.host, self.start_s = host, start_s
+        self.elapsed_s = 0.0  # the last `complete`'s time inside the host (LLM.generate alone)
 
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy token ids for each prompt (token ids), through `LLM.generate`."""
         reply = self.host.request(timeout_s=300, op="complete", prompts=prompts, max_tokens=max_tokens)
+        self.elapsed_s = float(reply["elapsed_s"])
         return [[int(t) for t in ids] for ids in reply["token_ids"]]
+
+    def configure(self, exchange: str, link_latency_us: float = 0.0) -> list[str]:
+        """The DTP plugin's exchange mode and link latency in every TP worker; the workers' model classes."""
+        reply = self.host.request(timeout_s=120, op="configure", exchange=exchange, link_latency_us=link_latency_us)
+        return [str(name) for name in reply["models"]]
 
     def stop(self) -> None:
         with contextlib.suppress(EngineError):
