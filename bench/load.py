@@ -178,8 +178,8 @@ class Server:
         with db.transaction() as session:
             for tenant in tenants:
                 for _ in range(jobs_per_tenant):
-                    job = Job(spec=spec(), fingerprint="f" * 64, model_id=MODEL, revision=None, devices=2, delta=1,
-                              score="fo", status="succeeded", owner=tenant, progress=1.0,
+                    job = Job(spec=spec(), fingerprint="f" * 64, model_id=MODEL, revision=None, devices=2,
+                              schedule="dtp:1", score="fo", status="succeeded", owner=tenant, progress=1.0,
                               stages_done=["loading", "calibration", "affinity", "optimising", "exporting"],
                               timings={"loading": 0.4, "calibration": 1.2, "affinity": 8.5, "optimising": 2.0,
                                        "exporting": 1.1}, cancel_requested=False,
@@ -533,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1.0, help="open loop: requests per second per client")
     p.add_argument("--duration", type=float, default=60.0, help="seconds measured per mode")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
+    p.add_argument("--start-timeout-s", type=float, default=90.0,
+                   help="how long the server may take to answer /healthz (a wait on readiness: it ends as soon as "
+                        "the server answers, or exits; longer on a busy machine)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="uvicorn workers (postgres backend)")
     p.add_argument("--keys-per-tenant", type=int, default=10)
     p.add_argument("--jobs-per-tenant", type=int, default=5)
@@ -570,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                             keys_per_tenant=args.keys_per_tenant, jobs_per_tenant=args.jobs_per_tenant,
                             log_format=args.log_format, api_threads=args.api_threads,
                             server_env=dict(kv.split("=", 1) for kv in args.server_env))
-            server.start()
+            server.start(args.start_timeout_s)
             url, seeded = server.url, server.seeded
         rng = random.Random(args.seed)
         clients = [Client(key, tenant, seeded.jobs[tenant], random.Random(rng.random()))

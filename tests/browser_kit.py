@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tests.patience_kit import patient
+
 CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/lib/chromium/chromium")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -37,13 +39,21 @@ def unavailable() -> str | None:
     return None
 
 
+# Playwright's own default for a launch, a navigation or a wait on a selector, stretched by the machine's
+# load (tests/patience_kit.py): Chromium's start-up and a page's first draw take several times longer on a
+# busy machine, and a wait on a selector returns as soon as the page is ready.
+PAGE_WAIT_MS = 30_000
+
+
 @contextmanager
 def browser_context(playwright: Any, *, width: int = 1280, height: int = 800, **options: Any) -> Iterator[Any]:
-    """A persistent context of the system Chromium with a fresh user-data-dir, downloads accepted."""
+    """A persistent context of the system Chromium with a fresh user-data-dir, downloads accepted; its
+    waits' default is PAGE_WAIT_MS stretched by the machine's load."""
     profile = tempfile.mkdtemp(prefix="dtp-layout-chromium-")
     context = playwright.chromium.launch_persistent_context(
         profile, executable_path=chromium_path(), args=LAUNCH_ARGS, headless=True, accept_downloads=True,
-        viewport={"width": width, "height": height}, **options)
+        viewport={"width": width, "height": height}, timeout=patient(PAGE_WAIT_MS), **options)
+    context.set_default_timeout(patient(PAGE_WAIT_MS))
     try:
         yield context
     finally:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.patience_kit import patient
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -17,8 +19,9 @@ def test_a_short_load_run_reaches_every_endpoint_without_errors(tmp_path):
     out = tmp_path / "load.json"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "load.py"), "--backend", "sqlite", "--mode",
                            "open,closed", "--clients", "4", "--rate", "8", "--duration", "3", "--warmup", "0.5",
-                           "--keys-per-tenant", "2", "--jobs-per-tenant", "2", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+                           "--keys-per-tenant", "2", "--jobs-per-tenant", "2", "--json", str(out),
+                           "--start-timeout-s", str(patient(90))],  # the server's start-up: longer when busy
+                          cwd=REPO, capture_output=True, text=True, timeout=patient(180))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = json.loads(out.read_text())["reports"]
     assert [r["mode"] for r in reports] == ["open", "closed"]

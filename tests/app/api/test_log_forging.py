@@ -17,6 +17,7 @@ import pytest
 
 from app.core import logs
 from app.core.safe_text import LINE_BREAKS, for_log, json_escapes
+from tests.patience_kit import Deadline, patient
 from tests.service_kit import ServeProcess
 
 # No comma: uvicorn splits X-Forwarded-For on commas and would log only the last part.
@@ -26,7 +27,7 @@ FORGED = "FORGED 2026-01-01 00:00:00.000 INFO dtp_layout.access: GET /admin 200"
 def _raw_request(port: int, target: bytes, headers: dict[bytes, bytes]) -> bytes:
     head = b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
     head += b"".join(name + b": " + value + b"\r\n" for name, value in headers.items()) + b"\r\n"
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=patient(10)) as sock:
         sock.sendall(head)
         answer = b""
         while chunk := sock.recv(65536):
@@ -66,8 +67,8 @@ def test_no_request_can_forge_a_log_line(tmp_path, fmt):
     serve.start()
     try:
         paths = _forgeries(serve.port)
-        deadline = time.monotonic() + 10  # the access lines follow the answers: wait for the last one
-        while f"/v1/jobs/p{len(LINE_BREAKS) - 1}" not in "".join(serve.output) and time.monotonic() < deadline:
+        deadline = Deadline(10)  # the access lines follow the answers: wait for the last one
+        while f"/v1/jobs/p{len(LINE_BREAKS) - 1}" not in "".join(serve.output) and not deadline.expired():
             time.sleep(0.05)
     finally:
         serve.stop()

@@ -82,7 +82,7 @@ def test_the_docs_pages_render_offline_from_this_server_only(served, playwright,
         page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
         t0 = time.perf_counter()
         page.goto(served.url + path)
-        page.wait_for_selector(item, timeout=30_000)
+        page.wait_for_selector(item)  # the context's default: browser_kit.PAGE_WAIT_MS, stretched by the load
         drawn = page.locator(item).count()
         print(f"{path}: {drawn} operations drawn {(time.perf_counter() - t0) * 1e3:.0f} ms after the request, offline")
         assert drawn == operations(served.url)
