@@ -17,6 +17,7 @@ import numpy as np
 from app.cli.supervisor import share_priority
 from app.core.settings import Settings
 from tests.faults import Faults
+from tests.patience_kit import Deadline
 from tests.xdist_kit import free_port  # this xdist worker's own port range (the kits import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -240,15 +241,15 @@ class WorkerProcess:
                                      start_new_session=True, cwd=self.cwd)
         share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = Deadline(timeout)  # a wait on readiness: longer on a busy machine (tests/patience_kit.py)
+        while not deadline.expired():
             text = self.log_path.read_bytes()[offset:].decode(errors="replace")
             if " ready." in text:
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{text[-3000:]}")
             time.sleep(0.2)
-        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log()[-3000:]}")
+        raise TimeoutError(f"worker not ready after {deadline.bound()}:\n{self.log()[-3000:]}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -264,16 +265,18 @@ class WorkerProcess:
 
 def wait_for(client: Any, job_id: str, statuses: tuple[str, ...] = ("succeeded", "failed", "cancelled"),
              timeout: float = 60.0, until: Any = None, worker: WorkerProcess | None = None) -> dict[str, Any]:
-    """Poll GET /v1/jobs/{id} until the status is one of `statuses` (or `until(job)` holds)."""
-    deadline = time.monotonic() + timeout
+    """Poll GET /v1/jobs/{id} until the status is one of `statuses` (or `until(job)` holds); `timeout` is
+    stretched by the machine's load (tests/patience_kit.py)."""
+    deadline = Deadline(timeout)
     job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+    while not deadline.expired():
         job = client.get(f"/v1/jobs/{job_id}").json()
         if (until(job) if until is not None else job["status"] in statuses):
             return job
         time.sleep(0.1)
     tail = worker.log()[-4000:] if worker is not None else ""
-    raise TimeoutError(f"job {job_id} still {job.get('status')}/{job.get('stage')} after {timeout}s: {job}\n{tail}")
+    raise TimeoutError(f"job {job_id} still {job.get('status')}/{job.get('stage')} after {deadline.bound()}: {job}\n"
+                       f"{tail}")
 
 
 class ServeProcess:
@@ -301,27 +304,28 @@ class ServeProcess:
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self, timeout: float = 60.0) -> ServeProcess:
-        """Starts it and reads its banner up to the example curl (the API is listening by then)."""
+        """Starts it and reads its banner up to the example curl (the API is listening by then); `timeout`
+        is stretched by the machine's load (tests/patience_kit.py)."""
         env = importable_from_anywhere(self.env) if self.cwd is not None else self.env
         self.proc = subprocess.Popen([*self.program, "serve", "--port", str(self.port), "--var-dir", str(self.var),
                                       *self.options], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=self.cwd)
         share_priority(self.proc.pid)  # a session of its own: keep this test process's priority (xdist_kit)
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                break
-            self.output.append(line)
-            if line.startswith("then: curl"):
-                self._drain()
+        self._drain()  # a thread reads the output: a start-up that prints nothing still meets the deadline
+        deadline = Deadline(timeout)
+        while not deadline.expired():
+            if any(line.startswith("then: curl") for line in list(self.output)):
                 return self
+            if self.proc.poll() is not None:
+                time.sleep(0.2)  # the reader's last lines
+                break
+            time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"dtp-layout serve did not come up:\n{self.banner()}")
+        raise RuntimeError(f"dtp-layout serve did not come up (waited {deadline.bound()}):\n{self.banner()}")
 
     def _drain(self) -> None:
-        """Keep reading the output (uvicorn's access log) so that the pipe never fills."""
+        """Keep reading the output (the banner, then uvicorn's access log) so that the pipe never fills."""
         import threading
 
         def read() -> None:
