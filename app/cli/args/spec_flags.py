@@ -197,6 +197,25 @@ def with_flags(spec: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
+def with_data_sources(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with the sources the spec's rules default to filled into a `distill.train` or `distill.eval`
+    block that flags made without one (`--distill-train-seq-len 128` alone): training reads the calibration's
+    text, evaluation the training's (DistillJobSpec.data_specs, the dashboard's form), with its text field.
+    The server requires a source in a block that is given; left out, the block would be refused for it."""
+    distill, calibration = spec.get("distill"), spec.get("calibration")
+    if not isinstance(distill, dict) or not isinstance(calibration, dict) or "source" not in calibration:
+        return spec
+    inherited = {"source": calibration["source"], **({"text_field": calibration["text_field"]}
+                                                     if "text_field" in calibration else {})}
+    for part in ("train", "eval"):
+        block = distill.get(part)
+        if isinstance(block, dict) and "source" not in block:
+            distill[part] = {**inherited, **block}
+        if isinstance(distill.get(part), dict):  # evaluation's default is the training's text
+            inherited = {k: distill[part][k] for k in ("source", "text_field") if k in distill[part]}
+    return spec
+
+
 def spec_body(args: argparse.Namespace, command: str) -> dict[str, Any]:
     """What a local command's spec flags say, as a job spec's body (what `client submit` would send)."""
     return with_flags({}, spec_values(args, command))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.cli.args.spec_flags import add_spec_flags, spec_values, with_flags
+from app.cli.args.spec_flags import add_spec_flags, spec_values, with_data_sources, with_flags
 from app.cli.client.output import (
     EXIT_ERROR,
     EXIT_FAILED,
@@ -40,7 +40,8 @@ from models.affinity.names import SCORES
 
 def build_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The job spec: the JSON file (if any), then the flags on top (each flag sets its field's path; a
-    field under a block the spec sets to false, `export: false`, stays out)."""
+    field under a block the spec sets to false, `export: false`, stays out); a training or evaluation block
+    the flags made without a source gets the one the spec's rules default to."""
     spec: dict[str, Any] = {}
     if args.spec:
         from app.client.http import ClientError
@@ -52,7 +53,7 @@ def build_spec(args: argparse.Namespace) -> dict[str, Any]:
             raise ClientError(f"cannot read the job spec {args.spec}: {exc}") from exc
         if not isinstance(spec, dict):
             raise ClientError(f"the job spec {args.spec} must be a JSON object")
-    return with_flags(spec, spec_values(args, "submit"))
+    return with_data_sources(with_flags(spec, spec_values(args, "submit")))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -571,3 +571,28 @@ def test_submit_flags_for_the_export_dtype_and_overlap():
     assert "export" not in spec() and "distill" not in spec()
     assert spec("--distill", "optimised", "--allow-overlap")["distill"] == {"layouts": ["optimised"],
                                                                           "allow_overlap": True}
+
+
+def test_a_training_or_evaluation_flag_alone_keeps_the_default_sources():
+    """`--distill-train-seq-len 128` without `--train-data`: training still reads the calibration's text and
+    evaluation the training's, as the docs say (it was sent without a source and refused: 'Field required')."""
+    from app.cli.client.commands import build_spec
+    from app.cli.main import build_parser
+    from app.core.schemas.jobs import JobSpec
+
+    def resolved(*flags):
+        sent = build_spec(build_parser().parse_args(["client", "submit", "--model", "m", "-L", "2", "--calib",
+                                                     "corpus:kjv", "--distill", "optimised", *flags]))
+        spec = JobSpec.model_validate(sent)
+        return sent["distill"], spec.distill.data_specs(spec.calibration)
+
+    sent, (train, ev) = resolved("--distill-train-seq-len", "128")
+    assert sent["train"] == {"source": "corpus:kjv", "seq_len": 128}
+    assert (train["source"], train["seq_len"], ev["source"], ev["seq_len"]) == ("corpus:kjv", 128, "corpus:kjv", 128)
+    _, (train, ev) = resolved("--distill-eval-sequences", "4", "--train-data", "corpus:shakespeare")
+    assert (train["source"], ev["source"], ev["sequences"]) == ("corpus:shakespeare", "corpus:shakespeare", 4)
+    _, (train, ev) = resolved("--distill-eval-seq-len", "32", "--calibration-text-field", "body")
+    assert (train["source"], train["text_field"], ev["source"], ev["text_field"], ev["seq_len"]) == (
+        "corpus:kjv", "body", "corpus:kjv", "body", 32)
+    _, (train, ev) = resolved("--distill-train-seq-len", "64", "--eval-data", "corpus:shakespeare")
+    assert (train["source"], ev["source"]) == ("corpus:kjv", "corpus:shakespeare")  # what is given stays
