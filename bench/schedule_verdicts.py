@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from models.distill.comparison.report import rule_speedup
+from models.distill.comparison.speedup import rule_speedup
 from models.distill.records import json_safe
 
 AMENDED_RULE = ('"helps" only with at least 2 optimised layouts (different optimiser restart seeds or calibration '

@@ -7,61 +7,18 @@ interpolated step to the same KL). Curves are means over seeds, on the steps eve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
+from models.distill.comparison.speedup import headline_text, reach_step, rule_speedup
 from models.distill.records import EvalRecord, json_safe
 from models.distill.spec import DistillSpec
 from models.layouts.layout import Layout
 
 SUMMARY_FORMAT = "dtp-layout-distill/1"
-
-
-def reach_step(steps: Sequence[float], kls: Sequence[float], target: float) -> float | None:
-    """First step at which the piecewise-linear curve (steps, kls) reaches KL ≤ target, else None."""
-    for i, (s, k) in enumerate(zip(steps, kls, strict=True)):
-        if k <= target:
-            if i == 0:
-                return float(s)
-            s0, k0 = steps[i - 1], kls[i - 1]
-            return float(s0 + (k0 - target) / (k0 - k) * (s - s0))
-    return None
-
-
-def mean_of_runs(runs: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
-    """The runs' KL averaged at the steps every run evaluated: [(step, mean kl)]."""
-    by_run = [dict(run) for run in runs]
-    steps = sorted(set.intersection(*(set(r) for r in by_run)))
-    return [(s, sum(r[s] for r in by_run) / len(by_run)) for s in steps]
-
-
-def rule_speedup(reference: Sequence[Sequence[tuple[float, float]]],
-                 candidate: Sequence[Sequence[tuple[float, float]]]) -> dict[str, Any]:
-    """How many times sooner each candidate run reaches the reference's final KL, as the schedule verdicts'
-    rule (bench/schedule_verdicts.py) and the headline count it.
-
-    reference, candidate: runs (layouts × seeds), each [(step, kl)] in step order. The target is the
-    reference's mean curve at its last step (its runs' final KL averaged); the reference's step is where
-    that mean curve first reaches it and each candidate run's step where its own curve does, both linearly
-    interpolated between evaluations (a grid of evaluations every 10 of 50 steps would otherwise allow
-    only 5, 2.5, 1.67 and 1.25×). Per run: reference step / run step; inf for a run at the target before
-    training, 0 for one that never reaches it. `speedup` is the slowest run's. Not `applicable` (speedup
-    None) when the reference's mean curve is at the target at step 0: 0 steps against 0 steps says nothing.
-    """
-    ref_curve = mean_of_runs(reference)
-    target = ref_curve[-1][1]
-    ref_step = reach_step([s for s, _ in ref_curve], [k for _, k in ref_curve], target)
-    assert ref_step is not None  # the mean curve's last point is the target itself
-    steps = [reach_step([s for s, _ in run], [k for _, k in run], target) for run in candidate]
-    applicable = ref_step > 0
-    per_run = [(ref_step / s if s else math.inf) if s is not None else 0.0 for s in steps] if applicable else []
-    return {"target_kl": target, "reference_step": ref_step, "candidate_steps": steps, "applicable": applicable,
-            "per_run": per_run, "speedup": min(per_run) if per_run else None,
-            "max": max(per_run) if per_run else None, "runs": len(candidate)}
 
 
 def multipliers(reference: tuple[Sequence[int], Sequence[float]],
@@ -99,18 +56,31 @@ def mean_curves(records: Sequence[EvalRecord]) -> dict[str, dict[str, Any]]:
     return curves
 
 
+def seed_runs(curve: dict[str, Any]) -> list[list[tuple[float, float]]]:
+    """A layout's per-seed curves [(step, kl)] (its mean curve alone where no seeds are kept)."""
+    seeds = curve.get("seeds") or {"mean": {"kl": curve["kl"]}}
+    return [list(zip(curve["steps"], s["kl"], strict=True)) for s in seeds.values()]
+
+
 def headline(curves: dict[str, dict[str, Any]], *, reference: str, candidate: str) -> dict[str, Any] | None:
-    """The paper's figures: when `candidate` reaches `reference`'s final KL, and the multiplier per eval."""
+    """When `candidate` reaches `reference`'s final KL: `speedup`, per seed and its slowest (the schedule
+    verdicts' rule, `rule_speedup`), and `said`, the sentence to show; the mean curves' step and multipliers
+    per evaluation (the paper's figures) beside them, which carry no spread."""
     if reference not in curves or candidate not in curves:
         return None
     ref, cand = curves[reference], curves[candidate]
     final_step, final_kl = ref["steps"][-1], ref["kl"][-1]
     rows = multipliers((ref["steps"], ref["kl"]), (cand["steps"], cand["kl"]))
-    return {"reference": reference, "candidate": candidate,
+    speed = rule_speedup(seed_runs(ref), seed_runs(cand))
+    head = {"reference": reference, "candidate": candidate,
             "reference_final_step": final_step, "reference_final_kl": final_kl,
             "candidate_final_kl": cand["kl"][-1],
             "candidate_step_to_reference_final_kl": reach_step(cand["steps"], cand["kl"], final_kl),
-            "multipliers": rows}
+            "multipliers": rows,
+            "speedup": {"slowest_seed": speed["speedup"], "fastest_seed": speed["max"], "seeds": speed["runs"],
+                        "per_seed": speed["per_run"], "candidate_steps": speed["candidate_steps"],
+                        "reference_step": speed["reference_step"], "applicable": speed["applicable"]}}
+    return {**head, "said": headline_text(head)}
 
 
 def summarise(records: Sequence[EvalRecord], *, spec: DistillSpec, dense_ppl: float, model_id: str,
@@ -151,13 +121,10 @@ def summary_table(summary: dict[str, Any]) -> str:
     lines.append(f"dense perplexity {summary['dense_ppl']:.3f}")
     head = summary.get("headline")
     if head:
-        reach = head["candidate_step_to_reference_final_kl"]
-        lines.append(f"{head['candidate']} reaches {head['reference']}'s final KL "
-                     f"{head['reference_final_kl']:.4f} (step {head['reference_final_step']}) at step "
-                     + (f"{reach:.0f}" if reach is not None else "— (not reached)"))
+        lines.append(headline_text(head))
         mults = [f"{r['step']}: " + (f"{r['multiplier']:.2f}×" if r["multiplier"] is not None else "—")
                  for r in head["multipliers"]]
-        lines.append("compute multiplier per evaluation: " + ", ".join(mults))
+        lines.append("compute multiplier per evaluation, mean curves (no spread): " + ", ".join(mults))
     return "\n".join(lines)
 
 

@@ -171,17 +171,17 @@ function headline(summary, spec) {
       + "reference (contiguous) and the candidate (optimised)." : `Curves update as evaluations come in (every ${
       (spec.distill.recipe && spec.distill.recipe.eval_every) || 100} steps).`);
   }
+  // the sentence the summary carries (models/distill/comparison/speedup.py headline_text): the slowest seed's
+  // speedup with the seeds' range, or "one seed"; a summary from before it gives its mean curve's step, unrated
   const reach = head.candidate_step_to_reference_final_kl;
-  const factor = reach ? head.reference_final_step / reach : null;
-  const lines = [h("p", {class: "headline", id: "distill-headline"},
-    h("strong", {}, head.candidate), " reaches ", h("strong", {}, head.reference), "'s final KL ",
-    `${sig(head.reference_final_kl, 4)} (step ${head.reference_final_step}) `,
-    factor !== null
-      ? [`at step ${Math.round(reach)}: `, h("strong", {class: "multiplier"}, `${factor.toFixed(2)}× fewer steps`), "."]
-      : reach === 0 ? `already at step 0.` : "— not within this run.",
+  const said = head.said || (reach !== null && reach !== undefined
+    ? `${head.candidate}'s mean curve reaches ${head.reference}'s final KL at step ${Math.round(reach)} (mean over seeds, no spread).`
+    : `${head.candidate}'s mean curve does not reach ${head.reference}'s final KL.`);
+  const lines = [h("p", {class: "headline", id: "distill-headline"}, said,
     ` Final KL: ${head.candidate} ${sig(head.candidate_final_kl, 4)}, ${head.reference} ${sig(head.reference_final_kl, 4)}.`,
     summary.dense_ppl ? ` Dense perplexity ${sig(summary.dense_ppl, 4)}.` : "")];
   if (head.multipliers && head.multipliers.length) {
+    lines.push(h("p", {class: "muted"}, "Per evaluation, on the seeds' mean curves (no spread):"));
     lines.push(h("div", {class: "table-wrap"}, h("table", {class: "multipliers"},
       h("thead", {}, h("tr", {}, h("th", {}, `${head.reference} step`), h("th", {class: "num"}, "KL"),
         h("th", {class: "num"}, `${head.candidate} step`), h("th", {class: "num"}, "multiplier"))),
