@@ -62,7 +62,7 @@ def test_no_tokenizer_skips_its_init_and_the_curl_sends_ids(tmp_path: Path,
     assert main(["vllm-serve", str(_shards(tmp_path, tokenizer=False)), "--python", sys.executable,
                  "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "--skip-tokenizer-init" in out and '"prompt": [1, 2, 3]' in out and "http://127.0.0.1:8000/v1" in out
+    assert "--skip-tokenizer-init" in out and '"prompt": [1, 2, 3]' in out and "http://127.0.0.1:8100/v1" in out
 
 
 @pytest.mark.parametrize("extra", [["--", "--tensor-parallel-size", "4"], ["--", "-tp=1"], ["--bogus"]])
