@@ -54,3 +54,15 @@ def test_the_command_table_lists_every_command_and_the_install_it_needs():
         needs_worker = bool(sub.get_default("needs_worker_extra"))
         assert table[name].endswith("the `worker` extra") == needs_worker or name == "serve", (name, table[name])
     assert table["serve"].startswith("the base install with `--no-worker`")
+
+
+def test_every_shard_file_the_docs_name_is_one_the_export_writes():
+    """A shard's file name in README.md or docs/ is the export's own (`model-rank-N-part-0.safetensors`,
+    models/export/files.py): docs/ci.md's example named `model-rank-0.safetensors`, a file no job has."""
+    from models.export.files import shard_file_name
+
+    written = re.compile(re.escape(shard_file_name(0)).replace("0", r"(\d+|N|\{r\}|r)", 1) + r"$")
+    named = {(page.name, m) for page in PAGES for m in re.findall(r"model-rank-[\w{}-]*?\.safetensors",
+                                                                   page.read_text())}
+    assert named, "no shard file named in the docs: the pattern is stale"
+    assert [(page, name) for page, name in named if not written.match(name)] == []

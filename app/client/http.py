@@ -245,6 +245,11 @@ class LayoutClient:
         job: dict[str, Any] = self._json("GET", f"/v1/jobs/{_segment(job_id)}")
         return job
 
+    def metrics(self, job_id: str) -> dict[str, Any]:
+        """The job's distillation curves and, once the distilling stage published it, summary.headline."""
+        metrics: dict[str, Any] = self._json("GET", f"/v1/jobs/{_segment(job_id)}/metrics")
+        return metrics
+
     def delete_job(self, job_id: str) -> dict[str, Any]:
         """Remove a finished job's artifacts (the job stays, marked expired)."""
         job: dict[str, Any] = self._json("DELETE", f"/v1/jobs/{_segment(job_id)}")
@@ -478,9 +483,13 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 def _segment(text: str) -> str:
-    """One URL path segment (a job id or a part of an artifact name), percent-encoded."""
+    """One URL path segment (a job id or a part of an artifact name), percent-encoded. An empty one is
+    refused here: `/v1/jobs/` is another route (the list, reached through a 307), never the job asked for."""
     from urllib.parse import quote
 
+    if not text.strip():
+        raise ClientError(f"an empty id ({text!r}): give a job's id, as `dtp-layout client submit` printed it "
+                          "(`dtp-layout client list` shows them)")
     return quote(text, safe="")
 
 

@@ -26,6 +26,7 @@ from app.cli.client.output import (
     EXIT_NOT_FINISHED,
     Follower,
     client_for,
+    distill_lines,
     err,
     job_state,
     out,
@@ -81,7 +82,15 @@ def _answer(args: argparse.Namespace, ask: Callable[[Any], Any], show: Callable[
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    return _answer(args, lambda client: client.job(args.job), lambda job: out(status_text(job)))
+    if args.json:
+        return _answer(args, lambda client: client.job(args.job), print_json)
+    with client_for(args) as client:
+        job = client.job(args.job)
+        # the distillation's headline is in its metrics, once the distilling stage published summary.json
+        distilled = "distilling" in (job.get("stages_done") or [])
+        lines = distill_lines(client.metrics(job["id"]).get("summary")) if distilled else []
+    out("\n".join([status_text(job), *lines]))
+    return 0
 
 
 
@@ -248,8 +257,17 @@ def cmd_delete_upload(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
+    from app.client.http import ClientError
+
     with client_for(args) as client:
-        job = client.delete_job(args.job)
+        try:
+            job = client.delete_job(args.job)
+        except ClientError as exc:
+            if exc.status != 409:  # 409: queued or running; the way out is this CLI's command, not the API's route
+                raise
+            said = str(exc).replace(f"POST /v1/jobs/{args.job}/cancel", f"dtp-layout client cancel {args.job}")
+            raise ClientError(said if said != str(exc) else f"{said}; cancel it first: dtp-layout client cancel "
+                                                            f"{args.job}", exc.status) from exc
     err(f"job {job['id']}: artifacts removed (the job, its layouts and scores stay)")
     if args.json:
         print_json(job)

@@ -93,6 +93,26 @@ def status_text(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def distill_lines(metrics_summary: dict[str, Any] | None) -> list[str]:
+    """The distillation's headline (GET /v1/jobs/{id}/metrics `summary`): each layout's final KL and when
+    the candidate reaches the reference's final KL; nothing before the distilling stage published it."""
+    head = (metrics_summary or {}).get("headline")
+    if not isinstance(head, dict):
+        return []
+
+    def kl(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, int | float) else "n/a"
+
+    lines = [f"distillation: final KL {head.get('candidate')} {kl(head.get('candidate_final_kl'))} vs "
+             f"{head.get('reference')} {kl(head.get('reference_final_kl'))} (nats/token, step "
+             f"{head.get('reference_final_step')})"]
+    if head.get("said"):
+        lines.append(f"  {head['said']}")
+    if isinstance(ppl := (metrics_summary or {}).get("dense_ppl"), int | float):
+        lines.append(f"  dense perplexity {ppl:.3f}")
+    return lines
+
+
 class Follower:
     """Shows a job's progress on stderr: a bar per stage on a terminal, a line per change in a log."""
 

@@ -596,3 +596,41 @@ def test_a_training_or_evaluation_flag_alone_keeps_the_default_sources():
         "corpus:kjv", "body", "corpus:kjv", "body", 32)
     _, (train, ev) = resolved("--distill-train-seq-len", "64", "--eval-data", "corpus:shakespeare")
     assert (train["source"], ev["source"]) == ("corpus:kjv", "corpus:shakespeare")  # what is given stays
+
+
+def test_status_prints_the_distillation_headline_and_refuses_an_empty_id(env):
+    """`client status` of a distilled job: each layout's final KL as GET …/metrics has it (the API had the
+    headline, the command left it out); `client status ""` names the empty id (it printed "Temporary
+    Redirect (307)": /v1/jobs/ is the list's route)."""
+    body = spec(random_layouts=0, ablations=False, export=False, distill=TINY_DISTILL)
+    with LayoutClient() as client:
+        job_id = client.submit(body)["id"]
+    code, _, err = run("wait", job_id, "--interval", "0.3", "--timeout", "300")
+    assert code == 0, (err, env.worker_log())
+    head = httpx.get(f"{env.url}/v1/jobs/{job_id}/metrics",
+                     headers={"X-API-Key": API_KEYS["ci"]}).json()["summary"]["headline"]
+    code, out, _ = run("status", job_id)
+    assert code == 0
+    assert (f"distillation: final KL optimised {head['candidate_final_kl']:.3f} vs contiguous "
+            f"{head['reference_final_kl']:.3f} (nats/token, step {head['reference_final_step']})") in out
+    assert head["said"] in out
+    code, out, _ = run("status", job_id, "--json")  # the job as the API has it, nothing added
+    with LayoutClient() as client:
+        assert code == 0 and json.loads(out).keys() == client.job(job_id).keys()
+    for empty in ("", " "):
+        code, out, err = run("status", empty)
+        assert code == 2 and out == "" and "307" not in err and "Redirect" not in err
+        assert f"an empty id ({empty!r}): give a job's id" in err and "dtp-layout client list" in err
+    with LayoutClient() as client, pytest.raises(ClientError, match="an empty id"):
+        client.cancel("")
+
+
+def test_delete_of_an_unfinished_job_names_the_cancel_command(env, seeded_jobs):
+    """`client delete` of a queued or running job: exit 2 naming `dtp-layout client cancel ID`, the way out
+    on this command line (it named the API's route, `POST …/cancel`)."""
+    jobs = seeded_jobs()
+    for state in ("queued", "running"):
+        code, out, err = run("delete", jobs[state])
+        assert code == 2 and out == "", err
+        assert f"is {state}" in err and f"cancel it first: dtp-layout client cancel {jobs[state]}" in err
+        assert "POST" not in err
