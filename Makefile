@@ -46,8 +46,9 @@ venv: $(STAMP)
 $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
-	$(VLLM_VENV)/bin/python -m pip install -q -e '.[worker]'
+	@echo "vllm-env: installing $(VLLM_SPEC) and the project into $(VLLM_VENV) (minutes: pip shows what it fetches)"
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar on -e '.[worker]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
@@ -120,12 +121,21 @@ test-long: $(STAMP)
 # The wheel and the sdist in dist/, for a machine without the checkout: dtp-layout is on no public index, so
 # `pip install 'dist/dtp_layout-0.1.0-py3-none-any.whl[worker]'` there (install CPU or CUDA torch first).
 # DIST_PIP_FLAGS=--no-build-isolation builds with this interpreter's setuptools (no index needed).
+# The sdist is built by DIST_PYTHON's own setuptools, which must be >= 77 (project.license is an SPDX string):
+# the project venv's is brought there; any other interpreter's is checked, and refused before anything is written.
 DIST_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 DIST_PIP_FLAGS ?=
+DIST_SETUPTOOLS_OK = import sys, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)
+DIST_SETUPTOOLS_IS = import setuptools; print("setuptools", setuptools.__version__)
 dist:
+	@if [ "$(DIST_PYTHON)" = "$(BIN)/python" ]; then $(DIST_PYTHON) -m pip install -q "setuptools>=77"; fi
+	@$(DIST_PYTHON) -c '$(DIST_SETUPTOOLS_OK)' 2>/dev/null || { \
+		echo "make dist: $(DIST_PYTHON) has $$($(DIST_PYTHON) -c '$(DIST_SETUPTOOLS_IS)' 2>/dev/null || echo 'no setuptools');" \
+		"the sdist needs setuptools>=77 (pyproject.toml's project.license). Nothing was built. Run \`make venv\` first" \
+		"(make dist then builds with $(BIN)/python), or give DIST_PYTHON=PYTHON with setuptools>=77, or run" \
+		"$(DIST_PYTHON) -m pip install 'setuptools>=77'" >&2; exit 2; }
 	rm -rf dist build
 	$(DIST_PYTHON) -m pip wheel -q --no-deps $(DIST_PIP_FLAGS) -w dist .
-	$(DIST_PYTHON) -c "import setuptools" 2>/dev/null || $(DIST_PYTHON) -m pip install -q "setuptools>=77"
 	$(DIST_PYTHON) -c "import setuptools; setuptools.setup()" -q sdist --dist-dir dist
 	rm -rf build *.egg-info
 	@ls dist

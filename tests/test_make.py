@@ -45,7 +45,32 @@ def test_make_dist_builds_the_wheel_the_worker_extra_message_names(tmp_path):
         names = set(wheel.namelist())
     migrations = {f"migrations/versions/{p.name}" for p in (REPO / "migrations" / "versions").glob("*.py")}
     assert migrations and migrations <= names and "migrations/script.py.mako" in names
+    assert "models/io/corpora/kjv.txt.gz" in names  # corpus:kjv on an install with nothing beside it
     assert not (copy / "build").exists() and not list(copy.glob("*.egg-info"))
+
+
+def test_make_dist_with_an_old_setuptools_refuses_before_writing_anything(tmp_path):
+    """A fresh clone without .venv: `make dist` used the system's Python, whose setuptools (65.5 here) cannot
+    read project.license, and failed after writing the wheel. The version is checked first; the refusal names
+    the interpreter, its setuptools and the ways out, and dist/ is as it was."""
+    copy = _checkout_copy(tmp_path / "clone")
+    for name in ("old", "none"):  # environments without pip or setuptools
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / name)], check=True, timeout=120)
+    site = next((tmp_path / "old").glob("lib/python*/site-packages"))
+    (site / "setuptools").mkdir()  # an importable setuptools that says it is 65.5.0, whatever this machine has
+    (site / "setuptools" / "__init__.py").write_text('__version__ = "65.5.0"\n')
+    (copy / "dist").mkdir()
+    (copy / "dist" / "earlier.whl").write_bytes(b"kept")
+    for name, has in (("old", "has setuptools 65.5.0"), ("none", "has no setuptools")):
+        python = tmp_path / name / "bin" / "python"
+        result = subprocess.run([MAKE, "dist", f"DIST_PYTHON={python}"], cwd=copy, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2, result.stdout + result.stderr
+        said = result.stderr.splitlines()[0]
+        assert said.startswith(f"make dist: {python} {has}; the sdist needs setuptools>=77"), said
+        assert "Nothing was built" in said and "`make venv`" in said and "DIST_PYTHON=" in said, said
+        assert [p.name for p in (copy / "dist").iterdir()] == ["earlier.whl"]
+        assert not (copy / "build").exists() and result.stdout == ""
 
 
 def test_building_the_package_warns_nothing(tmp_path):
@@ -87,3 +112,14 @@ def test_make_test_and_ci_run_the_chromium_check_and_install(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "check-chromium" in dry.stdout, dry.stdout
     assert "make chromium" in (REPO / ".ci" / "run").read_text()
+
+
+def test_make_vllm_env_shows_pips_progress_on_the_long_installs():
+    """`make vllm-env` sat silent for minutes while pip ran with -q: the installs of vLLM and the project
+    (hundreds of MB) show pip's own lines and progress bars, after a line saying what is coming."""
+    result = subprocess.run([MAKE, "-n", "-B", "vllm-env"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    installs = [line for line in lines if " -m pip install " in line and "--upgrade pip" not in line]
+    assert len(installs) >= 2 and all("--progress-bar on" in line and " -q " not in line for line in installs), installs
+    assert "pip shows what it fetches" in result.stdout
