@@ -161,6 +161,7 @@ def joint_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: np.ndar
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from bench.schedule_experiment import RECORDED_SETS
     from bench.schedule_experiment import parse_args as experiment_args
     from bench.schedule_experiment_runs import Experiment, slug
     from models.layouts import layout as layout_mod
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     print(f"rule (fixed before the first run): {RULE}", flush=True)
-    passthrough = ["--work", args.work, "--schedules", args.schedules, "--other", args.other]
+    passthrough = ["--work", args.work, "--schedules", args.schedules, "--other", args.other, *RECORDED_SETS]
     for flag in ("layers", "calib_sequences", "calib_seq_len"):
         if getattr(args, flag) is not None:
             passthrough += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

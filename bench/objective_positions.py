@@ -44,12 +44,14 @@ def pairs_ordered(predicted: dict[str, float], finals: dict[str, list[float]]) -
 
 
 def score_set(work: str, schedule: str, results: str, extra: list[str], skip: int) -> dict[str, Any]:
+    from bench.schedule_experiment import RECORDED_SETS
     from bench.schedule_experiment import parse_args as experiment_args
     from bench.schedule_experiment_runs import Experiment, slug
     from models.affinity.edges import schedule_affinity_pass
     from models.affinity.file import AffinityResult
 
-    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *extra]))
+    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *RECORDED_SETS,
+                                             *extra]))
     sched = experiment.schedule(schedule)
     path = Path(work) / f"affinity-skip{skip}" / slug(schedule) / "affinity.safetensors"
     if not path.exists():
@@ -75,12 +77,14 @@ def train_skip_arm(work: str, schedule: str, skip: int, extra: list[str]) -> dic
     """The layout optimised on the skipped-position J_σ (the experiment's optimiser and restarts), written as
     `optimised-skip<k>` into WORK/layouts/<σ>/ and distilled under σ with the experiment's recipe and seeds;
     only that arm is trained. Returns its per-seed final KLs, second-domain KLs and curves."""
+    from bench.schedule_experiment import RECORDED_SETS
     from bench.schedule_experiment import parse_args as experiment_args
     from bench.schedule_experiment_runs import Experiment, slug
     from models.affinity.file import AffinityResult
     from models.layouts.set import build_layouts
 
-    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *extra]))
+    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *RECORDED_SETS,
+                                             *extra]))
     sched = experiment.schedule(schedule)
     arm = f"optimised-skip{skip}"
     layouts = Path(work) / "layouts" / slug(schedule)

@@ -101,12 +101,13 @@ def unabsorbed_damage(model: Any, blocks: torch.Tensor, schedule: Any, heads: An
 def score_set(work: str, schedule: str, results: str, extra: list[str], scoring: Any | None) -> dict[str, Any]:
     """Every arm of WORK's σ layouts scored on `scoring` (a `CalibrationSpec`; None: the set's calibration)."""
     from bench.objective_positions import pairs_ordered
+    from bench.schedule_experiment import RECORDED_SETS
     from bench.schedule_experiment import parse_args as experiment_args
     from bench.schedule_experiment_runs import Experiment
     from models.data.calibration import load_blocks
     from models.layouts import layout as layout_mod
 
-    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, *extra]))
+    experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, *RECORDED_SETS, *extra]))
     sched = experiment.schedule(schedule)
     blocks = experiment.blocks() if scoring is None else load_blocks(
         scoring, experiment.tokenizer, vocab_size=int(experiment.model.config.vocab_size))

@@ -39,7 +39,7 @@ def test_damage_weighted_j_orders_optimised_contiguous_and_random_as_they_train(
                     "--calib-sequences", "4", "--calib-seq-len", "128", "--eval", "corpus:shakespeare",
                     "--eval-blocks", "8", "--eval2-blocks", "2", "--seq-len", "64", "--batch-size", "2",
                     "--steps", "10", "--eval-every", "5", "--restarts", "1", "--seeds", "0,1,2",
-                    "--work", str(tmp_path)])["dtp:2"]
+                    *exp.RECORDED_SETS, "--work", str(tmp_path)])["dtp:2"]
     finals = row["final_kl"]
     assert all(len(finals[arm]) == 3 for arm in ISSUE_ARMS)
     j = row["predictors"]["J_damage"]

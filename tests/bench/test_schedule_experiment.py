@@ -121,3 +121,22 @@ def test_a_cuda_device_torch_cannot_see_is_refused_before_the_model_loads(tmp_pa
     with pytest.raises(SystemExit, match=refused):
         exp.main(["--quick", "--model", str(tmp_path / "never-loaded"), "--device", "cuda:1", "--schedules", "dtp:2",
                   "--work", str(tmp_path / "work")])
+
+
+def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_repeat_is_refused(tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    for seed, name in enumerate(("calib", "train", "eval")):
+        np.save(tmp_path / f"{name}.npy", np.random.default_rng(seed).integers(0, 97, size=4 * 32))
+    common = ["--quick", "--step0-only", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2",
+              "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
+              "--eval", str(tmp_path / "eval.npy"), "--optimised-layouts", "2", "--random-layouts", "2"]
+    # no restarts: every seed's optimiser starts from contiguous only, so seed 1 gives seed 0's layout again
+    with pytest.raises(SystemExit, match=r"dtp:2: the optimiser with seed 1 gave optimised's layout again "
+                                         r"\(--restarts 0\)"):
+        exp.main([*common, "--work", str(tmp_path / "w0")])
+    row = exp.main([*common, "--restarts", "3", "--work", str(tmp_path / "w3")])["dtp:2"]
+    assert set(row["step0_kl"]) == {"optimised", "optimised-seed1", "contiguous", "random-1000", "random-1001"}
+    layouts = tmp_path / "w3" / "layouts" / "dtp-2"
+    first, second = (json.loads((layouts / f"{n}.json").read_text()) for n in ("optimised", "optimised-seed1"))
+    assert first != second and second["score"]["restarts"] == 3
