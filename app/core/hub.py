@@ -6,6 +6,15 @@ download of config.json first, checked against the server's limits, then the saf
 tokenizer files of the snapshot) and loads the snapshot directory by its absolute path, so a
 directory named like the id in any working directory is never looked at. DTP_LAYOUT_HUB_MODELS and
 DTP_LAYOUT_HUB_DATASETS turn the hub off (empty) or limit it to owners and ids. Torch-free.
+
+What is fetched is held to an upload's limits (a hub repository is anyone's; issue 41): the snapshot's
+files are listed with their sizes from the hub's metadata first, and only the top-level files an upload
+may hold are fetched, by exact name at the listed commit, each tokenizer file within its kind's cap
+(app.core.services.tokenizer_files), each JSON within JSON_MAX_BYTES, all of them within
+HUB_MAX_MODEL_BYTES (`snapshot_files`); the same rule is applied to the snapshot on disk before it is
+loaded (an offline cache included). A GGUF's header and tensor table are read from its first
+GGUF_MAX_METADATA_BYTES (a ranged request) and checked before the file is downloaded
+(`gguf_head_config`), then checked again on the downloaded file.
 """
 
 from __future__ import annotations
@@ -24,10 +33,11 @@ from app.core.services.sources import (
     read_gguf_config,
     resolve_model,
 )
+from app.core.services.tokenizer_files import size_problem
+from app.core.services.upload_files import model_file_problem
 from app.core.settings import Settings
-from models.io.gguf_header import GGUFError, GGUFLimits
-
-SNAPSHOT_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]  # never pickles
+from models.io.gguf_header import GGUFError, GGUFLimits, read_header
+from models.io.gguf_tensors import checked_config
 
 
 def allowed(name: str, allow: str) -> bool:
@@ -73,22 +83,114 @@ def bounded_gguf_config(path: Path, limits: GGUFLimits) -> dict[str, Any]:
         raise ModelRefused("model.id", f"GGUF file {path.name!r}: cannot read its header: {exc}") from None
 
 
-def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], limits: GGUFLimits) -> ModelLocation:
-    """The hub model as a local snapshot directory, its config checked before any weight is fetched."""
+def snapshot_files(listing: list[tuple[str, int | None]], settings: Settings, *, repo: str) -> list[str]:
+    """The files of a hub snapshot listed as (path, size) that a job fetches: the top-level ones an upload
+    may hold (never a pickle, a .gguf or a subdirectory), each within its limit and all within
+    HUB_MAX_MODEL_BYTES; ModelRefused naming the file and the setting (module docstring)."""
+    chosen, total = [], 0
+    for name, size in listing:
+        if "/" in name or name.endswith(".gguf") or model_file_problem(name) is not None:
+            continue
+        if size is None:
+            raise ModelRefused("model.id", f"hub model {repo!r}: the hub states no size for {name!r}")
+        problem = size_problem(settings, name, size)
+        if problem is None and name.endswith(".json") and size > settings.json_max_bytes:
+            problem = f"is {size} bytes; a JSON file is at most {settings.json_max_bytes} (DTP_LAYOUT_JSON_MAX_BYTES)"
+        if problem:
+            raise ModelRefused("model.id", f"hub model {repo!r}: {name!r} {problem}")
+        chosen.append(name)
+        total += size
+    if total > settings.hub_max_model_bytes:
+        raise ModelRefused("model.id", f"hub model {repo!r}: its files are {total} bytes; a hub model is at most "
+                                       f"{settings.hub_max_model_bytes} bytes (DTP_LAYOUT_HUB_MAX_MODEL_BYTES)")
+    return chosen
+
+
+def _check_size(size: int, settings: Settings, name: str) -> None:
+    if size > settings.hub_max_model_bytes:
+        raise ModelRefused("model.id", f"GGUF file {name!r} is {size} bytes; a hub model is at most "
+                                       f"{settings.hub_max_model_bytes} bytes (DTP_LAYOUT_HUB_MAX_MODEL_BYTES)")
+
+
+def gguf_head_config(head: bytes, size: int, settings: Settings, *, name: str) -> dict[str, Any]:
+    """A hub GGUF's config from `head`, the first bytes of its `size`, once the file is within
+    HUB_MAX_MODEL_BYTES and its header and tensor table pass (models.io.gguf_tensors); ModelRefused."""
+    _check_size(size, settings, name)
+    try:
+        return checked_config(read_header(head, file_size=size, limits=settings.gguf_limits()), file_size=size)
+    except GGUFError as exc:
+        raise ModelRefused("model.id", f"GGUF file {name!r}: cannot read its header: {exc}") from None
+
+
+def _hub_listing(repo: str, revision: str | None) -> tuple[str, dict[str, int | None]] | None:
+    """(the commit `revision` names, each file's size) from the hub's metadata, nothing downloaded; None
+    when the hub cannot be asked (offline, unreachable): then only the local cache is read."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise
+    except Exception:  # the network: the cache may hold it (as hf_hub_download falls back to it)
+        return None
+    return str(info.sha), {s.rfilename: s.size for s in info.siblings or []}
+
+
+def _hub_head(repo: str, name: str, commit: str, length: int) -> bytes:
+    """At most the first `length` bytes of a hub file (a ranged request; a server that sends the whole
+    file is read no further than `length`)."""
+    from huggingface_hub import get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = {**build_hf_headers(), "Range": f"bytes=0-{length - 1}"}
+    out = bytearray()
+    with get_session().stream("GET", hf_hub_url(repo, name, revision=commit), headers=headers,
+                              follow_redirects=True) as response:
+        response.raise_for_status()
+        for chunk in response.iter_bytes():
+            out += chunk[:length - len(out)]
+            if len(out) >= length:
+                break
+    return bytes(out)
+
+
+def local_listing(directory: Path) -> list[tuple[str, int | None]]:
+    """(name, size) of a snapshot directory's top-level files, as `snapshot_files` takes them."""
+    return [(p.name, p.stat().st_size) for p in sorted(directory.iterdir()) if p.is_file()]
+
+
+def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], settings: Settings) -> ModelLocation:
+    """The hub model as a local snapshot directory, its config checked before any weight is fetched and
+    what is fetched held to the limits (module docstring). Without the hub's listing (offline), only
+    the cache is read."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
-
-    repo, revision = str(location.hub_id), location.revision
+    repo = str(location.hub_id)
+    listing = _hub_listing(repo, location.revision)
+    commit, sizes = listing if listing is not None else (location.revision, {})
+    local_only = listing is None
     if location.gguf_file:
-        path = Path(hf_hub_download(repo, location.gguf_file, revision=revision))
-        check(bounded_gguf_config(path, limits))
+        if listing is not None:
+            size = sizes.get(location.gguf_file)
+            if size is None:
+                raise ModelRefused("model.gguf_file", f"hub model {repo!r} has no file {location.gguf_file!r}")
+            head = _hub_head(repo, location.gguf_file, str(commit), min(size, settings.gguf_max_metadata_bytes))
+            check(gguf_head_config(head, size, settings, name=location.gguf_file))
+        path = Path(hf_hub_download(repo, location.gguf_file, revision=commit, local_files_only=local_only))
+        _check_size(path.stat().st_size, settings, path.name)
+        check(bounded_gguf_config(path, settings.gguf_limits()))
         return ModelLocation(path=path.parent.absolute(), gguf_file=location.gguf_file)
-    config_path = Path(hf_hub_download(repo, "config.json", revision=revision))
+    files = snapshot_files(list(sizes.items()), settings, repo=repo) if listing is not None else None
+    config_path = Path(hf_hub_download(repo, "config.json", revision=commit, local_files_only=local_only))
     if config_path.stat().st_size > MAX_CONFIG_BYTES:
         raise ModelRefused("model.id", f"hub model {repo!r}: config.json is larger than {MAX_CONFIG_BYTES} bytes")
     config = json.loads(config_path.read_text())
     check(config if isinstance(config, dict) else {})
-    snapshot = Path(snapshot_download(repo, revision=revision, allow_patterns=SNAPSHOT_FILES))
+    snapshot = Path(snapshot_download(repo, revision=commit, allow_patterns=files, local_files_only=local_only))
+    snapshot_files(local_listing(snapshot), settings, repo=repo)  # what is on disk, an offline cache's too
     return ModelLocation(path=snapshot.absolute())
 
 
@@ -114,7 +216,7 @@ def prepare_model(*, settings: Settings, spec: JobSpec) -> ModelLocation:
     if problem := model_problem(settings, location.hub_id):
         raise SourceError("model.id", problem)
     try:
-        return _fetch(location, check, settings.gguf_limits())
+        return _fetch(location, check, settings)
     except ModelRefused:
         raise
     except Exception as exc:  # network, missing repo or file, offline cache miss: the job fails naming the id

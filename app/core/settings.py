@@ -118,6 +118,21 @@ class Settings(BaseSettings):
                                   description="metadata entries of a GGUF file; more is 422")
     gguf_max_tensors: int = Field(default=GGUFLimits.max_tensors, ge=1,
                                   description="tensors a GGUF file may declare; more is 422")
+    gguf_max_metadata_items: int = Field(default=GGUFLimits.max_metadata_items, ge=1,
+                                         description="elements of all a GGUF file's metadata arrays together "
+                                                     "(the worker's loader makes an object of each: ~40 µs and "
+                                                     "~1.6 KiB); more is 422 before they are read")
+    tokenizer_vocab_max_bytes: int = Field(default=8 << 20, ge=1 << 10,
+                                           description="a model's vocab.json, merges.txt, vocab.txt or "
+                                                       "added_tokens.json may be this long (a slow tokenizer holds "
+                                                       "~28× it in the worker); longer is 422 before it is read")
+    tokenizer_model_max_bytes: int = Field(default=8 << 20, ge=1 << 10,
+                                           description="a model's tokenizer.model (sentencepiece) may be this "
+                                                       "long; longer is 422 before it is read")
+    tokenizer_config_max_bytes: int = Field(default=4 << 20, ge=1 << 10,
+                                            description="a model's tokenizer_config.json, special_tokens_map.json, "
+                                                        "chat_template.json or chat_template.jinja may be this "
+                                                        "long; longer is 422 before it is read")
     safetensors_max_header_bytes: int = Field(default=16 << 20, ge=1 << 10, description="a .safetensors file's "
                                                                                         "JSON header may be this "
                                                                                         "long; longer is 422 "
@@ -158,6 +173,10 @@ class Settings(BaseSettings):
                                                           "tokens a job tokenises")
     hub_models: str = Field(default="*", description="hub models a job may name: * (any), empty (none: hub ids are "
                                                      "422) or comma-separated owners and owner/name ids")
+    hub_max_model_bytes: int = Field(default=48 << 30, ge=1 << 20,
+                                     description="what a job fetches of one hub model (its safetensors, JSON and "
+                                                 "tokenizer files, or its GGUF file), from the sizes the hub "
+                                                 "lists before any download; more is a failed job naming it")
     hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
                                                        "(none) or comma-separated owners and names")
     corpora: str = Field(default="auto", description="corpus:NAME sources a job may name: auto (those this API "
@@ -330,7 +349,8 @@ class Settings(BaseSettings):
 
     def gguf_limits(self) -> GGUFLimits:
         return GGUFLimits(max_metadata_bytes=self.gguf_max_metadata_bytes, max_array_items=self.gguf_max_array_items,
-                          max_entries=self.gguf_max_entries, max_tensors=self.gguf_max_tensors)
+                          max_entries=self.gguf_max_entries, max_tensors=self.gguf_max_tensors,
+                          max_metadata_items=self.gguf_max_metadata_items)
 
     def tokenizer_limits(self) -> TokenizerLimits:
         return TokenizerLimits(memory_bytes=self.tokenizer_memory_bytes, cpu_s=self.tokenizer_cpu_s,

@@ -11,7 +11,10 @@ metadata count (u64); each metadata entry a string key, a value type (u32) and t
 tensor's name, dimension count (u32), dimensions (u64 each), type (u32) and data offset (u64). Strings are
 a u64 length and that many bytes. Arrays are an element type (u32), a count (u64) and the elements: an
 array of fixed-size elements is skipped in one step (its size is count × element size); only arrays
-of strings are walked, at most `max_array_items` of them. Integers are little-endian, or big-endian
+of strings are walked, at most `max_array_items` of them, and all arrays together hold at most
+`max_metadata_items` elements (transformers' GGUF loader makes a Python object of every element: ~40 µs
+and ~1.6 KiB each, measured in docs/security.md). Each tensor's entry is kept (name, dimensions, type,
+offset) for models.io.gguf_tensors to check against the config. Integers are little-endian, or big-endian
 when the version reads byte-swapped (as gguf-py detects it).
 """
 
@@ -55,6 +58,19 @@ class GGUFLimits:
     max_array_items: int = 1 << 21  # elements of one array (a vocabulary of 262,144 tokens is 2^18)
     max_entries: int = 1 << 12  # metadata entries (real files: a few dozen)
     max_tensors: int = 1 << 16  # tensors (real files: hundreds to a few thousand)
+    # elements of all arrays together (Gemma 3: 3 × 262,144; Llama 3: 3 × 128,256 + 280,147 merges)
+    max_metadata_items: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One entry of the tensor table: its dimensions in ggml's order (the fastest-varying first, the
+    reverse of torch's shape), its ggml type id, and its data's offset from the start of the data section."""
+
+    name: str
+    dims: tuple[int, ...]
+    type: int
+    offset: int
 
 
 @dataclass
@@ -66,7 +82,16 @@ class GGUFHeader:
     tensor_count: int
     scalars: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tensors: list[GGUFTensor] = field(default_factory=list)
     header_bytes: int = 0
+
+    @property
+    def data_start(self) -> int:
+        """Where the tensor data starts: the header's end rounded up to `general.alignment` (default 32)."""
+        align = self.scalars.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or not 1 <= align <= 1 << 16 or align & (align - 1):
+            raise GGUFError(f"general.alignment is {align!r}; a power of two up to 65536 is read")
+        return -(-self.header_bytes // align) * align
 
     def config(self) -> dict[str, Any]:
         """The architecture fields under their config.json names (only those the file states); without
@@ -89,6 +114,7 @@ class _Cursor:
 
     def __init__(self, data: bytes | memoryview, *, file_size: int, limits: GGUFLimits, endian: str) -> None:
         self.data, self.pos, self.file_size, self.limits, self.endian = memoryview(data), 0, file_size, limits, endian
+        self.items_left = limits.max_metadata_items  # array elements all arrays may still hold
 
     def take(self, size: int, what: str) -> memoryview:
         if size > len(self.data) - self.pos:
@@ -129,6 +155,12 @@ def _array(cur: _Cursor, key: str) -> tuple[int, int]:
     if count > cur.limits.max_array_items:
         raise GGUFError(f"metadata array {key!r} declares {count} elements; this server reads at most "
                         f"{cur.limits.max_array_items} (DTP_LAYOUT_GGUF_MAX_ARRAY_ITEMS)")
+    if count > cur.items_left:
+        raise GGUFError(f"metadata array {key!r} declares {count} elements, past the "
+                        f"{cur.limits.max_metadata_items} all its metadata arrays together may hold "
+                        f"({cur.limits.max_metadata_items - cur.items_left} before it; "
+                        "DTP_LAYOUT_GGUF_MAX_METADATA_ITEMS)")
+    cur.items_left -= count
     if kind in _FIXED:
         cur.take(count * _FIXED[kind][1], f"array {key!r} ({count} elements)")
     elif kind == STRING:
@@ -197,7 +229,9 @@ def read_header(data: bytes | memoryview, *, file_size: int | None = None,
         name = cur.string(f"the name of tensor {i}")
         dims = cur.number("I", f"the dimension count of tensor {name!r}")
         if not 1 <= dims <= MAX_DIMS:
-            raise GGUFError(f"tensor {name!r} declares {dims} dimensions (1 to {MAX_DIMS} are read)")
-        cur.take(8 * dims + 4 + 8, f"the shape, type and offset of tensor {name!r}")
+            raise GGUFError(f"tensor {name[:100]!r} declares {dims} dimensions (1 to {MAX_DIMS} are read)")
+        raw = cur.take(8 * dims + 4 + 8, f"the shape, type and offset of tensor {name[:100]!r}")
+        *shape, kind, offset = struct.unpack(f"{cur.endian}{dims}QIQ", raw)
+        header.tensors.append(GGUFTensor(name=name, dims=tuple(shape), type=kind, offset=offset))
     header.header_bytes = cur.pos
     return header

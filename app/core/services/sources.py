@@ -25,6 +25,7 @@ from models.io.assets import CORPORA as ASSET_CORPORA
 from models.io.assets import available_corpora
 from models.io.bounded_json import load_object
 from models.io.gguf_header import GGUFError, GGUFLimits, read_header
+from models.io.gguf_tensors import checked_config
 from models.io.ids import GGUF_FILE, HUB_ID, REVISION, hf_dataset_refusal
 from models.schedules.grammar import ScheduleSpec, schedule_spec
 
@@ -202,8 +203,8 @@ def gguf_config(path: Path, *, scope: str | None = None) -> dict[str, Any] | Non
 
 def read_gguf_config(path: Path, *, limits: GGUFLimits | None = None) -> dict[str, Any]:
     """The architecture fields of a GGUF file's header, read with bounds (models.io.gguf_header: no count
-    or length is looped over before it is checked against the file's size and `limits`). Raises
-    GGUFError (a ValueError) saying what is wrong."""
+    or length is looped over before it is checked against the file's size and `limits`), once its tensor
+    table agrees with them (models.io.gguf_tensors). Raises GGUFError (a ValueError) saying what is wrong."""
     limits = limits or GGUFLimits()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -211,7 +212,8 @@ def read_gguf_config(path: Path, *, limits: GGUFLimits | None = None) -> dict[st
             raise GGUFError("the file is empty")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
             try:
-                return read_header(view, file_size=size, limits=limits).config()  # pages read: the header's only
+                # pages read: the header's only; its tensor table checked against its config
+                return checked_config(read_header(view, file_size=size, limits=limits), file_size=size)
             except GGUFError as exc:
                 problem = str(exc)  # only the text: the traceback's frames hold views that keep the mapping open
     raise GGUFError(problem)

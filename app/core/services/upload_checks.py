@@ -10,9 +10,12 @@ A model upload: config.json (1 MiB, JSON_MAX_DEPTH, finite numbers) under the se
 family; each .safetensors header (SAFETENSORS_MAX_HEADER_BYTES, refused before it is read; a JSON
 object of tensors whose byte ranges lie inside the file); every other JSON file (JSON_MAX_BYTES,
 depth, finite numbers); tokenizer.json loaded by the `tokenizers` library, where the server has it,
-and run over probe text that trips runaway regexes; or a .gguf file's header (models.io.gguf_header, the
-GGUF_* limits). A data upload: a .npy's header (integers, 1-D or 2-D, never objects). Text is not
-read here: the worker reads only the tokens a job needs.
+and run over probe text that trips runaway regexes; every other tokenizer file within its kind's cap
+(app.core.services.tokenizer_files: the worker's slow tokenizers hold ~28× it); or a .gguf file's
+header (models.io.gguf_header, the GGUF_* limits) and its tensor table against its config
+(models.io.gguf_tensors: no tensor the loader would dequantise and drop). A data upload: a .npy's
+header (integers, 1-D or 2-D, never objects). Text is not read here: the worker reads only the tokens
+a job needs.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from typing import Any
 from app.core.errors import SpecError, StoreUnreachable
 from app.core.services.model_limits import upload_config_problems
 from app.core.services.sources import MAX_CONFIG_BYTES
+from app.core.services.tokenizer_files import TEXT_FILES, side_file_cap, size_problem, text_problem
 from app.core.settings import Settings
 from app.core.storage.root import Storage, StoreUnavailable
 from app.core.storage.uploads import UploadStore
 from models.io.bounded_json import JsonRefused, load_bounded, load_object
 from models.io.gguf_header import GGUFError, read_header
+from models.io.gguf_tensors import check_tensor_table
 from models.io.sandbox import ChildFailed, run_limited
 
 # JSON files a model upload may hold that are configs (small) rather than vocabularies.
@@ -102,6 +107,19 @@ def check_tokenizer(raw: bytes, name: str) -> None:
     tokenizer.encode(PROBE_TEXT)
 
 
+def check_side_file(store: UploadStore, prefix: str, name: str, settings: Settings) -> None:
+    """A tokenizer side file within its kind's cap, refused before it is read; a text one UTF-8
+    (app.core.services.tokenizer_files)."""
+    cap = side_file_cap(settings, name)
+    if cap is None:
+        return
+    info = store.objects.head(store.file_key(prefix, name))
+    if problem := size_problem(settings, name, info.size if info is not None else 0):
+        raise _problem(name, problem)
+    if name in TEXT_FILES and (problem := text_problem(_read(store, prefix, name, cap[0]))):
+        raise _problem(name, problem)
+
+
 def check_model(store: UploadStore, prefix: str, names: list[str], settings: Settings,
                 report: Report) -> dict[str, Any]:
     config: Any = None
@@ -112,9 +130,12 @@ def check_model(store: UploadStore, prefix: str, names: list[str], settings: Set
     if names[0].endswith(".gguf"):
         return gguf_config(store, prefix, names[0], settings, report)
     for name in names:
+        check_side_file(store, prefix, name, settings)
+    for name in names:
         if name.endswith(".json"):
             report(name)
-            limit = MAX_CONFIG_BYTES if name in CONFIG_FILES else settings.json_max_bytes
+            cap = side_file_cap(settings, name)
+            limit = MAX_CONFIG_BYTES if name in CONFIG_FILES else cap[0] if cap else settings.json_max_bytes
             value = _json(store, prefix, name, max_bytes=limit, depth=settings.json_max_depth)
             if name == "tokenizer.json":
                 check_tokenizer(_read(store, prefix, name, limit), name)
@@ -127,16 +148,21 @@ def check_model(store: UploadStore, prefix: str, names: list[str], settings: Set
 
 
 def gguf_config(store: UploadStore, prefix: str, name: str, settings: Settings, report: Report) -> dict[str, Any]:
-    """The architecture fields of the GGUF header: no more of the file read than its header."""
+    """The architecture fields of the GGUF header, once its tensor table agrees with them (names, shapes,
+    types and byte ranges: models.io.gguf_tensors): no more of the file read than its header."""
     report(name)
     limits = settings.gguf_limits()
     info = store.objects.head(store.file_key(prefix, name))
     size = info.size if info is not None else 0
     try:
-        return read_header(_read(store, prefix, name, limits.max_metadata_bytes), file_size=size,
-                           limits=limits).config()
+        header = read_header(_read(store, prefix, name, limits.max_metadata_bytes), file_size=size, limits=limits)
+        config = header.config()
+        if problems := upload_config_problems(config, settings=settings):  # said before the tensors' names
+            raise SpecError([("files", f"the model's config is refused: {message}") for _field, message in problems])
+        check_tensor_table(header, config, file_size=size)
     except GGUFError as exc:
         raise _problem(name, f"cannot read its GGUF header: {exc}") from None
+    return config
 
 
 def check_npy(head: bytes, name: str) -> None:
