@@ -54,7 +54,7 @@ def seed(var: Path, objects: Any, blob: Path, digest: str) -> str:
     url = f"sqlite:///{var / 'dtp-layout.db'}"
     upgrade(url)
     job = Job(spec={"model": {"id": "bench"}}, fingerprint="b" * 64, model_id="bench", revision=None, devices=2,
-              delta=1, score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, owner=None,
+              schedule="dtp:1", score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, owner=None,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(), summary={})
     with database(url).transaction() as session:
         session.add(job)

@@ -3,6 +3,7 @@ token ids under DATA_ROOT, real Celery worker subprocesses, and polling a job.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -92,8 +93,10 @@ def job_history(settings: Settings, job_id: str) -> list[dict[str, Any]]:
         return [event.as_dict() for event in job_events(session, job_id)]
 
 
-def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None) -> tuple[str, bytes]:
-    """A succeeded job written straight to the database (no worker), owned by `owner`, with the layouts
+def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = None,
+                      schedule: str = "dtp:1") -> tuple[str, bytes]:
+    """A succeeded job written straight to the database (no worker), owned by `owner`, run under `schedule`
+    (canonical; dtp:1 is the spec's default, another one its `schedule` with δ 1), with the layouts
     optimised (J 3.5) and contiguous (2.4) and the artifacts report.json and shards/blob.bin (5000
     random bytes, returned with the job id)."""
     import hashlib
@@ -103,8 +106,9 @@ def seed_finished_job(settings: Settings, *, model_id: str, owner: str | None = 
 
     db = database(settings.database_url)
     storage = Storage.from_settings(settings)  # the storage root, or the S3 store DTP_LAYOUT_STORAGE_URL names
-    job = Job(spec=spec(), fingerprint="f" * 64, model_id=model_id, revision=None, devices=2, delta=1,
-              score="fo", status="succeeded", progress=1.0, stages_done=[], timings={}, owner=owner,
+    job = Job(spec=spec(**({} if schedule == "dtp:1" else {"schedule": schedule})), fingerprint="f" * 64,
+              model_id=model_id, revision=None, devices=2, schedule=schedule, score="fo", status="succeeded",
+              progress=1.0, stages_done=[], timings={}, owner=owner,
               cancel_requested=False, affinity_cached=False, attempts=1, finished_at=utcnow(),
               summary={"tokens": 256, "random_expectation": 2.5, "upper_bound": 4.0,
                        "layouts": {"optimised": 3.5, "contiguous": 2.4}})
@@ -151,7 +155,8 @@ def seed_job(settings: Settings, *, status: str, model_id: str = TINY_MODEL, own
                    "error": "ModelLoadError: the checkpoint could not be read (seeded)"},
         "cancelled": {"finished_at": now, "error": "cancelled before it started", "cancel_requested": True},
     }[status]
-    job = Job(spec=spec(), fingerprint="e" * 64, model_id=model_id, revision=None, devices=2, delta=1, score="fo",
+    job = Job(spec=spec(), fingerprint="e" * 64, model_id=model_id, revision=None, devices=2, schedule="dtp:1",
+              score="fo",
               status=status, owner=owner, enqueued_at=now, **fields)
     with database(settings.database_url).transaction() as session:
         session.add(job)
@@ -203,18 +208,23 @@ def spec(**overrides: Any) -> dict[str, Any]:
 
 
 def stop_process(proc: subprocess.Popen[Any] | None, sig: int, *, grace: float, group: bool) -> None:
-    """Send `sig`; after `grace` seconds SIGKILL the process (or its whole process group)."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        if group:
+    """Send `sig`; after `grace` seconds SIGKILL the process (or its whole process group). `group` (a
+    process started with start_new_session=True, leading its own group): whatever of the group is left
+    once the process has ended is killed too — a child it started and did not stop (a Celery worker of
+    `dtp-layout worker --gpus`, a check's forked child) would otherwise run on with parent PID 1."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait(timeout=10)
+    if proc is not None and group:
+        with contextlib.suppress(ProcessLookupError):  # none left: the usual case
             os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-        proc.wait(timeout=10)
 
 
 class WorkerProcess:
@@ -259,8 +269,10 @@ class WorkerProcess:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGTERM, grace=15, group=False)
+    def stop(self, grace: float = 15) -> None:
+        """SIGTERM (Celery's warm shutdown), SIGKILL after `grace` s; then whatever is left of its process
+        group (issue 41: `dtp-layout worker --gpus` killed after the grace left its Celery child orphaned)."""
+        stop_process(self.proc, signal.SIGTERM, grace=grace, group=True)
 
 
 def wait_for(client: Any, job_id: str, statuses: tuple[str, ...] = ("succeeded", "failed", "cancelled"),

@@ -281,10 +281,12 @@ class LayoutClient:
         return usage
 
     def jobs(self, *, status: str | None = None, model: str | None = None, devices: int | None = None,
-             delta: int | None = None, owner: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        """Newest first, following `next` until `limit` jobs."""
+             delta: int | None = None, schedule: str | None = None, owner: str | None = None,
+             limit: int = 50) -> list[dict[str, Any]]:
+        """Newest first, following `next` until `limit` jobs; `schedule` in any form the grammar takes (the
+        service compares it canonical; `delta` is short for dtp:δ)."""
         params = {k: v for k, v in {"status": status, "model": model, "devices": devices, "delta": delta,
-                                    "owner": owner}.items() if v is not None}
+                                    "schedule": schedule, "owner": owner}.items() if v is not None}
         out: list[dict[str, Any]] = []
         offset = 0
         while len(out) < limit:
@@ -309,9 +311,11 @@ class LayoutClient:
         return items
 
     def scores(self, *, model: str | None = None, devices: int | None = None, delta: int | None = None,
-               score: str | None = None, revision: str | None = None) -> dict[str, Any]:
-        params = {k: v for k, v in {"model": model, "devices": devices, "delta": delta, "score": score,
-                                    "revision": revision}.items() if v is not None}
+               schedule: str | None = None, score: str | None = None,
+               revision: str | None = None) -> dict[str, Any]:
+        """The latest succeeded job's scores matching the filters (`schedule`: that schedule's latest job)."""
+        params = {k: v for k, v in {"model": model, "devices": devices, "delta": delta, "schedule": schedule,
+                                    "score": score, "revision": revision}.items() if v is not None}
         scores: dict[str, Any] = self._json("GET", "/v1/scores", params=params)
         return scores
 

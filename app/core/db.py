@@ -34,6 +34,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 from sqlalchemy.sql.expression import FunctionElement
 
 from app.core.jobstate import FINISHED, STAGES, STATUSES  # noqa: F401  (importable from here as before)
+from models.schedules.grammar import MAX_SCHEDULE_CHARS, ScheduleError, parse_schedule
 
 JSONType = JSON().with_variant(JSONB(), "postgresql")
 # A JSON column whose Python None is SQL NULL (not the JSON `null`), so that `IS NULL` finds it.
@@ -94,7 +95,9 @@ class Job(Base):
     model_id: Mapped[str] = mapped_column(String(300), index=True)
     revision: Mapped[str | None] = mapped_column(String(128))
     devices: Mapped[int] = mapped_column(Integer)
-    delta: Mapped[int] = mapped_column(Integer)
+    # The schedule the job runs, canonical (`dtp:1`, `pt:2`; migration 0008): what the filters compare.
+    # δ is no column: `delta` reads it from the schedule (or, for a schedule without δ, from the spec).
+    schedule: Mapped[str] = mapped_column(String(MAX_SCHEDULE_CHARS))
     score: Mapped[str] = mapped_column(String(8))
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     stage: Mapped[str | None] = mapped_column(String(16))
@@ -125,6 +128,19 @@ class Job(Base):
                                                     passive_deletes=True)
     artifacts: Mapped[list[Artifact]] = relationship(back_populates="job", cascade="all, delete-orphan",
                                                      passive_deletes=True)
+
+    @property
+    def delta(self) -> int:
+        """The δ of the job's layouts: a dtp schedule's δ; for the other schedules (which have none) the
+        spec's `delta`, the δ the layouts were built for (1 where an old spec holds none readable)."""
+        try:
+            parsed = parse_schedule(self.schedule)
+        except ScheduleError:
+            parsed = None
+        if parsed is not None and parsed.kind == "dtp":
+            return parsed.delta
+        delta = (self.spec or {}).get("delta") if isinstance(self.spec, dict) else None
+        return delta if isinstance(delta, int) and not isinstance(delta, bool) else 1
 
 
 class JobEvent(Base):

@@ -37,7 +37,16 @@ from app.core.schemas.jobs import (
     MetricName,
     Status,
 )
-from app.core.schemas.reads import JobList, JobOut, LayoutFilter, MetricsOut, ModelFilter, OwnerFilter
+from app.core.schemas.reads import (
+    DeltaFilter,
+    JobList,
+    JobOut,
+    LayoutFilter,
+    MetricsOut,
+    ModelFilter,
+    OwnerFilter,
+    ScheduleFilter,
+)
 from app.core.services import jobs as services
 from app.core.services.uploads import resolve_ref
 
@@ -109,13 +118,14 @@ async def list_jobs(request: Request, db: DbDep, caller: CallerDep, base: BaseUr
               model: ModelFilter = None,
               status: Annotated[Status | None, Query()] = None,
               devices: Annotated[int | None, Query(ge=1, le=1024, description="L")] = None,
-              delta: Annotated[int | None, Query(ge=0, le=1024, description="δ")] = None,
+              delta: DeltaFilter = None, schedule: ScheduleFilter = None,
               owner: OwnerFilter = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               offset: Annotated[int, Query(ge=0, le=INT32_MAX)] = 0) -> dict[str, Any]:
     def read(session: Session) -> tuple[list[dict[str, Any]], int]:
         rows, total = services.list_jobs(session=session, caller=caller, model=model, status=status, devices=devices,
-                                         delta=delta, owner=owner, limit=limit, offset=offset)
+                                         delta=delta, schedule=schedule, owner=owner, limit=limit,
+                                         offset=offset)
         history = events.events_by_job(session, [r.id for r in rows])
         return [job_out(request, session, r, base, history[r.id]) for r in rows], total
 

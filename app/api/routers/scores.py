@@ -8,7 +8,14 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import CallerDep, DbDep
 from app.api.errors import responses
-from app.core.schemas.reads import ModelFilter, OwnerFilter, RevisionFilter, ScoresOut
+from app.core.schemas.reads import (
+    DeltaFilter,
+    ModelFilter,
+    OwnerFilter,
+    RevisionFilter,
+    ScheduleFilter,
+    ScoresOut,
+)
 from app.core.services import jobs as services
 
 router = APIRouter(tags=["scores"])
@@ -20,8 +27,9 @@ router = APIRouter(tags=["scores"])
 async def scores(db: DbDep, caller: CallerDep,
            model: ModelFilter = None, revision: RevisionFilter = None,
            devices: Annotated[int | None, Query(ge=1, le=1024)] = None,
-           delta: Annotated[int | None, Query(ge=0, le=1024)] = None,
+           delta: DeltaFilter = None, schedule: ScheduleFilter = None,
            score: Annotated[str | None, Query(pattern="^(fo|add)$")] = None,
            owner: OwnerFilter = None) -> dict[str, Any]:
     return await db.run(lambda s: services.latest_scores(session=s, caller=caller, model=model, revision=revision,
-                                                         devices=devices, delta=delta, score=score, owner=owner))
+                                                         devices=devices, delta=delta, schedule=schedule,
+                                                         score=score, owner=owner))

@@ -31,11 +31,13 @@ from app.cli.client.output import (
     job_state,
     out,
     print_json,
+    schedule_of,
     status_text,
 )
 from app.cli.client.scores import cmd_scores
 from app.core.jobstate import STATUSES
 from models.affinity.names import SCORES
+from models.schedules.grammar import ACCEPTED
 
 # ---- submit ----------------------------------------------------------------------------------------
 
@@ -129,21 +131,24 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     return _answer(args, lambda client: client.jobs(status=args.status, model=args.model, devices=args.devices,
-                                                    delta=args.delta, owner=args.owner, limit=args.limit), _show_jobs)
+                                                    delta=args.delta, schedule=args.schedule, owner=args.owner,
+                                                    limit=args.limit), _show_jobs)
 
 
 def _show_jobs(jobs: list[dict[str, Any]]) -> None:
     if not jobs:
         err("no jobs")
         return
-    out(f"{'id':<33}{'status':<11}{'stage':<24}{'model':<28}{'L':>3}{'δ':>3}{'J opt':>9}  created")
+    out(f"{'id':<33}{'status':<11}{'stage':<24}{'model':<28}{'L':>3}  {'schedule':<12}{'J opt':>9}  created")
     for job in jobs:
         spec = job.get("spec") or {}
         state = job_state(job).split(" ", 1)[1] if job["status"] == "running" else ""
         opt = ((job.get("summary") or {}).get("layouts") or {}).get("optimised")
         model = str((spec.get("model") or {}).get("id"))
-        out(f"{job['id']:<33}{job['status']:<11}{state[:23]:<24}{model[:27]:<28}{spec.get('devices', ''):>3}"
-             f"{spec.get('delta', ''):>3}{'' if opt is None else f'{opt:.3f}':>9}  {job.get('created_at', '')[:19]}")
+        schedule = schedule_of(job)
+        schedule = schedule if len(schedule) <= 11 else schedule[:10] + "…"  # a long spd:B list
+        out(f"{job['id']:<33}{job['status']:<11}{state[:23]:<24}{model[:27]:<28}{spec.get('devices', ''):>3}  "
+             f"{schedule:<12}{'' if opt is None else f'{opt:.3f}':>9}  {job.get('created_at', '')[:19]}")
 
 
 # ---- download --------------------------------------------------------------------------------------
@@ -368,7 +373,8 @@ def register(sub: Any) -> None:
     p.add_argument("--status", choices=STATUSES)
     p.add_argument("--model")
     p.add_argument("--devices", type=int)
-    p.add_argument("--delta", type=int)
+    p.add_argument("--delta", type=int, help="short for --schedule dtp:δ")
+    p.add_argument("--schedule", metavar="S", help=f"only jobs of this schedule ({ACCEPTED})")
     p.add_argument("--owner")
     p.add_argument("--limit", type=int, default=20, help="at most this many (default: 20)")
     p.add_argument("--json", action="store_true")
@@ -399,7 +405,8 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="the latest succeeded job of this model (with the filters below)")
     p.add_argument("--job", help="this job's scores instead (what a pipeline that just submitted it wants)")
     p.add_argument("--devices", "-L", type=int)
-    p.add_argument("--delta", "-d", type=int)
+    p.add_argument("--delta", "-d", type=int, help="short for --schedule dtp:δ")
+    p.add_argument("--schedule", metavar="S", help=f"the latest succeeded job of this schedule ({ACCEPTED})")
     p.add_argument("--score", choices=SCORES)
     p.add_argument("--revision")
     p.add_argument("--layout", default="optimised", help="the layout gated (default: optimised)")

@@ -58,6 +58,22 @@ def job_state(job: dict[str, Any]) -> str:
     return str(status)
 
 
+def schedule_of(job: dict[str, Any]) -> str:
+    """The schedule a job runs, as the service names it (`schedule`, canonical); a service from before it
+    did is answered from the spec: its `schedule`, else dtp:δ of its `delta` (the spec's shorthand)."""
+    from models.schedules.grammar import dtp_spec
+
+    if isinstance(job.get("schedule"), str):
+        return str(job["schedule"])
+    spec = job.get("spec") or {}
+    if isinstance(spec.get("schedule"), str):
+        return str(spec["schedule"])
+    try:
+        return str(dtp_spec(int(spec.get("delta", 1))))
+    except (TypeError, ValueError):  # ScheduleError is a ValueError
+        return "?"
+
+
 def print_json(doc: Any) -> None:
     out(json.dumps(doc, indent=1, sort_keys=False))
 
@@ -70,7 +86,7 @@ def status_text(job: dict[str, Any]) -> str:
     model = spec.get("model") or {}
     lines = [f"job {job['id']}  {job_state(job)}",
              f"model {model.get('id')}" + (f" ({model['gguf_file']})" if model.get("gguf_file") else "")
-             + f"  L={spec.get('devices')} δ={spec.get('delta', 1)} score {spec.get('score', 'fo')}"
+             + f"  L={spec.get('devices')} schedule {schedule_of(job)} score {spec.get('score', 'fo')}"
              + (f"  owner {job['owner']}" if job.get("owner") else ""),
              f"submitted {job.get('created_at')}"
              + (f"  finished {job['finished_at']}" if job.get("finished_at") else "")]

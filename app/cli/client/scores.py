@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.cli.client.output import EXIT_FAILED, client_for, out, print_json
+from app.cli.client.output import EXIT_FAILED, client_for, out, print_json, schedule_of
 
 
 def gate(scores: dict[str, Any], *, layout: str, reference: str, min_ratio: float | None,
@@ -48,7 +48,8 @@ def job_scores(job: dict[str, Any]) -> dict[str, Any]:
     layouts = summary.get("layouts") or {}
     return {"job_id": job["id"], "model": (spec.get("model") or {}).get("id"),
             "revision": (spec.get("model") or {}).get("revision"), "devices": spec.get("devices"),
-            "delta": spec.get("delta", 1), "score": spec.get("score", "fo"), "finished_at": job.get("finished_at"),
+            "schedule": schedule_of(job), "delta": spec.get("delta", 1), "score": spec.get("score", "fo"),
+            "finished_at": job.get("finished_at"),
             "tokens": summary.get("tokens"), "random_expectation": summary.get("random_expectation"),
             "upper_bound": summary.get("upper_bound"),
             "layouts": dict(sorted(layouts.items(), key=lambda kv: -kv[1]))}
@@ -63,8 +64,8 @@ def cmd_scores(args: argparse.Namespace) -> int:
         if args.job is not None:
             scores = job_scores(client.job(args.job))
         else:
-            scores = client.scores(model=args.model, devices=args.devices, delta=args.delta, score=args.score,
-                                   revision=args.revision)
+            scores = client.scores(model=args.model, devices=args.devices, delta=args.delta,
+                                   schedule=args.schedule, score=args.score, revision=args.revision)
     verdict = gate(scores, layout=args.layout, reference=args.reference, min_ratio=args.min_ratio,
                    min_gain=args.min_gain)
     if args.json:
@@ -73,7 +74,7 @@ def cmd_scores(args: argparse.Namespace) -> int:
         js = scores["layouts"]
         ref = js.get(args.reference)
         bound = scores.get("upper_bound")
-        out(f"{scores['model']}  L={scores['devices']} δ={scores['delta']} score {scores['score']}  "
+        out(f"{scores['model']}  L={scores['devices']} schedule {schedule_of(scores)} score {scores['score']}  "
              f"job {scores['job_id']}  finished {str(scores.get('finished_at'))[:19]}"
              + (f"  ({scores['tokens']} calibration tokens)" if scores.get("tokens") else ""))
         out(f"{'layout':<16}{'J':>9}{'J/bound':>9}{'/ ' + args.reference:>16}")

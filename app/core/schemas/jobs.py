@@ -32,7 +32,7 @@ from models.run import jobspec
 from models.run.files import ARTIFACTS
 from models.run.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
 from models.run.rules import schedule_and_delta, shorthand
-from models.schedules.grammar import ScheduleError
+from models.schedules.grammar import ScheduleError, ScheduleSpec, dtp_spec, parse_schedule
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
 MetricName = Literal["kl", "ppl", "loss", "lr"]
@@ -361,9 +361,13 @@ class JobSpec(_Strict):
         spec, delta = schedule_and_delta(value, given if isinstance(given, int) else None)
         return shorthand(spec, delta)
 
+    def schedule_spec(self) -> ScheduleSpec:
+        """The schedule the job runs: `schedule`, else dtp:δ of `delta` (its shorthand)."""
+        return parse_schedule(self.schedule) if self.schedule is not None else dtp_spec(self.delta)
+
     def effective_schedule(self) -> str:
-        """The schedule the job runs: `schedule`, else dtp:δ of `delta`."""
-        return self.schedule or f"dtp:{self.delta}"
+        """The schedule the job runs, canonical (what the job's row records and the filters compare)."""
+        return str(self.schedule_spec())
 
     @field_validator("export", mode="before")
     @classmethod

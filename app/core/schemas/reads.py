@@ -8,8 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from app.core import safe_text
 from app.core.jobstate import Status
 from app.core.schemas.jobs import EXAMPLE_SPEC, _clean_or_none
+from models.schedules.grammar import ACCEPTED, MAX_SCHEDULE_CHARS, parse_schedule
 
 
 class Links(BaseModel):
@@ -34,7 +36,8 @@ class JobOut(BaseModel):
         "id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "status": "running", "stage": "affinity", "progress": 0.42,
         "eta_s": 12.5, "stages_done": ["loading", "calibration"], "affinity_cached": False, "cancel_requested": False,
         "attempts": 1,
-        "owner": None, "spec": EXAMPLE_SPEC, "fingerprint": "9c1e…", "error": None, "error_stage": None,
+        "owner": None, "spec": EXAMPLE_SPEC, "schedule": "dtp:1", "fingerprint": "9c1e…", "error": None,
+        "error_stage": None,
         "created_at": "2026-11-30T10:00:00Z", "started_at": "2026-11-30T10:00:01Z", "finished_at": None,
         "updated_at": "2026-11-30T10:00:09Z", "timings": {"loading": 3.1, "calibration": 0.4}, "summary": None,
         "device": {"device": "cuda:0", "name": "NVIDIA H200", "memory_total_gib": 139.81, "capability": "9.0",
@@ -62,6 +65,8 @@ class JobOut(BaseModel):
     attempts: int
     owner: str | None
     spec: dict[str, Any]
+    schedule: str = Field(description=f"the schedule the job runs, canonical: the spec's `schedule`, or dtp:δ of "
+                                      f"its `delta` (accepted: {ACCEPTED})")
     fingerprint: str
     error: str | None
     error_stage: str | None
@@ -134,7 +139,7 @@ class ArtifactList(BaseModel):
 class ScoresOut(BaseModel):
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "job_id": "3f6c1d0e9a8b4c7d8e9f0a1b2c3d4e5f", "model": "smollm2-135m", "revision": None, "devices": 3,
-        "delta": 1, "score": "fo", "finished_at": "2026-11-30T10:01:00Z", "tokens": 2048,
+        "schedule": "dtp:1", "delta": 1, "score": "fo", "finished_at": "2026-11-30T10:01:00Z", "tokens": 2048,
         "random_expectation": 19.667, "upper_bound": 31.775,
         "layouts": {"optimised": 30.242, "contiguous": 19.993, "random-1000": 19.651}}]})
 
@@ -142,7 +147,9 @@ class ScoresOut(BaseModel):
     model: str
     revision: str | None
     devices: int
-    delta: int
+    schedule: str = Field(description="the job's schedule, canonical (dtp:1, pt:2, …)")
+    delta: int = Field(description="the δ of the job's layouts: a dtp schedule's δ; for a schedule without one, the "
+                                   "spec's `delta`")
     score: str
     finished_at: datetime | None
     tokens: int | None
@@ -202,8 +209,27 @@ def _text_query(max_length: int, description: str) -> Any:
                                                     "NFC normalisation)")
 
 
+def _int_query(ge: int, le: int, description: str) -> Any:
+    from fastapi import Query
+
+    return Query(ge=ge, le=le, description=description)
+
+
 ModelFilter = Annotated[str | None, _text_query(300, "model id as submitted"), AfterValidator(_clean_or_none)]
 OwnerFilter = Annotated[str | None, _text_query(100, "owner (tenant); only an admin sees other tenants' jobs"),
                         AfterValidator(_clean_or_none)]
 RevisionFilter = Annotated[str | None, _text_query(128, "hub revision as submitted"), AfterValidator(_clean_or_none)]
 LayoutFilter = Annotated[str | None, _text_query(64, "only this layout"), AfterValidator(_clean_or_none)]
+
+
+def _canonical_schedule(value: str | None) -> str | None:
+    """A schedule filter in the canonical form the jobs' rows hold (`spd:3,1` → `spd:1,3`, `dtp:01` → `dtp:1`);
+    a ScheduleError (a ValueError: 422) names the bad part and the accepted forms."""
+    return None if value is None else str(parse_schedule(safe_text.clean(value)))
+
+
+ScheduleFilter = Annotated[str | None, _text_query(MAX_SCHEDULE_CHARS, f"only jobs of this schedule, compared in "
+                                                                      f"canonical form; accepted: {ACCEPTED}"),
+                           AfterValidator(_canonical_schedule)]
+DeltaFilter = Annotated[int | None, _int_query(0, 1024, "δ: short for schedule=dtp:δ (as in a job spec); with "
+                                                       "`schedule`, the two must agree")]

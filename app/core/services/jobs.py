@@ -36,6 +36,7 @@ from app.core.db import (
 )
 from app.core.errors import BrokerUnavailable, Conflict, NotFound, SpecError, redact_paths
 from app.core.jobstate import DISTILL_SUMMARY
+from app.core.safe_text import for_log
 from app.core.schemas.jobs import METRIC_NAMES, JobSpec
 from app.core.services import budgets, derived, usage
 from app.core.services.artifact_estimate import expected_artifact_bytes
@@ -54,7 +55,8 @@ from app.core.services.uploads import resolve_ref
 from app.core.settings import Settings
 from app.core.storage.root import DamagedFile, Storage
 from models.layouts.format import LAYOUT_FORMAT
-from models.run.rules import spec_refusals
+from models.run.rules import schedule_and_delta, spec_refusals
+from models.schedules.grammar import ScheduleError, dtp_spec
 
 log = logging.getLogger(__name__)
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -212,7 +214,8 @@ def submit_job(*, session: Session, settings: Settings, spec: JobSpec, caller: C
         usage.check_quota(session, settings=settings, tenant=caller.tenant, asked=reserved,
                           what=f"a job (its artifacts, expected {reserved} bytes)", field="quota")
         job = Job(id=new_id(), spec=spec.model_dump(mode="json"), fingerprint=fp, model_id=spec.model.id,
-                  reserved_bytes=reserved, revision=spec.model.revision, devices=spec.devices, delta=spec.delta,
+                  reserved_bytes=reserved, revision=spec.model.revision, devices=spec.devices,
+                  schedule=spec.effective_schedule(),
                   score=spec.score,
                   status="queued", owner=caller.tenant, progress=0.0, stages_done=[], timings={},
                   cancel_requested=False, affinity_cached=False, attempts=0)
@@ -261,12 +264,30 @@ def get_job(*, session: Session, job_id: str, caller: Caller, lock: bool = False
     return job
 
 
+def schedule_filter(schedule: str | None, delta: int | None) -> str | None:
+    """The canonical schedule the `schedule` and `delta` filters ask for (`schedule` already canonical):
+    `delta=δ` is the shorthand for `schedule=dtp:δ`, as in a job spec; given both, they must agree (422)."""
+    if delta is None:
+        return schedule
+    try:
+        parsed, _ = schedule_and_delta(schedule, delta)
+    except ScheduleError as exc:  # DeltaConflict: dtp:2 and delta=1
+        raise SpecError([("delta", str(exc))]) from exc
+    if parsed is None:
+        return str(dtp_spec(delta))
+    if parsed.kind != "dtp":
+        raise SpecError([("delta", f"delta={delta} asks for the dtp:{delta} jobs, but schedule={parsed} has no δ: "
+                                   f"give one of them")])
+    return str(parsed)
+
+
 def list_jobs(*, session: Session, caller: Caller, model: str | None = None, status: str | None = None,
-              devices: int | None = None, delta: int | None = None, owner: str | None = None, limit: int = 50,
-              offset: int = 0) -> tuple[list[Job], int]:
+              devices: int | None = None, delta: int | None = None, schedule: str | None = None,
+              owner: str | None = None, limit: int = 50, offset: int = 0) -> tuple[list[Job], int]:
+    """The caller's jobs matching the filters, newest first, and how many match (`schedule` canonical)."""
     query = visible(select(Job), caller)
     for column, value in ((Job.model_id, model), (Job.status, status), (Job.devices, devices),
-                          (Job.delta, delta), (Job.owner, owner)):
+                          (Job.schedule, schedule_filter(schedule, delta)), (Job.owner, owner)):
         if value is not None:
             query = query.where(column == value)
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
@@ -285,6 +306,13 @@ def public_roots(settings: Settings) -> dict[str, str]:
     return roots
 
 
+def printable_error(error: str | None) -> str | None:
+    """A job's error as data: text a tenant's file put there (a safetensors dtype, issue 41) may hold
+    terminal escapes and line breaks; every non-printable character is shown as an escape (`\\x1b`, `\\n`).
+    Errors are stored so by the worker; this covers rows stored before."""
+    return None if error is None else for_log(error)
+
+
 def job_view(job: Job, *, history: Sequence[JobEvent], base: str = "",
              roots: dict[str, str] | None = None) -> dict[str, Any]:
     """What GET /v1/jobs/{id} answers; `history`: the job's events, oldest first (`events.job_events`,
@@ -295,7 +323,8 @@ def job_view(job: Job, *, history: Sequence[JobEvent], base: str = "",
         "eta_s": None if job.eta_s is None else round(job.eta_s, 1), "stages_done": list(job.stages_done or []),
         "affinity_cached": bool(job.affinity_cached), "cancel_requested": bool(job.cancel_requested),
         "attempts": job.attempts, "owner": job.owner,
-        "spec": job.spec, "fingerprint": job.fingerprint, "error": redact_paths(job.error, roots or {}),
+        "spec": job.spec, "schedule": job.schedule, "fingerprint": job.fingerprint,
+        "error": printable_error(redact_paths(job.error, roots or {})),
         "error_stage": job.error_stage,
         "created_at": _aware(job.created_at), "started_at": _aware(job.started_at),
         "finished_at": _aware(job.finished_at), "updated_at": _aware(job.updated_at),
@@ -429,23 +458,24 @@ def job_metrics(*, session: Session, storage: Storage, job_id: str, caller: Call
 
 
 def latest_scores(*, session: Session, caller: Caller, model: str | None = None, revision: str | None = None,
-                  devices: int | None = None, delta: int | None = None, score: str | None = None,
-                  owner: str | None = None) -> dict[str, Any]:
+                  devices: int | None = None, delta: int | None = None, schedule: str | None = None,
+                  score: str | None = None, owner: str | None = None) -> dict[str, Any]:
     """J per layout of the caller's latest succeeded job matching the filters (an admin's: anyone's,
-    or `owner`'s)."""
+    or `owner`'s); `schedule` canonical, `delta` its dtp:δ shorthand (`schedule_filter`)."""
+    schedule = schedule_filter(schedule, delta)
     query = visible(select(Job).where(Job.status == "succeeded"), caller)
     for column, value in ((Job.model_id, model), (Job.revision, revision), (Job.devices, devices),
-                          (Job.delta, delta), (Job.score, score), (Job.owner, owner)):
+                          (Job.schedule, schedule), (Job.score, score), (Job.owner, owner)):
         if value is not None:
             query = query.where(column == value)
     job = session.scalars(query.order_by(Job.finished_at.desc(), Job.created_at.desc()).limit(1)).first()
     if job is None:
         raise NotFound(f"no finished job matches model={model} revision={revision} devices={devices} "
-                       f"delta={delta} score={score}" + (f" owner={owner}" if owner else ""), field="model")
+                       f"schedule={schedule} score={score}" + (f" owner={owner}" if owner else ""), field="model")
     rows = session.scalars(select(LayoutRow).where(LayoutRow.job_id == job.id)).all()
     summary = job.summary or {}
     return {"job_id": job.id, "model": job.model_id, "revision": job.revision, "devices": job.devices,
-            "delta": job.delta, "score": job.score, "finished_at": _aware(job.finished_at),
+            "schedule": job.schedule, "delta": job.delta, "score": job.score, "finished_at": _aware(job.finished_at),
             "tokens": summary.get("tokens"), "random_expectation": summary.get("random_expectation"),
             "upper_bound": summary.get("upper_bound"),
             "layouts": {r.name: r.J for r in sorted(rows, key=lambda r: -r.J)}}

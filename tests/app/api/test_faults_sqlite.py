@@ -42,7 +42,7 @@ def service(tmp_path):
     upgrade(settings.database_url)
     job_id, _ = seed_finished_job(settings, model_id="tiny")
     with database(settings.database_url).transaction() as session:  # a queued job: the cancel below writes it
-        queued = Job(spec=spec(), fingerprint="e" * 64, model_id="tiny", devices=2, delta=1, score="fo",
+        queued = Job(spec=spec(), fingerprint="e" * 64, model_id="tiny", devices=2, schedule="dtp:1", score="fo",
                      status="queued", progress=0.0, stages_done=[], timings={}, cancel_requested=False,
                      affinity_cached=False, attempts=0)
         session.add(queued)

@@ -217,7 +217,7 @@ def _seed_stats_jobs(settings) -> dict:
     db = database(settings.database_url)
     with db.transaction() as session:
         for status, attempts, requeues, timings, age in rows:
-            job = Job(spec=spec(), fingerprint="f" * 64, model_id="tiny", devices=2, delta=1, score="fo",
+            job = Job(spec=spec(), fingerprint="f" * 64, model_id="tiny", devices=2, schedule="dtp:1", score="fo",
                       status=status, owner="secret-tenant", progress=0.0, stages_done=list(timings),
                       timings=timings, cancel_requested=False, affinity_cached=False,
                       attempts=attempts, created_at=now - timedelta(seconds=age))

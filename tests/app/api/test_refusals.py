@@ -80,8 +80,8 @@ def _worker_error(settings, body: dict) -> str | None:
     valid = JobSpec.model_validate(body)  # a valid spec: what is refused is what it asks of the run
     with db.transaction() as session:
         job = Job(spec=valid.model_dump(mode="json"), fingerprint="r" * 64, model_id=valid.model.id, revision=None,
-                  devices=valid.devices, delta=valid.delta, score=valid.score, status="queued", owner=None,
-                  enqueued_at=utcnow())
+                  devices=valid.devices, schedule=valid.effective_schedule(), score=valid.score, status="queued",
+                  owner=None, enqueued_at=utcnow())
         session.add(job)
         session.flush()
         record(session, job.id, SUBMITTED)

@@ -174,8 +174,8 @@ def test_dashboard_end_to_end(keyed_service, playwright, tmp_path):
         assert re.fullmatch(r"\d+\.\d\d", row.query_selector("[data-col=j-opt]").inner_text())
         shot(page, tmp_path, "jobs")
         page.goto(f"{url}/ui/scores?model={TINY_MODEL}")
-        group = page.wait_for_selector("section[data-group='2|1|fo']")
-        page.wait_for_selector("section[data-group='2|1|fo'] figure circle.point")
+        group = page.wait_for_selector("section[data-group='2|dtp:1|fo']")
+        page.wait_for_selector("section[data-group='2|dtp:1|fo'] figure circle.point")
         # a point per layout and job, and this job in the table
         assert len(group.query_selector_all("figure circle.point")) >= len(LAYOUTS)
         listed = [r.query_selector("a").inner_text() for r in group.query_selector_all("table.scores tbody tr")]

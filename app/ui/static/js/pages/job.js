@@ -32,7 +32,7 @@ function header(job, {onCancel, onDelete}) {
   const cal = spec.calibration || {};
   const meta = [
     ["Model", [model.id, model.gguf_file ? ` (${model.gguf_file})` : "", model.revision ? ` @ ${model.revision}` : ""].join("")],
-    ["Devices L · delay δ", `${spec.devices} · ${spec.delta ?? 1}`],
+    ["Devices L · schedule", `${spec.devices} · ${job.schedule}`],
     ["Score", spec.score || "fo"],
     ["Distillation ranks W", spec.distill ? String(spec.distill.world_size ?? 1) : "— (no distillation)"],
     ["Calibration", `${cal.source} · ${cal.sequences ?? 64} × ${cal.seq_len ?? 1024} tokens`],

@@ -2,7 +2,7 @@
 
 import {api, specInfo} from "../api.js";
 import {ACTIVE, ago, duration, h, num, poller, progressBar, replace, shortId, stagesSeconds, statusBadge,
-  submittedToFinished} from "../dom.js";
+  printable, submittedToFinished} from "../dom.js";
 
 const PAGE = 25;
 
@@ -16,8 +16,9 @@ function stageCell(job) {
   }
   if (job.status === "queued") return h("span", {class: "muted"}, "waiting for a worker");
   if (job.status === "failed") {
-    return h("span", {class: "error-text", title: job.error || ""}, `${job.error_stage || job.stage || "?"}: `,
-      (job.error || "").split("\n")[0].slice(0, 80));
+    const error = printable(job.error || "");  // one line: a line break in it shown as \n
+    return h("span", {class: "error-text", title: error}, `${job.error_stage || job.stage || "?"}: `,
+      error.slice(0, 80));
   }
   if (job.status === "cancelled") return h("span", {class: "muted"}, job.stage ? `in ${job.stage}` : "before it started");
   // the job page's "submitted to finished" (dom.js submittedToFinished), not the stages' sum
@@ -49,10 +50,10 @@ function row(job) {
     h("td", {class: "hide-narrow"},
       statusBadge(job.status, job.cancel_requested && ACTIVE.has(job.status) ? "(cancelling)" : null)),
     h("td", {class: "model-cell", "data-col": "model", title: model}, model,
-      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · δ=${spec.delta ?? 1}`
+      h("div", {class: "sub show-narrow"}, `L=${spec.devices ?? "?"} · ${job.schedule}`
         + `${job.owner ? ` · ${job.owner}` : ""} · ${ago(job.created_at)}`)),
     h("td", {class: "num hide-narrow"}, spec.devices ?? "—"),
-    h("td", {class: "num hide-narrow"}, spec.delta ?? "—"),
+    h("td", {class: "mono hide-narrow schedule-cell", "data-col": "schedule", title: job.schedule}, job.schedule),
     h("td", {class: "stage-col", "data-col": "stage"}, stageCell(job)),
     ...scoreCells(job),
     h("td", {class: "hide-narrow"}, job.owner || h("span", {class: "muted"}, "—")),
@@ -72,16 +73,17 @@ function filterForm(params, apply) {
   const model = h("input", {name: "model", id: "filter-model", placeholder: "model id", value: params.get("model") || ""});
   const devices = h("input", {name: "devices", type: "number", min: 1, placeholder: "L", class: "narrow",
                               value: params.get("devices") || ""});
-  const delta = h("input", {name: "delta", type: "number", min: 0, placeholder: "δ", class: "narrow",
-                            value: params.get("delta") || ""});
+  // any form of the schedule grammar (the server compares it canonical; a bad one: its 422 names the forms)
+  const schedule = h("input", {name: "schedule", id: "filter-schedule", placeholder: "schedule, e.g. pt:2",
+                               class: "mono", value: params.get("schedule") || ""});
   const owner = h("input", {name: "owner", id: "filter-owner", placeholder: "owner", value: params.get("owner") || ""});
-  const form = h("form", {class: "filters", role: "search"}, status, model, devices, delta, owner,
+  const form = h("form", {class: "filters", role: "search"}, status, model, devices, schedule, owner,
     h("button", {type: "submit", class: "small"}, "Filter"),
     h("button", {type: "button", class: "small ghost", onclick: () => apply(new URLSearchParams())}, "Clear"));
   form.addEventListener("submit", (ev) => {
     ev.preventDefault();
     const next = new URLSearchParams();
-    for (const el of [status, model, devices, delta, owner]) if (el.value.trim()) next.set(el.name, el.value.trim());
+    for (const el of [status, model, devices, schedule, owner]) if (el.value.trim()) next.set(el.name, el.value.trim());
     apply(next);
   });
   status.addEventListener("change", () => form.requestSubmit());
@@ -110,7 +112,8 @@ export function renderJobs(container, {params, navigate}) {
           h("thead", {}, h("tr", {},
             h("th", {}, "Job"), h("th", {class: "hide-narrow"}, "Status"), h("th", {}, "Model"),
             h("th", {class: "num hide-narrow", title: "devices"}, "L"),
-            h("th", {class: "num hide-narrow", title: "delay in modules"}, "δ"), h("th", {}, "Stage"),
+            h("th", {class: "hide-narrow", title: "the communication schedule the job runs"}, "Schedule"),
+            h("th", {}, "Stage"),
             h("th", {class: "num", title: "J of the optimised layout"}, "J opt"),
             h("th", {class: "num hide-narrow", title: "J of the contiguous layout"}, "J contig"),
             h("th", {class: "num hide-narrow", title: "optimised / contiguous"}, "gain"),

@@ -1,5 +1,5 @@
-// Scores per model: J of every layout across the model's succeeded jobs, one chart per (L, δ, score),
-// and the CI gate command that reads the latest of them.
+// Scores per model: J of every layout across the model's succeeded jobs, one chart per (L, schedule, score),
+// and the CI gate command that reads the latest of them (of that schedule: a pt:2 job is no dtp:1 job).
 
 import {api} from "../api.js";
 import {layoutColor, layoutDash, layoutOrder, lineChart} from "../charts.js";
@@ -8,7 +8,7 @@ import {copyButton, h, num, replace, shortId, when} from "../dom.js";
 const LIMIT = 200;
 
 function groupCard(model, key, jobs) {
-  const [devices, delta, score] = key.split("|");
+  const [devices, schedule, score] = key.split("|");
   const chronological = [...jobs].sort((a, b) => new Date(a.finished_at) - new Date(b.finished_at));
   const names = layoutOrder(new Set(chronological.flatMap((j) => Object.keys(j.summary.layouts || {}))));
   const latest = chronological[chronological.length - 1];
@@ -20,9 +20,9 @@ function groupCard(model, key, jobs) {
   if (expectation) hlines.push({y: expectation, label: `random expectation ${num(expectation, 2)}`, color: "#333"});
   if (bound) hlines.push({y: bound, label: `upper bound ${num(bound, 2)}`, color: "#999", dash: "2 3"});
   const chartHost = h("div", {});
-  const gate = `dtp-layout client scores --model ${model} --devices ${devices} --delta ${delta} --min-ratio 1.2`;
+  const gate = `dtp-layout client scores --model ${model} --devices ${devices} --schedule ${schedule} --min-ratio 1.2`;
   const section = h("section", {class: "card", "data-group": key},
-    h("div", {class: "card-head"}, h("h2", {}, `L = ${devices}, δ = ${delta}, score ${score}`),
+    h("div", {class: "card-head"}, h("h2", {}, `L = ${devices}, schedule ${schedule}, score ${score}`),
       h("span", {class: "muted"}, `${jobs.length} job${jobs.length === 1 ? "" : "s"}`)),
     chartHost,
     h("div", {class: "table-wrap"}, h("table", {class: "scores"},
@@ -48,8 +48,8 @@ export function renderScores(container, {params, navigate}) {
   document.title = "Scores · dtp-layout";
   const modelSelect = h("select", {id: "scores-model", name: "model"});
   const devices = h("input", {name: "devices", type: "number", min: 1, placeholder: "L", class: "narrow", value: params.get("devices") || ""});
-  const delta = h("input", {name: "delta", type: "number", min: 0, placeholder: "δ", class: "narrow", value: params.get("delta") || ""});
-  const form = h("form", {class: "filters"}, h("label", {for: "scores-model"}, "Model"), modelSelect, devices, delta,
+  const schedule = h("input", {name: "schedule", placeholder: "schedule, e.g. pt:2", class: "mono", value: params.get("schedule") || ""});
+  const form = h("form", {class: "filters"}, h("label", {for: "scores-model"}, "Model"), modelSelect, devices, schedule,
     h("button", {type: "submit", class: "small"}, "Show"));
   const body = h("div", {id: "scores-body"});
   container.append(h("section", {class: "card"}, h("div", {class: "card-head"}, h("h1", {}, "Scores")),
@@ -60,7 +60,7 @@ export function renderScores(container, {params, navigate}) {
     const next = new URLSearchParams();
     if (modelSelect.value) next.set("model", modelSelect.value);
     if (devices.value) next.set("devices", devices.value);
-    if (delta.value) next.set("delta", delta.value);
+    if (schedule.value.trim()) next.set("schedule", schedule.value.trim());
     navigate(`scores?${next}`, {replace: true});
   };
   form.addEventListener("submit", (ev) => { ev.preventDefault(); go(); });
@@ -84,7 +84,7 @@ export function renderScores(container, {params, navigate}) {
     }
     let jobs;
     try {
-      jobs = await api("v1/jobs", {params: {status: "succeeded", model, devices: params.get("devices"), delta: params.get("delta"), limit: LIMIT}});
+      jobs = await api("v1/jobs", {params: {status: "succeeded", model, devices: params.get("devices"), schedule: params.get("schedule"), limit: LIMIT}});
     } catch (err) {
       replace(body, h("p", {class: "error-box", role: "alert"}, err.message));
       return;
@@ -92,7 +92,7 @@ export function renderScores(container, {params, navigate}) {
     const groups = new Map();
     for (const j of jobs.items) {
       if (!j.summary || !j.summary.layouts) continue;
-      const key = `${j.spec.devices}|${j.spec.delta ?? 1}|${j.spec.score || "fo"}`;
+      const key = `${j.spec.devices}|${j.schedule}|${j.spec.score || "fo"}`;
       if (!groups.has(key)) groups.set(key, []);
       groups.get(key).push(j);
     }
