@@ -5,8 +5,9 @@ trace of it in the production settings or code paths.
 - stage_delay_s: the worker sleeps this long at each stage's start and between micro-batches (a job
   slow on purpose, deterministically: kill, cancel and soak tests);
 - hang_stage: that stage hangs without progress: loading, calibration, optimising, exporting or
-  distilling (its data loading) in work a cancel can abandon (a stuck download), affinity where only
-  the hard time limit can (stuck in native code);
+  distilling (its data loading) in work that still reaches a safe point every 50 ms (a stuck download
+  between retries: a cancel stops it there, models.run.progress.check_stop), affinity where only the
+  hard time limit can (stuck in native code);
 - hang_store_upload: the worker's S3 uploads go multipart from 1 KiB on (boto3's managed transfer, as
   for a large shard) and every part hangs before it is sent (a botocore `before-send` hook): a worker
   killed then has begun a multipart upload it never completes;
@@ -58,6 +59,14 @@ class Faults:
 
 def _hang() -> None:
     threading.Event().wait()
+
+
+def _hang_between_safe_points() -> None:
+    from models.run.progress import check_stop
+
+    while True:
+        time.sleep(0.05)
+        check_stop()
 
 
 def _hang_store_uploads() -> Callable[[], None]:
@@ -123,7 +132,7 @@ def install(faults: Faults) -> Callable[[], None]:
 
     def abandonable(self: JobRun, fn: Callable[[], Any]) -> Any:
         if faults.hang_stage and faults.hang_stage == self.stage:
-            return originals["abandonable"](self, _hang)  # a download that never returns
+            return originals["abandonable"](self, _hang_between_safe_points)  # a download that never returns
         return originals["abandonable"](self, fn)
 
     for name, patched in (("enter", enter), ("should_stop", should_stop), ("abandonable", abandonable)):

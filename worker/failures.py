@@ -12,10 +12,11 @@ from collections.abc import Callable
 from app.core import events
 from app.core.db import Database, db_now, utcnow
 from app.core.lease import Lease, LeaseLost
+from app.core.safe_text import for_log
 from app.core.settings import Settings
 from app.core.storage.root import Storage, tenant_scope
 from worker.device import out_of_memory_message
-from worker.monitor import JobStalled, TimeLimitExceeded
+from worker.monitor import JobStalled, TimeLimitExceeded, WorkerShuttingDown
 from worker.outages import database_unreachable, disk_full, no_space_message, remove_work
 from worker.run import JobCancelled
 
@@ -23,7 +24,9 @@ log = logging.getLogger("dtp_layout.worker")
 
 
 def _end(db: Database, lease: Lease, *, status: str, error: str | None, stage: str | None) -> bool:
-    """Mark the job failed or cancelled, if this lease still holds it."""
+    """Mark the job failed or cancelled, if this lease still holds it. The error is stored as data: any
+    non-printable character it holds (a tenant's file's text, issue 41) written as an escape."""
+    error = for_log(error) if error is not None else None
     with db.transaction() as session:
         job = lease.held(session)
         if job is None:
@@ -94,7 +97,7 @@ def ended_by(exc: Exception, *, db: Database, lease: Lease, settings: Settings, 
     if isinstance(exc, LeaseLost):
         log.warning("job %s: lease lost; leaving it to the worker that holds it", job_id)
         return "lost"
-    if isinstance(exc, JobStalled):
+    if isinstance(exc, JobStalled | WorkerShuttingDown):
         log.warning("job %s: %s", job_id, exc)
         return _retry(db, lease, reason=str(exc), stage=stage, max_attempts=settings.max_attempts,
                       enqueue=enqueue)

@@ -27,6 +27,15 @@ class TimeLimitExceeded(RuntimeError):
     """The run went past its soft time limit (derived from the job's size)."""
 
 
+class WorkerShuttingDown(RuntimeError):
+    """The worker process is shutting down (Celery's warm shutdown: SIGTERM, `dtp-layout serve` stopping):
+    the run stops at its next safe point and the job goes back to the queue."""
+
+
+# Set once this process begins to shut down (worker.tasks connects Celery's `worker_shutting_down`).
+SHUTTING_DOWN = threading.Event()
+
+
 class Monitor(threading.Thread):
     """Renews the lease, writes progress and ETA (at most once per tick) and reads the cancel flag.
 

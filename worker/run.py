@@ -25,16 +25,19 @@ from app.core.services.sources import ModelLocation, SourceError, resolve_data
 from app.core.settings import Settings
 from app.core.storage.root import Storage, tenant_scope
 from app.core.storage.uploads import UploadStore
+from models.run.progress import StopSignal, stopped_by
 from models.run.runner import run_stages
 from models.run.stages import REPORT_INPUTS, STAGES
 from models.run.stages import build_report as stages_report
 from worker.converted_mirror import StoreMirror
 from worker.device import prepare_device
 from worker.metrics import read_metrics_csv, upsert_metrics
-from worker.monitor import JobStalled, Monitor, TimeLimitExceeded
+from worker.monitor import SHUTTING_DOWN, JobStalled, Monitor, TimeLimitExceeded, WorkerShuttingDown
 from worker.publishing import CachedAffinity, Publishing
 
 log = logging.getLogger("dtp_layout.worker")
+# While a stopped stage's work winds down (to its next safe point), a line in the log this often.
+STOP_WAIT_LOG_S = 10.0
 
 
 class JobCancelled(RuntimeError):
@@ -55,22 +58,35 @@ class JobRun(Publishing):
         self.storage = Storage.from_settings(settings)
         self.work = self.storage.work_dir(job.id) / str(self.attempt)
         self.stage: str | None = None
+        # Set (with the reason) when the run must end: read at the safe points of the stages' work
+        # (models.run.progress.check_stop) and by the sandbox, which kills the work's child processes.
+        self.stop = StopSignal()
         self._stage_t0 = self._stage_mono = 0.0
         self._trained = self._total_steps = 0  # the distilling stage's steps, for its ETA
 
     # -- bookkeeping --
 
     def check(self) -> None:
+        """Raise why the run must end, if it must (its stop signal set with the reason)."""
+        reason = self._ended_by()
+        if reason is not None:
+            self.stop.set(str(reason))
+            raise reason
+
+    def _ended_by(self) -> Exception | None:
         if self.monitor.lost.is_set():
-            raise LeaseLost(f"job {self.job_id}: lease lost to another worker")
+            return LeaseLost(f"job {self.job_id}: lease lost to another worker")
         if self.monitor.cancel.is_set():
-            raise JobCancelled(f"cancelled during {self.stage}")
+            return JobCancelled(f"cancelled during {self.stage}")
         if self.monitor.stalled.is_set():
-            raise JobStalled(f"stalled in stage {self.stage} for {self.monitor.silent_s():.0f} s "
-                             f"(no progress; DTP_LAYOUT_STALL_S={self.settings.stall_s:g})")
+            return JobStalled(f"stalled in stage {self.stage} for {self.monitor.silent_s():.0f} s "
+                              f"(no progress; DTP_LAYOUT_STALL_S={self.settings.stall_s:g})")
         if self.monitor.over_time.is_set():
-            raise TimeLimitExceeded(f"exceeded its time limit of {self.monitor.limits[0]:g} s in stage "
-                                    f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
+            return TimeLimitExceeded(f"exceeded its time limit of {self.monitor.limits[0]:g} s in stage "
+                                     f"{self.stage} (DTP_LAYOUT_TIME_LIMIT_S and TIME_LIMIT_PER_MTOKEN_S set it)")
+        if SHUTTING_DOWN.is_set():
+            return WorkerShuttingDown(f"the worker shut down during {self.stage}")
+        return None
 
     def should_stop(self) -> bool:
         """Between micro-batches: the flags the monitor read."""
@@ -92,27 +108,44 @@ class JobRun(Publishing):
             self.check()
 
     def abandonable(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` (a download, loading weights, reading a calibration set: nothing in it checks our
-        flags) in a thread and wait for it while checking them: a cancel, a lost lease or a stall ends
-        the wait within a tick, leaving the thread to finish or hang on its own (its results go to this
-        attempt's work directory, which no later attempt reads)."""
+        """Run `fn` (a download, loading weights, reading a calibration set: work that does not poll
+        should_stop) in a thread under this run's stop signal, and wait for it while checking the flags.
+        A cancel, a lost lease, a stall, a time limit or the worker's shutdown sets the signal: the work
+        stops at its next safe point (models.run.progress.check_stop; the sandbox kills its child
+        process group at once) and only then does the run end. Until the thread has stopped, the job
+        holds this worker: abandoned work never overlaps the next job (a thread stuck in native code
+        for good ends with the process, at the hard time limit)."""
         box: dict[str, Any] = {}
         done = threading.Event()
 
         def target() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # re-raised in the job's thread
-                box["error"] = exc
-            finally:
-                done.set()
+            with stopped_by(self.stop):
+                try:
+                    box["value"] = fn()
+                except BaseException as exc:  # re-raised in the job's thread
+                    box["error"] = exc
+                finally:
+                    done.set()
 
         threading.Thread(target=target, name=f"{self.stage}-{self.job_id[:8]}", daemon=True).start()
         while not done.wait(min(0.25, self.monitor.tick)):
-            self.check()
+            try:
+                self.check()
+            except Exception:
+                self._wait_stopped(done)
+                raise
         if "error" in box:
             raise box["error"]
         return box.get("value")
+
+    def _wait_stopped(self, done: threading.Event) -> None:
+        """Wait for the stopped work's thread to end (its next safe point), saying so while it lasts."""
+        t0 = time.monotonic()
+        while not done.wait(STOP_WAIT_LOG_S):
+            log.warning("job %s: %s: waiting %.0f s for the work of stage %s to reach a safe point and stop",
+                        self.job_id, self.stop.reason, time.monotonic() - t0, self.stage)
+        log.info("job %s: the work of stage %s stopped %.2f s after it was told to (%s)", self.job_id, self.stage,
+                 time.monotonic() - t0, self.stop.reason)
 
     def _owned(self, session: Session) -> Job:
         """The job row, locked, if this run still holds it (the fence: same worker, same attempt)."""
@@ -188,7 +221,8 @@ class JobRun(Publishing):
         self.check_quota()
         self.prepare_work()
         ctx = self.context()
-        run_stages(STAGES, ctx, self, keep=REPORT_INPUTS)
+        with stopped_by(self.stop):  # the stages run in this thread (those that poll) answer to it too
+            run_stages(STAGES, ctx, self, keep=REPORT_INPUTS)
         self.check()
         self.stage = None
         summary_file = self.work / "distill" / "summary.json"
@@ -315,8 +349,9 @@ class JobRun(Publishing):
         self._trained, self._stage_mono = 0, time.monotonic()
 
     def execute(self, stage: Any, fn: Callable[[], Any]) -> Any:
-        """A stage that polls should_stop runs here; any other in a thread a cancel walks away from
-        (loading weights, reading a calibration set or writing a large checkpoint report nothing for minutes)."""
+        """A stage that polls should_stop runs here; any other in a thread that stops at its safe points
+        (`abandonable`: loading weights, reading a calibration set or writing a large checkpoint report
+        nothing for minutes)."""
         note = fn() if stage.checks_stop else self.abandonable(fn)
         self.check()
         return note

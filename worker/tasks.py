@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import task_received, worker_ready
+from celery.signals import task_received, worker_ready, worker_shutting_down
 
 from app.core import logs
 from app.core.db import database
@@ -41,7 +41,7 @@ from app.core.queue import world_size_of
 from app.core.settings import get_settings, redacted_url
 from worker import claiming
 from worker.celery_app import TASK_NAME, app, enqueue
-from worker.monitor import Monitor
+from worker.monitor import SHUTTING_DOWN, Monitor
 
 log = logging.getLogger("dtp_layout.worker")
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -199,6 +199,14 @@ def _sweep_forever() -> None:
             except Exception:
                 log.warning("sweeper: could not sweep the object store", exc_info=True)
         time.sleep(interval)
+
+
+@worker_shutting_down.connect
+def _stop_running_work(**_: Any) -> None:
+    """A warm shutdown (SIGTERM): the running job's work stops at its next safe point, its child processes
+    are killed, and the job goes back to the queue (worker.failures), instead of the supervisor's SIGKILL
+    ending the process mid-stage after its grace period."""
+    SHUTTING_DOWN.set()
 
 
 @worker_ready.connect

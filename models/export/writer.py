@@ -25,12 +25,20 @@ from typing import Any
 
 import torch
 
-from models.export.files import LAYOUT_FILE, MANIFEST, SHARDS_FORMAT, atomic_dir, dtype_name, shard_file_name
+from models.export.files import (
+    LAYOUT_FILE,
+    MANIFEST,
+    SHARDS_FORMAT,
+    atomic_dir,
+    drop_remote_code,
+    dtype_name,
+    shard_file_name,
+)
 from models.families import family_for_config, model_shape
 from models.families.plan import local_shape, rank_slice
 from models.io.digest import sha256_file
 from models.layouts.layout import Layout, check_fits
-from models.run.progress import Progress
+from models.run.progress import Progress, check_stop
 from models.schedules.grammar import LastScale, resolve_schedule
 from models.serving.manifest import serving_fields, write_serving_config
 from models.sim.permute import permuted_tensor
@@ -114,6 +122,7 @@ def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path |
                 stack.callback(writer.abort)
                 rank_writers.append(writer)
         for k, (name, _) in enumerate(names):
+            check_stop()  # a safe point per tensor: a stopped job's export ends here, its writers aborted
             tensor = source.checkpoint_tensor(name)
             if permute:
                 tensor = permuted_tensor(name, tensor, family, shape, layout)
@@ -138,11 +147,13 @@ def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path |
             if tokenizer is not None:
                 tokenizer.save_pretrained(ckpt_tmp)
             (ckpt_tmp / LAYOUT_FILE).write_text(json.dumps(layout.to_json_dict()))
+            drop_remote_code(ckpt_tmp)
         if shard_tmp is not None:
             for writer in rank_writers:
                 writer.close()
             _write_manifest(shard_tmp, source, layout, table, rules, dtype=dtype,
                             compute_dtype=compute_dtype or source.dtype, tokenizer=tokenizer)
+            drop_remote_code(shard_tmp)
 
 
 def _write_manifest(shard_tmp: Path, source: LayerSource, layout: Layout, table: Any, rules: dict[str, Any], *,

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from models.families import family_for_config
 from models.io.ids import DTYPE_NAMES, GGUF_FILE, HUB_ID, REVISION
+from models.run.progress import check_stop
 
 if TYPE_CHECKING:
     from models.io.converted import ConvertedCache
@@ -102,6 +103,8 @@ def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cp
     kw = source.kwargs()
     if not gguf:
         kw["use_safetensors"] = True
+    else:
+        _stop_between_tensors()
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype], **kw)
     except (OSError, ValueError) as exc:
@@ -114,6 +117,24 @@ def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cp
         model.hf_quantizer = None  # type: ignore[assignment]
     model.to(resolve_device(device))  # type: ignore[arg-type]
     return model.eval()
+
+
+def _stop_between_tensors() -> None:
+    """Make each GGUF tensor a safe point (models.run.progress.check_stop): transformers' GGUF loader
+    dequantises tensor by tensor through `gguf.dequantize`, looked up when the loader runs, so a cancelled
+    job's load stops at its next tensor instead of dequantising the rest (minutes, gigabytes)."""
+    import gguf
+
+    dequantize = gguf.dequantize
+    if getattr(dequantize, "checks_stop", False):
+        return
+
+    def checked(data: Any, qtype: Any) -> Any:
+        check_stop()
+        return dequantize(data, qtype)
+
+    checked.checks_stop = True  # type: ignore[attr-defined]
+    gguf.dequantize = checked
 
 
 def load_tokenizer(source: ModelSource) -> Any | None:

@@ -11,11 +11,20 @@ fails the job once, naming it; the API answers 422), never as a dead or hung cal
 The memory limit is what the child may add to the address space it starts with: a forked child of a
 worker inherits the mappings of the model it holds (and CUDA's reservations), which RLIMIT_AS counts.
 `target(*args, report)` runs in the child; `report(text)` says what it is working on (the failure
-names it: "while reading tokenizer.json"). Its return value must pickle. Linux (resource, fork).
+names it: "while reading tokenizer.json"). Its return value must pickle. Linux (resource, fork, prctl).
+
+The child is the caller's work, and ends with it: it runs in a process group of its own, with SIGTERM's
+default action (a forked child of a Celery worker would inherit the worker's handler, which only notes
+a shutdown: the child ignored SIGTERM), and dies with the thread that started it (PR_SET_PDEATHSIG).
+While it runs the caller's `StopSignal` (models.run.progress: a job's cancel, lost lease, stall or
+shutdown) is read every POLL_S; once it is set, or the call ends any other way, the child's group gets
+SIGTERM and, STOP_GRACE_S later, SIGKILL, and the call raises `Cancelled`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import faulthandler
 import gc
 import multiprocessing
@@ -28,7 +37,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from models.run.progress import Cancelled, current_stop
+
 _CPU_GRACE_S = 5  # between RLIMIT_CPU's soft limit (SIGXCPU) and its hard one (SIGKILL)
+POLL_S = 0.1  # how often the caller's stop signal is read while the child runs
+STOP_GRACE_S = 1.0  # between SIGTERM to the child's group and SIGKILL
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -92,10 +106,22 @@ def limit_self(limits: ChildLimits) -> None:
         os.nice(limits.nice)
 
 
+def _own_group() -> None:
+    """In the child, first: a process group of its own (its caller kills the group), SIGTERM and SIGINT
+    back to their default action, and SIGKILL should the thread that started it die."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _child(conn: Connection, target: Callable[..., Any], args: tuple[Any, ...], limits: ChildLimits) -> None:
     def report(text: str) -> None:
         conn.send(("doing", text))
 
+    _own_group()
     faulthandler.disable()  # a crash is the parent's to report (exit status), not a traceback on stderr
     try:
         limit_self(limits)
@@ -113,6 +139,22 @@ def _context(start_method: str) -> Any:
     return multiprocessing.get_context(start_method)
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def end_child(process: Any, grace_s: float = STOP_GRACE_S) -> None:
+    """The child's process group: SIGTERM, then SIGKILL after `grace_s` if the child still runs; reaped."""
+    if process.is_alive():
+        _signal_group(process.pid, signal.SIGTERM)
+        process.join(grace_s)
+    if process.is_alive():
+        _signal_group(process.pid, signal.SIGKILL)
+        process.kill()  # should it not have reached its own group yet
+    process.join(5)
+
+
 def run_limited(target: Callable[..., Any], args: tuple[Any, ...], *, limits: ChildLimits, what: str,
                 start_method: str = "fork") -> Any:
     """`target(*args, report)` in a child process under `limits`; its return value, or ChildFailed
@@ -121,16 +163,22 @@ def run_limited(target: Callable[..., Any], args: tuple[Any, ...], *, limits: Ch
     ours, theirs = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child, args=(theirs, target, args, limits), daemon=True)
     process.start()
+    with contextlib.suppress(OSError):  # the child does it too; whichever runs first, the group is its pid
+        os.setpgid(process.pid, process.pid)
     theirs.close()
     during: str | None = None
     deadline = time.monotonic() + limits.timeout_s
+    stop = current_stop()
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ChildFailed("timeout", f"{during or what}: not done within {limits.timeout_s:g} s "
                                              f"({limits.timeout_setting or 'the wall-clock limit'})", during)
-            if not ours.poll(min(left, 1.0)):
+            if stop is not None and stop.is_set():
+                end_child(process)
+                raise Cancelled(f"{stop.reason or 'stopped'} (the child reading {during or what} was ended)")
+            if not ours.poll(min(left, POLL_S if stop is not None else 1.0)):
                 continue
             try:
                 kind, value = ours.recv()
@@ -157,6 +205,4 @@ def run_limited(target: Callable[..., Any], args: tuple[Any, ...], *, limits: Ch
         raise ChildFailed("signal", f"{during or what}: the parser crashed on it (exit {code})", during)
     finally:
         ours.close()
-        if process.is_alive():
-            process.kill()
-        process.join(5)
+        end_child(process)

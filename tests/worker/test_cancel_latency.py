@@ -1,9 +1,10 @@
 """A cancel is honoured within about a second in every stage, measured from the job's own history
 (`cancel-requested`, written by the API, to `cancelled`, written by the worker).
 
-Stages that run work the job cannot interrupt (loading weights, reading the calibration set, the
-optimiser, writing the export, reading a distillation's data) hang here (tests/faults.py)
-and run in-process on Postgres; the stages that ask between units of work (the affinity pass, training
+Stages whose work does not poll for a cancel (loading weights, reading the calibration set, the
+optimiser, writing the export, reading a distillation's data) run in a thread that stops at its next
+safe point (models.run.progress.check_stop); here they hang between safe points (tests/faults.py)
+and run in-process on Postgres, and the job ends only once that thread has stopped; the stages that ask between units of work (the affinity pass, training
 steps and micro-batches, every evaluation batch) run for real on a Celery worker over Postgres and
 Redis, the evaluation ones on a distillation whose evaluation is long: the dense model's and step 0's
 at the start of the stage, the last one at its end. The monitor reads the flag once a second
@@ -63,12 +64,12 @@ def distill_spec(**distill) -> dict:
                          **distill})
 
 
-# ---- stages that cannot ask: abandoned (in-process, Postgres) --------------------------------------------
+# ---- stages that do not poll: stopped at their next safe point (in-process, Postgres) ----------------------
 
 @pytest.mark.parametrize("stage", ["loading", "calibration", "optimising", "exporting", "distilling"])
 def test_cancel_in_a_stage_that_cannot_ask(tmp_path, postgres_server, stage, inject_faults):
-    """The stage hangs where nothing checks a flag; the job walks away from it within a tick.
-    `distilling` hangs in reading its training and evaluation data."""
+    """The stage hangs where nothing polls the flag, reaching a safe point every 50 ms; its thread stops
+    there and the job ends within a tick. `distilling` hangs in reading its training and evaluation data."""
     url = postgres_server.create_database(f"dtp_cancel_{stage}")
     upgrade(url)
     settings = make_settings(tmp_path, database_url=url, device="cpu")
