@@ -20,7 +20,7 @@ from models.io.sizes import SIZE_PATTERN
 from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE
 from models.run.fields import NO_DEFAULT, FieldRule, Flag
-from models.schedules.grammar import MAX_SCHEDULE_CHARS
+from models.schedules.grammar import MAX_SCHEDULE_CHARS, accepted_forms
 
 REQUIRED: Any = object()  # a SpecField's default when a request must give the field
 
@@ -80,9 +80,14 @@ _SOURCE_DOC = ("corpus:shakespeare | corpus:kjv (both shipped with every install
                ".jsonl, .npy of token ids, or a directory of .txt)")
 _TEXT_FIELD_DOC = "text field of .jsonl / hf rows"
 # The schedule as a local command (optimise, distill, export, eval) takes it: no `null`, no service.
-_LOCAL_SCHEDULE_DOC = ("communication schedule: tp | dtp:δ | dtp:δ@K | ladder | spd:B (layers, e.g. spd:1,3) | pt:D "
-                       "(docs/method.md); default: dtp:δ of --delta (a dtp schedule and a different --delta are "
-                       "refused). What the layouts are evaluated and distilled under, and the shards exported for")
+_LOCAL_SCHEDULE_DOC = (f"communication schedule: {accepted_forms(sep=' | ', auto=False)} (docs/method.md); default: "
+                       f"dtp:δ of --delta (a dtp schedule and a different --delta are refused). What the layouts are "
+                       f"evaluated and distilled under, and the shards exported for")
+# `optimise` also takes spd:auto:K and spd:isolated:K: it runs the sensitivity pass that chooses their layers.
+_OPTIMISE_SCHEDULE_DOC = (f"communication schedule: {accepted_forms(sep=' | ')} (docs/method.md; spd:auto:K: the K "
+                          f"layers whose dropped sync costs least KL, chosen on the calibration blocks); default: "
+                          f"dtp:δ of --delta (a dtp schedule and a different --delta are refused). What the layouts "
+                          f"are evaluated and distilled under, and the shards exported for")
 
 
 def _data(part: str, source_flags: tuple[Flag, ...], sequences_flags: tuple[Flag, ...],
@@ -155,13 +160,12 @@ FIELDS: tuple[SpecField, ...] = (
     _f("devices", "int", "number of DTP devices L (must divide the KV groups and the FFN width)", REQUIRED,
        _on(("--devices", "-L"), *MODEL_COMMANDS), ge=1, le=1024),
     _f("delta", "int", "delay δ in modules", 1, _on(("--delta", "-d"), *MODEL_COMMANDS), ge=0, le=1024),
-    _f("schedule", "str", "communication schedule: tp | dtp:δ | dtp:δ@K | ladder | spd:B (layers, e.g. spd:1,3) | "
-       "pt:D (docs/method.md); null: dtp:δ of delta, which stays its shorthand (a dtp schedule and a different "
-       "delta are refused). What the layouts are evaluated and distilled under, and the shards exported for",
+    _f("schedule", "str", f"communication schedule: {accepted_forms(sep=' | ')} (docs/method.md; spd:auto:K: the "
+       f"job's affinity stage chooses the K layers); null: dtp:δ of delta, which stays its shorthand (a dtp schedule "
+       f"and a different delta are refused). What the layouts are evaluated and distilled under, and the shards "
+       f"exported for",
        None, _on(("--schedule",), "distill", "export", "eval", metavar="S", help=_LOCAL_SCHEDULE_DOC),
-       _on(("--schedule",), "optimise", metavar="S",
-           help=_LOCAL_SCHEDULE_DOC.replace("| pt:D", "| spd:auto:K (the K layers whose dropped sync costs least "
-                                                      "KL, chosen on the calibration blocks) | pt:D")),
+       _on(("--schedule",), "optimise", metavar="S", help=_OPTIMISE_SCHEDULE_DOC),
        _on(("--schedule",), "submit", metavar="S"),
        min_length=1, max_length=MAX_SCHEDULE_CHARS, nullable=True, examples=("dtp:1", "pt:2", "spd:1,3")),
     # ---- calibration ----

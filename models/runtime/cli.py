@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from models.schedules.grammar import accepted_forms
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("shards", metavar="SHARDS_DIR", help="a shards/ directory written by export, optimise or a job")
@@ -28,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--schedule", default=None, metavar="S",
-                       help="the communication schedule: tp, dtp:δ, dtp:δ@K, ladder, spd:B, pt:D (default: the "
+                       help=f"the communication schedule: {accepted_forms(auto=False)} (default: the "
                             "manifest's, which shards from before schedules were recorded give as dtp:δ); shards "
                             "made for another schedule are refused")
     which.add_argument("--schedule-override", default=None, metavar="S",

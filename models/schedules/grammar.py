@@ -52,13 +52,14 @@ from models.schedules.presets import (
     BY_KIND,
     BY_NAME,
     MAX_SCHEDULE_CHARS,
+    accepted_forms,
     schedule_error,
 )
 from models.schedules.table import NEVER, LastScale, Schedule, ScheduleError
 
 __all__ = ["ACCEPTED", "ACCEPTED_WITHOUT_AUTO", "MAX_SCHEDULE_CHARS", "NEVER", "LastScale", "Schedule",
-           "ScheduleError", "ScheduleSpec", "check_schedule", "dtp_spec", "parse_schedule", "resolve_schedule",
-           "schedule_spec"]
+           "ScheduleError", "ScheduleSpec", "accepted_forms", "check_schedule", "dtp_spec", "parse_schedule",
+           "resolve_schedule", "schedule_spec"]
 
 Kind = Literal["tp", "dtp", "ladder", "spd", "spd-auto", "pt"]
 

@@ -1,12 +1,14 @@
 """The schedule presets as a registry: one class per preset, each with its parse (the text after
 `NAME:` → the spec's fields), its format (the spec → its canonical string) and its table (the spec →
-the per-module (b_n, s_n, a_n) of a model). A new preset is one class here plus its line in
-`grammar`'s module doc and `ACCEPTED`. Torch-free."""
+the per-module (b_n, s_n, a_n) of a model), and its forms (how its strings are written: `accepted_forms`
+lists them for every error, help string and schema). A new preset is one class here plus its line in
+`grammar`'s module doc. Torch-free."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from models.schedules.table import NEVER, LastScale, Schedule, ScheduleError
@@ -14,14 +16,9 @@ from models.schedules.table import NEVER, LastScale, Schedule, ScheduleError
 if TYPE_CHECKING:
     from models.schedules.grammar import ScheduleSpec
 
-__all__ = ["ACCEPTED", "ACCEPTED_WITHOUT_AUTO", "BY_KIND", "BY_NAME", "MAX_SCHEDULE_CHARS", "Preset", "schedule_error"]
+__all__ = ["ACCEPTED", "ACCEPTED_WITHOUT_AUTO", "BY_KIND", "BY_NAME", "LAYOUT_FREE", "MAX_SCHEDULE_CHARS", "Preset",
+           "accepted_forms", "schedule_error"]
 
-ACCEPTED = ("tp, dtp:δ, dtp:δ@K, ladder, spd:B (B a comma list of layers, e.g. spd:1,3,5), spd:auto:K, "
-            "spd:isolated:K, pt:D "
-            "(δ, K, D non-negative integers: K, D ≥ 1)")
-# What a command that cannot choose spd:auto:K's layers accepts (only `optimise` and a job's affinity stage
-# run the sensitivity pass that chooses them).
-ACCEPTED_WITHOUT_AUTO = ACCEPTED.replace(" spd:auto:K,", "").replace(" spd:isolated:K,", "")
 MAX_SCHEDULE_CHARS = 4096  # a comma list of a few hundred layers; longer text is refused unread
 _INT = re.compile(r"[0-9]{1,6}")  # bounded: no 10^6-digit integer is ever parsed
 
@@ -49,7 +46,9 @@ class Preset:
 
     name: ClassVar[str]
     kind: ClassVar[str]
+    forms: ClassVar[tuple[str, ...]]  # how its strings are written: what the accepted lists show
     takes_parameter: ClassVar[bool] = True
+    layout_free: ClassVar[bool] = False  # a_n = b_n for every module whatever the model: no layout to optimise
 
     def parse(self, text: str, rest: str) -> dict[str, Any]:
         """The spec's fields from the text after `name:` (`text` is the whole string, for errors)."""
@@ -66,7 +65,9 @@ class Tp(Preset):
     """a_n = b_n = n+1, s_n = 1: the dense model."""
 
     name = kind = "tp"
+    forms = ("tp",)
     takes_parameter = False
+    layout_free = True
 
     def table(self, spec: ScheduleSpec, num_layers: int, devices: int, last_scale: LastScale) -> Schedule:
         M = 2 * num_layers
@@ -77,7 +78,9 @@ class Ladder(Preset):
     """a_n = b_n = min(n+2, M), s_n = 1 (Ladder Residual: every output enters one module late)."""
 
     name = kind = "ladder"
+    forms = ("ladder",)
     takes_parameter = False
+    layout_free = True
 
     def table(self, spec: ScheduleSpec, num_layers: int, devices: int, last_scale: LastScale) -> Schedule:
         M = 2 * num_layers
@@ -89,6 +92,7 @@ class Dtp(Preset):
     """dtp:δ (the paper's eq. 2) and dtp:δ@K (the upper K layers converted, tp below)."""
 
     name = kind = "dtp"
+    forms = ("dtp:δ", "dtp:δ@K")
 
     def parse(self, text: str, rest: str) -> dict[str, Any]:
         delta_part, at, upper_part = rest.partition("@")
@@ -139,6 +143,7 @@ class Spd(Preset):
     `spd:auto:K` / `spd:isolated:K` share the name and parse as `SpdAuto`."""
 
     name = kind = "spd"
+    forms = ("spd:B (B a comma list of layers, e.g. spd:1,3,5)",)
 
     def parse(self, text: str, rest: str) -> dict[str, Any]:
         layers = [_integer(text, part, "each layer of B", minimum=0) for part in rest.split(",")]
@@ -167,6 +172,7 @@ class SpdAuto(Preset):
     (`models.schedules.spd_auto`), so there is no table until they are (`ScheduleSpec.with_spd_layers`)."""
 
     name, kind = "spd", "spd-auto"
+    forms = ("spd:auto:K", "spd:isolated:K")
 
     def parse(self, text: str, rest: str) -> dict[str, Any]:
         head, colon, count = rest.partition(":")
@@ -191,6 +197,7 @@ class Pt(Preset):
     the end of each block of D layers (not Parallel Track's independent, narrower tracks)."""
 
     name = kind = "pt"
+    forms = ("pt:D",)
 
     def parse(self, text: str, rest: str) -> dict[str, Any]:
         return {"block": _integer(text, rest, "D (layers per block)", minimum=1)}
@@ -210,3 +217,17 @@ class Pt(Preset):
 _PRESETS: tuple[Preset, ...] = (Tp(), Dtp(), Ladder(), Spd(), SpdAuto(), Pt())
 BY_KIND: dict[str, Preset] = {p.kind: p for p in _PRESETS}
 BY_NAME: dict[str, Preset] = {p.name: p for p in _PRESETS if p.kind != "spd-auto"}  # spd:auto parses via its kind
+_INTEGERS = "(δ, K, D non-negative integers: K, D ≥ 1)"
+
+
+def accepted_forms(*, sep: str = ", ", auto: bool = True, without: Collection[str] = ()) -> str:
+    """The presets' forms in the registry's order, joined by `sep`: the one list every error, help string
+    and schema shows. `auto` False leaves out spd:auto:K and spd:isolated:K (only `optimise` and a job's
+    affinity stage run the sensitivity pass that chooses their layers); `without`: kinds left out."""
+    return sep.join(form for p in _PRESETS if p.kind not in without and (auto or p.kind != "spd-auto")
+                    for form in p.forms)
+
+
+LAYOUT_FREE: tuple[str, ...] = tuple(p.kind for p in _PRESETS if p.layout_free)  # an objective refuses these
+ACCEPTED = f"{accepted_forms()} {_INTEGERS}"
+ACCEPTED_WITHOUT_AUTO = f"{accepted_forms(auto=False)} {_INTEGERS}"  # a command that cannot choose spd:auto's layers

@@ -98,11 +98,13 @@ def add_objective_schedule_flag(p: argparse.ArgumentParser, *, edges: bool) -> N
     """--schedule for the commands that optimise or score layouts (and, for `optimise`, the further edges'
     storage). Skipped where the job spec already gives the command a --schedule flag."""
     if not any("--schedule" in action.option_strings for action in p._actions):
+        from models.schedules.presets import LAYOUT_FREE, accepted_forms
+
         p.add_argument("--schedule", metavar="S",
-                       help="communication schedule whose objective J_σ the layouts are optimised for: dtp:δ | "
-                            "dtp:δ@K | spd:B | spd:auto:K (optimise only) | pt:D (default: dtp:δ of --delta; "
-                            "δ ≤ 1: the paper's objective); "
-                            "tp and ladder are refused: the layout does not matter there (docs/cli.md)")
+                       help=f"communication schedule whose objective J_σ the layouts are optimised for: "
+                            f"{accepted_forms(sep=' | ', without=LAYOUT_FREE)} (spd:auto:K and spd:isolated:K: "
+                            f"optimise only; default: dtp:δ of --delta; δ ≤ 1: the paper's objective); "
+                            f"{' and '.join(LAYOUT_FREE)} are refused: the layout does not matter there (docs/cli.md)")
     if edges:
         p.add_argument("--edge-kept-mass", type=float, default=0.95,
                        help="mass a neuron→neuron edge keeps (its largest entries) when the dense edges exceed "
