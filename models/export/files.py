@@ -29,6 +29,11 @@ from models.layouts.layout import Layout, from_json_dict
 SHARDS_FORMAT = "dtp-layout-shards/1"
 MANIFEST = "manifest.json"
 LAYOUT_FILE = "dtp_layout.json"
+# Keys by which a config names code to fetch and run (transformers' trust_remote_code): an export never
+# carries a tenant's (issue 41), whatever its reader trusts. The JSON files transformers writes them to.
+REMOTE_CODE_KEYS = ("auto_map", "custom_pipelines")
+REMOTE_CODE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "processor_config.json",
+                     "preprocessor_config.json")
 
 
 class ExportError(RuntimeError):
@@ -99,6 +104,19 @@ def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def shard_file_name(rank: int) -> str:
     return f"model-rank-{rank}-part-0.safetensors"
+
+
+def drop_remote_code(folder: Path) -> None:
+    """Remove REMOTE_CODE_KEYS from the configs `folder` holds (each rewritten only when it had one)."""
+    for name in REMOTE_CODE_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        if isinstance(config, dict) and any(key in config for key in REMOTE_CODE_KEYS):
+            for key in REMOTE_CODE_KEYS:
+                config.pop(key, None)
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def read_manifest(shards_dir: Path) -> dict[str, Any]:
