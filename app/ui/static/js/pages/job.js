@@ -4,7 +4,7 @@
 import {api, artifactPath, curlFor, downloadWithKey, getKey, apiUrl, specInfo} from "../api.js";
 import {layoutColor, layoutDash, layoutOrder, lineChart, seedDash} from "../charts.js";
 import {ACTIVE, ago, bytes, copyButton, duration, h, num, poller, progressBar, replace, shortId, sig, stagesSeconds,
-  statusBadge, submittedToFinished, when} from "../dom.js";
+  printable, statusBadge, submittedToFinished, when} from "../dom.js";
 
 // A colour per timeline span, in the order a job runs: waiting in the queue, then each stage of the
 // server's list (GET /v1/spec `stages`), so that a new stage gets the next colour.
@@ -71,7 +71,7 @@ function header(job, {onCancel, onDelete}) {
   if (job.error) {
     body.push(h("div", {class: job.status === "failed" ? "error-box" : "note-box", id: "job-error"},
       h("strong", {}, job.status === "failed" ? `Failed in ${job.error_stage || job.stage || "?"}: ` : "Note: "),
-      h("pre", {class: "error-text"}, job.error)));
+      h("pre", {class: "error-text"}, printable(job.error))));
   }
   return body;
 }
