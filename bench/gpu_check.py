@@ -11,6 +11,9 @@ On one GPU, a Qwen3-0.6B-shaped random model at full depth (28 layers) in bf16:
   distill   20 steps of the paper's recipe (16 × 1024 tokens per step in micro-batches of 4, bf16
             autocast over fp32 master weights, AdamW) and one evaluation on 16 × 1024 tokens, from
             which a 1000-step run with an evaluation every 100 steps is projected
+  exchange-graph  the exchange ops the vLLM plugin overlaps with (models/serving/exchange_ops.py) captured in a
+            CUDA graph on one GPU (a world of one NCCL rank), replayed, and compared with eager, compiled
+            or not (bench/gpu_exchange.py); without CUDA `not_applicable`, with the reason
   distill-sharded, serve-vllm   with 2 GPUs or more (bench/gpu_multi.py): the distillation on W GPUs
             (FSDP2, NCCL) against W = 1; vLLM at TP = 2 on a tiny model's exported shards, its greedy tokens
             against `dtp-layout generate`'s; elsewhere `not_applicable`, with the reason
@@ -61,6 +64,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import dtp_vs_dense_times, qwen3_06b_shaped  # noqa: E402
+from bench.gpu_exchange import not_applicable as exchange_not_applicable  # noqa: E402
+from bench.gpu_exchange import stage_exchange_graph  # noqa: E402
 from bench.gpu_multi import (  # noqa: E402
     serving_applicable,
     sharded_world_size,
@@ -191,6 +196,12 @@ class Check:
         self.current = None
         log(f"{name}: {status} in {record['wall_s']:.1f} s")
         return value if status == "ok" else None
+
+    def not_applicable(self, name: str, why: str) -> None:
+        """The stage cannot run on this machine (not a skipped stage: nothing ran out of budget)."""
+        with self._lock:
+            self.results.setdefault("not_applicable", {})[name] = why
+        log(f"{name}: not applicable ({why})")
 
     def ran(self, name: str) -> bool:
         return self.results["stages"].get(name, {}).get("status") == "ok"
@@ -568,18 +579,22 @@ def run_check(check: Check, args: argparse.Namespace) -> int:
                         step("distill-sharded", lambda rec: stage_distill_sharded(check, model, world_size, rec)),
                         needs=60, after=("model",))
     else:
-        check.results.setdefault("not_applicable", {})["distill-sharded"] = not_applicable
-        log(f"distill-sharded: not applicable ({not_applicable})")
+        check.not_applicable("distill-sharded", not_applicable)
     model = affinity = layouts = None  # the GPU memory goes to vLLM's and the tests' processes
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    not_applicable = exchange_not_applicable(device)
+    if not_applicable is None:
+        check.run_stage("exchange-graph", step("exchange-graph", lambda rec: stage_exchange_graph(check, rec)),
+                        needs=30)
+    else:
+        check.not_applicable("exchange-graph", not_applicable)
     python, not_applicable = serving_applicable(gpus)
     if not_applicable is None:
         assert python is not None
         check.run_stage("serve-vllm", step("serve-vllm", lambda rec: stage_serve_vllm(check, python, rec)), needs=120)
     else:
-        check.results.setdefault("not_applicable", {})["serve-vllm"] = not_applicable
-        log(f"serve-vllm: not applicable ({not_applicable})")
+        check.not_applicable("serve-vllm", not_applicable)
     if not args.skip_tests:
         check.run_stage("tests", step("tests", lambda rec: stage_tests(check, rec)))
     status, code = check.final_status()

@@ -95,6 +95,7 @@ def markdown(results: dict[str, Any]) -> str:
          f"({get('distill', 'eval_s'):.2f} s each)" if get("distill", "eval_s") is not None else ""),
     ]
     not_applicable = results.get("not_applicable") or {}
+    rows.append(_exchange_row(stages.get("exchange-graph"), not_applicable.get("exchange-graph"), state))
     served = stages.get("serve-vllm", {})
     rows.append(("vLLM at TP=2 on the exported shards (tiny fp32 llama, dtp:1)",
                  measured("serve-vllm", get("serve-vllm", "start_s"), lambda x: f"engine ready in {_secs(x)}")
@@ -139,6 +140,22 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("timed_out_in") or results.get("interrupted_in"):
         lines += ["", f"Stopped in stage {results.get('timed_out_in') or results.get('interrupted_in')}."]
     return "\n".join(lines) + "\n"
+
+
+def _exchange_row(rec: dict[str, Any] | None, not_applicable: str | None,
+                  state: Callable[[str], str]) -> tuple[str, str, str, str, str]:
+    """The exchange ops captured in a CUDA graph: replayed = eager, and one call's time each way."""
+    what = "exchange ops in a CUDA graph (1 GPU, NCCL), replayed vs eager"
+    if not_applicable is not None:
+        return what, "not applicable", "—", "—", not_applicable
+    if rec is None or rec.get("status") != "ok":
+        return what, state("exchange-graph") or "—", "—", "—", ""
+    worst = max(rec["graph_of_eager_vs_eager"], rec["graph_of_compiled_vs_eager"])
+    note = (f"{rec['tokens']}×{rec['hidden']} fp32; one call: eager {rec['eager_call_us']} µs, compiled "
+            f"{rec['compiled_call_us']} µs, graph of eager {rec['graph_of_eager_replay_us']} µs, graph of "
+            f"compiled {rec['graph_of_compiled_replay_us']} µs; eager = blocking all-reduce to "
+            f"{rec['eager_vs_reference']:.2g}, compiled = eager to {rec['compiled_vs_eager']:.2g}")
+    return what, f"equal (max diff {worst:.2g})", "—", "—", note
 
 
 def junit_counts(path: Path) -> dict[str, Any]:

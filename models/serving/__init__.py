@@ -6,4 +6,6 @@ DTP architecture. `models.serving.commands` (torch-free) words how to serve a jo
 the client's download, then `dtp-layout vllm-serve` at TP = L. `models.serving.vllm` is the vLLM plugin: it
 imports vLLM and is loaded only by vLLM (the `vllm.general_plugins` entry point); nothing else in the project
 imports it.
+`models.serving.exchange_ops` (torch alone) registers the overlapped exchange as custom ops that torch.compile
+keeps opaque and CUDA graphs capture (torch.ops.dtp_layout.exchange_start / exchange_wait), for the plugin.
 """

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu_check
 from tests.patience_kit import patient
@@ -42,7 +43,8 @@ def test_tiny_run_goes_through_every_stage_and_the_gpu_tests(tmp_path, capsys):
     assert res["format"] == gpu_check.FORMAT and res["mode"] == "tiny" and res["status"] == "ok"
     stages = res["stages"]
     assert [name for name in stages] == [*STAGES, "tests"]
-    assert set(res["not_applicable"]) == {"distill-sharded", "serve-vllm"}  # no GPU here: not skipped stages
+    # no GPU here: not skipped stages
+    assert set(res["not_applicable"]) == {"distill-sharded", "exchange-graph", "serve-vllm"}
     assert all(stages[name]["status"] == "ok" for name in stages), stages
     sizes = gpu_check.TINY
     assert stages["model"]["layers"] == sizes.layers and stages["model"]["dtype"] == "bfloat16"
@@ -84,6 +86,9 @@ def test_a_budget_too_small_skips_every_stage_and_says_why(tmp_path):
     assert "distill-sharded" in res["not_applicable"] and "serve-vllm" not in res["stages"]
     assert "| vLLM at TP=2 on the exported shards (tiny fp32 llama, dtp:1) | not applicable | — | — | no GPU " in md
     assert "Not applicable here: distill-sharded (" in md and "serve-vllm (no GPU visible; vLLM TP=2 needs 2" in md
+    assert res["not_applicable"]["exchange-graph"].startswith("no CUDA GPU (device cpu, torch ")
+    row = "| exchange ops in a CUDA graph (1 GPU, NCCL), replayed vs eager |"
+    assert f"{row} not applicable | — | — | no CUDA GPU" in md
 
 
 @pytest.mark.serial  # a wall-time bound (< 60 s)
@@ -182,3 +187,53 @@ def test_the_serving_stage_compares_vllms_tokens_with_generates(tmp_path, monkey
     want = rec["generate_tokens"]
     assert len(want) == gpu_multi.SERVE_PROMPTS and {len(row) for row in want} == {gpu_multi.SERVE_NEW_TOKENS}
     assert rec["tokens_equal"] is False and rec["vllm"] == "0.0-fake" and rec["start_s"] == 0.5
+
+
+def test_the_exchange_graph_stage_applies_only_with_cuda_and_nccl(monkeypatch):
+    from bench import gpu_exchange
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert "CUDA graphs capture CUDA streams alone" in gpu_exchange.not_applicable(cpu)
+    monkeypatch.setattr(gpu_exchange.torch.cuda, "is_available", lambda: False)
+    assert gpu_exchange.not_applicable(cuda).startswith("no CUDA GPU (device cuda:0")
+    monkeypatch.setattr(gpu_exchange.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_exchange.dist, "is_nccl_available", lambda: False)
+    assert "has no NCCL backend" in gpu_exchange.not_applicable(cuda)
+    monkeypatch.setattr(gpu_exchange.dist, "is_nccl_available", lambda: True)
+    assert gpu_exchange.not_applicable(cuda) is None
+
+
+def test_the_exchange_graph_stages_comparisons_run_on_the_cpu():
+    """Everything of the stage but the capture, in a gloo world of one: eager with the ops against a blocking
+    all-reduce, torch.compile(fullgraph=True) against eager; and a difference fails the stage, named."""
+    from bench import gpu_exchange
+
+    cpu = torch.device("cpu")
+    rec: dict = {}
+    with gpu_exchange.world_of_one(cpu) as name, torch.no_grad():
+        torch.manual_seed(0)
+        module = gpu_exchange.Exchanged(64).eval()
+        gpu_exchange.compare_eager_and_compiled(module, name, cpu, rec)
+        assert rec["eager_vs_reference"] == 0 and rec["compiled_vs_eager"] <= gpu_exchange.TOL and rec["compile_s"] > 0
+        with pytest.raises(RuntimeError, match="already initialised"), gpu_exchange.world_of_one(cpu):
+            pass
+    with pytest.raises(RuntimeError, match=r"a CUDA graph of the eager module, replayed, differs from eager by 0.001"):
+        gpu_exchange.check_close("a CUDA graph of the eager module, replayed,", [0.0, 1e-3])
+
+
+def test_the_report_shows_a_captured_exchange():
+    """The exchange-graph row as a GPU run writes it (its figures are made up: the row's wording is tested)."""
+    from bench.gpu_report import markdown
+
+    rec = {"status": "ok", "tokens": 8, "hidden": 1024, "eager_vs_reference": 0.0, "compiled_vs_eager": 2e-7,
+           "graph_of_eager_vs_eager": 0.0, "graph_of_compiled_vs_eager": 1e-7, "eager_call_us": 120.0,
+           "compiled_call_us": 90.0, "graph_of_eager_replay_us": 30.0, "graph_of_compiled_replay_us": 25.0,
+           "compile_s": 9.5}
+    results = {"mode": "full", "status": "ok", "started": "now", "elapsed_s": 1.0, "budget_s": 380, "command": "x",
+               "sizes": gpu_check.asdict(gpu_check.FULL), "stages": {"exchange-graph": rec}}
+    md = markdown(results)
+    assert ("| exchange ops in a CUDA graph (1 GPU, NCCL), replayed vs eager | equal (max diff 1e-07) | — | — | "
+            "8×1024 fp32; one call: eager 120.0 µs, compiled 90.0 µs, graph of eager 30.0 µs, graph of compiled "
+            "25.0 µs; eager = blocking all-reduce to 0, compiled = eager to 2e-07 |") in md
+    failed = markdown({**results, "stages": {"exchange-graph": {"status": "failed", "error": "RuntimeError: boom"}}})
+    assert "replayed vs eager | **failed**: RuntimeError: boom | — | — |  |" in failed
