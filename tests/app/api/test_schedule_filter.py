@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
-from models.schedules.grammar import ACCEPTED
+from models.schedules.grammar import ACCEPTED, MAX_SCHEDULE_CHARS
 from tests.service_kit import delete_jobs, make_settings, provision, seed_finished_job
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
@@ -25,7 +25,7 @@ def settings(tmp_path_factory, postgres_server, redis_broker):
     upgrade(url)
     broker, prefix = redis_broker
     s = make_settings(tmp_path_factory.mktemp("schedule"), database_url=url, broker_url=broker,
-                      broker_key_prefix=prefix)
+                      broker_key_prefix=f"{prefix}schedule:")  # its own: the API marks it with its database
     provision(s)
     return s
 
@@ -96,6 +96,8 @@ def test_a_bad_schedule_is_a_422_naming_the_grammar(client, path, bad):
     assert set(errors) == {"schedule"}
     if len(bad) < 100:  # the grammar's own message: what is wrong and every form it takes, from the registry
         assert f"accepted: {ACCEPTED}" in errors["schedule"]
+    else:  # refused unread: longer than any schedule the grammar reads
+        assert f"at most {MAX_SCHEDULE_CHARS} characters" in errors["schedule"]
 
 
 @pytest.mark.parametrize("path", ["/v1/scores", "/v1/jobs"])
