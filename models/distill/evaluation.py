@@ -9,7 +9,7 @@ micro-batch (a cancel lands within one forward, however large the evaluation).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +31,13 @@ class DenseReference:
 
     @classmethod
     def compute(cls, teacher: nn.Module, blocks: torch.Tensor, *, recipe: DistillRecipe,
-                should_stop: ShouldStop | None = None) -> DenseReference:
+                should_stop: ShouldStop | None = None, done: Callable[[float], None] | None = None
+                ) -> DenseReference:
+        """done(fraction) after each micro-batch: the fraction of the blocks read."""
         device = next(teacher.parameters()).device
         nll = 0.0
         with torch.no_grad(), autocast(recipe, device):
-            for ids in _micro_batches(blocks, recipe, should_stop, "the dense model's evaluation"):
+            for ids in _micro_batches(blocks, recipe, should_stop, "the dense model's evaluation", done):
                 ids = ids.to(device)  # [b, S]
                 nll += gathered(teacher, _dense_nll, teacher, ids, recipe.logit_chunk)
         n, s = blocks.shape
@@ -44,10 +46,11 @@ class DenseReference:
 
 @torch.no_grad()
 def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseReference, *,
-                     recipe: DistillRecipe, should_stop: ShouldStop | None = None) -> tuple[float, float]:
+                     recipe: DistillRecipe, should_stop: ShouldStop | None = None,
+                     done: Callable[[float], None] | None = None) -> tuple[float, float]:
     """(mean per-token KL(dense ‖ DTP) in nats over all tokens, DTP perplexity) on the reference blocks.
 
-    Raises `Cancelled` before a micro-batch when should_stop() is true."""
+    Raises `Cancelled` before a micro-batch when should_stop() is true; done(fraction) after each one."""
     was_training = student.training
     student.eval()
     device = reference.blocks.device
@@ -55,7 +58,7 @@ def evaluate_student(student: DTPModel, teacher: nn.Module, reference: DenseRefe
     n, s = reference.blocks.shape
     try:
         with autocast(recipe, device):
-            for ids in _micro_batches(reference.blocks, recipe, should_stop, "an evaluation"):  # [b, S]
+            for ids in _micro_batches(reference.blocks, recipe, should_stop, "an evaluation", done):  # [b, S]
                 # both models whole at their roots (FSDP2: the teacher's method inside the student's)
                 _, nll_s, kl_sum = gathered(student, gathered, teacher, _sums, student, teacher, ids,
                                             recipe.logit_chunk)
@@ -81,10 +84,14 @@ def _dense_nll(teacher: nn.Module, ids: torch.Tensor, chunk: int) -> float:
 
 
 def _micro_batches(blocks: torch.Tensor, recipe: DistillRecipe, should_stop: ShouldStop | None,
-                   what: str) -> Iterator[torch.Tensor]:
-    """blocks [n, S] in slices of recipe.eval_rows(S) sequences, should_stop asked before each."""
+                   what: str, done: Callable[[float], None] | None = None) -> Iterator[torch.Tensor]:
+    """blocks [n, S] in slices of recipe.eval_rows(S) sequences, should_stop asked before each and
+    done(fraction of the blocks) told after each."""
     rows = recipe.eval_rows(blocks.shape[1])
-    for start in range(0, blocks.shape[0], rows):
+    n = blocks.shape[0]
+    for start in range(0, n, rows):
         if should_stop is not None and should_stop():
-            raise Cancelled(f"{what} cancelled at block {start} of {blocks.shape[0]}")
+            raise Cancelled(f"{what} cancelled at block {start} of {n}")
         yield blocks[start : start + rows]
+        if done is not None:
+            done(min(n, start + rows) / n)

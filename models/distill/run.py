@@ -86,6 +86,46 @@ def eval_steps(recipe: DistillRecipe) -> list[int]:
     return recipe.eval_steps()
 
 
+# Progress counts the work a run does, not its optimiser steps alone: the evaluations (step 0's, before any
+# step) and the dense reference take as long as many steps, and a bar held at 0 % through them made the ETA
+# (elapsed · (1 − f) / f) wild. The unit is one token through one model one way, a backward counted as two
+# forwards: a step runs the teacher forward and the student forward and backward over its training blocks
+# (4 passes), an evaluation the teacher and the student forward over the evaluation blocks (2), the dense
+# reference the teacher over them once (1).
+STEP_PASSES, EVAL_PASSES, REFERENCE_PASSES = 4, 2, 1
+
+
+@dataclass(frozen=True)
+class RunWork:
+    """One (layout, seed) run's work in token passes: its steps and its evaluations."""
+
+    steps: int
+    step: float  # one optimiser step's passes
+    evaluations: int
+    evaluation: float  # one evaluation's passes
+
+    @classmethod
+    def of(cls, recipe: DistillRecipe, train_seq_len: int, eval_tokens: int) -> RunWork:
+        """eval_tokens: the evaluation blocks' n × S."""
+        return cls(steps=recipe.steps, step=float(STEP_PASSES * recipe.batch_size * train_seq_len),
+                   evaluations=len(eval_steps(recipe)), evaluation=float(EVAL_PASSES * eval_tokens))
+
+    @property
+    def total(self) -> float:
+        return self.steps * self.step + self.evaluations * self.evaluation
+
+    def fraction(self, steps: int, evaluations: float) -> float:
+        """The share of the run done after `steps` steps and `evaluations` evaluations (a fraction of one
+        for the one under way)."""
+        done = min(steps, self.steps) * self.step + min(evaluations, self.evaluations) * self.evaluation
+        return done / self.total if self.total else 1.0
+
+
+def reference_work(eval_tokens: int) -> float:
+    """The dense reference's passes: the teacher once over the evaluation blocks' n × S tokens."""
+    return float(REFERENCE_PASSES * eval_tokens)
+
+
 def _mean_loss_since(state: RunState, previous_eval: int) -> float | None:
     losses = [s.loss for s in state.steps if s.step >= previous_eval]
     return sum(losses) / len(losses) if losses else None
@@ -114,6 +154,7 @@ class _Run:
         self.ckpt_path = run_dir / CHECKPOINT_DIR
         self.state = RunState()
         self.evals = eval_steps(recipe)
+        self.work = RunWork.of(recipe, train_blocks.shape[1], reference.blocks.numel())
         self.clock_start = time.perf_counter()
 
     def restore(self) -> int | None:
@@ -138,7 +179,8 @@ class _Run:
     def evaluate(self) -> EvalRecord:
         state, recipe = self.state, self.recipe
         kl, ppl = evaluate_student(self.student, self.teacher, self.reference, recipe=recipe,
-                                   should_stop=None if self.ranks.sharded else self.hooks.should_stop)
+                                   should_stop=None if self.ranks.sharded else self.hooks.should_stop,
+                                   done=self.report)
         previous = max((e for e in self.evals if e < state.step), default=0)
         state.elapsed = time.perf_counter() - self.clock_start
         return EvalRecord(layout=self.layout.name, seed=self.seed, step=state.step, kl=kl, ppl=ppl,
@@ -189,8 +231,12 @@ class _Run:
         state.step += 1
         if self.hooks.on_step:
             self.hooks.on_step(stats, state.records[-1] if state.records else None)
+        self.report()
+
+    def report(self, evaluating: float = 0.0) -> None:
+        """The run's share done (RunWork): its steps, its evaluations and `evaluating` of the one under way."""
         if self.hooks.progress:
-            self.hooks.progress(STAGE, state.step / recipe.steps)
+            self.hooks.progress(STAGE, self.work.fraction(self.state.step, len(self.state.records) + evaluating))
 
     def run(self) -> None:
         while True:

@@ -24,7 +24,7 @@ from models.distill.data import load_data, place_data
 from models.distill.evaluation import DenseReference
 from models.distill.recipe import DistillError
 from models.distill.records import EvalRecord, write_metrics
-from models.distill.run import distill_run
+from models.distill.run import STAGE, RunWork, distill_run, reference_work
 from models.distill.sharding import launch_rank
 from models.distill.spec import DistillSpec
 from models.distill.train import StepStats
@@ -61,7 +61,8 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     """Every (layout, seed) run of `spec`, in order; writes out_dir/{metrics.csv, summary.json, curves.png}.
 
     Rerunning with the same spec and out_dir skips finished runs and resumes the interrupted one.
-    progress(stage, fraction) counts optimiser steps over all runs. Returns the summary.
+    progress(stage, fraction) counts the work done (`models.distill.run.RunWork`): the dense reference, then
+    each run's steps and evaluations. Returns the summary.
     should_stop is asked between the dense model's evaluation batches, steps, micro-batches and
     evaluation batches; abandonable(fn) runs the data loading (which asks nothing): the worker passes
     a wrapper that a cancel can walk away from.
@@ -87,8 +88,17 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
 
     placement, train_blocks, eval_blocks = abandonable(read) if abandonable is not None else read()
     spec = replace(spec, train=placement.train or spec.train, eval=placement.eval)  # what was read
-    reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe, should_stop=should_stop)
     pairs = [(name, seed) for name in layouts for seed in spec.seeds]
+    run_work = RunWork.of(spec.recipe, train_blocks.shape[1], eval_blocks.numel()).total
+    before_runs = reference_work(eval_blocks.numel())
+    total = before_runs + len(pairs) * run_work
+
+    def reference_done(fraction: float) -> None:
+        if progress:
+            progress(STAGE, fraction * before_runs / total)
+
+    reference = DenseReference.compute(teacher, eval_blocks, recipe=spec.recipe, should_stop=should_stop,
+                                       done=reference_done)
     records: list[EvalRecord] = []
 
     def record(rec: EvalRecord) -> None:
@@ -109,7 +119,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     for index, (name, seed) in enumerate(pairs):
         def run_progress(stage: str, fraction: float, index: int = index) -> None:
             if progress:
-                progress(stage, (index + fraction) / len(pairs))
+                progress(stage, (before_runs + (index + fraction) * run_work) / total)
 
         def step_hook(stats: StepStats, last: EvalRecord | None, name: str = name, seed: int = seed) -> None:
             if on_step:

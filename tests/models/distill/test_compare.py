@@ -63,3 +63,33 @@ def test_run_distill_compares_layouts_and_writes_the_summary(tmp_path):
     assert "dense perplexity" in D.summary_table(summary)
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["contiguous", "optimised"]
     assert (out / "runs" / "optimised" / "seed-1" / "checkpoint" / "run_state.json").exists()
+
+
+def test_progress_moves_through_the_reference_and_the_evaluations_not_only_the_steps(tmp_path):
+    """The stage sat at 0 % through the dense reference and step 0's evaluation (90 s on SmolLM2), which
+    made its ETA wild: progress counts token passes (a step: teacher forward, student forward and backward
+    over its blocks = 4; an evaluation: teacher and student forward = 2; the reference: teacher = 1), told
+    after every evaluation micro-batch and every step. The sequence below is that count written out by hand."""
+    teacher = tiny_model("qwen2")
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, VOCAB, size=40 * 16))
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, seeds=(0,), recipe=recipe(steps=4),  # evals 0, 2, 4
+                         train=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=16, seq_len=16),
+                         eval=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=4, seq_len=16))
+    told: list[tuple[str, float]] = []
+    D.run_distill(spec, teacher=teacher, tokenizer=None, out_dir=tmp_path / "out", model_id="tiny", plot=False,
+                  progress=lambda stage, fraction: told.append((stage, fraction)))
+    # 4 evaluation blocks × 16 tokens in micro-batches of 2 blocks; steps of 4 blocks × 16 tokens
+    reference, evaluation, step = 1 * 64, 2 * 64, 4 * 4 * 16
+    total = reference + 3 * evaluation + 4 * step
+    done, expected = 0.0, []
+    for kind in ["ref", "eval", "step", "step", "eval", "step", "step", "eval"]:
+        if kind == "step":
+            done += step
+            expected.append(done)
+        else:  # two micro-batches, each half of it
+            for _ in range(2):
+                done += (reference if kind == "ref" else evaluation) / 2
+                expected.append(done)
+    assert {stage for stage, _ in told} == {"distilling"}
+    assert [f for _, f in told] == pytest.approx([d / total for d in expected])
+    assert told[1][1] > 0 and told[-1][1] == pytest.approx(1.0)  # before any optimiser step: no longer 0

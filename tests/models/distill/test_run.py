@@ -63,11 +63,16 @@ def test_run_writes_logs_and_resume_after_kill_gives_the_same_curve(setup, tmp_p
 
 def test_should_stop_cancels_between_steps(setup, tmp_path):
     teacher, train = setup
-    fractions = []
+    fractions, steps = [], []
     with pytest.raises(Cancelled, match="cancelled at step 3"):  # asked once 3 steps are done
-        run(teacher, train, tmp_path, should_stop=lambda: len(fractions) >= 3,
+        run(teacher, train, tmp_path, should_stop=lambda: len(steps) >= 3,
+            on_step=lambda stats, _last: steps.append(stats.step),
             progress=lambda stage, f: fractions.append((stage, f)))
-    assert fractions == [("distilling", 1 / 6), ("distilling", 2 / 6), ("distilling", 3 / 6)]
+    # the evaluations at steps 0 and 2 and the 3 steps, each moving the bar (tests/models/distill/test_compare.py
+    # checks the amounts); the run stopped before its end
+    assert {stage for stage, _ in fractions} == {"distilling"}
+    values = [f for _, f in fractions]
+    assert values == sorted(values) and 0 < values[0] and values[-1] < 1
 
 
 KILLED_CHILD = """
