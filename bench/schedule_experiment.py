@@ -133,6 +133,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # a GPU (not run here): 300 steps of 8 × 512 tokens, evaluations on 16 × 512 = 8,192 tokens of each domain
     "gpu": {"steps": 300, "batch_size": 8, "seq_len": 512, "eval_every": 50, "eval_blocks": 16, "eval2_blocks": 16,
             "spd_blocks": 8},
+    # the GPU preset's part that fits a lent machine (bench/schedule_gpu_short.py): dtp:1's optimised layout,
+    # contiguous and random × 3 seeds, 100 steps of 8 × 512, evaluations every 10 steps on 16 × 512 tokens
+    "gpu-short": {"schedules": "dtp:1", "steps": 100, "batch_size": 8, "seq_len": 512, "eval_every": 10,
+                  "eval_blocks": 16, "eval2_blocks": 16, "optimised_layouts": 1, "random_layouts": 1},
     # the smoke run: 2 steps, tiny data, two seeds
     "quick": {"steps": 2, "eval_every": 1, "batch_size": 1, "seq_len": 32, "eval_blocks": 2, "eval2_blocks": 2,
               "calib_sequences": 2, "calib_seq_len": 32, "restarts": 0, "seeds": "0,1", "spd_blocks": 1,
