@@ -103,12 +103,16 @@ def completion_ms(root: Path, number: int, files: dict[str, bytes]) -> tuple[flo
 
 
 def extra_tensor_header(tiny: Path) -> bytes:
-    """The tiny llama's file with one more entry in its tensor table: blk.0.extra.weight, 2^28 Q2_K elements."""
+    """The tiny llama's file with one more entry in its tensor table: a 2^28-element Q2_K tensor (88 MB
+    of data, absent: its name is refused first). The entry is 64 bytes, twice the alignment, so every
+    other tensor's data stays where its offset says."""
     from models.io.gguf_header import read_header
 
     data = tiny.read_bytes()
     header = read_header(data)
-    entry = struct.pack("<Q", 18) + b"blk.0.extra.weight" + struct.pack("<I2QIQ", 2, 1 << 14, 1 << 14, 10, 0)
+    name = b"blk.0.extra_junks.weight"
+    entry = struct.pack("<Q", len(name)) + name + struct.pack("<I2QIQ", 2, 1 << 14, 1 << 14, 10, 0)
+    assert len(entry) == 64 and header.scalars.get("general.alignment", 32) == 32
     count = struct.pack("<Q", len(header.tensors) + 1)
     return data[:8] + count + data[16:header.header_bytes] + entry + data[header.header_bytes:]
 

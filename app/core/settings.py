@@ -120,8 +120,8 @@ class Settings(BaseSettings):
                                   description="tensors a GGUF file may declare; more is 422")
     gguf_max_metadata_items: int = Field(default=GGUFLimits.max_metadata_items, ge=1,
                                          description="elements of all a GGUF file's metadata arrays together "
-                                                     "(the worker's loader makes an object of each: ~40 µs and "
-                                                     "~1.6 KiB); more is 422 before they are read")
+                                                     "(the worker's loader makes objects of each: 40-150 µs and "
+                                                     "~1.7 KiB a string); more is 422 before they are read")
     tokenizer_vocab_max_bytes: int = Field(default=8 << 20, ge=1 << 10,
                                            description="a model's vocab.json, merges.txt, vocab.txt or "
                                                        "added_tokens.json may be this long (a slow tokenizer holds "
@@ -138,8 +138,9 @@ class Settings(BaseSettings):
                                                                                         "long; longer is 422 "
                                                                                         "before it is read")
     json_max_bytes: int = Field(default=64 << 20, ge=1 << 10, description="a tenant's JSON file (tokenizer.json, "
-                                                                          "tokenizer_config.json, an index; "
-                                                                          "config.json: 1 MiB) may be this long")
+                                                                          "an index; config.json: 1 MiB; the "
+                                                                          "tokenizer's side files: their "
+                                                                          "TOKENIZER_*_MAX_BYTES) may be this long")
     json_max_depth: int = Field(default=64, ge=4, le=10_000, description="arrays and objects in a tenant's JSON file "
                                                                          "(and a safetensors header) may nest this "
                                                                          "deep; deeper is 422")
