@@ -16,10 +16,12 @@ from app.core.hub import ModelRefused, gguf_head_config, local_listing, prepare_
 from app.core.services.upload_checks import content_check
 from app.core.storage.root import Storage
 from app.core.storage.uploads import UploadStore
+from tests.app.core import test_hub
 from tests.app.core.test_hub import job
 from tests.hostile_kit import TINY_CONFIG, WEIGHTS
 from tests.service_kit import make_settings
 
+hub_cache = test_hub.hub_cache  # the offline HF cache fixture
 PREFIX = "uploads/t/0123456789abcdef0123456789abcdef"
 MERGES = "#version: 0.2\n" + "Ġ t\nĠ a\nh e\n" * 10
 
@@ -168,3 +170,17 @@ def test_a_hub_gguf_is_checked_from_its_first_bytes_before_it_is_downloaded(tiny
                          name="many.gguf")
     with pytest.raises(ModelRefused, match=r"is 1099511627776 bytes.*HUB_MAX_MODEL_BYTES"):
         gguf_head_config(head, 1 << 40, settings, name="huge.gguf")
+
+
+def test_a_cached_hub_snapshot_past_a_cap_is_refused_before_it_is_loaded(tmp_path, hub_cache):
+    """Offline (no listing to ask), the snapshot on disk is held to the same rule before any loader."""
+    from tests.app.core.test_hub import CONFIG
+
+    _cache, put = hub_cache
+    put("acme/slow", {"config.json": json.dumps(CONFIG).encode(), "model.safetensors": WEIGHTS,
+                      "merges.txt": b"a b\n" * 1024})
+    settings = make_settings(tmp_path / "var", tokenizer_vocab_max_bytes=2048)
+    with pytest.raises(ModelRefused, match=r"hub model 'acme/slow': 'merges\.txt' is 4096 bytes.*VOCAB_MAX_BYTES"):
+        prepare_model(settings=settings, spec=job("acme/slow"))
+    location = prepare_model(settings=make_settings(tmp_path / "var"), spec=job("acme/slow"))
+    assert location.path is not None and (location.path / "merges.txt").is_file()
