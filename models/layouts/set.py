@@ -25,7 +25,7 @@ Pure numpy (no torch): the `score` command and the API process use it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -148,8 +148,10 @@ def refuse_layout_independent(schedule: Schedule | None) -> None:
 
 
 def run_variant(result: AffinityResult, variant: Variant, *, devices: int, score_name: str,
-                restarts: int, schedule: Schedule | None = None) -> OptimiseResult:
-    """The variant's optimised layout: on J_σ of `schedule`, or on the chain objective (None)."""
+                restarts: int, schedule: Schedule | None = None,
+                done: Callable[[float], None] | None = None) -> OptimiseResult:
+    """The variant's optimised layout: on J_σ of `schedule`, or on the chain objective (None); done(fraction)
+    as the optimiser's ascents go (`models.optimise.ascent.optimise`)."""
     built_with = other_score(score_name) if variant.other_score else score_name
     layers = None if variant.layer_count is None else evenly_spaced_layers(result.shape.num_layers,
                                                                            variant.layer_count)
@@ -158,7 +160,7 @@ def run_variant(result: AffinityResult, variant: Variant, *, devices: int, score
                                    restarts=restarts_used(variant, restarts))
     refuse_layout_independent(schedule)
     affinity = objective_affinity(result, built_with, schedule)
-    return optimise(affinity, devices, bound=upper_bound(affinity, devices), **options)
+    return optimise(affinity, devices, bound=upper_bound(affinity, devices), done=done, **options)
 
 
 def score_both(result: AffinityResult, kv_group_device: Any, neuron_device: Any, devices: int,
@@ -184,13 +186,24 @@ def scored_layout(lay: Layout, result: AffinityResult, *, score_name: str, objec
     return lay.with_name(lay.name, report)
 
 
+# The optimising stage's progress in units of work: one per coordinate ascent of a variant (1 + its
+# restarts) and one per layout scored (both units, each with its bound). At SmolLM2-135M's shape on the chain
+# objective (bench/optimiser.py's synthetic affinity, L=3, 2 cores) one ascent took 0.15 s and one layout's
+# scoring 0.27 s: the same order, so they count alike; a pt:2 job spent 80 s here with its bar at 0 %.
+def _work_units(variants: Sequence[Variant], restarts: int, fixed_layouts: int) -> tuple[list[int], int]:
+    """The units of each variant's optimisation, and of all the layouts' scoring."""
+    return [1 + restarts_used(v, restarts) for v in variants], len(variants) + fixed_layouts
+
+
 def build_layouts(result: AffinityResult, *, devices: int, delta: int, score_name: str = "fo",
                   random_layouts: int = 0, ablations: bool = False, restarts: int = 4,
-                  schedule: Schedule | None = None) -> dict[str, Layout]:
+                  schedule: Schedule | None = None, progress: Callable[[float], None] | None = None
+                  ) -> dict[str, Layout]:
     """optimised, (optionally) the ablations, contiguous and random-<seed>, each with its score.
 
     schedule: optimise and score on J_σ of that schedule, and record it in every layout (LayoutError for a
     layout-independent one; ValueError when the affinity lacks its edges); None: the chain objective.
+    progress(fraction) after every optimiser sweep and every layout scored (`_work_units`).
     """
     refuse_layout_independent(schedule)
     recorded = None if schedule is None else str(schedule)
@@ -200,10 +213,21 @@ def build_layouts(result: AffinityResult, *, devices: int, delta: int, score_nam
     if score_name not in SCORES:
         raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score_name!r}")
     variants = [Variant("optimised"), *(ablation_variants(score_name, restarts) if ablations else [])]
+    ascents, scorings = _work_units(variants, restarts, 1 + random_layouts)
+    total, before = float(sum(ascents) + scorings), 0.0
+
+    def tell(units_done: float) -> None:
+        if progress is not None:
+            progress(min(1.0, (before + units_done) / total))
+
     layouts: dict[str, Layout] = {}
-    for variant in variants:
+    for variant, share in zip(variants, ascents, strict=True):
+        def optimised(fraction: float, share: int = share) -> None:
+            tell(fraction * share)
+
         best = run_variant(result, variant, devices=devices, score_name=score_name, restarts=restarts,
-                           schedule=schedule)
+                           schedule=schedule, done=optimised)
+        before += share
         lay = Layout(variant.name, devices, delta, shape, best.kv_group_device, best.neuron_device,
                      schedule=recorded)
         layers = (None if variant.layer_count is None
@@ -212,12 +236,16 @@ def build_layouts(result: AffinityResult, *, devices: int, delta: int, score_nam
         layouts[variant.name] = scored_layout(lay, result, score_name=score_name, objective=built_with,
                                               restarts=restarts_used(variant, restarts), layers=layers,
                                               schedule=schedule)
+        before += 1
+        tell(0.0)
     fixed = [layout_mod.contiguous(shape, devices, delta)]
     fixed += [layout_mod.random(shape, devices, delta, RANDOM_SEED_BASE + k) for k in range(random_layouts)]
     for lay in fixed:
         lay = Layout(lay.name, devices, delta, shape, lay.kv_group_device, lay.neuron_device, schedule=recorded)
         layouts[lay.name] = scored_layout(lay, result, score_name=score_name, objective=None, restarts=None,
                                           schedule=schedule)
+        before += 1
+        tell(0.0)
     return layouts
 
 

@@ -10,6 +10,7 @@ is ν_i given h_i and h_{i+1}, or h_i given ν_{i-1} and ν_i. Pure numpy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ def _moving_layers(layers: Any, num_layers: int) -> list[int]:
 def optimise(affinity: Problem, devices: int, *, maximise: bool = True, move_heads: bool = True,
              move_neurons: bool = True, layers: Any = None, max_sweeps: int = 50, tol: float = 1e-12,
              bound: UpperBound | None = None, initial_heads: np.ndarray | None = None, restarts: int = 0,
-             seed: int = 0) -> OptimiseResult:
+             seed: int = 0, done: Callable[[float], None] | None = None) -> OptimiseResult:
     """Coordinate ascent of J_σ over the blocks, from the contiguous layout: of objective (6) for the
     paper's chain (an `Affinity`), of the schedule's edges for a `ScheduleAffinity`.
 
@@ -86,29 +87,45 @@ def optimise(affinity: Problem, devices: int, *, maximise: bool = True, move_hea
     many seeded random balanced head assignments (of the moving layers) and keeps the best result;
     `initial_heads` [N, G] replaces the contiguous start. A layout-independent schedule (no edge: tp,
     ladder) returns the contiguous layout with J_σ = 0 and report.layout_independent set.
+
+    done(fraction) is told the share of the work done after every sweep: the ascents (1 + restarts) are
+    equal shares; a sweep moves its ascent's share by s/(s+1) after s sweeps (how many it takes to converge
+    is not known beforehand), and the ascent's end completes it.
     """
     if restarts < 0:
         raise ValueError(f"restarts must be ≥ 0, got {restarts}")
     kwargs: dict[str, Any] = dict(maximise=maximise, move_heads=move_heads, move_neurons=move_neurons, layers=layers,
                                   max_sweeps=max_sweeps, tol=tol, bound=bound)
-    best = _ascend(affinity, devices, initial_heads=initial_heads, **kwargs)
-    if not move_heads or edges_of(affinity).layout_independent:
-        return best  # every start would give the same layout
+    single = not move_heads or edges_of(affinity).layout_independent  # every start would give the same layout
+    ascents = 1 if single else 1 + restarts
+
+    def sweeps_of(k: int) -> Callable[[int], None] | None:
+        """Ascent k's share, told after each of its sweeps."""
+        return None if done is None else (lambda sweeps: done((k + sweeps / (sweeps + 1)) / ascents))
+
+    best = _ascend(affinity, devices, initial_heads=initial_heads, on_sweep=sweeps_of(0), **kwargs)
+    if done is not None:
+        done(1 / ascents)
+    if single:
+        return best
     rng = np.random.default_rng(seed)
     groups_row = contiguous_row(affinity.num_kv_groups, devices)
     sign = 1.0 if maximise else -1.0
-    for _ in range(restarts):
+    for k in range(1, ascents):
         start = np.stack([rng.permutation(groups_row) for _ in range(affinity.num_layers)])  # [N, G]
-        candidate = _ascend(affinity, devices, initial_heads=start, **kwargs)
+        candidate = _ascend(affinity, devices, initial_heads=start, on_sweep=sweeps_of(k), **kwargs)
         if sign * (candidate.report.J - best.report.J) > tol:
             best = candidate
+        if done is not None:
+            done((k + 1) / ascents)
     return best
 
 
 def _ascend(affinity: Problem, devices: int, *, maximise: bool, move_heads: bool, move_neurons: bool,
             layers: Any, max_sweeps: int, tol: float, bound: UpperBound | None,
-            initial_heads: np.ndarray | None) -> OptimiseResult:
-    """One coordinate ascent from `initial_heads` (default contiguous) and contiguous neurons."""
+            initial_heads: np.ndarray | None, on_sweep: Callable[[int], None] | None = None) -> OptimiseResult:
+    """One coordinate ascent from `initial_heads` (default contiguous) and contiguous neurons; on_sweep(s)
+    after its s-th sweep."""
     check_devices(affinity, devices)
     if max_sweeps < 1:
         raise ValueError(f"max_sweeps must be at least 1, got {max_sweeps}")
@@ -128,6 +145,8 @@ def _ascend(affinity: Problem, devices: int, *, maximise: bool, move_heads: bool
             if move_heads:
                 heads[i] = _step(module_gain(unit, heads, cells, 2 * i, devices), heads[i], maximise)
         history.append(objective(unit, heads, cells))
+        if on_sweep is not None:
+            on_sweep(len(history))
         if sign * (history[-1] - previous) <= tol:
             break
         previous = history[-1]

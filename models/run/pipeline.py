@@ -166,14 +166,16 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     state.timed("affinity", t0)
 
 
-def stage_layouts(state: RunState, *, spec: OptimiseSpec) -> None:
+def stage_layouts(state: RunState, *, spec: OptimiseSpec, progress: Progress | None = None) -> None:
+    """The layouts of `spec` from the affinity; progress("optimising", f) after every sweep and layout scored."""
     t0 = time.perf_counter()
     assert state.affinity is not None, "stage_affinity first"
     state.layouts = build_layouts(state.affinity, devices=spec.devices, delta=spec.delta, score_name=spec.score,
                                   random_layouts=spec.random_layouts, ablations=spec.ablations,
                                   restarts=spec.restarts,
                                   schedule=spec.objective_schedule(state.affinity.shape.num_layers,
-                                                                   state.affinity.schedule))
+                                                                   state.affinity.schedule),
+                                  progress=None if progress is None else lambda f: progress("optimising", f))
     for name, lay in state.layouts.items():
         lay.save(state.out_dir / "layouts" / f"{name}.json")
     state.timed("optimise", t0)

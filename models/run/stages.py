@@ -241,10 +241,10 @@ def _schedule_now(ctx: RunContext) -> str | None:
     return ctx.schedule_text
 
 
-def _optimise(ctx: RunContext, _hooks: Hooks) -> Note:
+def _optimise(ctx: RunContext, hooks: Hooks) -> Note:
     from models.run import pipeline
     shutil.rmtree(ctx.run_dir / LAYOUTS_DIR, ignore_errors=True)
-    pipeline.stage_layouts(ctx.run_state(), spec=ctx.optimise)
+    pipeline.stage_layouts(ctx.run_state(), spec=ctx.optimise, progress=hooks.progress)
     _restore_layouts(ctx)
     return {"layouts": len(ctx.run_state().layouts)}
 

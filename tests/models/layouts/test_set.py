@@ -136,3 +136,22 @@ def test_neuron_agreement_is_the_best_relabelling():
     relabelled = Layout("c", 3, 1, shape, (a.kv_group_device + 1) % 3, (a.neuron_device + 1) % 3)
     same = neuron_agreement(a, relabelled)
     assert same["neurons"] == 1.0 and same["kv_groups"] == 1.0
+
+
+def test_progress_moves_with_every_sweep_and_every_layout_scored(result):
+    """A pt:2 job's optimising sat at 0 % for 80 s: build_layouts tells its progress after every optimiser
+    sweep and every layout scored. Units, written out: the optimised layout's 1 + 2 ascents, then the
+    scoring of optimised, contiguous and random-1000 (one each): 6, each ascent's end and each score a
+    sixth; in between, the sweeps of an ascent, without reaching its end. The layouts are the same."""
+    told: list[float] = []
+    with_progress = build_layouts(result, devices=L, delta=1, random_layouts=1, restarts=2, progress=told.append)
+    assert told == sorted(told) and told[-1] == pytest.approx(1.0)
+    marks = [k / 6 for k in range(1, 7)]
+    assert all(any(t == pytest.approx(m) for t in told) for m in marks), told
+    within = [t for t in told if not any(t == pytest.approx(m) for m in marks)]
+    assert within and all(0 < t < 0.5 for t in within)  # the sweeps, during the three ascents (half the work)
+    without = build_layouts(result, devices=L, delta=1, random_layouts=1, restarts=2)
+    assert list(with_progress) == list(without)
+    for name, lay in without.items():
+        assert np.array_equal(with_progress[name].neuron_device, lay.neuron_device)
+        assert np.array_equal(with_progress[name].kv_group_device, lay.kv_group_device)
