@@ -264,14 +264,11 @@ class JobRun(Publishing):
         spec = self.spec
         if not spec.model.id.startswith("upload:"):
             return prepare_model(settings=self.settings, spec=spec)
-        from app.core.services.model_limits import check_model_config
-        from app.core.services.sources import read_config
+        from app.core.hub import check_local_model
 
+        # a GGUF's header and tensor table strictly (issue 41): one the bounded reader refuses is never loaded
         location = ModelLocation(path=self.upload_path(spec.model.id, kind="model", field="model.id"))
-        config = read_config(location)
-        if config is not None and (problems := check_model_config(config, spec=spec, settings=self.settings)):
-            raise SourceError(problems[0][0], "; ".join(f"{field}: {message}" for field, message in problems))
-        return location
+        return check_local_model(location, settings=self.settings, spec=spec)
 
     def context(self) -> Any:
         """The job's run: its plan (models.run.plan.plan_run: the stages and their parameters, from the spec, its

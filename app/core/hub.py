@@ -194,29 +194,41 @@ def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], set
     return ModelLocation(path=snapshot.absolute())
 
 
-def prepare_model(*, settings: Settings, spec: JobSpec) -> ModelLocation:
-    """Where the worker loads the job's model from, after the checks the API made at submit (run again:
-    the model root, the hub and the settings may have changed since). Raises SourceError (a ValueError)
-    naming the problem; a hub model comes back as its snapshot directory in the HF cache."""
+def _checker(settings: Settings, spec: JobSpec) -> Callable[[dict[str, Any]], None]:
     from app.core.services.model_limits import check_model_config
 
     def check(config: dict[str, Any]) -> None:
         if problems := check_model_config(config, spec=spec, settings=settings):
             raise ModelRefused(problems[0][0], "; ".join(f"{field}: {message}" for field, message in problems))
 
+    return check
+
+
+def check_local_model(location: ModelLocation, *, settings: Settings, spec: JobSpec) -> ModelLocation:
+    """A local model (a model-root name or an upload's copy) checked again before the worker loads it: a
+    GGUF's header and tensor table by the bounded reader, strictly (a file it refuses is never handed to
+    the loader, which would dequantise what it does not know), else the directory's config.json."""
+    assert location.path is not None
+    gguf = location.path if location.path.suffix == ".gguf" else (
+        location.path / location.gguf_file if location.gguf_file else None)
+    config = bounded_gguf_config(gguf, settings.gguf_limits()) if gguf is not None else read_config(location)
+    if config is not None:
+        _checker(settings, spec)(config)
+    return location
+
+
+def prepare_model(*, settings: Settings, spec: JobSpec) -> ModelLocation:
+    """Where the worker loads the job's model from, after the checks the API made at submit (run again:
+    the model root, the hub and the settings may have changed since). Raises SourceError (a ValueError)
+    naming the problem; a hub model comes back as its snapshot directory in the HF cache."""
     location = resolve_model(settings.models_dir, spec.model.id, revision=spec.model.revision,
                              gguf_file=spec.model.gguf_file)
     if location.hub_id is None:
-        gguf = location.path if location.path and location.path.suffix == ".gguf" else (
-            location.path / location.gguf_file if location.path and location.gguf_file else None)
-        config = bounded_gguf_config(gguf, settings.gguf_limits()) if gguf is not None else read_config(location)
-        if config is not None:
-            check(config)
-        return location
+        return check_local_model(location, settings=settings, spec=spec)
     if problem := model_problem(settings, location.hub_id):
         raise SourceError("model.id", problem)
     try:
-        return _fetch(location, check, settings)
+        return _fetch(location, _checker(settings, spec), settings)
     except ModelRefused:
         raise
     except Exception as exc:  # network, missing repo or file, offline cache miss: the job fails naming the id

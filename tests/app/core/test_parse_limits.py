@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 from app.core.errors import SpecError
-from app.core.hub import ModelRefused, gguf_head_config, local_listing, prepare_model, snapshot_files
+from app.core.hub import (
+    ModelRefused,
+    check_local_model,
+    gguf_head_config,
+    local_listing,
+    prepare_model,
+    snapshot_files,
+)
+from app.core.services.sources import ModelLocation, read_config
 from app.core.services.upload_checks import content_check
 from app.core.storage.root import Storage
 from app.core.storage.uploads import UploadStore
@@ -131,6 +139,11 @@ def test_a_model_root_gguf_with_an_unknown_tensor_is_refused_before_it_is_loaded
             extra={"blk.0.extra.weight": (np.zeros((256, 84), np.uint8), GGMLQuantizationType.Q2_K)})
     with pytest.raises(ModelRefused, match=r"tensor 'blk\.0\.extra\.weight' is not one"):
         prepare_model(settings=settings, spec=job("extra.gguf"))
+    # an upload's copy (the worker's check_local_model): refused, not read as "no config" and loaded
+    upload = ModelLocation(path=settings.models_dir / "extra.gguf")
+    with pytest.raises(ModelRefused, match=r"tensor 'blk\.0\.extra\.weight' is not one"):
+        check_local_model(upload, settings=settings, spec=job("upload:" + "0" * 32))
+    assert read_config(upload) is None  # what the worker read before: nothing to check, so it loaded the file
 
 
 # ---- hub sources: the checks, on local files --------------------------------------------------------------
