@@ -23,12 +23,14 @@ from app.api.check_slots import CheckSlots
 from app.api.deps import Db
 from app.api.metrics import Metrics
 from app.api.ratelimit import RateLimiter
+from app.api.readiness import Readiness
 from app.api.routers import health, uploads, v1_router
 from app.core import logs
 from app.core.db import database
 from app.core.jobstate import STAGES
 from app.core.keys import KeyRing
 from app.core.queue import JobQueue
+from app.core.services import jobs as services
 from app.core.services.job_stats import CachedStats, job_stats
 from app.core.services.submit_warmup import warm_submit
 from app.core.services.upload_checks import start_checker
@@ -89,6 +91,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The worker threads that run sync routes: as many as the database pool has connections.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        # The broker must serve this database, as `serve` and `worker` check (BrokerServesAnother stops the start).
+        await run_in_threadpool(_app.state.readiness.startup)
         # The first submit as fast as the next: model metadata read, check modules imported, broker opened
         # (before the heap is frozen: what it imports lives as long as the process).
         await run_in_threadpool(warm_submit, settings, _app.state.queue, _app.state.db)
@@ -110,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keys = KeyRing(settings, db)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min, settings.rate_limit_burst)
     app.state.queue = JobQueue(settings)
+    app.state.readiness = Readiness(settings, lambda: services.check_database(db=db), app.state.queue.ping)
     app.state.upload_checks = CheckSlots(total=settings.upload_checks_max, per_tenant=settings.upload_checks_per_tenant)
     stats = CachedStats(lambda: job_stats(db=db), settings.metrics_cache_s)
     app.state.metrics = metrics = Metrics(stats.get)

@@ -49,7 +49,8 @@ def database_identity(database_url: str) -> str:
     return redacted_url(database_url)
 
 
-def _sqlite_broker_file(broker_url: str) -> Path | None:
+def sqlite_broker_file(broker_url: str) -> Path | None:
+    """The embedded broker's file (a sqla+sqlite URL's path); None for another broker."""
     for scheme in ("sqla+sqlite:///", "sqlalchemy+sqlite:///"):
         if broker_url.startswith(scheme) and len(broker_url) > len(scheme):
             return Path(broker_url[len(scheme):].split("?", 1)[0])
@@ -84,7 +85,7 @@ def mark_broker(settings: Settings) -> str | None:
     """Mark the broker as serving this service's database; the refusal to print when it already serves
     another (None: marked, or a broker that carries no marker)."""
     identity = database_identity(settings.database_url)
-    sqlite_file = _sqlite_broker_file(settings.broker_url)
+    sqlite_file = sqlite_broker_file(settings.broker_url)
     if sqlite_file is not None:
         owner = _mark_sqlite(sqlite_file, identity)
     elif settings.broker_url.startswith(("redis://", "rediss://")):

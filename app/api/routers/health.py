@@ -1,23 +1,25 @@
 """/healthz, /readyz and /metrics: for load balancers and Prometheus, without a key.
 
 They disclose no job, tenant, exception text or server path: readiness says which dependency is
-down, and the reason goes to the server's log."""
+down (the broker also when it serves another database), and the reason goes to the server's log.
+/readyz answers from app.api.readiness's cache (its round trips at most once per 1.5 s) on the event
+loop, and is rate-limited per client address like a keyless /v1 request."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from app.api.errors import ErrorOut
+from app.api.ratelimit import RateLimiter
+from app.api.readiness import Readiness
+from app.core.errors import TooManyRequests
 from app.core.schemas.reads import Health
-from app.core.services import jobs as services
 
-log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
-UNREACHABLE = "error: unreachable (the reason is in the server's log)"
 
 
 @router.get("/healthz", response_model=Health, operation_id="healthz", summary="The API process is up")
@@ -25,19 +27,20 @@ def healthz() -> dict[str, Any]:
     return {"status": "ok", "checks": {}}
 
 
-@router.get("/readyz", response_model=Health, operation_id="readyz", summary="Database and broker reachable",
-            responses={503: {"model": Health, "description": "a dependency is unreachable (named in `checks`)"}})
-def readyz(request: Request) -> JSONResponse:
+@router.get("/readyz", response_model=Health, operation_id="readyz",
+            summary="Database and broker reachable, the broker this database's",
+            responses={503: {"model": Health, "description": "a dependency is unreachable, or the broker serves "
+                                                             "another database (named in `checks`)"},
+                       429: {"model": ErrorOut, "description": "this address's requests are past the rate limit"}})
+async def readyz(request: Request) -> JSONResponse:
     state = request.app.state
-    checks: dict[str, str] = {}
-    for name, probe in (("database", lambda: services.check_database(db=state.db)), ("broker", state.queue.ping)):
-        try:
-            probe()
-            checks[name] = "ok"
-        except Exception:
-            log.warning("readyz: the %s is unreachable", name, exc_info=True)
-            checks[name] = UNREACHABLE
-    ok = all(v == "ok" for v in checks.values())
+    limiter: RateLimiter = state.rate_limiter
+    wait = limiter.take(f"readyz:{request.client.host if request.client else 'unknown'}")
+    if wait > 0:
+        raise TooManyRequests(f"rate limit: at most {round(limiter.rate * 60)} requests per minute per client address; "
+                              f"retry after {wait:.1f} s", field="readyz", retry_after_s=wait)
+    readiness: Readiness = state.readiness
+    ok, checks = await readiness.answer()
     return JSONResponse(status_code=200 if ok else 503, content={"status": "ok" if ok else "unavailable",
                                                                  "checks": checks})
 
