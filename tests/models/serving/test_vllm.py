@@ -1,12 +1,16 @@
-"""vLLM serves the exported shards with the project runtime's tokens (issue 28).
+"""vLLM serves the exported shards with the project runtime's tokens (issues 28, 42), in both exchange modes
+and under an emulated link latency.
 
 Each engine (TP = 2 on the CPU, fp32, eager) is started once per (family, schedule, load path) and shared by
 that engine's tests (module-scoped, parametrized: one engine at a time in a process; under xdist the engines
 go to the workers one by one). Two run as vLLM's OpenAI server from .venv-vllm, as docs/serving.md has users
-run it: the llama dtp:1 shards (also compared with the `generate` command) and the checkpoint with the table
-on the server's --hf-overrides. The others are loaded by this session's engine host (vllm_host.py: `vllm.LLM`
-in one process that imported vLLM once; the same plugin, model classes, executor and TP workers), which
-readies an engine in ~10 s instead of the server's ~25 s on an idle machine.
+run it: the llama dtp:1 shards through `dtp-layout vllm-serve --exchange overlap` with no dtype (the shards'
+fp32 is its default) and no other vLLM flag but the test's chunking (also compared with the `generate`
+command, and stopped by SIGTERM to the command), and the checkpoint with the table on the server's
+--hf-overrides. The others are loaded by this session's engine host (vllm_host.py: `vllm.LLM` in one process
+that imported vLLM once; the same plugin, model classes, executor and TP workers), which readies an engine
+in ~10 s instead of the server's ~25 s on an idle machine, and switches the plugin's exchange mode and link
+latency within one load (`LLM.collective_rpc`), so both modes are checked without a second engine.
 Every engine runs with --max-num-batched-tokens 16, so the longer prompts are prefilled in chunks, and
 every request is a batch of prompts of different lengths sent as token ids at temperature 0. The
 reference is the project's runtime (`models.runtime`, what `dtp-layout generate` runs) on the same shards.
@@ -17,11 +21,14 @@ Skipped without .venv-vllm (`make vllm-env`); the engines take minutes to start 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from models.runtime import DTPRuntime
@@ -46,8 +53,12 @@ ENGINES = [("llama", "tp", "shards"), ("llama", "dtp:1", "shards"), ("llama", "d
            ("qwen3", "dtp:1", "shards"), ("qwen2", "pt:2", "shards"), ("mistral", "ladder", "shards"),
            ("llama", "dtp:2", "checkpoint"), ("llama", "dtp:1", "plain")]
 Engine = tuple[str, str, str, Path, "Server | HostedEngine"]  # case, schedule, load path, shards, the engine
-SERVED = {("llama", "dtp:1", "shards"), ("llama", "dtp:2", "checkpoint")}  # on the OpenAI server; the rest hosted
+# on the OpenAI server, in the exchange mode it runs (the rest hosted, both modes); the first through vllm-serve
+SERVED = {("llama", "dtp:1", "shards"): "overlap", ("llama", "dtp:2", "checkpoint"): "eager"}
+VIA_COMMAND = ("llama", "dtp:1", "shards")
+MODES = ("eager", "overlap")
 TIMES: dict[str, float] = {}
+REFERENCES: dict[tuple[Path, str | None], list[list[int]]] = {}  # the runtime's tokens, per shards and override
 
 
 def _prompts() -> list[list[int]]:
@@ -98,7 +109,9 @@ def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
     overrides = hf_overrides(json.loads((shards / "manifest.json").read_text())["serving"]) \
         if path == "checkpoint" else None
     server: Server | HostedEngine
-    if request.param in SERVED:
+    if request.param == VIA_COMMAND:
+        server = Server(model, extra=CHUNK, vllm_serve=["--exchange", SERVED[VIA_COMMAND]])
+    elif request.param in SERVED:
         server = Server(model, extra=[*CHUNK, *(["--hf-overrides", json.dumps(overrides)] if overrides else [])])
     else:
         server = request.getfixturevalue("engine_host").load(model, hf_overrides=overrides)
@@ -112,21 +125,40 @@ def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
 
 
 def _reference(rt: DTPRuntime, shards: Path, prompts: list[list[int]], override: str | None = None) -> list[list[int]]:
-    rt.load(shards)
-    return [rt.generate(np.asarray([p]), max_new_tokens=MAX_TOKENS, stop_at_eos=False,
-                        schedule_override=override).tokens.tolist()[0] for p in prompts]
+    if (shards, override) not in REFERENCES or prompts != _prompts():
+        rt.load(shards)
+        tokens = [rt.generate(np.asarray([p]), max_new_tokens=MAX_TOKENS, stop_at_eos=False,
+                              schedule_override=override).tokens.tolist()[0] for p in prompts]
+        if prompts != _prompts():
+            return tokens
+        REFERENCES[shards, override] = tokens
+    return REFERENCES[shards, override]
 
 
-def test_greedy_tokens_equal_the_runtime(engine: Engine, runtime2: DTPRuntime) -> None:
+def _in_mode(engine: Engine, mode: str, link_latency_us: float = 0.0) -> None:
+    """Run the engine's plugin in `mode` (hosted: switched in its workers; served: skipped unless its own)."""
+    case, schedule, path, _, server = engine
+    if path == "plain" and mode != MODES[0]:
+        pytest.skip("vLLM's own Llama has no exchange mode")
+    if isinstance(server, HostedEngine):
+        server.configure(mode, link_latency_us)
+    elif SERVED[case, schedule, path] != mode or link_latency_us:
+        pytest.skip(f"the served engine runs {SERVED[case, schedule, path]} at 0 µs; the hosted ones both modes")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_tokens_equal_the_runtime(engine: Engine, runtime2: DTPRuntime, mode: str) -> None:
     """A batch of prompts of different lengths, the longest prefilled in chunks: vLLM's greedy tokens are the
-    runtime's (plain TP, the negative control: they are not, and are the runtime's at tp instead)."""
+    runtime's, in either exchange mode (plain TP, the negative control: they are not, and are the runtime's at
+    tp instead)."""
     case, schedule, path, shards, server = engine
+    _in_mode(engine, mode)
     prompts = _prompts()
     t0 = time.perf_counter()
     got = server.complete(prompts, MAX_TOKENS)
     elapsed = time.perf_counter() - t0
     want = _reference(runtime2, shards, prompts)
-    print(f"{case} {schedule} {path}: {len(prompts)} prompts x {MAX_TOKENS} tokens in {elapsed:.2f} s")
+    print(f"{case} {schedule} {path} ({mode}): {len(prompts)} prompts x {MAX_TOKENS} tokens in {elapsed:.2f} s")
     if path == "plain":
         assert got != want, "served as plain TP, the DTP shards' tokens must differ (the test would be vacuous)"
         assert got == _reference(runtime2, shards, prompts, override="tp")
@@ -151,3 +183,62 @@ def test_the_generate_command_gives_the_same_tokens(engine: Engine) -> None:
         pytest.skip("run on the llama dtp:1 shards engine")
     prompts = _prompts()[:2]
     assert runtime_tokens(shards, prompts, MAX_TOKENS) == server.complete(prompts, MAX_TOKENS)
+
+
+LATENCY_US = 4000.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_emulated_link_latency_is_paid_and_changes_no_token(engine: Engine, runtime2: DTPRuntime,
+                                                              mode: str) -> None:
+    """link_latency_us: each exchange usable 4 ms after it completed. The tokens stay the runtime's; tp, which
+    waits at once, pays it at each of its 4 exchanges in each of the ≥ 10 engine steps (10 new tokens)."""
+    case, schedule, path, shards, server = engine
+    if (case, path) != ("llama", "shards") or schedule not in ("tp", "dtp:2"):
+        pytest.skip("run on the hosted llama tp and dtp:2 shards engines")
+    assert isinstance(server, HostedEngine)
+    try:
+        _in_mode(engine, mode, LATENCY_US)
+        prompts = _prompts()
+        got = server.complete(prompts, MAX_TOKENS)
+        slowed = server.elapsed_s
+    finally:
+        server.configure(MODES[0], 0.0)
+    assert got == _reference(runtime2, shards, prompts)
+    if schedule == "tp":
+        paid = MAX_TOKENS * 4 * LATENCY_US * 1e-6  # a lower bound: steps x exchanges x latency
+        assert slowed >= paid, f"{slowed:.3f} s for {MAX_TOKENS} tokens at {LATENCY_US:g} µs: not paid ({paid:.2f} s)"
+
+
+def test_the_exchange_mode_is_printed_at_engine_start(engine: Engine,
+                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The first TP worker logs the schedule and the settings it runs, and where the mode came from."""
+    case, schedule, path, _, server = engine
+    if path == "plain":
+        pytest.skip("vLLM's own Llama")
+    if isinstance(server, Server):
+        log, source = server.log, "from DTP_LAYOUT_VLLM_EXCHANGE" if (case, schedule, path) == VIA_COMMAND else \
+            "the default on cpu"
+    else:
+        log, source = server.host.log, "the default on cpu"
+    mode = SERVED.get((case, schedule, path), MODES[0])
+    line = f"DTP schedule {schedule} on TP=2: exchange {mode} ({source};"
+    assert line in log.read_text(errors="replace"), line
+
+
+def test_sigterm_to_vllm_serve_stops_every_process_it_started(engine: Engine) -> None:
+    """Last for its engine: SIGTERM to `dtp-layout vllm-serve` alone (not its group) ends the API server, the
+    engine core and both TP workers; none survives and /health stops answering."""
+    case, schedule, path, _, server = engine
+    if (case, schedule, path) != VIA_COMMAND:
+        pytest.skip("run on the engine served through dtp-layout vllm-serve")
+    assert isinstance(server, Server)
+    command = psutil.Process(server.proc.pid)
+    started = command.children(recursive=True)
+    assert len(started) >= 3, [p.cmdline() for p in started]  # the API server, the engine core, the TP workers
+    os.kill(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(timeout=120) == 128 + signal.SIGTERM
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, f"survived SIGTERM to vllm-serve: {[(p.pid, p.cmdline()) for p in alive]}"
+    with pytest.raises(OSError):
+        Server.complete(server, [[1, 2, 3]], 1)

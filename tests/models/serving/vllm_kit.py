@@ -81,15 +81,22 @@ class Server:
 
     def __init__(self, model: Path, *, tp: int = 2, extra: list[str] | None = None, log: Path | None = None,
                  dtype: str = "float32", max_model_len: int = 256, python: str | Path | None = None,
-                 start_timeout_s: float | None = None) -> None:
+                 start_timeout_s: float | None = None, vllm_serve: list[str] | None = None) -> None:
+        """`vllm_serve` (the command's own options): started as `dtp-layout vllm-serve MODEL` with those, its
+        defaults otherwise (the shards' dtype, TP from the manifest, eager), `extra` after its `--`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log or model.parent / f"vllm-{self.port}.log"
         self.start_timeout_s = START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
-        cmd = [str(python or VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
-               "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "8",
-               "--served-model-name", "dtp", *(extra or [])]
+        vllm_args = ["--max-model-len", str(max_model_len), "--max-num-seqs", "8", *(extra or [])]
+        if vllm_serve is not None:
+            cmd = [sys.executable, "-m", "app.cli.main", "vllm-serve", str(model), "--port", str(self.port),
+                   "--python", str(python or VLLM_PYTHON), "--wait-ready", "--ready-timeout",
+                   f"{self.start_timeout_s:g}", *vllm_serve, "--", *vllm_args]
+        else:
+            cmd = [str(python or VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                   "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
+                   "--dtype", dtype, "--enforce-eager", "--served-model-name", "dtp", *vllm_args]
         self.cmd = cmd
         t0 = time.perf_counter()
         with open(self.log, "wb") as out:
