@@ -158,15 +158,15 @@ class Settings(BaseSettings):
     upload_check_cpu_s: int = Field(default=60, ge=1, le=3600, description="CPU seconds the child checking an upload "
                                                                            "may use at most, whatever it reads "
                                                                            "(RLIMIT_CPU); past it 422")
-    upload_check_cpu_s_base: int = Field(default=5, ge=1, le=3600, description="CPU seconds of that child for an "
-                                                                               "upload of a few bytes; plus "
-                                                                               "UPLOAD_CHECK_CPU_S_PER_MIB per MiB it "
-                                                                               "reads, up to UPLOAD_CHECK_CPU_S")
-    upload_check_cpu_s_per_mib: float = Field(default=2.0, ge=0, le=3600, description="CPU seconds added to "
-                                                                                      "UPLOAD_CHECK_CPU_S_BASE per MiB "
-                                                                                      "the check reads (a JSON file "
-                                                                                      "whole, a header up to its "
-                                                                                      "limit)")
+    # What one check may cost scales with what it reads (issue 41): a few KB may not buy a minute of CPU.
+    upload_check_cpu_s_base: int = Field(
+        default=5, ge=1, le=3600,
+        description="CPU seconds of that child for an upload of a few bytes; plus UPLOAD_CHECK_CPU_S_PER_MIB per MiB "
+                    "it reads, up to UPLOAD_CHECK_CPU_S")
+    upload_check_cpu_s_per_mib: float = Field(
+        default=2.0, ge=0, le=3600,
+        description="CPU seconds added to UPLOAD_CHECK_CPU_S_BASE per MiB the check reads (a JSON file whole, a "
+                    "header up to its limit)")
     upload_check_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="wall-clock seconds a child "
                                                                                     "checking an upload may take; "
                                                                                     "then it is killed and the "
