@@ -20,6 +20,7 @@ GGUF_MAX_METADATA_BYTES (a ranged request) and checked before the file is downlo
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,21 @@ def local_listing(directory: Path) -> list[tuple[str, int | None]]:
     return [(p.name, p.stat().st_size) for p in sorted(directory.iterdir()) if p.is_file()]
 
 
+def check_snapshot(directory: Path, settings: Settings, *, repo: str) -> None:
+    """A snapshot on disk held to `snapshot_files`' rule, and each safetensors header within
+    SAFETENSORS_MAX_HEADER_BYTES from its 8-byte length (as an upload's is), before any loader reads it."""
+    snapshot_files(local_listing(directory), settings, repo=repo)
+    limit = settings.safetensors_max_header_bytes
+    for path in sorted(directory.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0  # malformed: the loader's own error
+        if length > limit:
+            raise ModelRefused("model.id", f"hub model {repo!r}: {path.name!r} declares a {length}-byte header; "
+                                           f"headers are at most {limit} bytes "
+                                           "(DTP_LAYOUT_SAFETENSORS_MAX_HEADER_BYTES)")
+
+
 def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], settings: Settings) -> ModelLocation:
     """The hub model as a local snapshot directory, its config checked before any weight is fetched and
     what is fetched held to the limits (module docstring). Without the hub's listing (offline), only
@@ -190,7 +206,7 @@ def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], set
     config = json.loads(config_path.read_text())
     check(config if isinstance(config, dict) else {})
     snapshot = Path(snapshot_download(repo, revision=commit, allow_patterns=files, local_files_only=local_only))
-    snapshot_files(local_listing(snapshot), settings, repo=repo)  # what is on disk, an offline cache's too
+    check_snapshot(snapshot, settings, repo=repo)  # what is on disk, an offline cache's too
     return ModelLocation(path=snapshot.absolute())
 
 

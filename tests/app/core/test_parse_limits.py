@@ -15,6 +15,7 @@ from app.core.errors import SpecError
 from app.core.hub import (
     ModelRefused,
     check_local_model,
+    check_snapshot,
     gguf_head_config,
     local_listing,
     prepare_model,
@@ -197,3 +198,15 @@ def test_a_cached_hub_snapshot_past_a_cap_is_refused_before_it_is_loaded(tmp_pat
         prepare_model(settings=settings, spec=job("acme/slow"))
     location = prepare_model(settings=make_settings(tmp_path / "var"), spec=job("acme/slow"))
     assert location.path is not None and (location.path / "merges.txt").is_file()
+
+
+def test_a_snapshots_safetensors_header_past_the_limit_is_refused_from_its_length(tmp_path):
+    import struct
+
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    (snapshot / "model.safetensors").write_bytes(WEIGHTS)
+    check_snapshot(snapshot, make_settings(tmp_path / "var"), repo="acme/m")  # a real one passes
+    (snapshot / "model.safetensors").write_bytes(struct.pack("<Q", 100 << 20) + b"{}")
+    with pytest.raises(ModelRefused, match=r"declares a 104857600-byte header.*SAFETENSORS_MAX_HEADER_BYTES"):
+        check_snapshot(snapshot, make_settings(tmp_path / "var"), repo="acme/m")
