@@ -32,39 +32,42 @@ def _insert(conn, job_id: str, spec: dict, delta: int) -> None:
         {"id": job_id, "spec": json.dumps(spec), "delta": delta})
 
 
-def _schedule_0008_up_and_down(url: str) -> None:
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request, tmp_path) -> str:
+    """An empty database of each kind the migrations run on."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'db.sqlite'}"
+    return request.getfixturevalue("postgres_server").create_database("dtp_migrate")
+
+
+@pytest.fixture
+def engine(database_url):
+    made = create_engine(database_url)
+    yield made
+    made.dispose()
+
+
+def test_the_schedule_migration_backfills_and_goes_back(database_url, engine):
     from app.core.db import Job
 
+    url = database_url
     upgrade(url, "0007")
-    engine = create_engine(url)
-    try:
-        with engine.begin() as conn:
-            for job_id, (spec, delta, _, _) in ROWS.items():
-                _insert(conn, job_id, spec, delta)
-        upgrade(url, "0008")
-        columns = {c["name"]: c for c in inspect(engine).get_columns("jobs")}
-        assert "delta" not in columns and columns["schedule"]["nullable"] is False
-        with engine.begin() as conn:
-            stored = dict(conn.execute(text("SELECT id, schedule FROM jobs")).all())
-        assert stored == {job_id: row[2] for job_id, row in ROWS.items()}
-        upgrade(url)
-        with Session(engine) as session:
-            assert {job.id: job.delta for job in session.query(Job)} == {job_id: row[3] for job_id, row in ROWS.items()}
-        downgrade(url, "0007")
-        assert "schedule" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
-        with engine.begin() as conn:
-            deltas = dict(conn.execute(text("SELECT id, delta FROM jobs")).all())
-        assert deltas == {job_id: row[1] for job_id, row in ROWS.items()}
-        upgrade(url)
-        assert _diff(url) == []
-    finally:
-        engine.dispose()
-
-
-@pytest.mark.postgres
-def test_postgres_schedule_migration_backfills_and_goes_back(postgres_server):
-    _schedule_0008_up_and_down(postgres_server.create_database("dtp_migrate"))
-
-
-def test_sqlite_schedule_migration_backfills_and_goes_back(tmp_path):
-    _schedule_0008_up_and_down(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    with engine.begin() as conn:
+        for job_id, (spec, delta, _, _) in ROWS.items():
+            _insert(conn, job_id, spec, delta)
+    upgrade(url, "0008")
+    columns = {c["name"]: c for c in inspect(engine).get_columns("jobs")}
+    assert "delta" not in columns and columns["schedule"]["nullable"] is False
+    with engine.begin() as conn:
+        stored = dict(conn.execute(text("SELECT id, schedule FROM jobs")).all())
+    assert stored == {job_id: row[2] for job_id, row in ROWS.items()}
+    upgrade(url)
+    with Session(engine) as session:
+        assert {job.id: job.delta for job in session.query(Job)} == {job_id: row[3] for job_id, row in ROWS.items()}
+    downgrade(url, "0007")
+    assert "schedule" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+    with engine.begin() as conn:
+        deltas = dict(conn.execute(text("SELECT id, delta FROM jobs")).all())
+    assert deltas == {job_id: row[1] for job_id, row in ROWS.items()}
+    upgrade(url)
+    assert _diff(url) == []
