@@ -134,6 +134,29 @@ def test_a_10_mb_gguf_with_a_1e7_element_array_answers_fast_and_a_real_gguf_comp
     assert r.json()["config"]["num_hidden_layers"] == 3 and r.json()["status"] == "complete"
 
 
+def test_what_the_worker_would_parse_is_refused_at_completion(service, tmp_path):
+    """Issue 41, through the API: an 80 MB merges.txt beside a tokenizer_config.json naming GPT2Tokenizer
+    (the worker went 495 → 2,681 MB building it), a GGUF of 2^21 empty metadata strings (17 MB: 510 s
+    and +3 GB of loading), and a real GGUF with an extra Q2_K tensor (dequantised before being dropped)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.models.test_gguf_tensors import rewrite
+    from tests.tiny import tiny_gguf
+
+    slow = model(tokenizer_config__json=json.dumps({"tokenizer_class": "GPT2Tokenizer"}).encode(),
+                 vocab__json=b'{"a": 0, "b": 1, "ab": 2}', merges__txt=b"#version: 0.2\n" + b"a b\n" * (20 << 20))
+    message = refused(service, slow, within=30.0)  # the time is assembling 80 MB from its parts
+    assert "'merges.txt'" in message and "DTP_LAYOUT_TOKENIZER_VOCAB_MAX_BYTES" in message, message
+    many = gguf([gguf_array("x.junk", 8, 1 << 21, gguf_string(b"") * (1 << 21))])
+    message = refused(service, {"m.gguf": many}, within=10.0)
+    assert "DTP_LAYOUT_GGUF_MAX_METADATA_ITEMS" in message, message
+    tiny_gguf(tmp_path / "tiny.gguf")
+    extra = rewrite(tmp_path / "tiny.gguf", tmp_path / "extra.gguf",
+                    extra={"blk.0.extra.weight": (np.zeros((256, 84), np.uint8), GGMLQuantizationType.Q2_K)})
+    message = refused(service, {"m.gguf": extra.read_bytes()})
+    assert "tensor 'blk.0.extra.weight' is not one a llama model" in message, message
+
+
 # ---- safetensors and JSON --------------------------------------------------------------------------------
 
 def test_a_safetensors_header_past_the_limit_is_refused_before_it_is_read(service):
