@@ -34,7 +34,8 @@ from typing import Any
 
 from celery.signals import task_received, worker_ready, worker_shutting_down
 
-from app.core import dead_letters, logs
+from app.core import logs
+from app.core.broker_owner import fail_dead_lettered, note_dead_letter
 from app.core.db import database
 from app.core.lease import Lease
 from app.core.queue import world_size_of
@@ -117,7 +118,7 @@ def _not_claimed(task: Any, db: Any, job_id: str) -> str:
               "(dead-lettered); check that each service has a broker of its own (docs/reliability.md)",
               job_id, where, deliveries)
     try:  # this worker cannot write the job's database: a note in the broker, for the job's own service to fail it
-        dead_letters.note(get_settings(), job_id, f"dropped after {deliveries} deliveries")  # no URL: a tenant reads it
+        note_dead_letter(get_settings(), job_id, f"dropped after {deliveries} deliveries")  # no URL: a tenant reads it
     except Exception:
         log.warning("job %s: could not leave the dead-letter note in the broker", job_id, exc_info=True)
     return "foreign"
@@ -143,7 +144,7 @@ def sweep_once() -> list[str]:
     def send(jid: str) -> None:
         send_job(db, jid)
 
-    for job_id in dead_letters.fail_dead_lettered(db, settings):
+    for job_id in fail_dead_lettered(db, settings):
         log.error("job %s: failed: a worker of another database sharing the broker dropped its message", job_id)
     sent = []
     for job_id in requeue_stale(db, send):

@@ -1,8 +1,8 @@
 """A dead-lettered job is failed with its reason (issue 41): a worker of database A takes the message of a
 job only database B holds (a broker shared against the rule the services now check at start), hands it back
 FOREIGN_REDELIVERIES times and drops it. The job stayed `queued` in B for ever; now the dropping worker leaves
-a note in the broker and B's sweeper (app.core.dead_letters, run by every worker's sweep) fails the job with
-the note's reason. On the real Postgres and Redis, with a real Celery worker."""
+a note in the broker and B's sweeper (app.core.broker_owner.fail_dead_lettered, run by every worker's
+sweep) fails the job with the note's reason. On the real Postgres and Redis, with a real Celery worker."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from app.core import dead_letters
+from app.core.broker_owner import fail_dead_lettered
 from app.core.db import Job, JobEvent, database
 from app.core.migrate import upgrade
 from app.core.queue import enqueue, make_celery
@@ -40,9 +40,9 @@ def test_a_job_whose_message_another_databases_worker_dropped_is_failed_with_the
         assert "dead-lettered" in worker.log(), worker.log()[-3000:]
     finally:
         worker.stop()
-    assert dead_letters.fail_dead_lettered(database(a_url), a) == []  # not A's job: A fails nothing
+    assert fail_dead_lettered(database(a_url), a) == []  # not A's job: A fails nothing
     db = database(b_url)
-    assert dead_letters.fail_dead_lettered(db, b) == [job_id]
+    assert fail_dead_lettered(db, b) == [job_id]
     with db.session() as session:
         job = session.get(Job, job_id)
         assert job.status == "failed" and job.finished_at is not None, job.status
@@ -50,4 +50,4 @@ def test_a_job_whose_message_another_databases_worker_dropped_is_failed_with_the
         assert "dropped after 4 deliveries" in job.error and "dtp_dead_a" not in job.error, job.error  # no URL
         kinds = [e.kind for e in session.query(JobEvent).filter(JobEvent.job_id == job_id)]
     assert kinds[-1] == "failed", kinds
-    assert dead_letters.fail_dead_lettered(db, b) == []  # once
+    assert fail_dead_lettered(db, b) == []  # once
