@@ -32,8 +32,9 @@ def _spin(report: Any) -> None:
         pass
 
 
-def _spin_ignoring_sigterm(report: Any) -> None:
+def _spin_ignoring_sigterm(ready: str, report: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(ready).touch()
     _spin(report)
 
 
@@ -48,9 +49,11 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _run_stopped_after(call: Any, delay_s: float) -> tuple[BaseException | None, int, float, float]:
-    """`call()` in a thread under a stop signal set `delay_s` after its child appears: (what it raised,
-    the child's pid, seconds from the stop to the call's end, seconds from the stop to the child gone)."""
+def _run_stopped_after(call: Any, delay_s: float, ready: Path | None = None) -> tuple[BaseException | None, int, float,
+                                                                                      float]:
+    """`call()` in a thread under a stop signal set `delay_s` after its child appears (and `ready` exists):
+    (what it raised, the child's pid, seconds from the stop to the call's end, seconds from the stop to
+    the child gone)."""
     before = _children()
     stop, outcome = StopSignal(), {}
 
@@ -68,6 +71,8 @@ def _run_stopped_after(call: Any, delay_s: float) -> tuple[BaseException | None,
         time.sleep(0.02)
     assert new, "the child process never started"
     (pid,) = new
+    while ready is not None and not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
     time.sleep(delay_s)
     assert not _gone(pid)
     assert os.getpgid(pid) == pid  # a process group of its own: what the stop kills
@@ -98,9 +103,11 @@ def test_a_stop_kills_a_child_whose_sigterm_handler_only_notes_it():
 
 
 @pytest.mark.serial  # a wall-time bound
-def test_a_child_that_ignores_sigterm_is_killed_after_the_grace():
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path):
+    ready = tmp_path / "ignoring"
     raised, _pid, ended_s, gone_s = _run_stopped_after(
-        lambda: run_limited(_spin_ignoring_sigterm, (), limits=LONG, what="spin.json"), delay_s=0.5)
+        lambda: run_limited(_spin_ignoring_sigterm, (str(ready),), limits=LONG, what="spin.json"), delay_s=0.2,
+        ready=ready)
     assert isinstance(raised, Cancelled), raised
     assert STOP_GRACE_S - 0.2 < gone_s < GONE_WITHIN_S, gone_s  # SIGTERM ignored; SIGKILL after the grace
     assert ended_s < GONE_WITHIN_S + 1
@@ -145,36 +152,42 @@ def test_check_stop_does_nothing_outside_a_stopped_run():
     check_stop()  # outside the block again
 
 
-def test_a_stopped_gguf_load_ends_at_its_next_tensor(tmp_path: Path):
+def _stop_at_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, n: int, stop: StopSignal) -> list[int]:
+    """Count the calls the safe point wrapping `owner.name` lets through, setting `stop` in the n-th."""
+    calls: list[int] = []
+    original = getattr(owner, name).__wrapped__
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == n:
+            stop.set(f"cancelled during loading ({name})")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(getattr(owner, name), "__wrapped__", counting)
+    return calls
+
+
+@pytest.mark.parametrize(("where", "n"), [("dequantize", 3), ("_get_field_parts", 5), ("_gguf_parse_value", 5)])
+def test_a_stopped_gguf_load_ends_at_its_next_tensor_or_metadata_value(tmp_path: Path, monkeypatch, where: str,
+                                                                       n: int):
+    """Each tensor dequantised, each metadata field or array element read and each value parsed is a safe
+    point: the load raises there, with nothing more done after the stop."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
     from models.io.loading import ModelSource, load_model
     from tests.tiny import tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     tiny_gguf(path)
-    import gguf
-
-    seen: list[int] = []
-    original = gguf.dequantize
+    load_model(ModelSource(str(path)))  # unstopped: loads, and installs the safe points
+    owner = {"dequantize": gguf, "_get_field_parts": gguf.GGUFReader, "_gguf_parse_value": hf_gguf}[where]
+    assert getattr(getattr(owner, where), "checks_stop", False)
     stop = StopSignal()
-
-    def counting(data: Any, qtype: Any) -> Any:  # the loader's own call, counted; the stop after the third
-        seen.append(1)
-        if len(seen) == 3:
-            stop.set("cancelled during loading")
-        return original(data, qtype)
-
-    load_model(ModelSource(str(path)))  # installs the safe point around gguf.dequantize
-    wrapped = gguf.dequantize
-    assert getattr(wrapped, "checks_stop", False)
-    checks = wrapped.__closure__[0].cell_contents  # type: ignore[union-attr]  # the function it calls
-    assert checks is original
-    wrapped.__closure__[0].cell_contents = counting  # type: ignore[union-attr]
-    try:
-        with stopped_by(stop), pytest.raises(Cancelled, match="cancelled during loading"):
-            load_model(ModelSource(str(path)))
-    finally:
-        wrapped.__closure__[0].cell_contents = original  # type: ignore[union-attr]
-    assert len(seen) == 3  # no tensor dequantised after the stop
+    calls = _stop_at_call(monkeypatch, owner, where, n, stop)
+    with stopped_by(stop), pytest.raises(Cancelled, match="cancelled during loading"):
+        load_model(ModelSource(str(path)))
+    assert len(calls) == n  # none after the stop
 
 
 def test_a_stopped_optimiser_ends_at_its_next_layer():
