@@ -34,7 +34,6 @@ from models.families import model_shape
 from models.io.loading import ModelLoadError, ModelSource, load_model, load_tokenizer, resolve_device
 from models.layouts import layout as layout_mod
 from models.layouts.layout import Layout
-from models.layouts.names import RANDOM_SEED_BASE
 from models.layouts.set import build_layouts, neuron_agreement, objective_affinity, scored_layout
 from models.optimise import optimise, score, upper_bound
 from models.run import pipeline
@@ -115,25 +114,18 @@ class Experiment:
 
     def layouts(self, schedule: str) -> Path:
         """work/layouts/<σ>/{optimised, optimised-seed<k>, contiguous, random-<1000+k> and with --other
-        optimised-other}.json, scored in J_σ of σ; a layout missing from an earlier run's directory is added."""
+        optimised-other}.json, scored in J_σ of σ. A directory that has them is used as it is: its arms are its
+        files (bench/edge_intervention.py writes its own set there)."""
         out = self.work / "layouts" / slug(schedule)
         if not (out / f"{OPTIMISED}.json").exists():
-            self.build_layouts(schedule, out)
-        for k in range(1, self.args.optimised_layouts):
-            if not (out / f"{OPTIMISED}-seed{k}.json").exists():
-                self.optimised_seed(schedule, k).save(out / f"{OPTIMISED}-seed{k}.json")
-        for k in range(self.args.random_layouts):
-            name = f"random-{RANDOM_SEED_BASE + k}"
-            if not (out / f"{name}.json").exists():
-                sched = self.schedule(schedule)
-                shape, devices = self.shape, self.args.devices
-                lay = layout_mod.random(shape, devices, 1, RANDOM_SEED_BASE + k)
-                lay = Layout(name, devices, 1, shape, lay.kv_group_device, lay.neuron_device, schedule=str(sched))
-                scored_layout(lay, self.affinity(schedule), score_name="fo", objective=None, restarts=None,
-                              schedule=sched).save(out / f"{name}.json")
+            built = self.build_layouts(schedule)
+            for k in range(1, self.args.optimised_layouts):
+                built[f"{OPTIMISED}-seed{k}"] = self.optimised_seed(schedule, k, built)
+            for name, lay in built.items():  # all or none: a refused seed leaves no half-built set behind
+                lay.save(out / f"{name}.json")
         return out
 
-    def optimised_seed(self, schedule: str, seed: int) -> Layout:
+    def optimised_seed(self, schedule: str, seed: int, built: dict[str, Layout]) -> Layout:
         """Another optimised layout for the amended rule's second optimised layout: the optimiser's random
         restarts drawn with `seed` (`optimised` is seed 0). Refused when it is a layout already there, up to a
         relabelling of the devices (with few restarts the contiguous start can win for every seed)."""
@@ -143,17 +135,16 @@ class Experiment:
                         seed=seed)
         name = f"{OPTIMISED}-seed{seed}"
         lay = Layout(name, devices, 1, result.shape, best.kv_group_device, best.neuron_device, schedule=str(sched))
-        out = self.work / "layouts" / slug(schedule)
-        for path in sorted(out.glob(f"{OPTIMISED}*.json")):
-            same = neuron_agreement(lay, layout_mod.load(path))
-            if same["neurons"] == 1.0 and same["kv_groups"] == 1.0:
-                raise SystemExit(f"{schedule}: the optimiser with seed {seed} gave {path.stem}'s layout again "
+        for other, made in built.items():
+            same = neuron_agreement(lay, made)
+            if other.startswith(OPTIMISED) and same["neurons"] == 1.0 and same["kv_groups"] == 1.0:
+                raise SystemExit(f"{schedule}: the optimiser with seed {seed} gave {other}'s layout again "
                                  f"(--restarts {self.args.restarts}); raise --restarts, or give "
                                  "--optimised-layouts 1")
         return scored_layout(lay, result, score_name="fo", objective="fo", restarts=self.args.restarts,
                              schedule=sched)
 
-    def build_layouts(self, schedule: str, out: Path) -> None:
+    def build_layouts(self, schedule: str) -> dict[str, Layout]:
         """The first set: optimised, contiguous, the random layouts, and with --other optimised-other."""
         sched = self.schedule(schedule)
         result = self.affinity(schedule)
@@ -166,8 +157,7 @@ class Experiment:
                                  delta=1, restarts=self.args.restarts, schedule=None if chain else other)[OPTIMISED]
             built[OTHER] = scored_layout(made.with_name(OTHER), result, score_name="fo", objective="fo",
                                          restarts=self.args.restarts, schedule=sched)
-        for name, lay in built.items():
-            lay.save(out / f"{name}.json")
+        return built
 
     def arms(self, schedule: str) -> list[str]:
         return sorted(p.stem for p in self.layouts(schedule).glob("*.json"))

@@ -13,10 +13,15 @@ split into two parts of at most PART_BYTES, since it is larger than one call may
 machine then reads only these files:
 
     .venv/bin/python -m bench.schedule_gpu_short prepare          # here: var/gpu-short/, a few CPU minutes
+    make gpu-wheels                                                # .whl/: gguf, the one package the image lacks
     # device call 1, carry ["var/gpu-short/model.part-1"]:  true
     # device call 2 (the machine still warm), carry ["var/gpu-short/model.part-2", "var/gpu-short/data",
-    #   "var/gpu-short/work", ".whl"]:  bash bench/schedule_gpu_short.sh
+    #   "var/gpu-short/work/layouts", ".whl/gguf-0.19.0-py3-none-any.whl"], timeout_s 540:
+    #   OUT=$OUT bash bench/schedule_gpu_short.sh
     .venv/bin/python -m bench.schedule_experiment verdicts --runs DIR   # the runs file it sent back
+
+The affinity (tens of MB) stays here: the run recomputes it from calib.npy for the objectives' columns only;
+the layouts it trains are the carried ones.
 
 Not run on a GPU yet: no machine was lent to the session that wrote it (docs/schedules.md).
 """
@@ -32,7 +37,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "var" / "gpu-short"
-PART_BYTES = 48 * 2**20  # with the ~10 MiB working tree, under a call's 64 MiB
+PART_BYTES = 50 * 2**20  # with the ~10 MiB working tree, under a call's 64 MiB (the second part goes with ~5 MiB more)
 SCHEDULE = "dtp:1"
 DATA_FILES = ("calib", "train", "eval", "eval2")
 

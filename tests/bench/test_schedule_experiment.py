@@ -135,6 +135,7 @@ def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_r
     with pytest.raises(SystemExit, match=r"dtp:2: the optimiser with seed 1 gave optimised's layout again "
                                          r"\(--restarts 0\)"):
         exp.main([*common, "--work", str(tmp_path / "w0")])
+    assert not list((tmp_path / "w0").rglob("layouts/*/*.json"))  # all or none: no one-layout set left to resume
     row = exp.main([*common, "--restarts", "3", "--work", str(tmp_path / "w3")])["dtp:2"]
     assert set(row["step0_kl"]) == {"optimised", "optimised-seed1", "contiguous", "random-1000", "random-1001"}
     layouts = tmp_path / "w3" / "layouts" / "dtp-2"
