@@ -9,6 +9,7 @@ CUDA graph on one GPU, replayed, and checked against eager (issue 42: what lets 
                     torch.compile(fullgraph)   = eager
                     a CUDA graph of eager      = eager, replayed on new inputs copied into its static input
                     a CUDA graph of compiled   = eager (the way vLLM runs a compiled model under graphs)
+                    a CUDA graph of eager with wait_into (the sum into a buffer allocated before) = eager
                     and the time of one call eager, compiled, and replayed. Without CUDA or NCCL: not
                     applicable, with the reason.
 
@@ -20,6 +21,7 @@ world of one: tests/bench/test_gpu_check.py runs them there.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 import time
@@ -51,15 +53,17 @@ class Exchanged(nn.Module):
     """Two linear layers with an exchange between, as a DTP module uses one: the first layer's output is summed
     over the ranks while the second computes, and the others' share (total − own) is added after."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, *, into: bool = False) -> None:
         super().__init__()
         self.first, self.second = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.into = into  # the sum through wait_into, into a buffer allocated before the wait (vLLM's pieces)
 
     def forward(self, x: torch.Tensor, group_name: str) -> torch.Tensor:
         own = self.first(x)  # [T, D]
         handle = X.start(own, group_name)
         y = self.second(x)  # [T, D]: computed while the exchange is in flight
-        return y + (X.wait(handle) - own)  # the others' share (total − own)
+        total = X.wait_into(handle, torch.empty_like(own)) if self.into else X.wait(handle)  # [T, D]
+        return y + (total - own)  # the others' share (total − own)
 
 
 def not_applicable(device: torch.device) -> str | None:
@@ -196,20 +200,19 @@ def run_exchange_graph(check: Check, rec: dict[str, Any]) -> None:
                    capture_error_mode=CAPTURE_MODE)
         compiled = compare_eager_and_compiled(module, name, device, rec)
 
-        def eager(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = module(x, name)
-            return out
+        into = copy.deepcopy(module)
+        into.into = True
 
-        def fast(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = compiled(x, name)
-            return out
+        def calling(m: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda x: m(x, name)
 
+        eager = calling(module)
+        runs = {"eager": eager, "compiled": calling(compiled), "eager_into": calling(into)}
         xs = inputs(module, TOKENS, device, seed=2)
-        graphs = {what: replay_against_eager(what, fn, eager, xs, rec) for what, fn in (("eager", eager),
-                                                                                         ("compiled", fast))}
+        graphs = {what: replay_against_eager(what, fn, eager, xs, rec) for what, fn in runs.items()}
         x = inputs(module, TOKENS[:1], device, seed=3)[0]
         rec["eager_call_us"] = median_call_us(lambda: eager(x), check.sync)
-        rec["compiled_call_us"] = median_call_us(lambda: fast(x), check.sync)
+        rec["compiled_call_us"] = median_call_us(lambda: runs["compiled"](x), check.sync)
         for what, graph in graphs.items():
             rec[f"graph_of_{what}_replay_us"] = median_call_us(graph.replay, check.sync)
         if X._pending:

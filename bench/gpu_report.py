@@ -150,10 +150,11 @@ def _exchange_row(rec: dict[str, Any] | None, not_applicable: str | None,
         return what, "not applicable", "—", "—", not_applicable
     if rec is None or rec.get("status") != "ok":
         return what, state("exchange-graph") or "—", "—", "—", ""
-    worst = max(rec["graph_of_eager_vs_eager"], rec["graph_of_compiled_vs_eager"])
+    worst = max(rec["graph_of_eager_vs_eager"], rec["graph_of_compiled_vs_eager"], rec["graph_of_eager_into_vs_eager"])
     note = (f"{rec['tokens']}×{rec['hidden']} fp32; one call: eager {rec['eager_call_us']} µs, compiled "
             f"{rec['compiled_call_us']} µs, graph of eager {rec['graph_of_eager_replay_us']} µs, graph of "
-            f"compiled {rec['graph_of_compiled_replay_us']} µs; eager = blocking all-reduce to "
+            f"compiled {rec['graph_of_compiled_replay_us']} µs, graph of eager with wait_into "
+            f"{rec['graph_of_eager_into_replay_us']} µs; eager = blocking all-reduce to "
             f"{rec['eager_vs_reference']:.2g}, compiled = eager to {rec['compiled_vs_eager']:.2g}")
     return what, f"equal (max diff {worst:.2g})", "—", "—", note
 

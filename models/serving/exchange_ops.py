@@ -2,10 +2,11 @@
 
 A DTP exchange starts after the module that completes it and is waited modules later, just before the
 module it is due at (`models.runtime.arrivals`). Python async work handles (`dist.all_reduce(...,
-async_op=True)`) can be neither traced by torch.compile nor captured by a CUDA graph; these two ops can:
+async_op=True)`) can be neither traced by torch.compile nor captured by a CUDA graph; these ops can:
 
     handle = start(t, group_name)   # torch.ops.dtp_layout.exchange_start: Σ_ranks t begun, not yet usable
     total = wait(handle)            # torch.ops.dtp_layout.exchange_wait: Σ_ranks t, a new tensor
+    wait_into(handle, out)          # torch.ops.dtp_layout.exchange_wait_into: Σ_ranks t written into out
 
 On CUDA, start copies t into the handle on the compute stream and launches the all-reduce of the handle
 on a side stream that first waits for the compute stream (an event: the fork); wait makes the compute
@@ -15,10 +16,11 @@ compute issued between start and wait runs beside the all-reduce. Elsewhere (glo
 begins an asynchronous all-reduce and keeps its work handle, and wait waits on it. Either way the numbers
 are those of a plain all-reduce.
 
-For torch.compile both ops are functional and opaque: each returns a new contiguous tensor shaped like its
-input (their fake kernels say so; they also serve the meta device), nothing is mutated (mutates_args is
-empty: the handle's contents are the op's own business until wait reads them, and nothing else may read
-it), and compiled code calls them as they are. A wait on a tensor that no start returned is refused, so a
+For torch.compile the ops are opaque, and start and wait functional: each returns a new contiguous tensor
+shaped like its input (their fake kernels say so; they also serve the meta device) and mutates nothing (the
+handle's contents are the ops' own business until a wait reads them, and nothing else may read it);
+wait_into declares that it mutates `out` alone, so a compiler that functionalises it copies `out`, never
+the handle. Compiled code calls them as they are. A wait on a tensor that no start returned is refused, so a
 compiler that copied or merged handles would fail loudly instead of adding a sum that is not there yet.
 What torch.compile does not promise is where compute lands relative to the pair: inductor's
 `reorder_for_locality` moves producers next to their consumers, which can put the compute meant to overlap
@@ -28,8 +30,9 @@ graph at these ops (`SPLITTING_OPS`): they run between the compiled pieces, in t
 Every start must be waited, on the device and stream it was started from, before its handle is dropped.
 Inside a CUDA graph, start and wait must be captured in the same graph (a fork is joined before capture
 ends): vLLM's piecewise CUDA graphs capture the pieces between splitting ops, so with the ops among them
-each runs uncaptured between two pieces; its full CUDA graphs (`cudagraph_mode` FULL or FULL_DECODE_ONLY)
-capture the whole forward, the fork and join inside it.
+each runs uncaptured between two pieces, and the sum must then go where the next piece reads it at every
+replay, a buffer the piece before allocated: wait_into; its full CUDA graphs (`cudagraph_mode` FULL or
+FULL_DECODE_ONLY) capture the whole forward, the fork and join inside it, where either wait serves.
 
 The process group is named as torch.distributed names it (`ProcessGroup.group_name`, resolved with
 `_resolve_process_group`), a string, so the ops' schema holds no Python object. Only torch is imported:
@@ -45,12 +48,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-__all__ = ["NAMESPACE", "SPLITTING_OPS", "START", "WAIT", "ExchangeError", "start", "wait"]
+__all__ = ["NAMESPACE", "SPLITTING_OPS", "START", "WAIT", "WAIT_INTO", "ExchangeError", "start", "wait", "wait_into"]
 
 NAMESPACE = "dtp_layout"
 START = f"{NAMESPACE}::exchange_start"
 WAIT = f"{NAMESPACE}::exchange_wait"
-SPLITTING_OPS = (START, WAIT)  # for vLLM's compilation_config.splitting_ops, beside its attention ops
+WAIT_INTO = f"{NAMESPACE}::exchange_wait_into"
+SPLITTING_OPS = (START, WAIT, WAIT_INTO)  # for vLLM's compilation_config.splitting_ops, beside its attention ops
 
 
 class ExchangeError(RuntimeError):
@@ -141,17 +145,33 @@ def _exchange_start_fake(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return t.new_empty(t.shape)  # contiguous, as the real kernel's
 
 
-def _exchange_wait(handle: torch.Tensor) -> torch.Tensor:
+def _join(handle: torch.Tensor) -> None:
     pending = _pending.pop(_key(handle), None)
     if pending is None:
         raise ExchangeError(f"exchange_wait on a tensor no exchange_start returned (or one already waited): "
                             f"shape {tuple(handle.shape)} on {handle.device}")
     pending.wait()
+
+
+def _exchange_wait(handle: torch.Tensor) -> torch.Tensor:
+    _join(handle)
     return handle.clone()  # after the join, on the compute stream: [*handle.shape], contiguous
 
 
 def _exchange_wait_fake(handle: torch.Tensor) -> torch.Tensor:
     return handle.new_empty(handle.shape)
+
+
+def _exchange_wait_into(handle: torch.Tensor, out: torch.Tensor) -> None:
+    if out.shape != handle.shape:
+        raise ExchangeError(f"exchange_wait_into: out is shaped {tuple(out.shape)}, the exchange "
+                            f"{tuple(handle.shape)}")
+    _join(handle)
+    out.copy_(handle)  # after the join, on the compute stream
+
+
+def _exchange_wait_into_fake(handle: torch.Tensor, out: torch.Tensor) -> None:
+    return None
 
 
 # Registered straight on the dispatcher, one kernel per device type, as vLLM registers its collectives: on
@@ -161,8 +181,9 @@ def _exchange_wait_fake(handle: torch.Tensor) -> torch.Tensor:
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
-def _register(name: str, kernel: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> None:
-    _LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=()))
+def _register(name: str, kernel: Callable[..., torch.Tensor | None], fake: Callable[..., torch.Tensor | None],
+              mutates: tuple[str, ...] = ()) -> None:
+    _LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=mutates))
     for dispatch_key in ("CPU", "CUDA"):
         _LIBRARY.impl(name, kernel, dispatch_key)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)  # FakeTensorMode and the meta device
@@ -170,6 +191,7 @@ def _register(name: str, kernel: Callable[..., torch.Tensor], fake: Callable[...
 
 _register("exchange_start", _exchange_start, _exchange_start_fake)
 _register("exchange_wait", _exchange_wait, _exchange_wait_fake)
+_register("exchange_wait_into", _exchange_wait_into, _exchange_wait_into_fake, mutates=("out",))
 
 
 def start(t: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -183,3 +205,11 @@ def wait(handle: torch.Tensor) -> torch.Tensor:
     """Wait for the exchange `start` returned `handle` for; returns the sum, a new tensor shaped like it."""
     total: torch.Tensor = torch.ops.dtp_layout.exchange_wait(handle)
     return total
+
+
+def wait_into(handle: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`wait`, the sum written into `out` (shaped like the handle; any strides); returns out. For graphs captured
+    in pieces with the ops between them (vLLM's piecewise CUDA graphs): a piece reads its inputs where they
+    were at capture, so the sum must land in a buffer the piece before allocated, not in a new tensor."""
+    torch.ops.dtp_layout.exchange_wait_into(handle, out)
+    return out

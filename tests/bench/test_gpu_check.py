@@ -226,14 +226,15 @@ def test_the_report_shows_a_captured_exchange():
     from bench.gpu_report import markdown
 
     rec = {"status": "ok", "tokens": 8, "hidden": 1024, "eager_vs_reference": 0.0, "compiled_vs_eager": 2e-7,
-           "graph_of_eager_vs_eager": 0.0, "graph_of_compiled_vs_eager": 1e-7, "eager_call_us": 120.0,
-           "compiled_call_us": 90.0, "graph_of_eager_replay_us": 30.0, "graph_of_compiled_replay_us": 25.0,
-           "compile_s": 9.5}
+           "graph_of_eager_vs_eager": 0.0, "graph_of_compiled_vs_eager": 1e-7, "graph_of_eager_into_vs_eager": 0.0,
+           "eager_call_us": 120.0, "compiled_call_us": 90.0, "graph_of_eager_replay_us": 30.0,
+           "graph_of_compiled_replay_us": 25.0, "graph_of_eager_into_replay_us": 31.0, "compile_s": 9.5}
     results = {"mode": "full", "status": "ok", "started": "now", "elapsed_s": 1.0, "budget_s": 380, "command": "x",
                "sizes": gpu_check.asdict(gpu_check.FULL), "stages": {"exchange-graph": rec}}
     md = markdown(results)
     assert ("| exchange ops in a CUDA graph (1 GPU, NCCL), replayed vs eager | equal (max diff 1e-07) | — | — | "
             "8×1024 fp32; one call: eager 120.0 µs, compiled 90.0 µs, graph of eager 30.0 µs, graph of compiled "
-            "25.0 µs; eager = blocking all-reduce to 0, compiled = eager to 2e-07 |") in md
+            "25.0 µs, graph of eager with wait_into 31.0 µs; eager = blocking all-reduce to 0, compiled = eager to "
+            "2e-07 |") in md
     failed = markdown({**results, "stages": {"exchange-graph": {"status": "failed", "error": "RuntimeError: boom"}}})
     assert "replayed vs eager | **failed**: RuntimeError: boom | — | — |  |" in failed

@@ -23,9 +23,9 @@ from models.serving import exchange_ops as X
 D = 32
 
 
-def module_and_inputs(seed: int) -> tuple[Exchanged, list[torch.Tensor]]:
+def module_and_inputs(seed: int, *, into: bool = False) -> tuple[Exchanged, list[torch.Tensor]]:
     torch.manual_seed(0)  # the same weights on every rank
-    module = Exchanged(D).eval()
+    module = Exchanged(D, into=into).eval()
     g = torch.Generator().manual_seed(seed)  # each rank its own tokens
     return module, [torch.randn(t, D, generator=g) for t in (5, 3, 8)]  # token counts vary, as in serving
 
@@ -48,7 +48,11 @@ def test_the_ops_are_registered_functional_under_dtp_layout():
     assert str(start._schema) == "dtp_layout::exchange_start(Tensor t, str group_name) -> Tensor"
     assert str(wait._schema) == "dtp_layout::exchange_wait(Tensor handle) -> Tensor"
     assert not start._schema.is_mutable and not wait._schema.is_mutable
-    assert X.SPLITTING_OPS == ("dtp_layout::exchange_start", "dtp_layout::exchange_wait")
+    into = torch.ops.dtp_layout.exchange_wait_into.default
+    assert str(into._schema) == "dtp_layout::exchange_wait_into(Tensor handle, Tensor(a1!) out) -> ()"
+    assert into._schema.is_mutable  # out, and only out (the handle is never copied by functionalisation)
+    assert X.SPLITTING_OPS == ("dtp_layout::exchange_start", "dtp_layout::exchange_wait",
+                               "dtp_layout::exchange_wait_into")
 
 
 def test_opcheck_start(world1):
@@ -69,6 +73,7 @@ def test_fake_kernels_give_the_real_shapes():
             total = torch.ops.dtp_layout.exchange_wait(handle)
             for out in (handle, total):
                 assert out.shape == t.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+            assert torch.ops.dtp_layout.exchange_wait_into(handle, torch.empty_like(t)) is None
     meta = torch.ops.dtp_layout.exchange_wait(torch.ops.dtp_layout.exchange_start(torch.empty(2, D, device="meta"),
                                                                                  "unused"))
     assert meta.device.type == "meta" and meta.shape == (2, D)
@@ -91,12 +96,17 @@ def test_waits_that_no_start_matches_are_refused(world1):
     X.wait(handle)
     with pytest.raises(X.ExchangeError, match="or one already waited"):
         X.wait(handle)
+    handle = X.start(torch.ones(3), world1)
+    with pytest.raises(X.ExchangeError, match=r"out is shaped \(4,\), the exchange \(3,\)"):
+        X.wait_into(handle, torch.zeros(4))
+    X.wait_into(handle, torch.zeros(3))  # the refusal left the exchange to be waited
     with pytest.raises(X.ExchangeError, match="no process group is named 'tp-nowhere'"):
         X.start(torch.ones(3), "tp-nowhere")
 
 
-def test_compiled_fullgraph_equals_eager_and_keeps_the_ops_opaque(world1):
-    module, inputs = module_and_inputs(seed=2)
+@pytest.mark.parametrize("into", [False, True], ids=["wait", "wait_into"])
+def test_compiled_fullgraph_equals_eager_and_keeps_the_ops_opaque(world1, into):
+    module, inputs = module_and_inputs(seed=2, into=into)
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
     with torch.no_grad():
         got, codes = run_and_get_code(compiled, inputs[0], world1)
@@ -105,7 +115,7 @@ def test_compiled_fullgraph_equals_eager_and_keeps_the_ops_opaque(world1):
             torch.testing.assert_close(out, module(x, world1), rtol=1e-6, atol=1e-6)
     code = "\n".join(codes)
     # called as they are in the generated code: not traced into, not decomposed
-    for op in ("exchange_start", "exchange_wait"):
+    for op in ("exchange_start", "exchange_wait_into" if into else "exchange_wait"):
         assert f"torch.ops.dtp_layout.{op}.default(" in code, op
     assert X._pending == {}
 
@@ -116,15 +126,20 @@ def _rank(rank: int, store: str, out: str) -> None:
     try:
         name = dist.distributed_c10d._get_default_group().group_name
         module, inputs = module_and_inputs(seed=10 + rank)  # each rank's own tokens, the same weights
+        into = Exchanged(D, into=True).eval()
+        into.load_state_dict(module.state_dict())
         # aot_eager: dynamo, the fake kernels and AOT's functionalization as inductor gets them; inductor's own
         # code generation is read in the world of one, and a C++ compile per rank would double the test's time
         compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="aot_eager")
+        compiled_into = torch.compile(into, fullgraph=True, dynamic=True, backend="aot_eager")
         results: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for i, x in enumerate(inputs):
                 results[f"reference/{i}"] = reference(module, x)
                 results[f"eager/{i}"] = module(x, name)
                 results[f"compiled/{i}"] = compiled(x, name)
+                results[f"eager_into/{i}"] = into(x, name)
+                results[f"compiled_into/{i}"] = compiled_into(x, name)
             # two exchanges in flight at once, waited in the other order than they started
             a, b = inputs[0], 2 * inputs[0]
             ha, hb = X.start(a, name), X.start(b, name)
@@ -144,7 +159,8 @@ def test_a_gloo_world_of_two_sums_over_the_ranks_eager_and_compiled(tmp_path):
         assert int(got["left_pending"]) == 0
         for i in range(3):
             torch.testing.assert_close(got[f"eager/{i}"], got[f"reference/{i}"], rtol=0, atol=0)
-            torch.testing.assert_close(got[f"compiled/{i}"], got[f"eager/{i}"], rtol=1e-6, atol=1e-6)
+            for variant in ("compiled", "eager_into", "compiled_into"):
+                torch.testing.assert_close(got[f"{variant}/{i}"], got[f"eager/{i}"], rtol=1e-6, atol=1e-6)
     # the sum really is over both ranks' tokens (each rank's own differ), written out: a + a', 2a + 2a'
     both = ranks[0]["own"] + ranks[1]["own"]
     for got in ranks:
