@@ -45,27 +45,46 @@ def _dims(config: dict[str, Any]) -> dict[str, int]:
             "KV": kv * head_dim, "D": head_dim, "L": config["num_hidden_layers"]}
 
 
-def expected_shapes(config: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(shape in ggml order by tensor name, the names that must be there). Optional: the output matrix
-    (absent when tied to the embedding), rope_freqs (llama 3's scaled rotary), q/k norms (qwen3),
-    biases (qwen2's q/k/v; attention_bias, mlp_bias)."""
-    d = _dims(config)
-    H, I, Q, KV = d["H"], d["I"], d["Q"], d["KV"]
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (H, d["V"]), "output.weight": (H, d["V"]),
-                                          "output_norm.weight": (H,), "rope_freqs.weight": (d["D"] // 2,)}
-    required = {"token_embd.weight", "output_norm.weight"}
-    per_block = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,),
-                 "attn_q.weight": (H, Q), "attn_k.weight": (H, KV), "attn_v.weight": (H, KV),
-                 "attn_output.weight": (Q, H), "ffn_gate.weight": (H, I), "ffn_up.weight": (H, I),
-                 "ffn_down.weight": (I, H)}
-    optional = {"attn_q.bias": (Q,), "attn_k.bias": (KV,), "attn_v.bias": (KV,), "attn_output.bias": (H,),
-                "attn_q_norm.weight": (d["D"],), "attn_k_norm.weight": (d["D"],), "ffn_gate.bias": (I,),
-                "ffn_up.bias": (I,), "ffn_down.bias": (H,)}
-    for layer in range(d["L"]):
-        for suffix, shape in (per_block | optional).items():
-            shapes[f"blk.{layer}.{suffix}"] = shape
-        required |= {f"blk.{layer}.{suffix}" for suffix in per_block}
-    return shapes, required
+class Layout:
+    """The tensors a config has, looked up by name: never listed out, so a header declaring 2^40 layers
+    costs what its tensor table holds (at most GGUF_MAX_TENSORS), not what it declares. Optional: the
+    output matrix (absent when tied to the embedding), rope_freqs (llama 3's scaled rotary), q/k norms
+    (qwen3), biases (qwen2's q/k/v; attention_bias, mlp_bias)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        d = _dims(config)
+        H, I, Q, KV = d["H"], d["I"], d["Q"], d["KV"]
+        self.layers = d["L"]
+        self.top = {"token_embd.weight": (H, d["V"]), "output.weight": (H, d["V"]), "output_norm.weight": (H,),
+                    "rope_freqs.weight": (d["D"] // 2,)}
+        self.top_required = ("token_embd.weight", "output_norm.weight")
+        self.block_required = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,),
+                               "attn_q.weight": (H, Q), "attn_k.weight": (H, KV), "attn_v.weight": (H, KV),
+                               "attn_output.weight": (Q, H), "ffn_gate.weight": (H, I), "ffn_up.weight": (H, I),
+                               "ffn_down.weight": (I, H)}
+        self.block = self.block_required | {
+            "attn_q.bias": (Q,), "attn_k.bias": (KV,), "attn_v.bias": (KV,), "attn_output.bias": (H,),
+            "attn_q_norm.weight": (d["D"],), "attn_k_norm.weight": (d["D"],), "ffn_gate.bias": (I,),
+            "ffn_up.bias": (I,), "ffn_down.bias": (H,)}
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The tensor's shape in ggml order, or None when the layout has no tensor of that name."""
+        match = _BLOCK.fullmatch(name)
+        if match is None:
+            return self.top.get(name)
+        layer, suffix = match.groups()
+        return self.block.get(suffix) if str(int(layer)) == layer and int(layer) < self.layers else None
+
+    def first_missing(self, seen: set[str]) -> str | None:
+        """The first required tensor not in `seen` (found within len(seen) / 9 + 1 layers)."""
+        for name in self.top_required:
+            if name not in seen:
+                return name
+        for layer in range(self.layers):
+            for suffix in self.block_required:
+                if f"blk.{layer}.{suffix}" not in seen:
+                    return f"blk.{layer}.{suffix}"
+        return None
 
 
 def tensor_bytes(tensor: GGUFTensor) -> int:
@@ -86,32 +105,27 @@ def tensor_bytes(tensor: GGUFTensor) -> int:
 def check_tensor_table(header: GGUFHeader, config: dict[str, Any], *, file_size: int) -> None:
     """Every tensor named, shaped and typed as the config says, its bytes inside the file, none twice and
     none missing; GGUFError naming the first that is not (module docstring)."""
-    shapes, required = expected_shapes(config)
+    layout = Layout(config)
     seen: set[str] = set()
     data = file_size - header.data_start
     for tensor in header.tensors:
         name = tensor.name
-        if name not in shapes:
+        shape = layout.shape(name)
+        if shape is None:
             raise GGUFError(f"tensor {name[:100]!r} is not one a {config.get('model_type')} model of "
                             f"{config['num_hidden_layers']} layers has (the loader would dequantise it before "
                             "dropping it)")
         if name in seen:
             raise GGUFError(f"tensor {name[:100]!r} is in its tensor table twice")
         seen.add(name)
-        if tensor.dims != shapes[name]:
+        if tensor.dims != shape:
             raise GGUFError(f"tensor {name!r} has shape {list(tensor.dims)} (ggml order); its config gives "
-                            f"{list(shapes[name])}")
+                            f"{list(shape)}")
         if not 0 <= tensor.offset <= tensor.offset + tensor_bytes(tensor) <= data:
             raise GGUFError(f"tensor {name!r}: its {tensor_bytes(tensor)} bytes at offset {tensor.offset} are not "
                             f"inside the file's {max(data, 0)} bytes of tensor data")
-    if missing := sorted(required - seen, key=_order):
-        raise GGUFError(f"its tensor table lacks {len(missing)} tensor(s) its config needs, first "
-                        f"{missing[0]!r}")
-
-
-def _order(name: str) -> tuple[int, str]:
-    match = _BLOCK.fullmatch(name)
-    return (int(match.group(1)), match.group(2)) if match else (-1, name)
+    if (missing := layout.first_missing(seen)) is not None:
+        raise GGUFError(f"its tensor table lacks tensor {missing!r}, which its config needs")
 
 
 def checked_config(header: GGUFHeader, *, file_size: int) -> dict[str, Any]:

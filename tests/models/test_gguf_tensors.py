@@ -102,7 +102,7 @@ def test_an_extra_tensor_is_refused_though_the_loader_would_dequantise_it(tiny, 
 
 @pytest.mark.parametrize(("case", "match"), [
     ("shape", r"tensor 'blk\.1\.ffn_up\.weight' has shape \[64, 512\]"),
-    ("missing", r"lacks 1 tensor\(s\) its config needs, first 'blk\.2\.attn_v\.weight'"),
+    ("missing", r"lacks tensor .blk\.2\.attn_v\.weight., which its config needs"),
     ("outside", r"are not inside the file"),
 ])
 def test_a_tensor_of_the_wrong_shape_a_missing_one_or_one_past_the_end_is_refused(tiny, tmp_path, case, match):
@@ -139,3 +139,17 @@ def test_a_tensor_entry_is_read_with_its_endianness():
     head = gguf([gguf_string(b"general.architecture") + struct.pack("<I", 8) + gguf_string(b"llama")], tensors=1)
     header = read_header(head + entry)
     assert header.tensors[0].dims == (64, 96) and header.tensors[0].type == 0
+
+
+@pytest.mark.serial  # a wall-time bound (< 1 s)
+def test_a_header_declaring_2e32_layers_costs_what_its_table_holds(tiny):
+    """The layout is looked up by name, never listed: 2^32 - 1 declared layers over a 3-layer table is
+    refused in milliseconds, naming the first layer it lacks."""
+    import time
+
+    key = gguf_string(b"llama.block_count") + struct.pack("<I", 4)
+    data = tiny.read_bytes().replace(key + struct.pack("<I", 3), key + struct.pack("<I", (1 << 32) - 1))
+    t0 = time.perf_counter()
+    with pytest.raises(GGUFError, match=r"lacks tensor 'blk\.3\.attn_norm\.weight'"):
+        checked_config(read_header(data), file_size=len(data))
+    assert time.perf_counter() - t0 < 1.0
