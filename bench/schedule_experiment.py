@@ -28,6 +28,7 @@ schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` i
     .venv/bin/python bench/schedule_experiment.py --schedules dtp:2 --step0-only --restarts 0  # minutes
     .venv/bin/python -m bench.schedule_experiment verdicts [--json]   # the table from docs/schedule_runs alone
     .venv-gpu/bin/python bench/schedule_experiment.py --preset gpu   # on a GPU (--device auto picks it)
+    .venv/bin/python -m bench.schedule_gpu_short prepare   # --preset gpu-short: made here, run on a lent GPU
 
 The model runs on `--device` (auto: CUDA when torch sees a GPU); tests/gpu/test_schedule_experiment_gpu.py
 checks that path against the CPU's under `make gpu-check`. The `gpu` preset itself needs the packaged
