@@ -47,7 +47,7 @@ class Stage(Generic[C]):
     applies: Callable[[C], bool] = _always
     restore: Callable[[C], None] | None = None  # a finished stage's outputs back into the context
     resumable: bool = True  # False: done again on every run (what it makes lives in memory)
-    checks_stop: bool = False  # True: the work polls should_stop itself; False: it cannot be interrupted
+    checks_stop: bool = False  # True: the work polls should_stop; False: only its safe points (progress.check_stop)
 
 
 class Hooks:
@@ -64,7 +64,8 @@ class Hooks:
         """The stage starts (the worker: the lease and cancel checks, the stage row)."""
 
     def execute(self, stage: Stage[Any], fn: Callable[[], Note | None]) -> Note | None:
-        """Run the stage's work (the worker: in a thread it can walk away from, unless it checks_stop)."""
+        """Run the stage's work (the worker: unless it checks_stop, in a thread under the run's stop signal,
+        waited for until it stops)."""
         return fn()
 
     def after(self, stage: Stage[Any], note: Note, seconds: float) -> None:
