@@ -135,14 +135,15 @@ class Exchanger:
                 work.get_future().add_done_callback(lambda _: completed.append(time.perf_counter()))
             return Flight(total, None if whole else own, work, completed)
         total = tensor_model_parallel_all_reduce(own.clone() if keep or not whole else own)  # in place on CPU
-        return Flight(total if whole else total - own, None, None, [time.perf_counter()] if self.latency_s else [])
+        value = total if whole else total.sub_(own)  # the others' share; `total` is a copy or vLLM's output
+        return Flight(value, None, None, [time.perf_counter()] if self.latency_s else [])
 
     def receive(self, flight: Flight) -> torch.Tensor:
         """What the exchange adds to the stream, once it is usable."""
         if flight.work is not None:
             flight.work.wait()
         self._await_link(flight.completed)
-        return flight.value if flight.own is None else flight.value - flight.own
+        return flight.value if flight.own is None else flight.value.sub_(flight.own)  # the buffer is ours
 
     def average(self, h: torch.Tensor, devices: int) -> torch.Tensor:
         """Σ_l h_l / L, usable `latency` after the all-reduce (the final norm's exchange)."""
