@@ -6,6 +6,9 @@ side (side stream, events, a CUDA graph capturing the pair) is `make gpu-check`'
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bench.gpu_exchange import Exchanged, reference  # the module the GPU stage captures, and its plain twin
 from models.serving import exchange_ops as X
+from tests.models.serving.vllm_kit import REPO, VLLM_PYTHON, vllm_missing
 
 D = 32
 
@@ -166,3 +170,49 @@ def test_a_gloo_world_of_two_sums_over_the_ranks_eager_and_compiled(tmp_path):
     for got in ranks:
         torch.testing.assert_close(got["second_first"], torch.stack([2 * both, both]), rtol=0, atol=1e-6)
     assert not torch.equal(ranks[0]["eager/0"], ranks[1]["eager/0"])  # each rank keeps its own y and own
+
+
+VLLM_SPLIT = """
+import json, sys, tempfile, torch, torch.distributed as dist
+from vllm.compilation.backends import split_graph
+from vllm.config import CompilationConfig
+from bench.gpu_exchange import Exchanged
+from models.serving import exchange_ops as X
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+name = dist.distributed_c10d._get_default_group().group_name
+captured = []
+def backend(gm, example_inputs):
+    captured.append((gm, example_inputs))
+    return gm.forward
+torch.manual_seed(0)
+module, x = Exchanged(16, into=True).eval(), torch.randn(4, 16)
+with torch.no_grad():
+    want = module(x, name)
+    torch.compile(module, fullgraph=True, backend=backend)(x, name)
+    gm, example = captured[0]
+    split, items = split_graph(gm, CompilationConfig._attention_ops + list(X.SPLITTING_OPS))
+    got = split(*example)
+got = got[0] if isinstance(got, (tuple, list)) else got
+pieces = [[str(n.target) for n in getattr(split, i.submod_name).graph.nodes if n.op == "call_function"]
+          for i in items]
+print(json.dumps({"pieces": pieces, "splitting": [i.is_splitting_graph for i in items],
+                  "equal": bool(torch.equal(got, want)), "pending": len(X._pending)}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")
+def test_vllms_piecewise_split_runs_the_ops_between_its_pieces():
+    """vLLM's own graph splitting (.venv-vllm) with SPLITTING_OPS beside its attention ops: each op is a piece of
+    its own, run between the compiled ones, wait_into's buffer is allocated in the piece before it (where a
+    piecewise CUDA graph finds it at every replay), and the split module gives eager's numbers."""
+    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SPLIT], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["equal"] and got["pending"] == 0
+    assert got["splitting"] == [False, True, False, True, False]
+    first, start, middle, wait, last = got["pieces"]  # dynamo's graph: the ops as packets, torch functions
+    assert start == ["dtp_layout.exchange_start"] and wait == ["dtp_layout.exchange_wait_into"]
+    assert ["linear" in op for op in first] == [True] and ["sub" in op or "add" in op for op in last] == [True] * 2
+    assert any("empty_like" in op for op in middle) and any("linear" in op for op in middle)
