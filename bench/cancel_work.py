@@ -128,8 +128,7 @@ def main() -> None:
     parser.add_argument("--observe", type=float, default=10.0)
     args = parser.parse_args()
     from models.io.assets import smollm2_gguf
-    from tests.models.test_stop_signal import slow_tokenizer
-    from tests.tiny import tiny_model
+    from tests.tiny import backtracking_tokenizer, tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -138,7 +137,7 @@ def main() -> None:
         provision(settings)
         shutil.copyfile(smollm2_gguf(), settings.models_dir / "smol.gguf")
         slow = settings.models_dir / "slow-tokenizer"
-        slow_tokenizer().save_pretrained(slow)
+        backtracking_tokenizer().save_pretrained(slow)
         tiny_model("llama", vocab_size=257).save_pretrained(slow)
         (settings.data_dir / "bs.txt").write_text(("b" * 2000 + "\n") * 64)
         gguf_body = spec(model={"id": "smol.gguf"}, devices=3, random_layouts=0, ablations=False, export=False,

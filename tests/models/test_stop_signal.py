@@ -113,28 +113,15 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path):
     assert ended_s < GONE_WITHIN_S + 1
 
 
-def slow_tokenizer() -> Any:
-    """A byte-level tokenizer whose pre-tokenizer first splits on `b*b*\\d`: on a line of n `b`s and no
-    digit the regex engine backtracks through O(n³) steps (2,000 `b`s: ~17 s of CPU a line)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)} | {"</s>": len(alphabet)},
-                                     merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"b*b*\d"), behavior="isolated"),
-                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>")
-
-
 @pytest.mark.serial  # a wall-time bound
 def test_a_stopped_calibration_kills_its_tokenizer_child(tmp_path: Path):
     from models.data.calibration import CalibrationSpec, load_blocks
+    from tests.tiny import backtracking_tokenizer
 
     text = tmp_path / "bs.txt"
     text.write_text(("b" * 2000 + "\n") * 64)
     spec = CalibrationSpec(source=str(text), sequences=8, seq_len=1024)
-    raised, _pid, ended_s, gone_s = _run_stopped_after(lambda: load_blocks(spec, slow_tokenizer()), delay_s=1.0)
+    raised, _pid, ended_s, gone_s = _run_stopped_after(lambda: load_blocks(spec, backtracking_tokenizer()), delay_s=1.0)
     assert isinstance(raised, Cancelled), raised
     assert gone_s < GONE_WITHIN_S and ended_s < GONE_WITHIN_S + 1, (gone_s, ended_s)
     print(f"stop → tokenizer child gone: {gone_s:.2f} s")

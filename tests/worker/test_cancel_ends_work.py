@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 
 from app.api.main import create_app
 from app.core.db import Job, database
-from tests.models.test_stop_signal import slow_tokenizer
 from tests.service_kit import WorkerProcess, job_history, spec, wait_for, worker_settings
+from tests.tiny import backtracking_tokenizer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker, pytest.mark.serial]
 
@@ -34,7 +34,7 @@ def settings(tmp_path_factory, postgres_server, redis_broker):
 
     s = worker_settings(tmp_path_factory.mktemp("cancel-ends"), postgres_server, redis_broker, "cancel_ends")
     model_dir = s.models_dir / SLOW_MODEL
-    slow_tokenizer().save_pretrained(model_dir)
+    backtracking_tokenizer().save_pretrained(model_dir)
     tiny_model("llama", vocab_size=257).save_pretrained(model_dir)
     text = s.data_dir / SLOW_TEXT
     text.parent.mkdir(parents=True, exist_ok=True)
