@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 from collections.abc import Sequence
@@ -206,13 +207,19 @@ def verdict_table(runs_dir: Path = RUNS_DIR) -> list[dict[str, Any]]:
 
 def speedup_spread(row: dict[str, Any]) -> str:
     """The rule's speedup (the slowest optimised run) with the range over runs, or why there is none."""
-    low, high = row.get("speedup_range") or (None, None)
-    if low is None:
+    speed: list[float] | None = row.get("speedup_range")
+    if not speed or speed[0] is None:
         return "–"
+    low, high = speed
     runs = row["counts"][OPTIMISED]["runs"]
     if runs == 1:
-        return f"{low:.2f}× (one run)"
-    return f"{low:.2f}× (runs {low:.2f}–{high:.2f}×, {runs} runs)"
+        return f"{times(low)} (one run)"
+    return f"{times(low)} (runs {times(low)}–{times(high)}, {runs} runs)"
+
+
+def times(speedup: float) -> str:
+    """`1.57×`; a run at the target before training is unbounded, not a number."""
+    return "∞ (at the target before training)" if math.isinf(speedup) else f"{speedup:.2f}×"
 
 
 def table_text(rows: Sequence[dict[str, Any]]) -> str:

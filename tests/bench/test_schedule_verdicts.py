@@ -182,7 +182,9 @@ def test_the_text_table_says_which_runs_must_be_rerun(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dtp:1 at 50 steps: raw runs not in the repository: re-run needed" in out
     assert "dtp:2 at 50 steps: not decided (1 optimised and 1 random layout(s); the rule needs 2 of each)" in out
-    assert "1.57× (runs 1.57–1.68×, 3 runs)" in out and "not shown at this budget, 1.25× on the grid" in out
+    assert "1.57× (runs 1.57×–1.68×, 3 runs)" in out and "not shown at this budget, 1.25× on the grid" in out
+    at_once = {"speedup_range": [float("inf"), float("inf")], "counts": {"optimised": {"runs": 1}}}
+    assert sv.speedup_spread(at_once) == "∞ (at the target before training) (one run)"
     (tmp_path / "x-2steps.json").write_text(json.dumps({"format": "something else", "runs": []}))
     with pytest.raises(ValueError, match=r"x-2steps\.json: format 'something else'"):
         exp.main(["verdicts", "--runs", str(tmp_path)])
