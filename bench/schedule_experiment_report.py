@@ -71,8 +71,10 @@ def schedule_section(schedule: str, row: dict[str, Any]) -> list[str]:
     curves, finals, second = row["curves"], row["final_kl"], row["final_kl_second_domain"]
     arms = arms_in_order(finals)
     resolved = row["resolved"] if row["resolved"] != schedule else ""
+    amended = row.get("amended_verdict")  # results from before issue 45 have none
     lines = [f"### {schedule}" + (f" = `{resolved}`" if resolved else ""), "",
-             "Verdict: " + verdict_line(row), ""]
+             "Verdict: " + verdict_line(row), "",
+             *([f"Amended rule (issue 45): **{amended['verdict']}** ({amended['why']})", ""] if amended else [])]
     lines += ["| layout | J_σ damage | J_σ unit | KL @0 | final KL, primary (mean, range) | per seed | "
               "final KL, second domain (mean, range) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:

@@ -109,6 +109,7 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     for arm in arms:
         assert f"| {arm} | {row['predictors']['J_damage'][arm]:.3f} |" in text
     assert f"Verdict: **{row['verdict']['verdict']}**" in text
+    assert f"Amended rule (issue 45): **{row['amended_verdict']['verdict']}** (" in text
     page.write_text(text + "Reading written by hand.\n")
     exp.main(common)
     assert page.read_text().endswith("Reading written by hand.\n") and page.read_text().count("## Verdicts") == 1
