@@ -6,7 +6,9 @@ Each engine is `vllm.LLM` in the vLLM tests' engine host (tests/models/serving/v
 eager, prefix caching off; the same plugin, executor and TP workers as `vllm serve`, without the HTTP
 server), loaded once: plain TP is vLLM's own Llama on the permuted checkpoint/, every schedule the plugin on
 its shards/. Within one load the plugin's settings are switched in every TP worker (`LLM.collective_rpc`),
-so each repeat runs every (link latency, exchange mode) in turn: interleaved, one engine at a time.
+so each repeat runs every (link latency, exchange mode) in turn: interleaved. Engines run one at a time;
+with --rounds R every engine is loaded R times, in turn (the order reversed every other round), and the
+medians pool the R x repeats samples.
 
     decode_tps  one prompt of PROMPT tokens, (N-1) tokens over (t_N - t_1): a N-token and a 1-token
                 completion timed inside the host (LLM.generate alone)
@@ -18,7 +20,7 @@ the plugin's tp (vLLM's all-reduce at every module, each one waited at once), th
 A schedule whose every exchange is waited at once (tp, pt:D) runs the same code in both modes: measured once.
 
     .venv/bin/python bench/serving.py [--schedules tp,dtp:1,dtp:2,pt:2,ladder] [--latencies 0,100,500,2000]
-        [--modes eager,overlap] [--repeats 5] [--prompt 16 --tokens 32] [--layers 8 --hidden 768]
+        [--modes eager,overlap] [--repeats 5] [--rounds 1] [--prompt 16 --tokens 32] [--layers 8 --hidden 768]
         [--out docs/serving_latency.json] [--plot docs/serving_latency.png]
 """
 
@@ -80,7 +82,7 @@ def _one(engine: HostedEngine, prompt: list[int], tokens: int) -> tuple[float, f
 def measure(engine: HostedEngine, arms: list[tuple[str, float]], *, prompt: int, tokens: int, repeats: int,
             seed: int, dtp: bool) -> dict[tuple[str, float], dict[str, list[float]]]:
     """Per (mode, latency): the repeats' decode tok/s and TTFT, every arm once per repeat in turn."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # the round: fresh prompts each load
     ids = [rng.randrange(1, 250) for _ in range(prompt)]
     samples: dict[tuple[str, float], dict[str, list[float]]] = {a: {"decode_tps": [], "ttft_ms": []} for a in arms}
     for warm in arms[:1] if dtp else []:
@@ -163,7 +165,8 @@ def main() -> int:
     ap.add_argument("--schedules", default="tp,dtp:1,dtp:2,pt:2,ladder")
     ap.add_argument("--latencies", default="0,100,500,2000", help="emulated link latencies, µs")
     ap.add_argument("--modes", default="eager,overlap")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="repeats per engine load")
+    ap.add_argument("--rounds", type=int, default=1, help="loads of every engine, in turn (repeats x rounds samples)")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=8)
@@ -190,39 +193,49 @@ def main() -> int:
         try:
             engines = ([] if args.no_plain else [(PLAIN, schedules[0], "checkpoint")]) + \
                 [(s, s, "shards") for s in schedules]
-            exported: dict[str, Path] = {}
-            for label, schedule, path in engines:
-                if schedule not in exported:
-                    exported[schedule] = export_tiny(Path(tmp) / schedule.replace(":", "_"), case="llama",
-                                                     schedule=schedule, shape=shape)
-                dtp = path == "shards"
-                both = dtp and _delays_exchanges(schedule, args.layers)
-                arms = [(m, lat) for lat in latencies for m in (modes if both else modes[:1])] if dtp else \
-                    [(modes[0], 0.0)]
-                engine = host.load(exported[schedule] / path, max_model_len=args.prompt + args.tokens + 8,
-                                   max_num_batched_tokens=max(64, args.prompt),
-                                   engine_args={"enable_prefix_caching": False})
-                try:
-                    samples = measure(engine, arms, prompt=args.prompt, tokens=args.tokens, repeats=args.repeats,
-                                      seed=0, dtp=dtp)
-                finally:
-                    engine.stop()
-                for (mode, latency), got in samples.items():
-                    shown = mode if both else ("-" if not dtp else f"{mode} = overlap")
-                    row = {"engine": label, "mode": shown, "latency_us": latency, "start_s": engine.start_s,
-                           "decode_tps": _cell(got["decode_tps"]), "ttft_ms": _cell(got["ttft_ms"]),
-                           "samples": got}
-                    rows.append(row)
-                    _print_row(row)
+            exported = {s: export_tiny(Path(tmp) / s.replace(":", "_"), case="llama", schedule=s, shape=shape)
+                        for s in schedules}
+            pooled: dict[tuple[str, str, float], dict[str, list[float]]] = {}
+            starts: dict[str, list[float]] = {}
+            for r in range(args.rounds):  # every engine once a round, the order reversed every other round
+                for label, schedule, path in engines if r % 2 == 0 else engines[::-1]:
+                    dtp = path == "shards"
+                    both = dtp and _delays_exchanges(schedule, args.layers)
+                    arms = [(m, lat) for lat in latencies for m in (modes if both else modes[:1])] if dtp else \
+                        [(modes[0], 0.0)]
+                    engine = host.load(exported[schedule] / path, max_model_len=args.prompt + args.tokens + 8,
+                                       max_num_batched_tokens=max(64, args.prompt),
+                                       engine_args={"enable_prefix_caching": False})
+                    starts.setdefault(label, []).append(engine.start_s)
+                    try:
+                        samples = measure(engine, arms, prompt=args.prompt, tokens=args.tokens,
+                                          repeats=args.repeats, seed=r, dtp=dtp)
+                    finally:
+                        engine.stop()
+                    for (mode, latency), got in samples.items():
+                        shown = mode if both else ("-" if not dtp else f"{mode} = overlap")
+                        cell = pooled.setdefault((label, shown, latency), {"decode_tps": [], "ttft_ms": []})
+                        for key in cell:
+                            cell[key] += got[key]
+                        _print_row({"engine": label, "mode": shown, "latency_us": latency,
+                                    "decode_tps": _cell(got["decode_tps"]), "ttft_ms": _cell(got["ttft_ms"])})
+            for (label, shown, latency), got in pooled.items():
+                rows.append({"engine": label, "mode": shown, "latency_us": latency, "start_s": starts[label],
+                             "decode_tps": _cell(got["decode_tps"]), "ttft_ms": _cell(got["ttft_ms"]),
+                             "samples": got})
         finally:
             host.stop()
     crossovers = summarise(rows, latencies)
-    report = {"shape": shape, "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats, "tp": 2,
+    report = {"shape": shape, "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
+              "rounds": args.rounds, "tp": 2,
               "dtype": "float32", "latencies_us": latencies, "modes": modes, "rows": rows,
               "crossover_us": crossovers, "load_before": load, "load_after": os.getloadavg(),
               "wall_s": time.time() - t_start, "cpus": os.cpu_count(),
               "binding": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1 (vllm_kit.cpu_env)"),
               "command": " ".join(sys.argv)}
+    print("\npooled over the rounds:")
+    for row in rows:
+        _print_row(row)
     print("\nratio to the plugin's tp at each latency:")
     for row in rows:
         if row["ratio_to_tp"] is not None:
@@ -234,7 +247,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         plot(rows, latencies, Path(args.plot), f"vLLM CPU, TP=2, fp32 llama {args.layers}×{args.hidden}, one sequence "
-             f"(median of {args.repeats})")
+             f"(median of {args.repeats * args.rounds})")
     return 0
 
 
