@@ -92,6 +92,7 @@ class JobRun(Publishing):
         """Between micro-batches: the flags the monitor read."""
         self.monitor.beat()
         if self.monitor.cancel.is_set():
+            self.stop.set(f"cancelled during {self.stage}")  # anything else of the run's work stops too
             return True
         self.check()
         return False
