@@ -6,9 +6,10 @@ optimiser, writing the export, reading a distillation's data) run in a thread th
 safe point (models.run.progress.check_stop); here they hang between safe points (tests/faults.py)
 and run in-process on Postgres, and the job ends only once that thread has stopped; the stages that
 ask between units of work (the affinity pass, training steps and micro-batches, every evaluation
-batch) run for real on a Celery worker over Postgres and Redis, the evaluation ones on a distillation whose evaluation is long: the dense model's and step 0's
-at the start of the stage, the last one at its end. The monitor reads the flag once a second
-(its tick), so every latency is at most a tick plus one unit of work.
+batch) run for real on a Celery worker over Postgres and Redis, the evaluation ones on a distillation
+whose evaluation is long: the dense model's and step 0's at the start of the stage, the last one at
+its end. The monitor reads the flag once a second (its tick), so every latency is at most a tick plus
+one unit of work.
 """
 
 from __future__ import annotations
