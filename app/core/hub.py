@@ -10,7 +10,7 @@ DTP_LAYOUT_HUB_DATASETS turn the hub off (empty) or limit it to owners and ids. 
 What is fetched is held to an upload's limits (a hub repository is anyone's; issue 41): the snapshot's
 files are listed with their sizes from the hub's metadata first, and only the top-level files an upload
 may hold are fetched, by exact name at the listed commit, each tokenizer file within its kind's cap
-(app.core.services.tokenizer_files), each JSON within JSON_MAX_BYTES, all of them within
+(app.core.services.upload_checks), each JSON within JSON_MAX_BYTES, all of them within
 HUB_MAX_MODEL_BYTES (`snapshot_files`); the same rule is applied to the snapshot on disk before it is
 loaded (an offline cache included). A GGUF's header and tensor table are read from its first
 GGUF_MAX_METADATA_BYTES (a ranged request) and checked before the file is downloaded
@@ -34,7 +34,7 @@ from app.core.services.sources import (
     read_gguf_config,
     resolve_model,
 )
-from app.core.services.tokenizer_files import size_problem
+from app.core.services.upload_checks import size_problem
 from app.core.services.upload_files import model_file_problem
 from app.core.settings import Settings
 from models.io.gguf_header import GGUFError, GGUFLimits, read_header
