@@ -140,7 +140,7 @@ def plot(rows: list[dict[str, Any]], latencies: list[float], path: Path, title: 
         err = [[by[lat]["median"] - by[lat]["min"] for lat in latencies],
                [by[lat]["max"] - by[lat]["median"] for lat in latencies]]
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, lw=2.2 if engine == "tp" else 1.2,
-                    ls="-" if mode == "eager" else "--", label=f"{engine} ({mode})")
+                    ls="-" if mode.startswith("eager") else "--", label=f"{engine} ({mode})")
     plain = [r["decode_tps"] for r in rows if r["engine"] == PLAIN]
     if plain:
         ax.plot([0], [plain[0]["median"]], "k*", ms=12, label="plain vLLM TP (0 µs only)")
