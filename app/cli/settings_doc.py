@@ -61,6 +61,12 @@ ELSEWHERE = (
      "`cuda`); see [benchmarks.md](benchmarks.md#gpu-check-make-gpu-check)"),
     ("DTP_LAYOUT_VLLM_PYTHON", "`dtp-layout vllm-serve`", "the interpreter with vLLM (`--python`; default: "
      "`.venv-vllm/bin/python` beside the checkout); see [serving.md](serving.md)"),
+    ("DTP_LAYOUT_VLLM_EXCHANGE", "the vLLM plugin, in every vLLM process", "`eager` or `overlap`: how a schedule's "
+     "exchanges run (`vllm-serve --exchange`; default: `overlap` on CUDA, `eager` elsewhere); see "
+     "[serving.md](serving.md)"),
+    ("DTP_LAYOUT_VLLM_LINK_LATENCY_US", "the vLLM plugin, in every vLLM process", "µs after its collective "
+     "completed that an exchange's result becomes usable: an emulated slower link (`vllm-serve "
+     "--link-latency-us`; default 0)"),
     ("DTP_LAYOUT_VLLM_VENV", "the vLLM tests (`tests/models/serving/`)", "the venv with vLLM they start engines "
      "from (default `.venv-vllm`, made by `make vllm-env`)"),
     ("DTP_LAYOUT_VLLM_START_S", "the vLLM tests", "seconds each engine may take to start (default 420)"),

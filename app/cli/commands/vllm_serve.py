@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from app.cli.supervisor import share_priority
+from models.io.ids import DTYPE_NAMES as _DTYPES  # vLLM's --dtype takes these names too
 from models.serving.vllm.options import EXCHANGE_ENV, EXCHANGE_MODES, LATENCY_ENV, check_link_latency
 
 REPO = Path(__file__).resolve().parents[3]  # app/cli/commands/vllm_serve.py → the checkout
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
 FIRST_PORT = 8100  # the default's search starts here: apart from the service's 8000 (`make run`)
 PORT_SEARCH = 100
-_DTYPES = ("float32", "float16", "bfloat16")  # what vLLM's --dtype takes by these names
 STOP_GRACE_S = 20.0  # SIGTERM to the group, then SIGKILL after this long
 
 
