@@ -12,7 +12,9 @@ needs no flags beyond the tensor-parallel size, which is set from the manifest, 
 shards' own (vLLM's `auto` would serve float32 shards in bf16). On a CPU the defaults split the CPUs this
 process may use into L thread-binding ranges (VLLM_CPU_OMP_THREADS_BIND), reserve none and give the KV cache
 1 GiB (VLLM_CPU_KVCACHE_SPACE); each is overridden by the environment. The model runs eager
-(--enforce-eager: CUDA graphs cannot capture the schedule's asynchronous exchanges).
+(--enforce-eager) unless --cuda-graphs: on a GPU the plugin's exchanges are capturable (the `eager` mode is
+vLLM's all-reduce, `overlap` the custom ops of models.serving.exchange_ops), but that has not yet run on a GPU,
+so graphs are the user's choice, not the default.
 
 vLLM runs in a process group of its own: SIGTERM or SIGINT to this command stops the whole group (the API
 server, the engine core, the TP workers), SIGKILL after a grace period. Readiness is vLLM's /health answering
@@ -147,7 +149,9 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     tokenizer = any((shards / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     cmd = [vllm_python(args.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", args.host, "--port", str(args.port), "--tensor-parallel-size", str(devices),
-           "--served-model-name", args.name, "--enforce-eager"]
+           "--served-model-name", args.name]
+    if not getattr(args, "cuda_graphs", False):
+        cmd += ["--enforce-eager"]
     if args.checkpoint:
         cmd += ["--hf-overrides", json.dumps(hf_overrides(serving))]
         if tokenizer:
@@ -268,6 +272,9 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
         args = split_rest(args)
         if args.link_latency_us is not None:
             args.link_latency_us = check_link_latency(args.link_latency_us, "--link-latency-us")
+        if args.cuda_graphs and args.link_latency_us:
+            raise VllmServeError("--cuda-graphs with --link-latency-us: the emulated latency sleeps on the host, "
+                                 "which a CUDA graph would replay without; drop one of them")
         if args.port is None:
             args.port = free_port(args.host) if not args.dry_run else FIRST_PORT
         cmd, info = build_command(args)
@@ -313,6 +320,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                         "platform's (CPU: eager, CUDA: overlap)")
     p.add_argument("--link-latency-us", type=float, default=None, metavar="X",
                    help="emulate a slow link: each exchange's result is usable X µs after it completed (default 0)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="let vLLM capture CUDA graphs (no --enforce-eager; GPUs only, not with --link-latency-us: "
+                        "the emulated latency sleeps on the host); default: eager")
     p.add_argument("--wait-ready", action="store_true",
                    help="exit nonzero (3), stopping vLLM, when /health does not answer within --ready-timeout")
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S", help="seconds (default 600)")

@@ -19,8 +19,12 @@ used as it is; otherwise every rank applies the final norm to its stream and the
 one all-reduce, so the hidden state reaching vLLM's vocab-parallel LM head is the same on every rank (the
 runtime sums onto rank 0 and divides by L: the same numbers).
 
-Python async handles cannot be captured by CUDA graphs or torch.compile: the model is not compiled, and
-on a GPU vLLM must run it with enforce_eager (checked at construction).
+CUDA graphs: `eager` uses vLLM's own all-reduce alone, which its graphs capture; on CUDA, `overlap` runs each
+delayed exchange as the custom ops of models.serving.exchange_ops (the all-reduce on a side stream forked
+after an event and joined where it is due), which a graph captures too, so vLLM need not run the model with
+enforce_eager. The emulated link latency sleeps on the host, which no graph can capture: on a GPU it needs
+enforce_eager (checked at construction). The model is not compiled by torch.compile (no
+`support_torch_compile`); vLLM's full CUDA graphs wrap it whole. Not yet run on a GPU (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from models.runtime.arrivals import ArrivalPlan
+from models.serving import exchange_ops  # registers torch.ops.dtp_layout.* in every vLLM process
 from models.serving.manifest import ServingError, check_entry
 from models.serving.vllm.options import PluginSettings, check_exchange, check_link_latency, resolve_settings
 from models.serving.vllm.weights import check_devices, load_rank_shard, shards_manifest
@@ -70,9 +75,13 @@ def _check_config(vllm_config: VllmConfig) -> None:
     if parallel.pipeline_parallel_size > 1:
         raise ServingError("DTP models run on tensor parallelism alone: pipeline_parallel_size must be 1, got "
                            f"{parallel.pipeline_parallel_size}")
-    if current_platform.is_cuda_alike() and not vllm_config.model_config.enforce_eager:
-        raise ServingError("the DTP model waits on asynchronous all-reduces that CUDA graphs cannot capture: "
-                           "serve it with --enforce-eager (enforce_eager=True)")
+
+
+def _check_graphs(settings: PluginSettings, *, cuda: bool, enforce_eager: bool) -> None:
+    """The emulated latency sleeps on the host: a CUDA graph would replay without it."""
+    if cuda and settings.link_latency_us > 0 and not enforce_eager:
+        raise ServingError("link_latency_us sleeps on the host, which CUDA graphs cannot capture: serve with "
+                           "--enforce-eager (enforce_eager=True) or a link latency of 0")
 
 
 def _platform() -> str:
@@ -111,9 +120,10 @@ def module_steps(plan: ArrivalPlan) -> tuple[ModuleStep, ...]:
 class Flight:
     """A sent exchange: eager holds the others' share already; overlap the work, its buffer and own sum."""
 
-    value: torch.Tensor  # eager: what enters the stream; overlap: the buffer being reduced
+    value: torch.Tensor  # eager: what enters the stream; overlap: the buffer being reduced (CUDA: the sum's home)
     own: torch.Tensor | None  # overlap, not whole: the own sum to take out of the total
-    work: Any  # overlap: the async work; None once reduced
+    work: Any  # overlap on the CPU: the async work; None once reduced
+    handle: torch.Tensor | None  # overlap on CUDA: exchange_ops' handle
     completed: list[float]  # when the collective completed (perf_counter), for the emulated latency
 
 
@@ -124,23 +134,29 @@ class Exchanger:
         self.overlap = settings.exchange == "overlap" and group is not None
         self.latency_s = settings.link_latency_us * 1e-6
         self.group, self.cuda = group, cuda
+        self.group_name = group.group_name if group is not None else ""
 
     def send(self, own: torch.Tensor, *, whole: bool, waited_now: bool, keep: bool) -> Flight:
         """Start the all-reduce of `own` (`keep`: `own` is used again, reduce a copy)."""
+        if self.overlap and not waited_now and self.cuda:  # capturable: side stream, fork and join events
+            out = torch.empty_like(own)  # [T, D]: allocated here, before the start, where a graph keeps it
+            return Flight(out, None if whole else own, None, [], exchange_ops.start(own, self.group_name))
         if self.overlap and not waited_now:
             total = own.clone()  # [T, D]
             work = dist.all_reduce(total, group=self.group, async_op=True)
             completed: list[float] = []
             if self.latency_s > 0 and not self.cuda:  # gloo runs the future's callbacks at completion
                 work.get_future().add_done_callback(lambda _: completed.append(time.perf_counter()))
-            return Flight(total, None if whole else own, work, completed)
+            return Flight(total, None if whole else own, work, completed, None)
         total = tensor_model_parallel_all_reduce(own.clone() if keep or not whole else own)  # in place on CPU
         value = total if whole else total.sub_(own)  # the others' share; `total` is a copy or vLLM's output
-        return Flight(value, None, None, [time.perf_counter()] if self.latency_s else [])
+        return Flight(value, None, None, [time.perf_counter()] if self.latency_s else [], None)
 
     def receive(self, flight: Flight) -> torch.Tensor:
         """What the exchange adds to the stream, once it is usable."""
-        if flight.work is not None:
+        if flight.handle is not None:
+            exchange_ops.wait_into(flight.handle, flight.value)
+        elif flight.work is not None:
             flight.work.wait()
         self._await_link(flight.completed)
         return flight.value if flight.own is None else flight.value.sub_(flight.own)  # the buffer is ours
@@ -193,6 +209,7 @@ class DtpModel(nn.Module):
             settings = resolve_settings(entry, os.environ, _platform())
         except ValueError as exc:
             raise ServingError(str(exc)) from exc
+        self.enforce_eager = vllm_config.model_config.enforce_eager
         self.configure(settings)
         if get_tensor_model_parallel_rank() == 0:
             logger.info("DTP schedule %s on TP=%d: %s", self.schedule.name, self.devices, settings.describe())
@@ -201,9 +218,11 @@ class DtpModel(nn.Module):
         """Run the exchanges as `settings` says from the next forward on (the bench switches it in place)."""
         check_exchange(settings.exchange, "exchange")
         check_link_latency(settings.link_latency_us, "link_latency_us")
+        cuda = current_platform.is_cuda_alike()
+        _check_graphs(settings, cuda=cuda, enforce_eager=self.enforce_eager)
         self.settings = settings
         group = None if self.devices == 1 else get_tp_group().device_group
-        self.exchanger = Exchanger(settings, group, current_platform.is_cuda_alike())
+        self.exchanger = Exchanger(settings, group, cuda)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [T, D], the same on every rank

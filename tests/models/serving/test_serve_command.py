@@ -191,3 +191,17 @@ def test_wait_ready_gives_up_nonzero_and_stops_everything(tmp_path: Path) -> Non
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3 and "not ready (/health) after 3 s" in err and "ready: " not in out
     _assert_all_gone(kids)
+
+
+def test_cuda_graphs_drop_enforce_eager_and_refuse_an_emulated_latency(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Eager by default (graphs are not yet measured on a GPU); --cuda-graphs leaves vLLM its graphs, and the
+    host-side latency emulation, which a graph would replay without, is refused beside it."""
+    shards = _shards(tmp_path)
+    cmd, _ = _dry(capsys, shards)
+    assert "--enforce-eager" in cmd
+    cmd, _ = _dry(capsys, shards, "--cuda-graphs")
+    assert "--enforce-eager" not in cmd
+    assert main(["vllm-serve", str(shards), "--cuda-graphs", "--link-latency-us", "500", "--python", sys.executable,
+                 "--dry-run"]) == 2
+    assert "--cuda-graphs with --link-latency-us" in capsys.readouterr().err
