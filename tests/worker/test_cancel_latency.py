@@ -191,8 +191,15 @@ def test_cancel_in_the_evaluation_at_the_end_of_distilling(client, settings, wor
     """After its one step the run evaluates again (16 forwards): the cancel lands in that evaluation."""
     body = distill_spec(steps=1, eval=LONG_EVAL, recipe={"batch_size": 1, "micro_batch_size": 1,
                                                          "eval_batch_size": 4096})
+    # Progress counts token passes (models/distill/run.py): the dense reference (1 pass over the E evaluation
+    # tokens), step 0's evaluation (2), the one step (4 over its 1 × 256 training tokens), then the last
+    # evaluation (2), in 16 micro-batches. Cancel once half a micro-batch of that last evaluation has passed.
+    e = LONG_EVAL["sequences"] * LONG_EVAL["seq_len"]
+    total = e + 2 * e + 4 * 256 + 2 * e
+    last_eval_starts = (e + 2 * e + 4 * 256) / total
+    trigger = last_eval_starts + 0.5 * (2 * e / 16) / total
     job, steps = cancel_when(client, settings, worker, body,
-                             lambda j: j["stage"] == "distilling" and j["progress"] >= 1.0, "distilling",
+                             lambda j: j["stage"] == "distilling" and j["progress"] >= trigger, "distilling",
                              "distilling (evaluation at the end)")
     assert steps == [0]  # the last evaluation (step 1) never finished
     assert latency_s(settings, job) < LATENCY_S
