@@ -14,13 +14,17 @@ may hold are fetched, by exact name at the listed commit, each tokenizer file wi
 HUB_MAX_MODEL_BYTES (`snapshot_files`); the same rule is applied to the snapshot on disk before it is
 loaded (an offline cache included). A GGUF's header and tensor table are read from its first
 GGUF_MAX_METADATA_BYTES (a ranged request) and checked before the file is downloaded
-(`gguf_head_config`), then checked again on the downloaded file.
+(`gguf_head_config`), then checked again on the downloaded file. The cache itself is held to
+HUB_CACHE_MAX_BYTES (`make_cache_room`): what a fetch adds must fit beside what is cached, after the
+models no job has used for an hour are deleted, least recently used first; a fetch that still does not fit
+fails the job, naming the setting.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,6 +182,49 @@ def check_snapshot(directory: Path, settings: Settings, *, repo: str) -> None:
                                            "(DTP_LAYOUT_SAFETENSORS_MAX_HEADER_BYTES)")
 
 
+CACHE_IDLE_S = 3600.0  # a cached model used more recently than this may be another worker's load: never deleted
+
+
+def plan_cache_room(cached: list[tuple[str, int, float]], *, keep: str, need: int, cap: int,
+                    now: float) -> list[str] | None:
+    """Which cached repositories to delete, least recently used first, so that `need` more bytes fit beside
+    the rest under `cap`; None when deleting every one idle for CACHE_IDLE_S still leaves too little.
+    cached: (repo id, bytes on disk, last accessed, epoch seconds); `keep`'s own bytes are not counted
+    (a fetch of a cached file adds nothing) and it is never deleted."""
+    others = [c for c in cached if c[0] != keep]
+    used = sum(size for _, size, _ in others)
+    chosen: list[str] = []
+    for repo_id, size, _ in sorted((c for c in others if now - c[2] >= CACHE_IDLE_S), key=lambda c: c[2]):
+        if used + need <= cap:
+            break
+        chosen.append(repo_id)
+        used -= size
+    return chosen if used + need <= cap else None
+
+
+def make_cache_room(repo: str, need: int, settings: Settings, *, cache_dir: Path | None = None) -> list[str]:
+    """Delete what `plan_cache_room` chooses from huggingface_hub's model cache so a fetch of `need` bytes of
+    `repo` fits under HUB_CACHE_MAX_BYTES; ModelRefused when it cannot. Returns the repositories deleted."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        repos = [r for r in scan_cache_dir(cache_dir).repos if r.repo_type == "model"]
+    except CacheNotFound:  # nothing cached yet
+        repos = []
+    cached = [(r.repo_id, r.size_on_disk, r.last_accessed) for r in repos]
+    cap = settings.hub_cache_max_bytes
+    chosen = plan_cache_room(cached, keep=repo, need=need, cap=cap, now=time.time())
+    if chosen is None:
+        raise ModelRefused("model.id", f"hub model {repo!r}: its {need} bytes do not fit in this worker's hub cache "
+                                       f"beside the models used within the last hour (DTP_LAYOUT_HUB_CACHE_MAX_BYTES "
+                                       f"= {cap}); try again later")
+    if chosen:
+        scan_cache_dir(cache_dir).delete_revisions(
+            *(rev.commit_hash for r in repos if r.repo_id in chosen for rev in r.revisions)).execute()
+    return chosen
+
+
 def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], settings: Settings) -> ModelLocation:
     """The hub model as a local snapshot directory, its config checked before any weight is fetched and
     what is fetched held to the limits (module docstring). Without the hub's listing (offline), only
@@ -195,6 +242,7 @@ def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], set
                 raise ModelRefused("model.gguf_file", f"hub model {repo!r} has no file {location.gguf_file!r}")
             head = _hub_head(repo, location.gguf_file, str(commit), min(size, settings.gguf_max_metadata_bytes))
             check(gguf_head_config(head, size, settings, name=location.gguf_file))
+            make_cache_room(repo, size, settings)
         path = Path(hf_hub_download(repo, location.gguf_file, revision=commit, local_files_only=local_only))
         _check_size(path.stat().st_size, settings, path.name)
         check(bounded_gguf_config(path, settings.gguf_limits()))
@@ -205,6 +253,8 @@ def _fetch(location: ModelLocation, check: Callable[[dict[str, Any]], None], set
         raise ModelRefused("model.id", f"hub model {repo!r}: config.json is larger than {MAX_CONFIG_BYTES} bytes")
     config = json.loads(config_path.read_text())
     check(config if isinstance(config, dict) else {})
+    if files is not None:
+        make_cache_room(repo, sum(sizes.get(name) or 0 for name in files), settings)
     snapshot = Path(snapshot_download(repo, revision=commit, allow_patterns=files, local_files_only=local_only))
     check_snapshot(snapshot, settings, repo=repo)  # what is on disk, an offline cache's too
     return ModelLocation(path=snapshot.absolute())

@@ -188,6 +188,11 @@ class Settings(BaseSettings):
                                      description="what a job fetches of one hub model (its safetensors, JSON and "
                                                  "tokenizer files, or its GGUF file), from the sizes the hub "
                                                  "lists before any download; more is a failed job naming it")
+    hub_cache_max_bytes: int = Field(default=256 << 30, ge=1 << 20,
+                                     description="the worker's hub model cache (huggingface_hub's) in all: before a "
+                                                 "fetch, cached models unused for an hour are deleted, least "
+                                                 "recently used first, to make room; a fetch that still does not "
+                                                 "fit is a failed job naming it")
     hub_datasets: str = Field(default="*", description="hf: calibration datasets a job may name: * (any), empty "
                                                        "(none) or comma-separated owners and names")
     corpora: str = Field(default="auto", description="corpus:NAME sources a job may name: auto (those this API "
