@@ -63,8 +63,9 @@ def test_make_dist_with_an_old_setuptools_refuses_before_writing_anything(tmp_pa
     (copy / "dist" / "earlier.whl").write_bytes(b"kept")
     for name, has in (("old", "has setuptools 65.5.0"), ("none", "has no setuptools")):
         python = tmp_path / name / "bin" / "python"
-        result = subprocess.run([MAKE, "dist", f"DIST_PYTHON={python}"], cwd=copy, capture_output=True, text=True,
-                                timeout=120)
+        # --no-print-directory: under `make test` (MAKELEVEL > 0) a make prints "Entering directory" lines
+        result = subprocess.run([MAKE, "--no-print-directory", "dist", f"DIST_PYTHON={python}"], cwd=copy,
+                                capture_output=True, text=True, timeout=120)
         assert result.returncode == 2, result.stdout + result.stderr
         said = result.stderr.splitlines()[0]
         assert said.startswith(f"make dist: {python} {has}; the sdist needs setuptools>=77"), said

@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from app.api.main import create_app
+from app.api.readiness import CACHE_S as READYZ_CACHE_S
 from app.core.db import Job, database
 from app.core.migrate import upgrade
 from tests.conftest import server_unavailable
@@ -144,6 +145,7 @@ def test_redis_stopped_and_frozen_then_back(stack):
             recovered_s = time.monotonic() - t_back
             assert done_first["status"] == "succeeded", done_first
             assert done_second["status"] == "succeeded", done_second
+            time.sleep(READYZ_CACHE_S)  # /readyz answers from a cache at most this old: the frozen probe's 503
             assert client.get("/readyz").status_code == 200
             assert _rows(settings) == before + 2  # the running job and the one after: nothing lost, no extra
         for job_id in (first, second):
