@@ -9,9 +9,12 @@ from typing import Any
 from tests import xdist_kit
 
 
-def _item(nodeid: str, param: str | None, *marks: str) -> Any:
-    return SimpleNamespace(nodeid=nodeid, callspec=None if param is None else SimpleNamespace(id=param),
-                           get_closest_marker=lambda name: name if name in marks else None)
+def _item(nodeid: str, param: str | None, *marks: str, params: dict[str, Any] | None = None,
+          mark_args: tuple[str, ...] = ()) -> Any:
+    callspec = None if param is None else SimpleNamespace(id=param, params=params or {})
+    return SimpleNamespace(nodeid=nodeid, callspec=callspec,
+                           get_closest_marker=lambda name: SimpleNamespace(name=name, args=mark_args)
+                           if name in marks else None)
 
 
 def test_a_split_file_is_one_unit_per_parameter_set_and_others_one_per_file() -> None:
@@ -21,6 +24,16 @@ def test_a_split_file_is_one_unit_per_parameter_set_and_others_one_per_file() ->
     assert xdist_kit.param_unit(_item(split, "llama-tp-shards")) is None  # not marked: its file
     assert xdist_kit.param_unit(_item("tests/x.py::test_a", None, "split_by_param")) is None  # no parameters
     assert xdist_kit.unit_of("tests/x.py::test_a[1]") == "tests/x.py"
+
+
+def test_a_split_by_named_parameters_keeps_the_other_parameters_in_one_unit() -> None:
+    """split_by_param("engine"): the eager and overlap tests of one engine are one unit (one engine start)."""
+    units = {xdist_kit.param_unit(_item(f"tests/v.py::test_g[llama-tp-{mode}]", f"llama-tp-{mode}", "split_by_param",
+                                        params={"engine": ("llama", "tp"), "mode": mode}, mark_args=("engine",)))
+             for mode in ("eager", "overlap")}
+    other = xdist_kit.param_unit(_item("tests/v.py::test_g[llama-pt:2-eager]", "llama-pt:2-eager", "split_by_param",
+                                       params={"engine": ("llama", "pt:2"), "mode": "eager"}, mark_args=("engine",)))
+    assert units == {"tests/v.py[('llama', 'tp')]"} and other == "tests/v.py[('llama', 'pt:2')]"
     assert xdist_kit.unit_of("tests/x.py::test_a[1]@grp") == "grp"
 
 

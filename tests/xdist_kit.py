@@ -150,10 +150,15 @@ class SerialLock:
 
 
 def param_unit(item: pytest.Item) -> str | None:
-    """The work unit of a test of a `split_by_param` file: the file and its parameter set's id."""
+    """The work unit of a test of a `split_by_param` file: the file and its parameter set's id, or, where the
+    mark names parameters (`split_by_param("engine")`), those parameters' values alone: a test parametrized
+    further (`mode`) stays in its engine's unit, which starts the engine once."""
     callspec = getattr(item, "callspec", None)
-    if callspec is None or item.get_closest_marker(SPLIT_BY_PARAM) is None:
+    mark = item.get_closest_marker(SPLIT_BY_PARAM)
+    if callspec is None or mark is None:
         return None
+    if mark.args:
+        return f"{item.nodeid.split('::', 1)[0]}[{', '.join(repr(callspec.params.get(n)) for n in mark.args)}]"
     return f"{item.nodeid.split('::', 1)[0]}[{callspec.id}]"
 
 

@@ -36,9 +36,10 @@ from models.serving.manifest import hf_overrides
 from tests.models.serving.vllm_kit import EngineHost, HostedEngine, Server, export_tiny, runtime_tokens, vllm_missing
 from tests.tiny import tokens
 
-# split_by_param: each engine's tests are a unit of their own under xdist (an engine is started per parameter
-# set whatever the grouping; one file of 11 engines was the suite's longest tail, 6 minutes on one worker)
-pytestmark = [pytest.mark.vllm, pytest.mark.split_by_param,
+# split_by_param("engine"): each engine's tests are a unit of their own under xdist (an engine is started per
+# parameter set whatever the grouping; one file of 11 engines was the suite's longest tail, 6 minutes on one
+# worker), both exchange modes in it (split by the whole id, a mode's tests started the engine again)
+pytestmark = [pytest.mark.vllm, pytest.mark.split_by_param("engine"),
               pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
 
 PROMPT_LENGTHS = (5, 19, 37)  # 37 > 16: two chunks and a remainder under --max-num-batched-tokens 16
