@@ -140,17 +140,19 @@ class Exchanger:
         """Start the all-reduce of `own` (`keep`: `own` is used again, reduce a copy)."""
         if self.overlap and not waited_now and self.cuda:  # capturable: side stream, fork and join events
             out = torch.empty_like(own)  # [T, D]: allocated here, before the start, where a graph keeps it
-            return Flight(out, None if whole else own, None, [], exchange_ops.start(own, self.group_name))
+            return Flight(out, own=None if whole else own, work=None, handle=exchange_ops.start(own, self.group_name),
+                          completed=[])
         if self.overlap and not waited_now:
             total = own.clone()  # [T, D]
             work = dist.all_reduce(total, group=self.group, async_op=True)
             completed: list[float] = []
             if self.latency_s > 0 and not self.cuda:  # gloo runs the future's callbacks at completion
                 work.get_future().add_done_callback(lambda _: completed.append(time.perf_counter()))
-            return Flight(total, None if whole else own, work, completed, None)
+            return Flight(total, own=None if whole else own, work=work, handle=None, completed=completed)
         total = tensor_model_parallel_all_reduce(own.clone() if keep or not whole else own)  # in place on CPU
         value = total if whole else total.sub_(own)  # the others' share; `total` is a copy or vLLM's output
-        return Flight(value, None, None, [time.perf_counter()] if self.latency_s else [], None)
+        return Flight(value, own=None, work=None, handle=None,
+                      completed=[time.perf_counter()] if self.latency_s else [])
 
     def receive(self, flight: Flight) -> torch.Tensor:
         """What the exchange adds to the stream, once it is usable."""
