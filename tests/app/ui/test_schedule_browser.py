@@ -38,7 +38,9 @@ def test_the_list_job_page_and_scores_show_the_schedule(keyed_service, playwrigh
             assert cell.text_content() == schedule
         page.fill("#filter-schedule", "pt:02")  # any form of the grammar: the server compares it canonical
         page.press("#filter-schedule", "Enter")
-        page.wait_for_function(f"!document.querySelector(\"tr[data-job='{jobs['dtp:1']}']\")")
+        # the filtered list, not the emptied table between the two (the dtp:1 row is gone from both)
+        page.wait_for_function(f"!document.querySelector(\"tr[data-job='{jobs['dtp:1']}']\") && "
+                               f"!!document.querySelector(\"tr[data-job='{jobs['pt:2']}']\")")
         assert "schedule=pt%3A02" in page.url
         assert page.query_selector(f"tr[data-job='{jobs['pt:2']}']") is not None
 
