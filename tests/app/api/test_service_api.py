@@ -29,7 +29,8 @@ def settings(tmp_path_factory, postgres_server, redis_broker):
     # No worker runs here: submitted jobs stay queued, so the per-tenant active-job limits are lifted.
     s = make_settings(tmp_path_factory.mktemp("api"), database_url=url, broker_url=broker,
                       broker_key_prefix=f"{prefix}api:",  # a prefix of its own: the API marks it (app/api/readiness.py)
-                      max_active_jobs=100_000, max_active_tokens=1 << 50)
+                      max_active_jobs=100_000, max_active_tokens=1 << 50,
+                      rate_limit_per_min=0)  # one TestClient address for the module's many requests (tested elsewhere)
     provision(s)
     return s
 

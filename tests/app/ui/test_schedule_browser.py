@@ -5,6 +5,8 @@ headless Chromium against a real `dtp-layout serve` (API keys on)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests import browser_kit
@@ -38,9 +40,14 @@ def test_the_list_job_page_and_scores_show_the_schedule(keyed_service, playwrigh
             assert cell.text_content() == schedule
         page.fill("#filter-schedule", "pt:02")  # any form of the grammar: the server compares it canonical
         page.press("#filter-schedule", "Enter")
-        # the filtered list, not the emptied table between the two (the dtp:1 row is gone from both)
-        page.wait_for_function(f"!document.querySelector(\"tr[data-job='{jobs['dtp:1']}']\") && "
-                               f"!!document.querySelector(\"tr[data-job='{jobs['pt:2']}']\")")
+        # the filtered list, not the emptied table between the two (the dtp:1 row is gone from both); polled from
+        # here: the page's CSP refuses wait_for_function's string evaluation
+        page.wait_for_selector(f"tr[data-job='{jobs['pt:2']}']")
+        deadline = time.monotonic() + 30
+        while page.query_selector(f"tr[data-job='{jobs['dtp:1']}']") is not None and time.monotonic() < deadline:
+            page.wait_for_timeout(100)
+        page.wait_for_selector(f"tr[data-job='{jobs['pt:2']}']")
+        assert page.query_selector(f"tr[data-job='{jobs['dtp:1']}']") is None
         assert "schedule=pt%3A02" in page.url
         assert page.query_selector(f"tr[data-job='{jobs['pt:2']}']") is not None
 
