@@ -1,17 +1,18 @@
 """What every supported family shares: a pre-norm decoder with RMSNorm, grouped-query attention
 and a SwiGLU FFN, in the Llama module layout (`model.layers[i].self_attn.{q,k,v,o}_proj`,
-`model.layers[i].mlp.{gate,up,down}_proj`).
+`model.layers[i].mlp.{gate,up,down}_proj`); and the record (`Family`) in which each family module
+declares everything the project knows about it.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from models.families.plan import ShardingPlan
-from models.layouts.layout import ModelShape
+from models.base.shapes import ModelShape
+from models.families.plan import LLAMA_PLAN, ShardingPlan
 
 
 class UnsupportedModelError(ValueError):
@@ -19,33 +20,71 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class VllmArchitecture:
+    """The family's architecture in the vLLM plugin (models.serving.vllm): the class the plugin registers and
+    the vLLM architecture it stands in for (the one vLLM would run the family's plain checkpoint as)."""
+
+    dtp: str  # e.g. "DtpLlamaForCausalLM": a class of models/serving/vllm/model.py, named in shards/config.json
+    replaces: str  # e.g. "LlamaForCausalLM": vLLM's own class for the family
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
-    """One family: the model types it covers, how its linears shard, and what it refuses."""
+    """One family, declared once in its module and registered in `models.families.registry`: every fact a
+    consumer needs (loading, the simulator, the memory plan, the API's defaults, the serving manifest, the
+    vLLM plugin) is read from here, never from the model type's name.
+
+    A fact that only some families have (a mixture-of-experts FFN, say) is a new field with a default
+    here that the other families leave out.
+    """
 
     name: str
     model_types: tuple[str, ...]
+    # transformers' class names for the family: what AutoModelForCausalLM builds from its config
+    # (never trust_remote_code: the class is transformers' own) and the config class.
+    hf_class: str
+    hf_config_class: str
+    vllm: VllmArchitecture
     # Which linears are column-/row-parallel by KV group or by neuron; everything else is replicated.
-    plan: ShardingPlan
-    # Qwen3 normalises q and k per head with one shared gain: commutes with any head order.
+    plan: ShardingPlan = LLAMA_PLAN
+    # q, k and v always carry biases (Qwen2): column-parallel, their rows move with the KV group. Counted in
+    # the parameter count and the memory plan (each [q or kv width] per layer).
+    qkv_bias: bool = False
+    # Qwen3 normalises q and k per head with one shared gain ([head_dim] each per layer): commutes with any
+    # head order; the simulator and the runtime apply it, the counts add it.
     qk_norm: bool = False
+    # What the family's config class fills in for a field a config leaves out (models.families.defaults).
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Extra refusals on top of the common ones: returns a reason, or None if the config is fine.
     extra_check: Callable[[Any], str | None] | None = None
 
+    def __post_init__(self) -> None:
+        if not self.model_types:
+            raise ValueError(f"family {self.name!r}: model_types is empty (give the config model_type(s) it covers)")
+        object.__setattr__(self, "config_defaults", MappingProxyType(dict(self.config_defaults)))
 
-_FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3")
+    def refusals(self, config: Any) -> list[str]:
+        """Why this family cannot run `config` under DTP (the common reasons, then its own); empty if it can."""
+        reasons = _common_refusals(config)
+        if self.extra_check is not None and (extra := self.extra_check(config)):
+            reasons.append(extra)
+        return reasons
 
 
-def _registry() -> dict[str, Family]:
-    families: dict[str, Family] = {}
-    for mod in _FAMILY_MODULES:
-        family: Family = importlib.import_module(f"models.families.{mod}").FAMILY
-        for model_type in family.model_types:
-            families[model_type] = family
-    return families
+# What a Llama-layout config class fills in for an omitted field (LlamaConfig's; the other families
+# start from it). None is derived by the class: kv heads = attention heads, head_dim = hidden / heads.
+LLAMA_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False, "hidden_act": "silu",
+})
 
 
-def supported_model_types() -> list[str]:
-    return sorted(_registry())
+def refuse_attention_bias(config: Any) -> str | None:
+    """Llama's and Qwen3's `attention_bias` also puts a bias on o_proj (row-parallel): refused."""
+    if getattr(config, "attention_bias", False):
+        return "attention_bias=True (it also puts a bias on o_proj, which has no owning device under DTP)"
+    return None
 
 
 def _common_refusals(config: Any) -> list[str]:
@@ -68,29 +107,6 @@ def _common_refusals(config: Any) -> list[str]:
     if kv <= 0 or heads % kv:
         reasons.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     return reasons
-
-
-def family_for_config(config: Any) -> Family:
-    """The family for a transformers config, or UnsupportedModelError naming what was found."""
-    model_type = getattr(config, "model_type", None)
-    registry = _registry()
-    if model_type not in registry:
-        raise UnsupportedModelError(
-            f"model_type={model_type!r} is not supported; supported model types: "
-            f"{', '.join(supported_model_types())} (pre-norm RMSNorm decoders with grouped-query "
-            "attention and a SwiGLU FFN)"
-        )
-    family = registry[model_type]
-    reasons = _common_refusals(config)
-    if family.extra_check is not None and (extra := family.extra_check(config)):
-        reasons.append(extra)
-    if reasons:
-        raise UnsupportedModelError(
-            f"{model_type} model not supported: " + "; ".join(reasons)
-            + f". Supported: {', '.join(supported_model_types())} with full causal attention, "
-            "SiLU-gated FFN, no row-parallel (o_proj/down_proj) biases, no MoE."
-        )
-    return family
 
 
 def model_shape(config: Any) -> ModelShape:

@@ -2,8 +2,7 @@
 
 from typing import Any
 
-from models.families.base import Family
-from models.families.plan import LLAMA_PLAN
+from models.families.base import LLAMA_DEFAULTS, Family, VllmArchitecture
 
 
 def _check(config: Any) -> str | None:
@@ -17,4 +16,14 @@ def _check(config: Any) -> str | None:
     return None
 
 
-FAMILY = Family(name="mistral", model_types=("mistral",), plan=LLAMA_PLAN, extra_check=_check)
+FAMILY = Family(
+    name="mistral",
+    model_types=("mistral",),
+    hf_class="MistralForCausalLM",
+    hf_config_class="MistralConfig",
+    vllm=VllmArchitecture(dtp="DtpMistralForCausalLM", replaces="MistralForCausalLM"),
+    # an omitted num_key_value_heads is 8 in MistralConfig (not "the attention heads")
+    config_defaults={**LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
+                     "max_position_embeddings": 131072, "sliding_window": 4096},
+    extra_check=_check,
+)

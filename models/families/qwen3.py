@@ -1,15 +1,16 @@
 """Qwen3: the Llama layout with per-head RMSNorm on q and k (one gain shared by all heads)."""
 
-from typing import Any
+from models.families.base import Family, VllmArchitecture, refuse_attention_bias
+from models.families.qwen2 import QWEN_DEFAULTS
 
-from models.families.base import Family
-from models.families.plan import LLAMA_PLAN
-
-
-def _check(config: Any) -> str | None:
-    if getattr(config, "attention_bias", False):
-        return "attention_bias=True (it also puts a bias on o_proj, which has no owning device under DTP)"
-    return None
-
-
-FAMILY = Family(name="qwen3", model_types=("qwen3",), plan=LLAMA_PLAN, qk_norm=True, extra_check=_check)
+FAMILY = Family(
+    name="qwen3",
+    model_types=("qwen3",),
+    hf_class="Qwen3ForCausalLM",
+    hf_config_class="Qwen3Config",
+    vllm=VllmArchitecture(dtp="DtpQwen3ForCausalLM", replaces="Qwen3ForCausalLM"),
+    qk_norm=True,
+    # head_dim is 128 whatever the width (Qwen3Config), not hidden / heads
+    config_defaults={**QWEN_DEFAULTS, "head_dim": 128, "attention_bias": False},
+    extra_check=refuse_attention_bias,
+)

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from models.families import model_shape
+from models.families import find_family, model_shape
 from models.io.sizes import format_size
 
 Command = Literal["optimise", "export", "eval"]
@@ -68,11 +68,12 @@ def dtype_bytes(dtype: str) -> int:
 def layer_params(config: Any) -> int:
     """One decoder layer's parameters: attention (q, k, v, o and their biases), SwiGLU FFN, norms."""
     s = model_shape(config)
+    family = find_family(s.model_type)  # None outside the registry: counted as the Llama layout
     d, q, kv = s.hidden_size, s.num_query_heads * s.head_dim, s.num_kv_groups * s.head_dim
     attention = d * q * 2 + d * kv * 2
-    if getattr(config, "attention_bias", False) or s.model_type == "qwen2":
+    if getattr(config, "attention_bias", False) or (family is not None and family.qkv_bias):
         attention += q + 2 * kv
-    norms = 2 * d + (2 * s.head_dim if s.model_type == "qwen3" else 0)
+    norms = 2 * d + (2 * s.head_dim if family is not None and family.qk_norm else 0)
     return attention + 3 * d * s.intermediate_size + norms
 
 

@@ -1,21 +1,22 @@
-"""The torch-free defaults table (models.families.defaults) against transformers itself: each family's
-config class fills in exactly the table's values, and the parameter count the API's limit uses equals
-the count of the model transformers builds (on the meta device: no memory) from configs that leave
-fields out, so that omitting `intermediate_size` (or any other field) cannot slip a model past
-DTP_LAYOUT_MAX_MODEL_PARAMS."""
+"""The torch-free defaults (each family record's `config_defaults`, read by models.families.defaults)
+against transformers itself: each family's config class fills in exactly the record's values, and the
+parameter count the API's limit uses equals the count of the model transformers builds (on the meta
+device: no memory) from configs that leave fields out, so that omitting `intermediate_size` (or any
+other field) cannot slip a model past DTP_LAYOUT_MAX_MODEL_PARAMS."""
 
 from __future__ import annotations
 
 import pytest
 
 from app.core.services.model_limits import upload_config_problems
-from models.families.defaults import FAMILY_DEFAULTS, parameter_count, with_family_defaults
+from models.families import FAMILIES, find_family
+from models.families.defaults import parameter_count, with_family_defaults
 from tests.service_kit import make_settings
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+MODEL_TYPES = sorted(t for family in FAMILIES for t in family.model_types)
 
 
 def built_parameters(config: dict) -> int:
@@ -26,14 +27,15 @@ def built_parameters(config: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILY_DEFAULTS))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_the_table_is_what_each_config_class_fills_in(model_type):
-    assert sorted(FAMILY_DEFAULTS) == sorted(CLASSES)
-    cls = getattr(transformers, CLASSES[model_type])
+    family = find_family(model_type)
+    assert family is not None and family.config_defaults, model_type
+    cls = getattr(transformers, family.hf_config_class)
     filled = cls()
     heads = 4  # the derived fields: given heads and width, what the class makes of an omitted kv/head_dim
     small = cls(hidden_size=64, num_attention_heads=heads)
-    for key, value in FAMILY_DEFAULTS[model_type].items():
+    for key, value in family.config_defaults.items():
         if key == "num_key_value_heads" and value is None:
             assert small.num_key_value_heads == heads, model_type
         elif key == "head_dim" and value is None:
@@ -55,7 +57,7 @@ OMISSIONS = [
 ]
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILY_DEFAULTS))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 @pytest.mark.parametrize("given", OMISSIONS, ids=["no-ffn", "no-kv-vocab", "nearly-nothing", "all-tied"])
 def test_the_estimate_is_the_count_of_the_model_the_worker_builds(model_type, given):
     config = {"model_type": model_type, **given}
