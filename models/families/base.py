@@ -24,8 +24,20 @@ class VllmArchitecture:
     """The family's architecture in the vLLM plugin (models.serving.vllm): the class the plugin registers and
     the vLLM architecture it stands in for (the one vLLM would run the family's plain checkpoint as)."""
 
-    dtp: str  # e.g. "DtpLlamaForCausalLM": a class of models/serving/vllm/model.py, named in shards/config.json
+    dtp: str  # e.g. "DtpLlamaForCausalLM": the class's name, named in shards/config.json
     replaces: str  # e.g. "LlamaForCausalLM": vLLM's own class for the family
+    # the module of the plugin that defines `dtp` (imported by vLLM alone: it imports vLLM's model code)
+    module: str = "models.serving.vllm.model"
+
+    def __post_init__(self) -> None:
+        if not self.module.startswith("models.serving.vllm."):
+            raise ValueError(f"vllm.module={self.module!r}: the DTP class must live in the plugin package "
+                             "(a module under models.serving.vllm.)")
+
+    @property
+    def class_path(self) -> str:
+        """What vLLM's ModelRegistry.register_model takes: `module:Class`, imported lazily by vLLM."""
+        return f"{self.module}:{self.dtp}"
 
 
 @dataclass(frozen=True, kw_only=True)
