@@ -1,5 +1,6 @@
-"""The vLLM plugin: DTP variants of the llama, mistral, qwen2 and qwen3 models that run the shards `export`
-writes under the schedule recorded in their config (every schedule: tp, dtp:δ, dtp:δ@K, ladder, spd:B, pt:D).
+"""The vLLM plugin: a DTP variant of every registered family's model (`models.families.FAMILIES`, whose records
+name each class and its module) that runs the shards `export` writes under the schedule recorded in their config
+(every schedule: tp, dtp:δ, dtp:δ@K, ladder, spd:B, pt:D).
 
 vLLM starts its workers with spawn, so the architectures are registered in every process through the
 `vllm.general_plugins` entry point of the dtp-layout distribution (pyproject.toml), which calls `register`.
@@ -13,11 +14,11 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """vLLM's general-plugin hook: register DtpLlamaForCausalLM and its siblings."""
+    """vLLM's general-plugin hook: register each family's DTP class (its record's `vllm`: name and module)."""
     from vllm import ModelRegistry
 
-    from models.serving.manifest import DTP_ARCHITECTURES  # here, not above: `vllm-serve` imports .options alone
+    from models.families import FAMILIES  # here, not above: `vllm-serve` imports .options alone
 
-    for architecture in DTP_ARCHITECTURES.values():
-        if architecture not in ModelRegistry.get_supported_archs():
-            ModelRegistry.register_model(architecture, f"models.serving.vllm.model:{architecture}")
+    for family in FAMILIES:
+        if family.vllm is not None and family.vllm.dtp not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(family.vllm.dtp, family.vllm.class_path)
