@@ -34,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ def ffn_inputs(model: Any, blocks: torch.Tensor) -> list[torch.Tensor]:
         for i, layer in enumerate(layers)]
     try:
         for row in blocks:
-            model(row[None])
+            model.model(row[None])  # the decoder alone: the lm_head's logits are not needed here
     finally:
         for hook in hooks:
             hook.remove()
@@ -290,15 +291,39 @@ def to_mixtral(model: Any, conversion: Conversion, *, top_k: int) -> Any:
 # ---- measuring the approximation --------------------------------------------------------------------------------
 
 @torch.no_grad()
-def kl_to_dense(dense: Any, moe: Any, blocks: torch.Tensor) -> float:
-    """Mean per-token KL(dense ‖ moe) in nats over `blocks` [B, S] (every position, next-token distributions)."""
-    total, count = 0.0, 0
+def set_top_k(moe: Any, conversion: Conversion, top_k: int) -> Any:
+    """`moe` (from `to_mixtral`) switched in place to `top_k` experts per token: the down projections rescaled by
+    top_k / the old k (exact for powers of two), the router flattened or zero as `to_mixtral` writes it."""
+    experts = conversion.num_experts
+    old = int(moe.config.num_experts_per_tok)
+    if not 1 <= top_k <= experts:
+        raise ConversionError(f"top_k: between 1 and the {experts} experts, got {top_k}")
+    for layer, split in zip(moe.model.layers, conversion.layers, strict=True):
+        layer.mlp.experts.down_proj.mul_(top_k / old)
+        layer.mlp.gate.weight.copy_(split.router if top_k < experts else torch.zeros_like(split.router))
+        layer.mlp.gate.top_k = layer.mlp.top_k = top_k
+    moe.config.num_experts_per_tok = top_k
+    return moe
+
+
+@torch.no_grad()
+def kl_to_dense(dense: Any, moe: Any, blocks: torch.Tensor, *, conversion: Conversion | None = None,
+                top_ks: Sequence[int] = ()) -> dict[int, float]:
+    """Mean per-token KL(dense ‖ moe) in nats over `blocks` [B, S] (every position's next-token distribution),
+    {top_k: KL} for each of `top_ks` (`moe` switched by `set_top_k` with `conversion`; left at the last), or
+    {its own k: KL} without them. The dense model runs once per block."""
+    ks = list(top_ks) or [int(moe.config.num_experts_per_tok)]
+    if top_ks and conversion is None:
+        raise ConversionError("top_ks: give the conversion whose routers set_top_k writes")
+    total = dict.fromkeys(ks, 0.0)
     for row in blocks:
         p = F.log_softmax(dense(row[None]).logits.float(), dim=-1)  # [1, S, V]
-        q = F.log_softmax(moe(row[None]).logits.float(), dim=-1)
-        total += float((p.exp() * (p - q)).sum())
-        count += row.numel()
-    return total / count
+        for k in ks:
+            if top_ks:
+                set_top_k(moe, conversion, k)  # type: ignore[arg-type]
+            q = F.log_softmax(moe(row[None]).logits.float(), dim=-1)
+            total[k] += float((p.exp() * (p - q)).sum())
+    return {k: v / blocks.numel() for k, v in total.items()}
 
 
 def save(moe: Any, tokenizer: Any, conversion: Conversion, out: Path, **extra: Any) -> None:
@@ -342,15 +367,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     conversion = convert(dense, blocks, experts=args.experts, seed=args.seed, log=lambda s: print(s, flush=True))
     seconds = time.perf_counter() - t0
+    moe = to_mixtral(dense, conversion, top_k=args.top_k)
     kls: dict[str, float] = {}
     if args.kl_k:
         held = load_blocks(CalibrationSpec(source=args.calib, sequences=args.eval_blocks, seq_len=args.seq_len,
                                            skip_blocks=args.calib_blocks), tokenizer, vocab_size=vocab)
-        for k in (int(s) for s in args.kl_k.split(",")):
-            kls[str(k)] = kl_to_dense(dense, to_mixtral(dense, conversion, top_k=k), held)
+        ks = [int(s) for s in args.kl_k.split(",")]
+        kls = {str(k): v for k, v in kl_to_dense(dense, moe, held, conversion=conversion, top_ks=ks).items()}
+        for k in ks:
             print(f"top-{k} of {args.experts}: KL(dense ‖ moe) = {kls[str(k)]:.4f} nats/token on "
                   f"{held.numel()} held-out tokens", flush=True)
-    moe = to_mixtral(dense, conversion, top_k=args.top_k)
+        set_top_k(moe, conversion, args.top_k)
     save(moe, tokenizer, conversion, args.out, dense=str(source.path_or_id), top_k=args.top_k,
          calibration={"source": args.calib, "blocks": args.calib_blocks, "seq_len": args.seq_len},
          held_out={"blocks": args.eval_blocks, "skip_blocks": args.calib_blocks}, kl_to_dense=kls,

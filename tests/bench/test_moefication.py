@@ -83,8 +83,20 @@ def test_with_k_experts_each_ffn_is_moefications_sum_of_the_chosen_experts(conve
 def test_fewer_experts_per_token_move_the_model_further_from_the_dense_one(converted):
     model, _, conversion = converted
     held = tokens(2, 24, seed=11)
-    kl = [mf.kl_to_dense(model, mf.to_mixtral(model, conversion, top_k=k), held) for k in (1, 2, EXPERTS)]
-    assert kl[0] > kl[1] > 0.0 and abs(kl[2]) < 1e-6
+    moe = mf.to_mixtral(model, conversion, top_k=2)
+    kl = mf.kl_to_dense(model, moe, held, conversion=conversion, top_ks=[1, 2, EXPERTS])
+    assert kl[1] > kl[2] > 0.0 and abs(kl[EXPERTS]) < 1e-6
+    assert mf.kl_to_dense(model, mf.to_mixtral(model, conversion, top_k=1), held) == {1: pytest.approx(kl[1])}
+
+
+def test_switching_k_in_place_is_the_model_converted_with_that_k(converted):
+    model, _, conversion = converted
+    ids = tokens(2, 12, seed=13)
+    moe = mf.to_mixtral(model, conversion, top_k=EXPERTS)
+    with torch.no_grad():
+        for k in (1, 2, EXPERTS):
+            torch.testing.assert_close(mf.set_top_k(moe, conversion, k)(ids).logits,
+                                       mf.to_mixtral(model, conversion, top_k=k)(ids).logits)
 
 
 # ---- the clusters ------------------------------------------------------------------------------------------------
