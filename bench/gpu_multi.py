@@ -6,7 +6,7 @@ reason under `not_applicable` (not a skipped stage: nothing ran out of budget).
                 OpenAI server on them at --tensor-parallel-size 2 (eager, NCCL) and `dtp-layout generate`
                 on the same shards (one NCCL rank per GPU): the greedy tokens of a batch of prompts must be
                 equal. The interpreter with vLLM: DTP_LAYOUT_VLLM_PYTHON, else .venv-vllm, else the check's
-                own, with the project installed in it (the plugin's entry point); without one, or with
+                own, with the dtp-layout-vllm wheel installed in it (the plugin's entry point); without one, or with
                 fewer than 2 GPUs visible, not applicable. vLLM's log goes to OUT/gpu_serving_vllm.log.
 """
 
@@ -145,8 +145,8 @@ def serving_applicable(gpus: int, *, find: Callable[[], str | None] = vllm_pytho
         return None, (f"vLLM's torch ({python}: torch {info.get('torch')}) sees {info.get('gpus', 0)} GPU(s); "
                       f"TP={SERVE_TP} needs {SERVE_TP}")
     if not info.get("plugin", True):
-        return None, (f"vLLM's environment ({python}) lacks the dtp-layout plugin: pip install -e '.[worker]' in it "
-                      "(docs/serving.md, Install)")
+        return None, (f"vLLM's environment ({python}) lacks the dtp-layout plugin: pip install the dtp-layout-vllm "
+                      "wheel of `make dist` in it (docs/serving.md, Install)")
     return python, None
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.cli.extras import wheel_name, worker_extra_message
+from tools.vllm_wheel import load_config, wheel_filename
 
 REPO = Path(__file__).resolve().parents[1]
 MAKE = shutil.which("make")
@@ -39,10 +40,16 @@ def test_make_dist_builds_the_wheel_the_worker_extra_message_names(tmp_path):
                             cwd=copy, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     built = sorted(p.name for p in (copy / "dist").iterdir())
-    assert built == [wheel_name(), wheel_name().replace("-py3-none-any.whl", ".tar.gz")], built
+    plugin = wheel_filename(load_config())  # the vLLM plugin's own distribution (issue 44 item 3) beside them
+    assert built == [wheel_name(), wheel_name().replace("-py3-none-any.whl", ".tar.gz"), plugin], built
     assert f"dist/{wheel_name()}[worker]" in worker_extra_message(["torch"])
     with zipfile.ZipFile(copy / "dist" / wheel_name()) as wheel:
         names = set(wheel.namelist())
+        entry_points = wheel.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "vllm.general_plugins" not in entry_points  # the plugin is dtp-layout-vllm's alone
+    with zipfile.ZipFile(copy / "dist" / plugin) as wheel:
+        tops = {n.split("/")[0] for n in wheel.namelist()}
+    assert tops == {"dtp_layout_vllm", plugin.split("-py3")[0] + ".dist-info"}  # no models/, app/, worker/
     migrations = {f"migrations/versions/{p.name}" for p in (REPO / "migrations" / "versions").glob("*.py")}
     assert migrations and migrations <= names and "migrations/script.py.mako" in names
     assert "models/io/corpora/kjv.txt.gz" in names  # corpus:kjv on an install with nothing beside it

@@ -47,7 +47,7 @@ def test_images_and_make_install_the_extras():
     assert installs("Dockerfile.worker") == ['"${TORCH_SPEC}"', '".[worker,hf]"']
     make = (REPO / "Makefile").read_text()
     assert "-e '.[worker,dev,hf]'" in make
-    assert re.search(r"^\t\$\(BIN\)/mypy models app worker$", make, re.M)
+    assert re.search(r"^\t\$\(BIN\)/mypy models app worker tools$", make, re.M)
 
 
 def test_docker_copies_name_existing_paths():

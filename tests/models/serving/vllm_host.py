@@ -20,6 +20,7 @@ logs go to stderr (the client's log file).
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -35,11 +36,13 @@ def _reply(out: TextIO, message: dict[str, Any]) -> None:
 
 def configure_worker(worker: Any, exchange: str, link_latency_us: float) -> str:
     """In a TP worker (through collective_rpc): the DTP model's exchange settings; its class name."""
-    from models.serving.vllm.options import PluginSettings
-
     model = worker.get_model()
     if hasattr(model, "model") and hasattr(model.model, "configure"):
-        model.model.configure(PluginSettings(exchange, float(link_latency_us), "set by the engine host"))
+        # the options of the plugin package the model came from: the dtp-layout-vllm wheel's
+        # (dtp_layout_vllm._models.serving.vllm), never the checkout's models/ on PYTHONPATH
+        plugin = type(model.model).__module__.rpartition(".")[0]
+        settings = importlib.import_module(plugin + ".options").PluginSettings
+        model.model.configure(settings(exchange, float(link_latency_us), "set by the engine host"))
     return type(model).__name__
 
 

