@@ -3,7 +3,8 @@ name each class and its module) that runs the shards `export` writes under the s
 (every schedule: tp, dtp:δ, dtp:δ@K, ladder, spd:B, pt:D).
 
 vLLM starts its workers with spawn, so the architectures are registered in every process through the
-`vllm.general_plugins` entry point of the dtp-layout distribution (pyproject.toml), which calls `register`.
+`vllm.general_plugins` entry point of the dtp-layout-vllm distribution, which calls `register`: a wheel of its
+own that tools/vllm_wheel.py builds from this package and what it imports in models/, renamed (docs/serving.md).
 The classes are registered by name (`module:Class`), so loading the plugin imports no vLLM model code.
 Only vLLM imports its models (`.model`); `dtp-layout vllm-serve` reads the torch-free `.options` to check its flags.
 """
