@@ -67,7 +67,8 @@ def vllm_python(explicit: str | None) -> str:
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise VllmServeError("vLLM is not installed: `make vllm-env` creates .venv-vllm (docs/serving.md), or pass "
-                         "--python / set DTP_LAYOUT_VLLM_PYTHON to an interpreter that has vllm and dtp-layout")
+                         "--python / set DTP_LAYOUT_VLLM_PYTHON to an interpreter that has vllm and the "
+                         "dtp-layout-vllm plugin (`make dist` builds its wheel)")
 
 
 def read_serving(shards: Path) -> dict[str, Any]:
