@@ -31,9 +31,19 @@ FAMILY_CASES: dict[str, dict[str, Any]] = {
     "qwen3": dict(model_type="qwen3", head_dim=16),
 }
 
+# Mixture-of-experts families (issue 46), kept apart from FAMILY_CASES (which the dense tests walk): top-2 of
+# 8 experts without renormalising (qwen3_moe's default) and of 4 experts renormalised (mixtral's only way),
+# one expert 24 neurons wide (L ∈ {1, 2, 4} divide it and the 4 KV groups), head_dim 32 (vLLM's CPU attention).
+MOE_CASES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=64, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=False),
+    "mixtral": dict(model_type="mixtral", hidden_size=64, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=24, sliding_window=None),
+}
+
 
 def tiny_config(case: str = "llama", **overrides: Any) -> Any:
-    kwargs = {**BASE, **FAMILY_CASES[case], **overrides}
+    kwargs = {**BASE, **{**FAMILY_CASES, **MOE_CASES}[case], **overrides}
     model_type = kwargs.pop("model_type")
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from models.base.shapes import ModelShape
+from models.families.moe import MoeFfn
 from models.families.plan import LLAMA_PLAN, ShardingPlan
 
 
@@ -56,7 +57,9 @@ class Family:
     # (never trust_remote_code: the class is transformers' own) and the config class.
     hf_class: str
     hf_config_class: str
-    vllm: VllmArchitecture
+    # The family's class in the vLLM plugin; None: not served by the plugin (yet): layouts, the simulator and
+    # the runtime work, `vllm-serve` refuses it.
+    vllm: VllmArchitecture | None
     # Which linears are column-/row-parallel by KV group or by neuron; everything else is replicated.
     plan: ShardingPlan = LLAMA_PLAN
     # q, k and v always carry biases (Qwen2): column-parallel, their rows move with the KV group. Counted in
@@ -69,6 +72,9 @@ class Family:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Extra refusals on top of the common ones: returns a reason, or None if the config is fine.
     extra_check: Callable[[Any], str | None] | None = None
+    # A mixture-of-experts FFN in every layer (issue 46; models.families.moe): its config fields, router and
+    # checkpoint names. None: the dense SwiGLU FFN of the plan.
+    moe: MoeFfn | None = None
 
     def __post_init__(self) -> None:
         if not self.model_types:
@@ -77,7 +83,9 @@ class Family:
 
     def refusals(self, config: Any) -> list[str]:
         """Why this family cannot run `config` under DTP (the common reasons, then its own); empty if it can."""
-        reasons = _common_refusals(config)
+        reasons = _common_refusals(config, moe=self.moe is not None)
+        if self.moe is not None:
+            reasons += self.moe.refusals(config)
         if self.extra_check is not None and (extra := self.extra_check(config)):
             reasons.append(extra)
         return reasons
@@ -99,14 +107,14 @@ def refuse_attention_bias(config: Any) -> str | None:
     return None
 
 
-def _common_refusals(config: Any) -> list[str]:
+def _common_refusals(config: Any, *, moe: bool = False) -> list[str]:
     reasons = []
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         reasons.append(f"hidden_act={act!r} (the SwiGLU gate must be 'silu')")
     if getattr(config, "mlp_bias", False):
         reasons.append("mlp_bias=True (a down_proj bias has no owning device under DTP)")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    for key in () if moe else ("num_experts", "num_local_experts", "n_routed_experts"):
         if getattr(config, key, None):
             reasons.append(f"{key}={getattr(config, key)} (mixture-of-experts FFNs)")
     layer_types = getattr(config, "layer_types", None)
@@ -122,8 +130,19 @@ def _common_refusals(config: Any) -> list[str]:
 
 
 def model_shape(config: Any) -> ModelShape:
-    """The dimensions a layout is defined over."""
+    """The dimensions a layout is defined over. An MoE family's FFN units are its experts' neurons,
+    expert-major: intermediate_size = E·I_e (issue 46, `models.families.moe`)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from models.families.registry import find_family  # the registry imports this module
+
+    family = find_family(getattr(config, "model_type", None))
+    if family is not None and family.moe is not None:
+        experts, size = family.moe.num_experts(config), family.moe.expert_size(config)
+        return ModelShape(
+            model_type=config.model_type, num_layers=config.num_hidden_layers,
+            num_kv_groups=config.num_key_value_heads, num_query_heads=config.num_attention_heads,
+            intermediate_size=experts * size, hidden_size=config.hidden_size, head_dim=head_dim,
+            num_experts=experts, experts_per_token=family.moe.experts_per_token(config), expert_size=size)
     return ModelShape(
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,

@@ -36,8 +36,9 @@ def _int(value: Any) -> TypeGuard[int]:
 
 def parameter_count(config: dict[str, Any]) -> int | None:
     """Parameters of the model a family builds from `config` (its defaults filled in first): embeddings,
-    attention (with qwen2's q/k/v biases and qwen3's q/k norms), the SwiGLU FFN, two norms per layer, the
-    final norm, and an lm_head unless tied. None when a dimension is not a positive integer."""
+    attention (with qwen2's q/k/v biases and qwen3's q/k norms), the SwiGLU FFN (an MoE family's: every
+    expert, and the router), two norms per layer, the final norm, and an lm_head unless tied. None when a
+    dimension is not a positive integer."""
     config = with_family_defaults(config)
     dims = [config.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")]
     groups = config.get("num_key_value_heads")
@@ -55,6 +56,12 @@ def parameter_count(config: dict[str, Any]) -> int | None:
         attention += heads * head_dim + 2 * groups * head_dim
     if family is not None and family.qk_norm:
         attention += 2 * head_dim
-    per_layer = attention + 3 * hidden * width + 2 * hidden  # + gate, up, down; two norms
+    ffn = 3 * hidden * width  # gate, up, down
+    if family is not None and family.moe is not None:  # E experts of I_e neurons, and the router [E, D]
+        experts, size = config.get(family.moe.num_experts_field), config.get(family.moe.expert_size_field)
+        if not (_int(experts) and experts >= 1 and _int(size) and size >= 1):
+            return None
+        ffn = experts * 3 * hidden * size + experts * hidden
+    per_layer = attention + ffn + 2 * hidden  # two norms
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     return layers * per_layer + embeddings + hidden

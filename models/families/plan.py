@@ -157,3 +157,7 @@ LLAMA_PLAN = ShardingPlan({
     "mlp.up_proj": Colwise("neuron"),
     "mlp.down_proj": Rowwise("neuron"),
 })
+
+# The attention of the Llama layout alone: the plan of a mixture-of-experts family, whose FFN is its routed
+# experts (fused 3-D parameters, not linears; their split is `models.families.moe`'s).
+ATTENTION_PLAN = ShardingPlan({m: s for m, s in LLAMA_PLAN.modules.items() if s.unit == "kv_group"})

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from models.families import llama, mistral, qwen2, qwen3
+from models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from models.families.base import Family, UnsupportedModelError
 
 FAMILIES: tuple[Family, ...] = (
@@ -19,6 +19,8 @@ FAMILIES: tuple[Family, ...] = (
     mistral.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
 )
 
 
@@ -29,7 +31,7 @@ def _by_model_type(families: tuple[Family, ...]) -> Mapping[str, Family]:
         values = [getattr(f, attr) for f in families]
         if len(set(values)) != len(values):
             raise ValueError(f"two registered families share a {attr}: {sorted(values)}")
-    dtp = [f.vllm.dtp for f in families]
+    dtp = [f.vllm.dtp for f in families if f.vllm is not None]
     if len(set(dtp)) != len(dtp):
         raise ValueError(f"two registered families share a vLLM DTP class: {sorted(dtp)}")
     for family in families:
@@ -68,6 +70,7 @@ def family_for_config(config: Any) -> Family:
         raise UnsupportedModelError(
             f"{model_type} model not supported: " + "; ".join(reasons)
             + f". Supported: {', '.join(supported_model_types())} with full causal attention, "
-            "SiLU-gated FFN, no row-parallel (o_proj/down_proj) biases, no MoE."
+            "SiLU-gated FFN, no row-parallel (o_proj/down_proj) biases; mixture-of-experts FFNs in every "
+            "layer (qwen3_moe, mixtral), no shared experts."
         )
     return family

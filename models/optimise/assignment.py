@@ -241,3 +241,20 @@ def balanced_assignment(gain: np.ndarray, maximise: bool = True) -> np.ndarray:
             f"of the number of devices"
         )
     return transport(gain, np.full(devices, n // devices), maximise)
+
+
+def blockwise_balanced_assignment(gain: np.ndarray, blocks: int, maximise: bool = True) -> np.ndarray:
+    """Exact optimal assignment of n units in `blocks` equal consecutive blocks to L devices with n/(blocks·L)
+    units of EVERY block on every device (an MoE layer's experts, issue 46).
+
+    The constraint is one per block and the objective a sum over units, so the problem splits into one
+    `balanced_assignment` per block; blocks=1 is `balanced_assignment`. gain: [n, L] -> [n] int64.
+    """
+    gain = _check_shape(gain)
+    n = gain.shape[0]
+    if blocks < 1 or n % blocks:
+        raise ValueError(f"cannot split {n} units into {blocks} equal blocks (blocks must be ≥ 1 and divide n)")
+    if blocks == 1:
+        return balanced_assignment(gain, maximise)
+    size = n // blocks
+    return np.concatenate([balanced_assignment(gain[b * size : (b + 1) * size], maximise) for b in range(blocks)])

@@ -15,9 +15,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from models.optimise.assignment import REL_TOL, balanced_assignment
+from models.optimise.assignment import REL_TOL, blockwise_balanced_assignment
 from models.optimise.edges import EdgeMatrix, Pair, SparseEdge
-from models.optimise.problem import Problem, check_devices, edges_of
+from models.optimise.problem import Problem, check_devices, edges_of, neuron_blocks
 
 _GAIN_CHUNK = 1 << 22  # floats per temporary when scoring group partitions in bulk
 
@@ -106,8 +106,9 @@ def _relaxed_partition_values(matrix: np.ndarray, blocks: np.ndarray, partitions
     return relaxed
 
 
-def _edge_bound_exact(matrix: np.ndarray, devices: int) -> float:
-    """max over balanced (group partition, neuron assignment) of the co-located mass of one [G, I] edge.
+def _edge_bound_exact(matrix: np.ndarray, devices: int, experts: int = 1) -> float:
+    """max over balanced (group partition, neuron assignment) of the co-located mass of one [G, I] edge
+    (an MoE model's neurons balanced per expert: `experts` blocks of them).
 
     Branch and bound over the group partitions: solve partitions exactly in decreasing order of their
     relaxed value (neurons ignoring balance) until the best exact value reaches the next relaxed one.
@@ -121,12 +122,12 @@ def _edge_bound_exact(matrix: np.ndarray, devices: int) -> float:
         if best >= relaxed[p] - slack:
             break
         gain = matrix[blocks[partitions[p]]].sum(axis=1).T  # [I, L]
-        assign = balanced_assignment(gain)
+        assign = blockwise_balanced_assignment(gain, experts)
         best = max(best, float(gain[np.arange(neurons), assign].sum()))
     return best
 
 
-def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[float, bool]:
+def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int, blocks: int = 1) -> tuple[float, bool]:
     """Bound for one normalised dense edge whose first axis (the smaller side) is partitioned; (value, exact)."""
     if not matrix.any():
         return 0.0, True
@@ -134,7 +135,7 @@ def _edge_bound(matrix: np.ndarray, devices: int, max_partitions: int) -> tuple[
         return float(matrix.sum()), True
     if partition_count(matrix.shape[0], devices) > max_partitions:
         return _edge_bound_relaxed(matrix, devices), False
-    return _edge_bound_exact(matrix, devices), True
+    return _edge_bound_exact(matrix, devices, blocks), True
 
 
 def _largest_per_group(group: np.ndarray, value: np.ndarray, count: int) -> float:
@@ -154,14 +155,15 @@ def _sparse_bound(matrix: SparseEdge, devices: int) -> float:
     return float(min(by_row, by_col, matrix.values.sum()))
 
 
-def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int) -> tuple[float, bool]:
-    """The best co-located mass of one (weighted) edge alone; (value, exact)."""
+def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int, blocks: int = 1) -> tuple[float, bool]:
+    """The best co-located mass of one (weighted) edge alone; (value, exact). `blocks`: the experts an FFN's
+    neurons are balanced in (1: dense); a neuron → neuron edge's relaxed bound ignores them (still valid)."""
     if isinstance(matrix, SparseEdge):
         return _sparse_bound(matrix, devices), False
     rows, cols = matrix.shape
     # _edge_bound enumerates the partitions of its first axis: give it the smaller side
     # (a chain's down edge [I, G] is bounded as its transpose).
-    return _edge_bound(matrix if rows <= cols else matrix.T, devices, max_partitions)
+    return _edge_bound(matrix if rows <= cols else matrix.T, devices, max_partitions, blocks)
 
 
 def upper_bound(affinity: Problem, devices: int, *, max_partitions: int = 20000) -> UpperBound:
@@ -176,7 +178,8 @@ def upper_bound(affinity: Problem, devices: int, *, max_partitions: int = 20000)
     key = ("upper_bound", devices, max_partitions)
     if key not in sigma._cache:
         weighted = sigma.weighted()
-        per = {p: _one_edge_bound(m, devices, max_partitions) for p, m in weighted.edges.items()}
+        blocks = neuron_blocks(affinity)
+        per = {p: _one_edge_bound(m, devices, max_partitions, blocks) for p, m in weighted.edges.items()}
         sigma._cache[key] = UpperBound(int(devices), float(sum(v for v, _ in per.values())),
                                        all(e for _, e in per.values()), {p: v for p, (v, _) in per.items()})
     result: UpperBound = sigma._cache[key]

@@ -195,7 +195,8 @@ class ScheduleAffinity:
     """The affinity matrices of a schedule's edges: `edges[(m, t)]` [U_m, U_t], non-negative, finite.
 
     `schedule` names the schedule the edges are of (its canonical string). An empty `edges` is a
-    layout-independent schedule (tp, ladder): every layout scores 0.
+    layout-independent schedule (tp, ladder): every layout scores 0. `experts` > 0: an MoE model, whose FFN
+    units are E experts' neurons expert-major (issue 46), each expert balanced over the devices on its own.
     """
 
     schedule: str
@@ -204,12 +205,14 @@ class ScheduleAffinity:
     intermediate_size: int
     edges: dict[Pair, EdgeMatrix]
     weighting: Weighting = "damage"
+    experts: int = 0
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         M = 2 * self.num_layers
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}")
+        check_experts(self.experts, self.intermediate_size)
         for pair, matrix in self.edges.items():
             m, t = pair
             if not 0 <= m < t < M:
@@ -227,13 +230,13 @@ class ScheduleAffinity:
     def with_weighting(self, weighting: Weighting) -> ScheduleAffinity:
         """The same edges under another weighting."""
         return ScheduleAffinity(self.schedule, self.num_layers, self.num_kv_groups, self.intermediate_size,
-                                self.edges, weighting)
+                                self.edges, weighting, self.experts)
 
     def normalised(self) -> ScheduleAffinity:
         """Every edge scaled to unit mass (cached): the edges' co-located fractions."""
         if "normalised" not in self._cache:
             unit = ScheduleAffinity(self.schedule, self.num_layers, self.num_kv_groups, self.intermediate_size,
-                                    {p: normalised(m) for p, m in self.edges.items()}, "unit")
+                                    {p: normalised(m) for p, m in self.edges.items()}, "unit", self.experts)
             unit._cache["normalised"] = unit
             self._cache["normalised"] = unit
         result: ScheduleAffinity = self._cache["normalised"]
@@ -264,7 +267,7 @@ class ScheduleAffinity:
         if "weighted" not in self._cache:
             edges = {p: scaled(m, self.divisor(p)) for p, m in self.edges.items()}
             self._cache["weighted"] = ScheduleAffinity(self.schedule, self.num_layers, self.num_kv_groups,
-                                                       self.intermediate_size, edges, self.weighting)
+                                                       self.intermediate_size, edges, self.weighting, self.experts)
         result: ScheduleAffinity = self._cache["weighted"]
         return result
 
@@ -285,12 +288,20 @@ class ScheduleAffinity:
         return [p for p in self.edges if p[0] == n]
 
 
+def check_experts(experts: int, neurons: int) -> None:
+    """Raise unless `experts` (0: a dense FFN) splits the FFN's units into equal experts."""
+    if not isinstance(experts, int | np.integer) or experts < 0 or (experts and neurons % experts):
+        raise ValueError(f"experts must be 0 (a dense FFN) or a positive divisor of the FFN units ({neurons}), "
+                         f"got {experts!r}")
+
+
 def module_devices(heads: np.ndarray, cells: np.ndarray, n: int) -> np.ndarray:
     """The device of each unit of module n under the layout ([N, G] heads, [N, I] cells)."""
     return heads[n // 2] if n % 2 == 0 else cells[n // 2]
 
 
-def chain_affinity(up: list[np.ndarray], down: list[np.ndarray], schedule: str = "dtp:1") -> ScheduleAffinity:
+def chain_affinity(up: list[np.ndarray], down: list[np.ndarray], schedule: str = "dtp:1",
+                   experts: int = 0) -> ScheduleAffinity:
     """The paper's chain (up[i] on (2i, 2i+1), down[i] on (2i+1, 2i+2)) as a ScheduleAffinity."""
     edges: dict[Pair, EdgeMatrix] = {}
     for i, matrix in enumerate(up):
@@ -298,4 +309,4 @@ def chain_affinity(up: list[np.ndarray], down: list[np.ndarray], schedule: str =
         if i < len(down):
             edges[(2 * i + 1, 2 * i + 2)] = np.asarray(down[i], dtype=np.float64)
     groups, neurons = np.asarray(up[0]).shape
-    return ScheduleAffinity(schedule, len(up), int(groups), int(neurons), edges)
+    return ScheduleAffinity(schedule, len(up), int(groups), int(neurons), edges, experts=experts)

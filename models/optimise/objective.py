@@ -26,7 +26,7 @@ import numpy as np
 
 from models.optimise.bound import UpperBound, upper_bound
 from models.optimise.edges import Pair, ScheduleAffinity, co_located, edge_kind, edge_name, module_devices
-from models.optimise.problem import Affinity, Problem, check_devices, edges_of
+from models.optimise.problem import Affinity, Problem, check_devices, edges_of, neuron_blocks
 
 
 def check_layout(affinity: Problem, kv_group_device: Any, neuron_device: Any,
@@ -53,6 +53,16 @@ def check_layout(affinity: Problem, kv_group_device: Any, neuron_device: Any,
             i = int(bad_layers[0])
             raise ValueError(f"{name}[{i}]: unbalanced, per-device counts {counts[i].tolist()}, "
                              f"expected {width // devices} on each of {devices} devices")
+    blocks = neuron_blocks(affinity)
+    if blocks > 1:  # an MoE model: every expert balanced on its own (issue 46)
+        size = neurons // blocks
+        per_expert = np.stack([np.bincount(row, minlength=devices) for row in cells.reshape(-1, size)])  # [N·E, L]
+        bad = np.flatnonzero((per_expert != size // devices).any(axis=1))
+        if bad.size:
+            i, e = divmod(int(bad[0]), blocks)
+            raise ValueError(f"neuron_device[{i}]: expert {e} unbalanced, per-device counts "
+                             f"{per_expert[bad[0]].tolist()}, expected {size // devices} of its {size} neurons on "
+                             f"each of {devices} devices")
     return heads.astype(np.int64), cells.astype(np.int64), int(devices)
 
 

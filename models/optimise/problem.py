@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from models.optimise.edges import ScheduleAffinity, chain_affinity
+from models.optimise.edges import ScheduleAffinity, chain_affinity, check_experts
 
 
 def _unit_mass(matrix: np.ndarray) -> np.ndarray:
@@ -36,17 +36,20 @@ class Affinity:
 
     up[i]: [G, I], how much neuron k of layer i depends on KV group g of layer i (i = 0..N-1).
     down[i]: [I, G], how much KV group g of layer i+1 depends on neuron k of layer i (i = 0..N-2).
-    Non-negative and finite; stored as read-only float64 copies.
+    Non-negative and finite; stored as read-only float64 copies. experts > 0: an MoE model, its I = E·I_e
+    units its experts' neurons expert-major, each expert balanced over the devices on its own (issue 46).
     """
 
     up: list[np.ndarray]
     down: list[np.ndarray]
+    experts: int = 0
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "up", [_frozen_float(m) for m in self.up])
         object.__setattr__(self, "down", [_frozen_float(m) for m in self.down])
         _validate_affinity(self.up, self.down)
+        check_experts(self.experts, self.intermediate_size)
 
     @property
     def num_layers(self) -> int:
@@ -63,7 +66,7 @@ class Affinity:
     def normalised(self) -> Affinity:
         """Copy with every matrix scaled to unit mass (all-zero matrices stay zero); cached."""
         if "normalised" not in self._cache:
-            unit = Affinity([_unit_mass(m) for m in self.up], [_unit_mass(m) for m in self.down])
+            unit = Affinity([_unit_mass(m) for m in self.up], [_unit_mass(m) for m in self.down], self.experts)
             unit._cache["normalised"] = unit
             self._cache["normalised"] = unit
         result: Affinity = self._cache["normalised"]
@@ -76,7 +79,7 @@ class Affinity:
     def edges(self) -> ScheduleAffinity:
         """The chain as the edges of J_σ at dtp:1: up[i] on (2i, 2i+1), down[i] on (2i+1, 2i+2); cached."""
         if "edges" not in self._cache:
-            self._cache["edges"] = chain_affinity(self.up, self.down)
+            self._cache["edges"] = chain_affinity(self.up, self.down, experts=self.experts)
         result: ScheduleAffinity = self._cache["edges"]
         return result
 
@@ -117,21 +120,29 @@ def valid_device_counts(groups: int, neurons: int) -> list[int]:
     return [d for d in range(1, groups + 1) if groups % d == 0 and neurons % d == 0]
 
 
+def neuron_blocks(affinity: Problem) -> int:
+    """The blocks of an FFN's units balanced over the devices each on its own: the experts, or 1 (dense)."""
+    return max(1, affinity.experts)
+
+
 def check_devices(affinity: Problem, devices: int) -> None:
-    """Raise ValueError unless `devices` divides both the KV groups and the FFN width."""
-    groups, neurons = affinity.num_kv_groups, affinity.intermediate_size
+    """Raise ValueError unless `devices` divides both the KV groups and the FFN width (an MoE model: each
+    expert's width)."""
+    groups, blocks = affinity.num_kv_groups, neuron_blocks(affinity)
+    neurons = affinity.intermediate_size // blocks
+    width = "intermediate_size" if blocks == 1 else "expert_size"
     if not isinstance(devices, int | np.integer) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
-    bad = [f"{name}={size}" for name, size in (("num_kv_groups", groups), ("intermediate_size", neurons))
-           if size % devices]
+    bad = [f"{name}={size}" for name, size in (("num_kv_groups", groups), (width, neurons)) if size % devices]
     if bad:
         valid = ", ".join(map(str, valid_device_counts(groups, neurons)))
         raise ValueError(f"devices L={devices} does not divide {' and '.join(bad)}; valid L: {valid}")
 
 
-def contiguous_row(width: int, devices: int) -> np.ndarray:
-    """Storage order sliced into L shards: unit u on device u // (width / L). [width]"""
-    return np.repeat(np.arange(devices), width // devices)
+def contiguous_row(width: int, devices: int, blocks: int = 1) -> np.ndarray:
+    """Storage order sliced into L shards: unit u on device u // (width / L); with `blocks` (an MoE layer's
+    experts) each block sliced so, its first width/(blocks·L) units on device 0 and so on. [width]"""
+    return np.tile(np.repeat(np.arange(devices), width // blocks // devices), blocks)
 
 
 def contiguous_layout(affinity: Problem, devices: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,5 +150,5 @@ def contiguous_layout(affinity: Problem, devices: int) -> tuple[np.ndarray, np.n
     check_devices(affinity, devices)
     n = affinity.num_layers
     heads = np.tile(contiguous_row(affinity.num_kv_groups, devices), (n, 1))  # [N, G]
-    cells = np.tile(contiguous_row(affinity.intermediate_size, devices), (n, 1))  # [N, I]
+    cells = np.tile(contiguous_row(affinity.intermediate_size, devices, neuron_blocks(affinity)), (n, 1))  # [N, I]
     return heads, cells

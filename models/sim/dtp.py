@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from models.families import family_for_config, model_shape
 from models.layouts.layout import check_delta, check_devices
 from models.schedules.grammar import LastScale, Schedule, ScheduleError, ScheduleSpec, dtp_spec, resolve_schedule
+from models.sim.moe import routing_of
 from models.sim.partials import DTPCache, ModelWeights, ShardedDecoder, rms_norm
 
 __all__ = ["GATHERED", "DTPCache", "DTPModel", "DTPSchedule", "LastScale", "gathered", "rms_norm"]
@@ -155,7 +156,7 @@ class DTPModel(nn.Module):
         self.scaling = self.shape.head_dim ** -0.5
         self.decoder = ShardedDecoder(ModelWeights(model, self.family.plan, devices), head_dim=self.shape.head_dim,
                                       eps=self.eps, qk_norm=self.family.qk_norm,
-                                      rotary_emb=model.model.rotary_emb)
+                                      rotary_emb=model.model.rotary_emb, routing=routing_of(self.family, config))
 
     def gathered(self, fn: Any, *args: Any) -> Any:
         """fn(*args): the root's `GATHERED` method (embeddings, final norm, LM head whole under FSDP2)."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.families.plan import ShardingPlan, stacked_bias, stacked_weight
+from models.sim.moe import Routing, layer_experts, moe_partials
 
 
 @dataclass
@@ -112,8 +113,9 @@ class ShardedDecoder:
     """The modules of a pre-norm GQA/SwiGLU decoder, per device, from each device's own stream."""
 
     def __init__(self, weights: StackedWeights, *, head_dim: int, eps: float, qk_norm: bool,
-                 rotary_emb: nn.Module) -> None:
+                 rotary_emb: nn.Module, routing: Routing | None = None) -> None:
         self.weights = weights
+        self.routing = routing  # an MoE family's router (models.sim.moe); None: the dense SwiGLU FFN
         self.head_dim = head_dim
         self.eps = eps
         self.qk_norm = qk_norm
@@ -184,6 +186,8 @@ class ShardedDecoder:
         P, B, S, D = x.shape
         w = self.weights
         h = rms_norm(x, w.tensor(layer_idx, "post_attention_layernorm.weight"), self.eps).reshape(P, B * S, D)
+        if self.routing is not None:  # each device routes its own stream to its own slices of the experts
+            return moe_partials(h, *layer_experts(w, layer_idx), self.routing).view(P, B, S, D)
         gate = _linear(h, *w.linear(layer_idx, "mlp.gate_proj"))  # [P, B*S, I/L]
         up = _linear(h, *w.linear(layer_idx, "mlp.up_proj"))
         act = F.silu(gate) * up

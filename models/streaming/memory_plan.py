@@ -74,7 +74,8 @@ def layer_params(config: Any) -> int:
     if getattr(config, "attention_bias", False) or (family is not None and family.qkv_bias):
         attention += q + 2 * kv
     norms = 2 * d + (2 * s.head_dim if family is not None and family.qk_norm else 0)
-    return attention + 3 * d * s.intermediate_size + norms
+    # the SwiGLU FFN (an MoE model's E·I_e expert neurons: intermediate_size) and an MoE router [E, D]
+    return attention + 3 * d * s.intermediate_size + d * s.num_experts + norms
 
 
 def embedding_params(config: Any) -> int:
