@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from models.export.experts import CheckpointTensors
 from models.families import family_for_config
 from models.families.plan import SplitRule, split_dim
 from models.io.digest import sha256_file
@@ -91,7 +92,8 @@ def atomic_dir(target: Path, overwrite: bool = False) -> Iterator[Path]:
 def split_rules(model: nn.Module) -> dict[str, SplitRule]:
     """For every tensor of the checkpoint: 'rows', 'cols' (split into L contiguous slices) or 'replicated',
     as the family's sharding plan says."""
-    return family_for_config(model.config).plan.split_rules(checkpoint_state(model))
+    entries = [(n, tuple(t.shape)) for n, t in checkpoint_state(model).items()]
+    return CheckpointTensors(family_for_config(model.config), entries).split_rules()
 
 
 def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -151,6 +153,9 @@ def load_rank_shards(shards_dir: Path, *, verify: bool = True) -> tuple[PreTrain
         state[name] = slices[0] if dim is None else torch.cat(slices, dim=dim)
     config = AutoConfig.from_pretrained(shards_dir, trust_remote_code=False)
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+    # An MoE family's per-expert checkpoint tensors go back into the model's fused expert parameters.
+    entries = [(n, tuple(t.shape)) for n, t in checkpoint_state(model).items()]
+    state = CheckpointTensors(family_for_config(config), entries).fused_state(state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.export.experts import CheckpointTensors
 from models.export.files import (
     LAYOUT_FILE,
     MANIFEST,
@@ -98,8 +99,10 @@ def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path |
     shape = model_shape(config)
     check_fits(layout, shape)
     table = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices, last_scale)
-    names = source.checkpoint_entries()
-    rules = family.plan.split_rules([n for n, _ in names])
+    # An MoE family's fused experts are written one expert at a time, under its checkpoint names.
+    tensors = CheckpointTensors(family, source.checkpoint_entries())
+    names = tensors.entries
+    rules = tensors.split_rules()
     devices = layout.devices
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = [itemsize * int(torch.Size(s).numel()) for _, s in names]
@@ -123,8 +126,10 @@ def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path |
                 rank_writers.append(writer)
         for k, (name, _) in enumerate(names):
             check_stop()  # a safe point per tensor: a stopped job's export ends here, its writers aborted
-            tensor = source.checkpoint_tensor(name)
-            if permute:
+            tensor = tensors.tensor(name, source.checkpoint_tensor)
+            if permute and name in tensors.experts:
+                tensor = tensors.permuted(name, tensor, layout)
+            elif permute:
                 tensor = permuted_tensor(name, tensor, family, shape, layout)
             tensor = tensor.to(dtype)
             if ckpt_tmp is not None:

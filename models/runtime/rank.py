@@ -44,6 +44,7 @@ from models.runtime.shards import (
     rotary_for,
 )
 from models.schedules.grammar import resolve_schedule
+from models.sim.moe import routing_of
 from models.sim.partials import DTPCache, ShardedDecoder, rms_norm
 
 # How long a rank waits for the others to finish checking and loading their shards (hashing and reading a
@@ -65,9 +66,12 @@ class RankModel:
         self.norm = tensors["model.norm.weight"]
         # The LM head is only applied on rank 0 (tied: the embedding).
         self.lm_head = tensors.get("lm_head.weight", self.embed) if rank == 0 else None
+        # an MoE's expert slices stacked into the fused parameters the module math reads (models.sim.moe)
+        tensors = shards.checkpoint.fused_state(tensors)
         self.decoder = ShardedDecoder(RankWeights(tensors, shards.family, shape.num_layers),
                                       head_dim=shape.head_dim, eps=self.eps, qk_norm=shards.family.qk_norm,
-                                      rotary_emb=rotary_for(config, device))
+                                      rotary_emb=rotary_for(config, device),
+                                      routing=routing_of(shards.family, config))
 
     def forward(self, ids: torch.Tensor, cache: DTPCache, plan: ArrivalPlan, exchange: Exchange, *,
                 all_positions: bool) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from models.export.experts import CheckpointTensors
 from models.export.files import MANIFEST, SHARDS_FORMAT
 from models.families import Family, UnsupportedModelError, family_for_config, model_shape
 from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias, stacked_weight
@@ -42,6 +43,7 @@ class ShardSet:
     full_shapes: dict[str, tuple[int, ...]]  # every checkpoint tensor's dense shape, from the config
     rules: dict[str, SplitRule]  # the family plan's split of each tensor
     files: dict[int, dict[str, Any]]  # rank -> manifest entry
+    checkpoint: CheckpointTensors  # the checkpoint's names (an MoE's experts one by one) and the model's fused ones
 
     @property
     def devices(self) -> int:
@@ -199,15 +201,16 @@ def read_shard_set(shards_dir: str | Path) -> ShardSet:
         raise _fail(directory / "config.json", str(exc)) from exc
     shape = model_shape(config)
     _check_shape(path, layout, shape)
-    full = dense_shapes(config)
+    checkpoint = CheckpointTensors(family, dense_shapes(config).items())  # an MoE's experts one by one
+    full = dict(checkpoint.entries)
     try:
-        rules = family.plan.split_rules(full)
+        rules = checkpoint.split_rules()
     except PlanError as exc:
         raise _fail(directory / "config.json", str(exc)) from exc
     _check_split(path, manifest["split"], rules)
     files = _check_files(path, manifest["files"], layout.devices)
     _check_schedule(path, manifest, shape.num_layers, layout.devices)
-    return ShardSet(directory, manifest, layout, config, family, shape, full, rules, files)
+    return ShardSet(directory, manifest, layout, config, family, shape, full, rules, files, checkpoint)
 
 
 def check_world_size(shards: ShardSet, world_size: int) -> None:
