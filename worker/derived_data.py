@@ -13,6 +13,7 @@ from app.core.db import Database
 from app.core.services import derived
 from app.core.services.upload_files import ref_id
 from app.core.storage.root import Storage
+from models.data.source import is_upload
 from models.io.converted import ConvertedCache
 from models.io.loading import ModelSource
 
@@ -34,7 +35,7 @@ def record_affinity(db: Database, storage: Storage, *, owner: str | None, finger
 
 def converted_needers(job_id: str, model_id: str) -> list[str]:
     """The job, and the upload it loaded the GGUF from (`upload:<id>`), if any."""
-    upload_id = ref_id(model_id) if model_id.startswith("upload:") else None
+    upload_id = ref_id(model_id) if is_upload(model_id) else None
     return [derived.job_needer(job_id), *([derived.upload_needer(upload_id)] if upload_id else [])]
 
 

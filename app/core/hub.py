@@ -41,6 +41,7 @@ from app.core.services.sources import (
 from app.core.services.upload_checks import size_problem
 from app.core.services.upload_files import model_file_problem
 from app.core.settings import Settings
+from models.data.source import parse_data_source
 from models.io.gguf_header import GGUFError, GGUFLimits, read_header
 from models.io.gguf_tensors import checked_config
 
@@ -67,9 +68,10 @@ def model_problem(settings: Settings, hub_id: str) -> str | None:
 
 def dataset_problem(settings: Settings, source: str) -> str | None:
     """For `hf:OWNER/NAME[:CONFIG[:SPLIT]]` sources; None for everything else."""
-    if not source.startswith("hf:"):
+    parsed = parse_data_source(source)
+    if parsed.kind != "hf":
         return None
-    name = source[3:].split(":", 1)[0]
+    name = parsed.dataset
     return None if allowed(name, settings.hub_datasets) else _refusal("dataset", name, settings.hub_datasets,
                                                                        "DTP_LAYOUT_HUB_DATASETS")
 

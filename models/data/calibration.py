@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.data.source import DataSource, parse_data_source
 from models.io.assets import AssetNotFoundError, corpus_file
 from models.io.bounded_json import JsonRefused, load_bounded
 from models.io.ids import hf_dataset_refusal
@@ -85,6 +86,11 @@ class CalibrationSpec:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
     @property
+    def data_source(self) -> DataSource:
+        """`source` parsed (`models.data.source`): which kind of text it names."""
+        return parse_data_source(self.source)
+
+    @property
     def tokens_needed(self) -> int:
         return (self.sequences + self.skip_blocks) * self.seq_len
 
@@ -101,15 +107,16 @@ def _file_chunks(path: Path) -> Iterator[str]:
 def _documents(spec: CalibrationSpec) -> Iterator[Iterator[str]]:
     """The source as a sequence of documents, each a sequence of chunks of text."""
     src = spec.source
-    if src.startswith("corpus:"):
+    parsed = spec.data_source
+    if parsed.kind == "corpus":
         try:
-            path = corpus_file(src.split(":", 1)[1])
+            path = corpus_file(parsed.value)
         except AssetNotFoundError as exc:
             raise DataError(str(exc)) from exc
         yield _file_chunks(path)
         return
-    if src.startswith("hf:"):
-        for text in _hf_documents(src[3:], spec.text_field):
+    if parsed.kind == "hf":
+        for text in _hf_documents(parsed, spec.text_field):
             yield _chunks(io.StringIO(text).read)
         return
     path = Path(src)
@@ -163,8 +170,8 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 yield text
 
 
-def _hf_documents(name: str, field: str) -> Iterator[str]:
-    parts = name.split(":")
+def _hf_documents(source: DataSource, field: str) -> Iterator[str]:
+    name, parts = source.value, source.hf_parts
     if not parts[0] or len(parts) > 3:
         raise DataError(f"hf source must be hf:OWNER/NAME[:CONFIG[:SPLIT]], got hf:{name}")
     ds_name, config = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None)

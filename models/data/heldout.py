@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from models.data.calibration import CalibrationSpec, DataError
+from models.data.source import parse_data_source
 from models.io.assets import AssetNotFoundError, corpus_file
 from models.io.digest import sha256_file
 
@@ -55,11 +56,12 @@ def _is_rows(source: str) -> bool:
 
 def source_identity(source: str, text_field: str = "text") -> str:
     """What text a source is, independent of its spelling: `sha256:…` of its content, or `hf:…`."""
-    if source.startswith("hf:"):
-        parts = [*source[3:].split(":"), "", ""][:3]
+    parsed = parse_data_source(source)
+    if parsed.kind == "hf":
+        parts = [*parsed.hf_parts, "", ""][:3]
         return f"hf:{parts[0]}:{parts[1]}:{parts[2] or 'train'}#{text_field}"
     try:
-        path = corpus_file(source.split(":", 1)[1]) if source.startswith("corpus:") else Path(source)
+        path = corpus_file(parsed.value) if parsed.kind == "corpus" else Path(source)
     except AssetNotFoundError as exc:
         raise DataError(str(exc)) from exc
     try:

@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
+from models.data.source import parse_data_source
 from models.io.assets import CORPORA as ASSET_CORPORA
 from models.io.assets import available_corpora
 from models.io.bounded_json import load_object
@@ -139,8 +140,9 @@ def resolve_data(data_root: Path, source: str, field: str = "calibration.source"
     `field` is the spec field named in errors (calibration.source, distill.train.source, …); `corpora`,
     when given, the corpus names the workers have (the API's submit check; the worker reads and refuses
     a missing one itself)."""
-    if source.startswith("corpus:"):
-        name = source[7:]
+    parsed = parse_data_source(source)
+    if parsed.kind == "corpus":
+        name = parsed.value
         if name not in CORPORA:
             raise SourceError(field, f"unknown corpus {source!r}; known: " + ", ".join(f"corpus:{c}" for c in CORPORA))
         if corpora is not None and name not in corpora:
@@ -148,10 +150,10 @@ def resolve_data(data_root: Path, source: str, field: str = "calibration.source"
             raise SourceError(field, f"{source} is not installed on this server (its text is not in the workers' "
                                      f"corpus directory); available here: {have}")
         return source
-    if source.startswith("hf:"):
+    if parsed.kind == "hf":
         if not HF_SOURCE.fullmatch(source):
             raise SourceError(field, f"{source!r}: expected hf:OWNER/NAME[:CONFIG[:SPLIT]] (letters, digits, '._-')")
-        if refusal := hf_dataset_refusal(source[3:].split(":", 1)[0]):
+        if refusal := hf_dataset_refusal(parsed.dataset):
             raise SourceError(field, refusal)
         return source
     what = "calibration source" if field == "calibration.source" else "data source"
