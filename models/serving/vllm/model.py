@@ -2,7 +2,9 @@
 attention) run under the communication schedule that the config's `dtp` entry records.
 
 Each rank keeps its own residual stream X_l (vLLM's layout, [T, D]: the batch's tokens flattened). o_proj
-and down_proj do not all-reduce (reduce_results=False), so module n yields this rank's partial o_n^l. As
+and down_proj do not all-reduce (reduce_results=False), nor does an MoE block's FusedMoE (its final all-reduce
+skipped, `keep_partial`; the replicated router runs on this rank's own normed stream: each rank routes its own
+tokens), so module n yields this rank's partial o_n^l. As
 in the project's runtime (`models.runtime.rank.RankModel.forward`, read off the same `ArrivalPlan`): after
 module n the rank sends the exchange that n completes (the all-reduce of the sum of the partials arriving
 together), and before module n+1 its own partials due there (scaled by s_m) and the others' share of the
@@ -51,8 +53,10 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.mistral import MistralDecoderLayer
+from vllm.model_executor.models.mixtral import MixtralDecoderLayer, MixtralModel
 from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer, Qwen2Model
 from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
@@ -63,8 +67,9 @@ from models.serving.manifest import ServingError, check_entry
 from models.serving.vllm.options import PluginSettings, check_exchange, check_link_latency, resolve_settings
 from models.serving.vllm.weights import check_devices, load_rank_shard, shards_manifest
 
-__all__ = ["DtpForCausalLM", "DtpLlamaForCausalLM", "DtpMistralForCausalLM", "DtpModel", "DtpQwen2ForCausalLM",
-           "DtpQwen3ForCausalLM", "ModuleStep", "module_steps"]
+__all__ = ["DtpForCausalLM", "DtpLlamaForCausalLM", "DtpMistralForCausalLM", "DtpMixtralForCausalLM", "DtpModel",
+           "DtpQwen2ForCausalLM", "DtpQwen3ForCausalLM", "DtpQwen3MoeForCausalLM", "ModuleStep", "keep_partial",
+           "module_steps"]
 
 LayerFactory = Callable[[VllmConfig, str], nn.Module]
 logger = init_logger("vllm.dtp_layout")  # under vLLM's logger: printed with its own lines
@@ -176,17 +181,33 @@ class Exchanger:
                 time.sleep(remaining)
 
 
+def keep_partial(ffn: Any) -> None:
+    """The FFN returns this rank's partial: a dense FFN's down_proj skips its all-reduce; an MoE block's experts
+    (vLLM's FusedMoE, its router run on this rank's own input) skip their final all-reduce, as vLLM's own models
+    that fuse that reduction into the next norm do (`moe_config.skip_final_all_reduce`)."""
+    if hasattr(ffn, "down_proj"):
+        ffn.down_proj.reduce_results = False
+        return
+    moe_config = ffn.experts.moe_config
+    moe_config.skip_final_all_reduce = True
+    if moe_config.is_sequence_parallel or moe_config.moe_parallel_config.use_all2all_kernels:
+        raise ServingError("the DTP MoE keeps each rank's partial of every expert (tensor parallelism); sequence-"
+                           "parallel or all-to-all (expert-parallel) MoE cannot defer its reduction: serve without "
+                           "--enable-expert-parallel")
+
+
 class DtpModel(nn.Module):
     """Embeddings, the family's decoder layers and the final norm, run under the schedule. Parameter names
     are those of vLLM's own model (model.embed_tokens, model.layers.N..., model.norm), so the permuted HF
     checkpoint loads through vLLM's usual mapping."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str, make_layer: LayerFactory,
-                 mapper: WeightsMapper) -> None:
+                 mapper: WeightsMapper, ffn_name: str = "mlp") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
         self.mapper = mapper
+        self.ffn_name = ffn_name
         self.devices = get_tensor_model_parallel_world_size()
         entry = getattr(config, "dtp", None)
         self.schedule = check_entry(entry, num_layers=config.num_hidden_layers, tp_size=self.devices)
@@ -201,12 +222,12 @@ class DtpModel(nn.Module):
         layer: Any
         for layer in self.layers:  # each rank keeps its partial: the schedule decides when the others arrive
             layer.self_attn.o_proj.reduce_results = False
-            layer.mlp.down_proj.reduce_results = False
+            keep_partial(getattr(layer, ffn_name))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # module n's norm and body, as plain callables (no per-step lookups)
         self._norms: list[Any] = [n for layer in self.layers for n in (layer.input_layernorm,
                                                                          layer.post_attention_layernorm)]
-        self._bodies: list[Any] = [b for layer in self.layers for b in (layer.self_attn, layer.mlp)]
+        self._bodies: list[Any] = [b for layer in self.layers for b in (layer.self_attn, getattr(layer, ffn_name))]
         try:
             settings = resolve_settings(entry, os.environ, _platform())
         except ValueError as exc:
@@ -293,6 +314,7 @@ class DtpForCausalLM(nn.Module):
     """The causal LM around `DtpModel`: vLLM's vocab-parallel LM head and logits processor."""
 
     mapper: WeightsMapper = LlamaModel.hf_to_vllm_mapper
+    ffn_name: ClassVar[str] = "mlp"  # the decoder layer's FFN module (vLLM's Mixtral: block_sparse_moe)
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                                               "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -310,7 +332,7 @@ class DtpForCausalLM(nn.Module):
         if self.manifest is not None:
             check_devices(self.manifest, self.model_path, get_tensor_model_parallel_world_size())
         self.model = DtpModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
-                              make_layer=type(self).make_layer, mapper=self.mapper)
+                              make_layer=type(self).make_layer, mapper=self.mapper, ffn_name=self.ffn_name)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
@@ -368,3 +390,26 @@ class DtpQwen3ForCausalLM(DtpForCausalLM):
     @staticmethod
     def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
         return _layer_of_hf_config(Qwen3DecoderLayer, vllm_config, prefix)
+
+
+class DtpQwen3MoeForCausalLM(DtpForCausalLM):
+    """Qwen3-MoE: vLLM's Qwen3-MoE decoder layer (FusedMoE experts, 1/L of every expert's neurons per rank)."""
+
+    mapper = Qwen3MoeModel.hf_to_vllm_mapper
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    @staticmethod
+    def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        return Qwen3MoeDecoderLayer(vllm_config=vllm_config, prefix=prefix)
+
+
+class DtpMixtralForCausalLM(DtpForCausalLM):
+    """Mixtral: vLLM's Mixtral decoder layer, whose MoE block is `block_sparse_moe` as in the checkpoint."""
+
+    mapper = MixtralModel.hf_to_vllm_mapper
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    ffn_name = "block_sparse_moe"
+
+    @staticmethod
+    def make_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        return _layer_of_hf_config(MixtralDecoderLayer, vllm_config, prefix)

@@ -4,12 +4,16 @@ Rank r reads `model-rank-r-part-0.safetensors` alone (its size and sha256 checke
 its q/k/v slices are joined into vLLM's fused qkv_proj and its gate/up slices into gate_up_proj (each
 already this rank's rows), o_proj/down_proj are its columns as they are, and the replicated tensors
 (embeddings, norms, the LM head) go through the parameters' own loaders, which take this rank's vocabulary
-slice. The permuted `checkpoint/` needs none of this: vLLM's own TP slicing of it gives rank r shard r.
+slice. An MoE family's experts (issue 46: each expert's gate, up and down slices, `models.export.experts`) go
+into vLLM's FusedMoE parameters: expert e's gate rows then its up rows into w13_weight[e], its down columns
+into w2_weight[e]; the router is replicated. The permuted `checkpoint/` needs none of this: vLLM's own TP
+slicing of it gives rank r shard r.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from models.export.files import MANIFEST, SHARDS_FORMAT
+from models.families import family_for_config
 from models.io.digest import sha256_file
 from models.serving.manifest import ServingError
 
@@ -64,6 +69,36 @@ def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     param.data.copy_(value.to(param.dtype))
 
 
+_LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<rel>.+)$")
+
+
+class ExpertLoader:
+    """An MoE model's expert slices into vLLM's fused expert parameters (w13_weight [E, 2·I_e/L, D]: an expert's
+    gate rows then its up rows; w2_weight [E, D, I_e/L])."""
+
+    def __init__(self, model: Any) -> None:
+        moe = getattr(family_for_config(model.config), "moe", None)
+        self.names = moe.checkpoint if moe is not None else None
+        self.model = model
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+
+    def load(self, name: str, tensor: torch.Tensor) -> str | None:
+        """Copy `tensor` where it goes and return the parameter's name, or None when `name` is no expert's."""
+        match = _LAYER.match(name)
+        role = self.names.role_of(match["rel"]) if self.names is not None and match is not None else None
+        if role is None or match is None:
+            return None
+        kind, expert = role
+        layer = self.model.model.layers[int(match["layer"])]
+        experts = getattr(layer, self.model.ffn_name).experts.routed_experts
+        param = experts.w2_weight if kind == "down" else experts.w13_weight
+        size = experts.w13_weight.shape[1] // 2  # I_e / L
+        target = param.data[expert] if kind == "down" else param.data[expert, :size] if kind == "gate" else \
+            param.data[expert, size:]
+        _copy(target, tensor, name)
+        return self.param_names[id(param)]
+
+
 def load_rank_shard(model: nn.Module, directory: str | Path, manifest: dict[str, Any], rank: int) -> set[str]:
     """Fill `model` (a DtpForCausalLM) with rank `rank`'s shard; the names of the parameters loaded."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
@@ -74,10 +109,14 @@ def load_rank_shard(model: nn.Module, directory: str | Path, manifest: dict[str,
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     fused: dict[str, dict[int, torch.Tensor]] = {}
+    experts = ExpertLoader(model)
     for name, tensor in tensors.items():
         rule = split.get(name)
         if rule is None:
             raise ServingError(f"{directory / MANIFEST}: tensor {name!r} has no split rule")
+        if (expert_param := experts.load(name, tensor)) is not None:
+            loaded.add(expert_param)
+            continue
         target = next(((name.replace(f".{m}.", f".{f}."), i) for m, (f, i) in _FUSED.items() if f".{m}." in name),
                       None)
         if target is not None:
