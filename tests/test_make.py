@@ -131,3 +131,8 @@ def test_make_vllm_env_shows_pips_progress_on_the_long_installs():
     installs = [line for line in lines if " -m pip install " in line and "--upgrade pip" not in line]
     assert len(installs) >= 2 and all("--progress-bar on" in line and " -q " not in line for line in installs), installs
     assert "pip shows what it fetches" in result.stdout
+    # the plugin as users install it, its own wheel; never the project, whose top-level packages (app, models,
+    # worker, migrations) would land in vLLM's environment (issue 44 item 3)
+    assert any("tools/vllm_wheel.py --out" in line for line in lines)
+    assert any(line.endswith("/dtp_layout_vllm-*.whl") for line in installs), installs
+    assert not [line for line in installs if " -e " in line or line.rstrip().endswith((" .", "'.[worker]'"))], installs
