@@ -138,7 +138,7 @@ class Sweep:
         return AffinityResult.load(path)
 
     def run(self) -> dict[str, Any]:
-        from models.layouts.set import build_layouts, score_both
+        from models.variants.set import build_layouts, score_both
 
         a = self.args
         sizes = sorted(int(s) for s in a.sizes.split(","))

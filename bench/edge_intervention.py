@@ -36,10 +36,10 @@ from bench.schedule_experiment_runs import slug
 from models.affinity.file import AffinityResult
 from models.layouts import layout as layout_mod
 from models.layouts.layout import Layout
-from models.layouts.set import scored_layout
 from models.optimise import score
 from models.run.files import AFFINITY_FILE
 from models.schedules.grammar import resolve_schedule
+from models.variants.set import scored_layout
 
 BROKEN, REPAIRED = "optimised-broken", "optimised-other-repaired"
 EDGE_RULE = ('"the late edge decides" only if every seed of optimised-broken ends above every seed of optimised '
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--layer", type=int, default=None, help="the FFN to relabel (default: the last layer's)")
     ap.add_argument("--restarts", type=int, default=2, help="the dtp:1 layout's optimiser restarts when it is built")
     args = ap.parse_args(argv)
-    from models.layouts.set import build_layouts
+    from models.variants.set import build_layouts
 
     name = slug(args.schedule)
     result = AffinityResult.load(args.source / "affinity" / name / AFFINITY_FILE)

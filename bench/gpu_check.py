@@ -336,7 +336,7 @@ def stage_affinity(check: Check, model: Any, rec: dict[str, Any]) -> Any:
 
 
 def stage_optimise(check: Check, affinity: Any, rec: dict[str, Any]) -> dict[str, Any]:
-    from models.layouts.set import build_layouts
+    from models.variants.set import build_layouts
 
     s = check.sizes
     seconds, layouts = check.timed(lambda: build_layouts(

@@ -43,8 +43,8 @@ from models.data.calibration import CalibrationSpec
 from models.io.atomic import atomic_write_json
 from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts.names import RANDOM_SEED_BASE, random_name
-from models.layouts.set import ablation_names
 from models.run import pipeline
+from models.variants.set import ablation_names
 
 REPO = Path(__file__).resolve().parent.parent
 NOTES_MARKER = "## Reading"

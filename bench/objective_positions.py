@@ -81,7 +81,7 @@ def train_skip_arm(work: str, schedule: str, skip: int, extra: list[str]) -> dic
     from bench.schedule_experiment import parse_args as experiment_args
     from bench.schedule_experiment_runs import Experiment, slug
     from models.affinity.file import AffinityResult
-    from models.layouts.set import build_layouts
+    from models.variants.set import build_layouts
 
     experiment = Experiment(experiment_args(["--work", work, "--schedules", schedule, "--other", "", *RECORDED_SETS,
                                              *extra]))

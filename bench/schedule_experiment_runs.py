@@ -30,16 +30,16 @@ from models.distill.data import place_data
 from models.distill.evaluation import DenseReference, evaluate_student
 from models.distill.student import make_student
 from models.distill.train import make_optimizer
+from models.evaluation.spd_auto import resolve_spd_auto
 from models.families import model_shape
 from models.io.loading import ModelLoadError, ModelSource, load_model, load_tokenizer, resolve_device
 from models.layouts import layout as layout_mod
 from models.layouts.layout import Layout
-from models.layouts.set import build_layouts, neuron_agreement, objective_affinity, scored_layout
 from models.optimise import optimise, score, upper_bound
 from models.run import pipeline
 from models.run.files import AFFINITY_FILE
 from models.schedules.grammar import Schedule, parse_schedule, resolve_schedule
-from models.schedules.spd_auto import resolve_spd_auto
+from models.variants.set import build_layouts, neuron_agreement, objective_affinity, scored_layout
 
 
 def slug(schedule: str) -> str:

@@ -25,9 +25,9 @@ from models.data.calibration import CalibrationSpec, load_blocks
 from models.families import model_shape
 from models.io.assets import smollm2_gguf
 from models.io.loading import ModelSource, load_model, load_tokenizer
-from models.layouts.set import build_layouts
 from models.optimise.edges import SparseEdge
 from models.schedules.grammar import resolve_schedule
+from models.variants.set import build_layouts
 
 
 def main() -> None:

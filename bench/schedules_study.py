@@ -41,15 +41,15 @@ from bench.layout_study import NOTES_MARKER, log
 from models import distill
 from models.affinity.file import AffinityResult
 from models.data.calibration import CalibrationSpec, load_blocks
+from models.evaluation.spd_auto import cumulative_choice, least_sensitive, spd_sensitivities
 from models.families import model_shape
 from models.io.atomic import atomic_write_json
 from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts import layout as layout_mod
-from models.layouts.set import build_layouts, scored_layout
 from models.run import pipeline
 from models.run.files import AFFINITY_FILE
 from models.schedules.grammar import Schedule, parse_schedule, resolve_schedule
-from models.schedules.spd_auto import cumulative_choice, least_sensitive, spd_sensitivities
+from models.variants.set import build_layouts, scored_layout
 
 REPO = Path(__file__).resolve().parent.parent
 CONTIGUOUS, OPTIMISED, DTP1_OPTIMISED = "contiguous", "optimised", "optimised-dtp1"

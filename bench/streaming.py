@@ -28,7 +28,7 @@ _WRAPPER = ("import json, resource, subprocess, sys, time; t = time.perf_counter
             "'peak_rss': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}, open(sys.argv[1], 'w'))")
 COMMAND_IMPORTS = ("import torch, transformers, safetensors; from transformers import AutoModelForCausalLM; "
                    "import app.cli.main, models.run.stages, models.run.pipeline, models.affinity.scoring, "
-                   "models.layouts.set, "
+                   "models.variants.set, "
                    "models.streaming.pipelines, models.export.writer, models.evaluation.evaluate, "
                    "models.data.calibration")
 

@@ -6,7 +6,7 @@ trace of it in the production settings or code paths.
   slow on purpose, deterministically: kill, cancel and soak tests);
 - hang_stage: that stage hangs without progress: loading, calibration, optimising, exporting or
   distilling (its data loading) in work that still reaches a safe point every 50 ms (a stuck download
-  between retries: a cancel stops it there, models.run.progress.check_stop), affinity where only the
+  between retries: a cancel stops it there, models.base.progress.check_stop), affinity where only the
   hard time limit can (stuck in native code);
 - hang_store_upload: the worker's S3 uploads go multipart from 1 KiB on (boto3's managed transfer, as
   for a large shard) and every part hangs before it is sent (a botocore `before-send` hook): a worker
@@ -62,7 +62,7 @@ def _hang() -> None:
 
 
 def _hang_between_safe_points() -> None:
-    from models.run.progress import check_stop
+    from models.base.progress import check_stop
 
     while True:
         time.sleep(0.05)

@@ -125,7 +125,8 @@ def test_torch_free_commands_run(base_install):
     # an affinity and a layout written by the installed package itself, then rescored and re-optimised
     make = ("import sys, numpy as np\n"
             "from models.affinity.file import AffinityResult\n"
-            "from models.layouts.layout import ModelShape, contiguous\n"
+            "from models.base.shapes import ModelShape\n"
+            "from models.layouts.layout import contiguous\n"
             "rng = np.random.default_rng(0); shape = ModelShape('llama', 2, 2, 4, 8, hidden_size=8, head_dim=4)\n"
             "AffinityResult([rng.random((2, 8)) for _ in range(2)], [rng.random((2, 8)) for _ in range(2)],\n"
             "               [rng.random((8, 2))], tokens=16, shape=shape).save('affinity.safetensors')\n"

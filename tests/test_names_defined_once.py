@@ -17,8 +17,8 @@ from pathlib import Path
 
 from app.core.jobstate import STAGES, STATUSES
 from models.affinity.names import SCORES
+from models.base.layout_format import LAYOUT_FORMAT
 from models.io.ids import DTYPE_NAMES
-from models.layouts.format import LAYOUT_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("models", "app", "worker", "bench")
@@ -65,7 +65,7 @@ def writers() -> dict[str, list[str]]:
 def test_each_name_is_written_in_its_one_module():
     found = writers()
     assert {what: sorted({line.split(":")[0] for line in lines}) for what, lines in found.items()} == {
-        "format": ["models/layouts/format.py"],
+        "format": ["models/base/layout_format.py"],
         "scores": ["models/affinity/names.py"],
         "dtypes": ["models/io/ids.py"],
         "seed base": ["models/layouts/names.py"],

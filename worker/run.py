@@ -25,7 +25,7 @@ from app.core.services.sources import ModelLocation, SourceError, resolve_data
 from app.core.settings import Settings
 from app.core.storage.root import Storage, tenant_scope
 from app.core.storage.uploads import UploadStore
-from models.run.progress import StopSignal, stopped_by
+from models.base.progress import StopSignal, stopped_by
 from models.run.runner import run_stages
 from models.run.stages import REPORT_INPUTS, STAGES
 from models.run.stages import build_report as stages_report
@@ -59,7 +59,7 @@ class JobRun(Publishing):
         self.work = self.storage.work_dir(job.id) / str(self.attempt)
         self.stage: str | None = None
         # Set (with the reason) when the run must end: read at the safe points of the stages' work
-        # (models.run.progress.check_stop) and by the sandbox, which kills the work's child processes.
+        # (models.base.progress.check_stop) and by the sandbox, which kills the work's child processes.
         self.stop = StopSignal()
         self._stage_t0 = self._stage_mono = 0.0
         self._trained = self._total_steps = 0  # the distilling stage's steps, for its ETA
@@ -112,7 +112,7 @@ class JobRun(Publishing):
         """Run `fn` (a download, loading weights, reading a calibration set: work that does not poll
         should_stop) in a thread under this run's stop signal, and wait for it while checking the flags.
         A cancel, a lost lease, a stall, a time limit or the worker's shutdown sets the signal: the work
-        stops at its next safe point (models.run.progress.check_stop; the sandbox kills its child
+        stops at its next safe point (models.base.progress.check_stop; the sandbox kills its child
         process group at once) and only then does the run end. Until the thread has stopped, the job
         holds this worker: abandoned work never overlaps the next job (a thread stuck in native code
         for good ends with the process, at the hard time limit)."""

@@ -17,7 +17,7 @@ class CliError(Exception):
 _USER_ERRORS = {"models.io.assets": "AssetNotFoundError", "models.data.calibration": "DataError",
                 "models.streaming.memory_plan": "MemoryLimitError", "models.io.sizes": "SizeError",
                 "models.export.files": "ExportError", "models.families": "UnsupportedModelError",
-                "models.layouts.format": "LayoutError", "models.io.loading": "ModelLoadError"}
+                "models.base.layout_format": "LayoutError", "models.io.loading": "ModelLoadError"}
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

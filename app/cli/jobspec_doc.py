@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from app.cli.generated_doc import write_or_check
-from models.run.fields import FieldRule
+from models.base.fields import FieldRule
 from models.run.jobspec import FIELDS, GROUPS, SpecField, SpecGroup
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "service.md"

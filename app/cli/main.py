@@ -27,7 +27,7 @@ from app.cli.commands.optimise import cmd_optimise
 from app.cli.errors import CliError, user_errors
 from app.cli.extras import missing_module_message, needs_worker_extra, refusal
 from models.affinity.names import SCORES
-from models.layouts.format import LAYOUT_FORMAT
+from models.base.layout_format import LAYOUT_FORMAT
 
 __all__ = ["CliError", "build_parser", "main"]
 

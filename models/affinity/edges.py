@@ -42,10 +42,10 @@ from models.affinity.scoring import (
     counted_tokens,
     sum_dtype,
 )
+from models.base.progress import Cancelled, Progress, ShouldStop
+from models.base.shapes import ModelShape
 from models.families import model_shape
-from models.layouts.layout import ModelShape
 from models.optimise.edges import EdgeMatrix, Pair, SparseEdge, edge_kind
-from models.run.progress import Cancelled, Progress, ShouldStop
 from models.schedules.grammar import Schedule
 from models.sim.dtp import DTPModel
 from models.sim.permute import decoder_layers

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.affinity.names import SCORES
+from models.base.shapes import ModelShape
 from models.io.atomic import atomic_write
-from models.layouts.layout import ModelShape
 from models.optimise.edges import (
     EdgeMatrix,
     Pair,

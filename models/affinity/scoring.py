@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 # The result and its file are torch-free (models.affinity.file), re-exported where callers import them.
 from models.affinity.file import AffinityResult as AffinityResult
+from models.base.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
+from models.base.progress import Progress, ShouldStop
+from models.base.shapes import ModelShape
 from models.families import model_shape
-from models.layouts.layout import ModelShape
-from models.run.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
-from models.run.progress import Progress, ShouldStop
 from models.sim.dtp import DTPModel, rms_norm
 from models.sim.permute import decoder_layers
 from models.streaming.source import layer_source

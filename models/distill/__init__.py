@@ -50,8 +50,8 @@ _EXPORTS: dict[str, str] = {
 # Shared with the rest of the package, re-exported here where distillation callers used to find them.
 _ELSEWHERE: dict[str, str] = {
     "resolve_layout": "models.layouts.resolve",
-    "Progress": "models.run.progress",
-    "ShouldStop": "models.run.progress",
+    "Progress": "models.base.progress",
+    "ShouldStop": "models.base.progress",
 }
 
 __all__ = sorted([*_EXPORTS, *_ELSEWHERE])
@@ -74,6 +74,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
+    from models.base.progress import Progress as Progress
+    from models.base.progress import ShouldStop as ShouldStop
     from models.distill.checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
     from models.distill.checkpoint import run_fingerprint as run_fingerprint
     from models.distill.checkpoint import tensor_fingerprint as tensor_fingerprint
@@ -125,5 +127,3 @@ if TYPE_CHECKING:  # what __getattr__ resolves, for type checkers
     from models.distill.train import make_optimizer as make_optimizer
     from models.distill.train import train_step as train_step
     from models.layouts.resolve import resolve_layout as resolve_layout
-    from models.run.progress import Progress as Progress
-    from models.run.progress import ShouldStop as ShouldStop

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.base.progress import Cancelled, ShouldStop
 from models.distill.loss import chunked_kl_nll, chunked_nll, next_token_targets, teacher_hidden
 from models.distill.recipe import DistillRecipe
 from models.distill.student import autocast, lm_head
-from models.run.progress import Cancelled, ShouldStop
 from models.sim.dtp import DTPModel, gathered
 
 

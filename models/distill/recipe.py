@@ -7,7 +7,7 @@ step through micro-batches of 4; 1000 steps, evaluated every 100 on 16 blocks of
 
 Each field carries its own rule (type, bounds, one-line doc) as dataclass metadata: `DistillRecipe`
 enforces them, and a request schema can build its fields from `DistillRecipe.rules()` instead of
-mirroring them; the `dtp-layout distill` flags are the rules' own (the rule is models/run/fields.py's,
+mirroring them; the `dtp-layout distill` flags are the rules' own (the rule is models/base/fields.py's,
 shared with the job spec, models/run/jobspec.py). Torch-free: the API process imports this module.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from models.run.fields import FieldRule, Flag, Kind  # noqa: F401  (Kind: importable from here as before)
+from models.base.fields import FieldRule, Flag, Kind  # noqa: F401  (Kind: importable from here as before)
 
 Autocast = Literal["auto", "bf16", "none"]
 LastScale = Literal["sqrt", "one"]  # models.sim.dtp.LastScale, restated here to stay torch-free

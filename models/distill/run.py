@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.base.progress import Cancelled, Progress, ShouldStop
 from models.distill.checkpoint import (
     CHECKPOINT_DIR,
     checkpoint_to_read,
@@ -50,7 +51,6 @@ from models.distill.sharding import (
 from models.distill.student import make_student
 from models.distill.train import StepStats, make_optimizer, train_step
 from models.layouts.layout import Layout
-from models.run.progress import Cancelled, Progress, ShouldStop
 
 STAGE = "distilling"
 

@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from models.base.progress import Cancelled, ShouldStop
 from models.distill.loss import LossSums, loss_and_backward
 from models.distill.recipe import DistillRecipe
 from models.distill.schedule import learning_rate
 from models.distill.sharding import Ranks, total_norm
 from models.distill.student import trainable_parameters
-from models.run.progress import Cancelled, ShouldStop
 from models.sim.dtp import DTPModel
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.base.progress import Progress
 from models.distill.loss import chunked_kl_nll, next_token_targets
 from models.families import model_shape
 from models.layouts.layout import Layout, check_fits
-from models.run.progress import Progress
 from models.schedules.grammar import ScheduleSpec, dtp_spec, parse_schedule
 from models.sim.dtp import DTPModel, LastScale, Streams
 from models.streaming.source import LayerSource, layer_source

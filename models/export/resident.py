@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from models.base.progress import Progress
 from models.export.writer import export_layout
 from models.io.sizes import UNITS
 from models.layouts.layout import Layout
-from models.run.progress import Progress
 from models.schedules.grammar import LastScale
 from models.sim.permute import permute_
 from models.streaming.source import ResidentModel

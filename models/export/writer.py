@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.base.progress import Progress, check_stop
 from models.export.experts import CheckpointTensors
 from models.export.files import (
     LAYOUT_FILE,
@@ -35,13 +36,12 @@ from models.export.files import (
     dtype_name,
     shard_file_name,
 )
+from models.export.serving_manifest import serving_fields, write_serving_config
 from models.families import family_for_config, model_shape
 from models.families.plan import local_shape, rank_slice
 from models.io.digest import sha256_file
 from models.layouts.layout import Layout, check_fits
-from models.run.progress import Progress, check_stop
 from models.schedules.grammar import LastScale, resolve_schedule
-from models.serving.manifest import serving_fields, write_serving_config
 from models.sim.permute import permuted_tensor
 from models.streaming.layer_source import return_freed_memory
 from models.streaming.safetensors_reader import SafetensorsWriter
@@ -90,7 +90,7 @@ def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path |
     `schedule`: the communication schedule the shards are made for (`models.schedules.grammar`; the runtime
     refuses to run them at another), recorded canonical; None: the layout's dtp:δ. The manifest's `serving`
     records its per-module table (with `last_scale`), the family, L and the layout's provenance, and
-    config.json names the family's DTP architecture (`models.serving.manifest`). The manifest's `dtype` is the
+    config.json names the family's DTP architecture (`models.export.serving_manifest`). The manifest's `dtype` is the
     shards' (`dtype`: what a reader loads), `compute_dtype` the dtype the model was loaded and scored in (None:
     the source's). permute False: the source's weights realise `layout` already.
     """

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from models.base.progress import check_stop
 from models.families import family_for_config
 from models.io.ids import DTYPE_NAMES, GGUF_FILE, HUB_ID, REVISION
-from models.run.progress import check_stop
 
 if TYPE_CHECKING:
     from models.io.converted import ConvertedCache
@@ -123,7 +123,7 @@ def load_model(source: ModelSource, *, dtype: str = "float32", device: str = "cp
 
 
 def _gguf_safe_points() -> None:
-    """Make each unit of the GGUF loaders' work a safe point (models.run.progress.check_stop): each metadata
+    """Make each unit of the GGUF loaders' work a safe point (models.base.progress.check_stop): each metadata
     field and array element gguf's reader reads, each value transformers' loader parses from it and each
     tensor it dequantises (looked up by name when the loaders run), so a stopped job's load ends there
     instead of parsing and dequantising on (a tokenizer's 49,152-string arrays, read twice, then every

@@ -16,7 +16,7 @@ names it: "while reading tokenizer.json"). Its return value must pickle. Linux (
 The child is the caller's work, and ends with it: it runs in a process group of its own, with SIGTERM's
 default action (a forked child of a Celery worker would inherit the worker's handler, which only notes
 a shutdown: the child ignored SIGTERM), and dies with the thread that started it (PR_SET_PDEATHSIG).
-While it runs the caller's `StopSignal` (models.run.progress: a job's cancel, lost lease, stall or
+While it runs the caller's `StopSignal` (models.base.progress: a job's cancel, lost lease, stall or
 shutdown) is read every POLL_S; once it is set, or the call ends any other way, the child's group gets
 SIGTERM and, STOP_GRACE_S later, SIGKILL, and the call raises `Cancelled`.
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from models.run.progress import Cancelled, current_stop
+from models.base.progress import Cancelled, current_stop
 
 _CPU_GRACE_S = 5  # between RLIMIT_CPU's soft limit (SIGXCPU) and its hard one (SIGKILL)
 POLL_S = 0.1  # how often the caller's stop signal is read while the child runs

@@ -1,7 +1,7 @@
 """Layouts: which device holds each KV group and each FFN neuron, per layer.
 
 A layout is balanced (G/L groups and I/L neurons on every device) and serialises to the
-`dtp-layout/1` JSON format (`models.layouts.format`) described in docs/formats.md.
+`dtp-layout/1` JSON format (`models.base.layout_format`) described in docs/formats.md.
 """
 
 from __future__ import annotations
@@ -14,25 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from models.base.layout_format import LAYOUT_FORMAT, LayoutError
+from models.base.shapes import ModelShape
 from models.io.atomic import atomic_write_json
-from models.layouts.format import LAYOUT_FORMAT, LayoutError
 from models.layouts.names import CONTIGUOUS, random_name
 from models.schedules.grammar import MAX_SCHEDULE_CHARS
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    num_layers: int
-    num_kv_groups: int
-    num_query_heads: int
-    intermediate_size: int
-    hidden_size: int = 0
-    head_dim: int = 0
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_query_heads // self.num_kv_groups
 
 
 def valid_device_counts(shape: ModelShape) -> list[int]:

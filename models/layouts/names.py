@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from models.layouts.format import LAYOUT_FORMAT, LayoutError
+from models.base.layout_format import LAYOUT_FORMAT, LayoutError
 
 CONTIGUOUS = "contiguous"
 RANDOM_SEED_BASE = 1000  # an optimise run's K random layouts use seeds 1000 … 1000+K-1, as in the paper

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.base.layout_format import LayoutError
+from models.base.shapes import ModelShape
 from models.layouts import layout as layout_mod
-from models.layouts.format import LayoutError
-from models.layouts.layout import Layout, ModelShape
+from models.layouts.layout import Layout
 from models.layouts.names import GRAMMAR, LayoutName, parse_layout_name
 
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from models.base.progress import check_stop
 from models.optimise.assignment import REL_TOL, balanced_assignment
 from models.optimise.bound import UpperBound
 from models.optimise.edges import ScheduleAffinity, module_devices, receiver_gain, sender_gain
 from models.optimise.objective import ScoreReport, check_layout, objective, score
 from models.optimise.problem import Problem, check_devices, contiguous_layout, contiguous_row, edges_of
-from models.run.progress import check_stop
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,7 +139,7 @@ def _ascend(affinity: Problem, devices: int, *, maximise: bool, move_heads: bool
     history: list[float] = []
     for _ in range(0 if unit.layout_independent else max_sweeps):
         for i in moving:
-            check_stop()  # a safe point per layer: a stopped job's optimiser ends here (models.run.progress)
+            check_stop()  # a safe point per layer: a stopped job's optimiser ends here (models.base.progress)
             if move_neurons:
                 cells[i] = _step(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise)
             if move_heads:

@@ -1,5 +1,5 @@
 """A job's parameters, declared once: every field of a job spec with its kind, default, bounds, help and
-command-line flags (models/run/fields.py's FieldRule, as the distillation recipe declares its own).
+command-line flags (models/base/fields.py's FieldRule, as the distillation recipe declares its own).
 
 Generated from this table, never restated: the API's request models (app/core/schemas/jobs.py), the flags of
 `dtp-layout optimise` and `distill` and of `dtp-layout client submit` (app/cli/args/spec_flags.py), and the
@@ -14,12 +14,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from models.affinity.names import SCORES
+from models.base.fields import NO_DEFAULT, FieldRule, Flag
+from models.base.layout_format import LAYOUT_FORMAT
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillRecipe
 from models.io.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES, GGUF_FILE, REVISION
 from models.io.sizes import SIZE_PATTERN
-from models.layouts.format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE
-from models.run.fields import NO_DEFAULT, FieldRule, Flag
 from models.schedules.grammar import MAX_SCHEDULE_CHARS, accepted_forms
 
 REQUIRED: Any = object()  # a SpecField's default when a request must give the field

@@ -20,26 +20,26 @@ import transformers
 from models.affinity.edges import EDGE_MEMORY_LIMIT, KEPT_MASS, schedule_affinity_pass
 from models.affinity.names import SCORES
 from models.affinity.scoring import AffinityResult
+from models.base.layout_format import LayoutError
+from models.base.progress import Progress, ShouldStop
 from models.data.calibration import CONVERGED_CALIBRATION_TOKENS, CalibrationSpec, DataError, load_blocks
 from models.data.heldout import source_identity
+from models.evaluation.spd_auto import resolve_spd_auto
 from models.export.files import dtype_name
 from models.export.writer import export_layout
 from models.families import model_shape
 from models.io.assets import AssetNotFoundError
 from models.io.atomic import atomic_write_json
-from models.layouts.format import LayoutError
 from models.layouts.layout import Layout
-from models.layouts.score import edge_kept_mass
-from models.layouts.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
-from models.layouts.stability import HALVES, half_layouts, stability_report
 from models.optimise.edges import schedule_pairs
 from models.run.files import AFFINITY_FILE, REPORT_FILE
-from models.run.progress import Progress, ShouldStop
 from models.schedules.grammar import Schedule, ScheduleSpec, parse_schedule
-from models.schedules.spd_auto import resolve_spd_auto
 from models.streaming.source import layer_source
+from models.variants.score import edge_kept_mass
+from models.variants.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
+from models.variants.stability import HALVES, half_layouts, stability_report
 
-# The paper's seven spread layouts (§5.4) for an FO run; models.layouts.set defines them.
+# The paper's seven spread layouts (§5.4) for an FO run; models.variants.set defines them.
 ABLATIONS = tuple(ablation_names("fo"))
 
 
@@ -53,7 +53,7 @@ class OptimiseSpec:
     export: bool = True
     batch_size: int = 4
     restarts: int = 4  # the paper's procedure is 0 (one start, from the contiguous KV groups)
-    stability: bool = False  # also optimise on each half of the calibration blocks (models.layouts.stability)
+    stability: bool = False  # also optimise on each half of the calibration blocks (models.variants.stability)
     # The communication schedule (models.schedules.grammar' grammar, canonical) the run is for: the layouts optimise
     # its J_σ (issue 20), the shards are exported for it. None: dtp:δ of `delta` (for δ ≤ 1 the paper's
     # chain objective, J_σ of dtp:1).
@@ -86,7 +86,7 @@ class OptimiseSpec:
 
 
     def objective_schedule(self, num_layers: int, resolved: str | None = None) -> Schedule | None:
-        """The schedule the layouts are optimised for (`models.layouts.set.objective_schedule`); `resolved`:
+        """The schedule the layouts are optimised for (`models.variants.set.objective_schedule`); `resolved`:
         the spd:B an spd:auto:K became (the affinity file's schedule)."""
         try:
             return objective_schedule(self.schedule, delta=self.delta, num_layers=num_layers, devices=self.devices,

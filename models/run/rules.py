@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from models.layouts.format import LayoutError
+from models.base.layout_format import LayoutError
 from models.schedules.grammar import ScheduleError, ScheduleSpec, parse_schedule, schedule_spec
 
 # The rules, by name: what each refuses. tests/app/api/test_refusals.py feeds each a job can meet (all but
@@ -197,7 +197,7 @@ def model_refusals(facts: RunFacts, shape: Any) -> list[Refusal]:
     except ScheduleError as exc:
         return [Refusal("schedule-fits", "schedule", str(exc), ScheduleError)]
     if facts.optimises and not facts.layout_independent_ok and facts.schedule.resolvable:
-        from models.layouts.set import objective_schedule
+        from models.variants.set import objective_schedule
 
         try:
             objective_schedule(facts.schedule, delta=facts.delta, num_layers=shape.num_layers,
@@ -217,8 +217,8 @@ def _streamed(why: str) -> str:
 def further_edges(facts: RunFacts, num_layers: int) -> bool:
     """Whether the affinity pass of this run scores edges beyond the paper's chain (which only the in-memory
     pass does): the edges of J_σ of its objective schedule."""
-    from models.layouts.set import objective_schedule
     from models.optimise.edges import chain_pairs, schedule_pairs
+    from models.variants.set import objective_schedule
 
     if facts.chooses_spd_layers:
         return False  # spd:B: one up edge per dropped layer, all on the chain

@@ -75,7 +75,7 @@ class Hooks:
         """The fraction of the stage done."""
 
     def should_stop(self) -> bool:
-        """Polled between units of work; True stops the work (it raises `models.run.progress.Cancelled`)."""
+        """Polled between units of work; True stops the work (it raises `models.base.progress.Cancelled`)."""
         return False
 
     def abandonable(self, fn: Callable[[], Any]) -> Any:

@@ -12,7 +12,7 @@ stages apply and with what), its hooks and where it runs (`RunContext.of(plan, �
                or the worker's per-tenant cache)
   optimising   affinity → layouts/*.json
   stability    (when asked) an affinity pass and the optimiser on each half of the blocks →
-               stability/*.json and stability.json, the report (`models.layouts.stability`)
+               stability/*.json and stability.json, the report (`models.variants.stability`)
   exporting    (when asked) the optimised layout's checkpoint/ and/or shards/
   distilling   (when asked) `models.distill.run_distill`, resumable run by run from its checkpoints
 

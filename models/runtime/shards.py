@@ -19,13 +19,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from models.base.layout_format import LayoutError
+from models.base.shapes import ModelShape
 from models.export.experts import CheckpointTensors
 from models.export.files import MANIFEST, SHARDS_FORMAT
 from models.families import Family, UnsupportedModelError, family_for_config, model_shape
 from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias, stacked_weight
 from models.io.digest import sha256_file
-from models.layouts.format import LayoutError
-from models.layouts.layout import Layout, ModelShape, check_fits, from_json_dict
+from models.layouts.layout import Layout, check_fits, from_json_dict
 from models.runtime.errors import ShardError
 from models.schedules.grammar import ScheduleError, resolve_schedule
 

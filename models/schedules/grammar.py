@@ -30,7 +30,7 @@ its parse, format and table, and the table is `models.schedules.table.Schedule`)
               a_n = n+2 (the attention's others arrive after the FFN); every other module as tp
     spd:auto:K  SPD at K layers chosen by KL on calibration data, cumulatively (drop the least sensitive,
               re-measure the rest with it dropped, repeat); spd:isolated:K: the K whose dropped sync
-              alone costs least (`models.schedules.spd_auto`). Parsed here, but they need that data to become
+              alone costs least (`models.evaluation.spd_auto`). Parsed here, but they need that data to become
               spd:B (`ScheduleSpec.with_spd_layers`), so `resolve` refuses them
     pt:D      Parallel Track's sync pattern, blocks of D layers (2D modules): b_n = n+1, s_n = 1,
               a_n = min(2D·(⌊n/2D⌋+1), M) — on this dense model sharded as TP: each device's stream

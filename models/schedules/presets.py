@@ -169,7 +169,7 @@ class Spd(Preset):
 
 class SpdAuto(Preset):
     """spd:auto:K (SPD's cumulative rule) and spd:isolated:K: K layers chosen on calibration data
-    (`models.schedules.spd_auto`), so there is no table until they are (`ScheduleSpec.with_spd_layers`)."""
+    (`models.evaluation.spd_auto`), so there is no table until they are (`ScheduleSpec.with_spd_layers`)."""
 
     name, kind = "spd", "spd-auto"
     forms = ("spd:auto:K", "spd:isolated:K")
@@ -188,7 +188,7 @@ class SpdAuto(Preset):
         spec.check_depth(num_layers)
         raise ScheduleError(f"schedule {str(spec)!r} needs calibration data: its K layers are chosen by the KL "
                             f"each layer's dropped sync costs on the calibration blocks (SPD's sensitivity "
-                            f"rule, models.schedules.spd_auto: the affinity stage of optimise and of a job); "
+                            f"rule, models.evaluation.spd_auto: the affinity stage of optimise and of a job); "
                             f"resolve it there, or give the layers as spd:B")
 
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from models.layouts.format import LayoutError
+from models.base.layout_format import LayoutError
 
 __all__ = ["NEVER", "LastScale", "Schedule", "ScheduleError"]
 

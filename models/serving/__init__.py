@@ -1,6 +1,6 @@
 """Serving the exported shards in other engines.
 
-`models.serving.manifest` (torch-free) says what the export records for a server: the full per-module
+`models.export.serving_manifest` (torch-free) says what the export records for a server: the full per-module
 schedule table, the family, L, the layout's provenance, and the `config.json` of `shards/` that names the
 DTP architecture. `models.serving.commands` (torch-free) words how to serve a job's shards, for its summary:
 the client's download, then `dtp-layout vllm-serve` at TP = L. `models.serving.vllm` is the vLLM plugin: it

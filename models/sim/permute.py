@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from models.base.shapes import ModelShape
 from models.families import Family, family_for_config, model_shape
-from models.layouts.layout import Layout, ModelShape, check_fits
+from models.layouts.layout import Layout, check_fits
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

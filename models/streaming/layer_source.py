@@ -36,8 +36,8 @@ from models.io.loading import ModelLoadError
 from models.streaming.source import LayerSource
 
 if TYPE_CHECKING:
+    from models.base.progress import Progress, ShouldStop
     from models.layouts.layout import Layout
-    from models.run.progress import Progress, ShouldStop
     from models.streaming.pipelines import LayerPass
 
 INDEX = "model.safetensors.index.json"

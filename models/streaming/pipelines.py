@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from models.run.progress import Cancelled, Progress, ShouldStop
+from models.base.progress import Cancelled, Progress, ShouldStop
 from models.streaming.hidden_states import HiddenStates
 
 if TYPE_CHECKING:

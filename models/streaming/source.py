@@ -26,8 +26,8 @@ from torch import nn
 from models.sim.permute import decoder_layers, permute_
 
 if TYPE_CHECKING:
+    from models.base.progress import Progress, ShouldStop
     from models.layouts.layout import Layout
-    from models.run.progress import Progress, ShouldStop
     from models.streaming.pipelines import LayerPass
 
 

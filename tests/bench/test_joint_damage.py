@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.joint_damage import joint_damage
+from models.base.shapes import ModelShape
 from models.layouts import layout as layout_mod
 from models.schedules.grammar import resolve_schedule
 from tests.tiny import tiny_model, tokens
@@ -95,7 +96,7 @@ def _transcribed(model, blocks, schedule, heads, cells):
 def test_joint_damage_matches_a_per_token_transcription(name):
     model = tiny_model("llama", num_hidden_layers=2)
     schedule = resolve_schedule(name, 2, 2)
-    layout = layout_mod.random(layout_mod.ModelShape("llama", 2, 4, 8, 96, 48, 6), 2, seed=3)
+    layout = layout_mod.random(ModelShape("llama", 2, 4, 8, 96, 48, 6), 2, seed=3)
     blocks = tokens(batch=2, seq=5)
     got = joint_damage(model, blocks, schedule, layout.kv_group_device, layout.neuron_device)
     ffn, attn = _transcribed(model, blocks, schedule, layout.kv_group_device, layout.neuron_device)
@@ -107,7 +108,7 @@ def test_joint_damage_matches_a_per_token_transcription(name):
 
 def test_a_layout_independent_schedule_has_no_joint_damage_and_the_layout_moves_it_otherwise():
     model = tiny_model("llama", num_hidden_layers=2)
-    shape = layout_mod.ModelShape("llama", 2, 4, 8, 96, 48, 6)
+    shape = ModelShape("llama", 2, 4, 8, 96, 48, 6)
     blocks = tokens(batch=1, seq=8)
     lays = [layout_mod.contiguous(shape, 2), layout_mod.random(shape, 2, seed=1)]
     tp = [joint_damage(model, blocks, resolve_schedule("tp", 2, 2), x.kv_group_device, x.neuron_device)

@@ -10,6 +10,7 @@ import torch
 
 from bench.joint_damage import joint_damage
 from bench.repairable_damage import RIDGE, LinearRepair, unabsorbed_damage
+from models.base.shapes import ModelShape
 from models.layouts import layout as layout_mod
 from models.schedules.grammar import resolve_schedule
 from tests.tiny import tiny_model, tokens
@@ -37,7 +38,7 @@ def test_the_residual_is_the_held_out_ridge_fit_of_the_missing_input_on_the_devi
     torch.manual_seed(0)
     model = tiny_model("llama", num_hidden_layers=2)
     schedule = resolve_schedule("dtp:2", 2, 2)
-    layout = layout_mod.random(layout_mod.ModelShape("llama", 2, 4, 8, 96, 48, 6), 2, seed=5)
+    layout = layout_mod.random(ModelShape("llama", 2, 4, 8, 96, 48, 6), 2, seed=5)
     blocks = tokens(batch=4, seq=40)  # 2 folds of 80 tokens against D = 48 regressors
     repair = _Recording()
     got = unabsorbed_damage(model, blocks, schedule, layout.kv_group_device, layout.neuron_device, repair=repair)

@@ -159,8 +159,8 @@ def test_half_precision_pass_agrees_with_float64(dtype):
     layouts optimised on it score within 1% of the float64 layouts' J under the float64 affinity."""
     import copy
 
-    from models.layouts.set import affinity_for
     from models.optimise import optimise, score, upper_bound
+    from models.variants.set import affinity_for
 
     model = tiny_model("llama")
     ids = tokens(batch=8, seq=128)

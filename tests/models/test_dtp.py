@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from models.base.layout_format import LayoutError
 from models.families import UnsupportedModelError, model_shape
-from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random
 from models.sim.dtp import DTPCache, DTPModel
 from models.sim.permute import permute_, unpermute_

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from models.base.layout_format import LayoutError
 from models.families import model_shape
-from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random
 from models.sim.permute import permute_, unpermute_
 from tests.tiny import FAMILY_CASES, fresh, tokens

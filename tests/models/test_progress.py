@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from models.run import progress
+from models.base import progress
 
 
 @pytest.mark.parametrize("module", ["models.affinity.scoring", "models.distill", "models.distill.run",

@@ -74,8 +74,8 @@ def test_smollm2_optimise_end_to_end(smollm2, tmp_path, capsys):
 
     from models.affinity.scoring import AffinityResult
     from models.layouts.layout import load
-    from models.layouts.set import affinity_for
     from models.optimise import is_block_optimal
+    from models.variants.set import affinity_for
 
     model, tokenizer, gguf = smollm2
     out = tmp_path / "run"

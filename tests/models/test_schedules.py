@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from models.base.layout_format import LayoutError
 from models.evaluation.evaluate import evaluate
 from models.families import model_shape
-from models.layouts.format import LayoutError
 from models.layouts.layout import Layout, contiguous, random
 from models.schedules.grammar import (
     ACCEPTED,

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.evaluation.spd_auto import least_sensitive, resolve_spd_auto, spd_sensitivities
 from models.families import model_shape
 from models.layouts.layout import contiguous
 from models.schedules.grammar import ScheduleError, parse_schedule
-from models.schedules.spd_auto import least_sensitive, resolve_spd_auto, spd_sensitivities
 from tests.models.test_schedules import literal_tables, ref_schedule_logits
 from tests.tiny import fresh, tokens
 

@@ -1,4 +1,4 @@
-"""A stopped run's work ends (models.run.progress.StopSignal): its sandboxed child process and the child's
+"""A stopped run's work ends (models.base.progress.StopSignal): its sandboxed child process and the child's
 process group are killed within the grace period — also a child whose SIGTERM handler only notes it (as
 a forked Celery worker's does) or that ignores SIGTERM — and the work done in the run's thread stops at
 its next safe point: a calibration set tokenised by a backtracking regex (`b*b*\\d` over lines of
@@ -17,8 +17,8 @@ from typing import Any
 import psutil
 import pytest
 
+from models.base.progress import Cancelled, StopSignal, check_stop, stopped_by
 from models.io.sandbox import STOP_GRACE_S, ChildLimits, run_limited
-from models.run.progress import Cancelled, StopSignal, check_stop, stopped_by
 
 # The child may spin for a minute: only the stop ends it within the test's bounds.
 LONG = ChildLimits(memory_bytes=256 << 20, cpu_s=60, timeout_s=120)

@@ -22,8 +22,8 @@ from models.affinity.scoring import affinity_pass
 from models.export.resident import export_checkpoint, export_copy, export_rank_shards
 from models.io.loading import ModelSource, load_config, load_model
 from models.layouts.layout import load
-from models.layouts.set import build_layouts
 from models.streaming.memory_plan import plan_memory
+from models.variants.set import build_layouts
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 
 Stages whose work does not poll for a cancel (loading weights, reading the calibration set, the
 optimiser, writing the export, reading a distillation's data) run in a thread that stops at its next
-safe point (models.run.progress.check_stop); here they hang between safe points (tests/faults.py)
+safe point (models.base.progress.check_stop); here they hang between safe points (tests/faults.py)
 and run in-process on Postgres, and the job ends only once that thread has stopped; the stages that
 ask between units of work (the affinity pass, training steps and micro-batches, every evaluation
 batch) run for real on a Celery worker over Postgres and Redis, the evaluation ones on a distillation

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from app.api.main import create_app
 from models.export.files import load_rank_shards
 from models.layouts.layout import from_json_dict
-from models.layouts.set import ablation_names
+from models.variants.set import ablation_names
 from tests.faults import Faults
 from tests.service_kit import TINY_MODEL, WorkerProcess, spec, wait_for, worker_settings
 from tests.tiny import tokens

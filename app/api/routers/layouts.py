@@ -10,7 +10,7 @@ from app.api.deps import BaseUrl, CallerDep, DbDep
 from app.api.errors import responses
 from app.core.schemas.reads import LayoutList, LayoutSummary
 from app.core.services import jobs as services
-from models.layouts.format import LAYOUT_FORMAT
+from models.base.layout_format import LAYOUT_FORMAT
 
 router = APIRouter(prefix="/jobs/{job_id}/layouts", tags=["layouts"])
 

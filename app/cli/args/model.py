@@ -16,7 +16,7 @@ from typing import Any
 
 from app.cli.args.spec_flags import add_spec_flags
 from app.cli.errors import CliError
-from models.layouts.format import LAYOUT_FORMAT
+from models.base.layout_format import LAYOUT_FORMAT
 from models.layouts.names import CONTIGUOUS
 
 

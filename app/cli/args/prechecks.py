@@ -19,7 +19,7 @@ from app.cli.args.model import layouts_dir_of
 from app.cli.args.schedule import schedule_of
 from app.cli.args.spec_flags import command_flags
 from app.cli.errors import CliError
-from models.run.fields import FieldRule, Flag
+from models.base.fields import FieldRule, Flag
 from models.run.jobspec import SpecField
 
 # The command's own numeric flags that are not job-spec fields: name -> the least value accepted.

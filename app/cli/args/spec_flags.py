@@ -15,7 +15,7 @@ import argparse
 import json
 from typing import Any
 
-from models.run.fields import NO_DEFAULT, Command, Flag
+from models.base.fields import NO_DEFAULT, Command, Flag
 from models.run.jobspec import FIELDS, GROUP_BY_PATH, GROUPS, SpecField, SpecGroup, command_default
 
 SUBMIT: Command = "submit"

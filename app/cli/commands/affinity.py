@@ -15,8 +15,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
     """The optimiser alone on a saved affinity; torch-free."""
     from models.affinity.file import AffinityResult
     from models.layouts.layout import Layout, check_delta, check_devices
-    from models.layouts.set import affinity_for, objective_schedule
     from models.optimise import optimise, upper_bound
+    from models.variants.set import affinity_for, objective_schedule
 
     try:
         result = AffinityResult.load(args.affinity)
@@ -57,7 +57,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """J, J/bound and the per-layer co-located fractions of each layout; torch-free."""
-    from models.layouts.score import rescore, score_table
+    from models.variants.score import rescore, score_table
 
     try:
         doc = rescore(args.affinity, args.layouts, score_name=args.score, schedule=args.schedule)

@@ -135,7 +135,7 @@ def _given(extra: list[str], flags: tuple[str, ...]) -> bool:
 
 def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     """The vLLM command line, and what is printed about it."""
-    from models.serving.manifest import hf_overrides
+    from models.export.serving_manifest import hf_overrides
 
     shards = Path(args.shards)
     serving = read_serving(shards)

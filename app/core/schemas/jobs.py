@@ -27,18 +27,18 @@ from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # tor
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
 from models.io.ids import DtypeName, ExportDtypeName
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
-from models.layouts.set import ablation_names
 from models.run import jobspec
 from models.run.files import ARTIFACTS
 from models.run.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
 from models.run.rules import schedule_and_delta, shorthand
 from models.schedules.grammar import ScheduleError, ScheduleSpec, dtp_spec, parse_schedule
+from models.variants.set import ablation_names
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
 MetricName = Literal["kl", "ppl", "loss", "lr"]
 METRIC_NAMES: tuple[str, ...] = ("kl", "ppl", "loss", "lr")
 
-# The paper's seven spread layouts of an FO run (models.layouts.set names them for any score and restarts).
+# The paper's seven spread layouts of an FO run (models.variants.set names them for any score and restarts).
 ABLATION_LAYOUTS = tuple(ablation_names("fo"))
 
 EXAMPLE_SPEC: dict[str, Any] = {

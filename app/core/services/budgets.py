@@ -35,7 +35,7 @@ from app.core.jobstate import ACTIVE
 from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from models.distill.recipe import DistillRecipe
-from models.layouts.set import Variant, ablation_variants, restarts_used
+from models.variants.set import Variant, ablation_variants, restarts_used
 
 RETRY_ACTIVE_S = 30  # Retry-After when a tenant's active jobs are at the limit: jobs take minutes
 # Layout work in work tokens, at the time limit's default pace (600 s per million: 0.6 ms a token).
@@ -95,11 +95,11 @@ def _distill_numbers(spec: JobSpec) -> dict[str, Any]:
 
 def job_work(spec: JobSpec) -> JobWork:
     """Every unit of work the spec asks for (see the module's docstring)."""
-    # As models.layouts.set.build_layouts: each optimised variant starts 1 + restarts_used times.
+    # As models.variants.set.build_layouts: each optimised variant starts 1 + restarts_used times.
     variants = [Variant("optimised"), *(ablation_variants(spec.score, spec.restarts) if spec.ablations else [])]
     starts = sum(1 + restarts_used(v, spec.restarts) for v in variants)
     calibration, scored = spec.calibration.sequences * spec.calibration.seq_len, len(spec.layout_names())
-    if spec.stability:  # models.layouts.stability: a pass over the two halves, each half optimised and cross-scored
+    if spec.stability:  # models.variants.stability: a pass over the two halves, each half optimised and cross-scored
         calibration, starts, scored = 2 * calibration, starts + 2 * (1 + spec.restarts), scored + 4
     work = JobWork(calibration=calibration, training=0, evaluation=0, optimiser_starts=starts, layouts_scored=scored)
     if spec.distill is None:

@@ -54,7 +54,7 @@ from app.core.services.timeline import stage_timeline
 from app.core.services.uploads import resolve_ref
 from app.core.settings import Settings
 from app.core.storage.root import DamagedFile, Storage
-from models.layouts.format import LAYOUT_FORMAT
+from models.base.layout_format import LAYOUT_FORMAT
 from models.run.rules import schedule_and_delta, spec_refusals
 from models.schedules.grammar import ScheduleError, dtp_spec
 

@@ -29,9 +29,9 @@ from app.core.settings import Settings
 from models.affinity.names import SCORES
 from models.io.assets import CORPORA, available_corpora
 from models.layouts.names import RANDOM_SEED_BASE
-from models.layouts.set import ablation_names
 from models.run import jobspec
 from models.run.files import ARTIFACTS
+from models.variants.set import ablation_names
 
 DATA_SUFFIXES = (".txt", ".jsonl", ".npy")  # what models.data.calibration reads from a file
 MAX_DATA_NAMES = 200

@@ -29,7 +29,7 @@ from app.core.settings import Settings
 log = logging.getLogger(__name__)
 # Imported by the submit checks on first use (app.core.services.model_limits, app.core.services.sources).
 CHECK_MODULES = ("models.families", "models.streaming.memory_plan", "models.io.sizes", "models.layouts.layout",
-                 "models.layouts.format", "models.schedules.grammar", "huggingface_hub",
+                 "models.base.layout_format", "models.schedules.grammar", "huggingface_hub",
                  "huggingface_hub.file_download")
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from models.base.progress import Progress, ShouldStop
+from models.base.shapes import ModelShape
 from models.distill.comparison.plot import plot_curves
 from models.distill.comparison.report import summarise
 from models.distill.data import load_data, place_data
@@ -30,9 +32,8 @@ from models.distill.spec import DistillSpec
 from models.distill.train import StepStats
 from models.families import model_shape
 from models.io.atomic import atomic_write_text
-from models.layouts.layout import Layout, ModelShape
+from models.layouts.layout import Layout
 from models.layouts.resolve import resolve_layout
-from models.run.progress import Progress, ShouldStop
 
 
 def resolve_layouts(names: Sequence[str], *, shape: ModelShape, devices: int, delta: int,

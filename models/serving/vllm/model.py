@@ -61,9 +61,9 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
+from models.export.serving_manifest import ServingError, check_entry
 from models.runtime.arrivals import ArrivalPlan
 from models.serving import exchange_ops  # registers torch.ops.dtp_layout.* in every vLLM process
-from models.serving.manifest import ServingError, check_entry
 from models.serving.vllm.options import PluginSettings, check_exchange, check_link_latency, resolve_settings
 from models.serving.vllm.weights import check_devices, load_rank_shard, shards_manifest
 

@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from models.export.files import MANIFEST, SHARDS_FORMAT
+from models.export.serving_manifest import ServingError
 from models.families import family_for_config
 from models.io.digest import sha256_file
-from models.serving.manifest import ServingError
 
 # HF module -> (vLLM fused module, position in it)
 _FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),

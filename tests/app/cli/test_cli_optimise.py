@@ -14,8 +14,8 @@ from app.cli.main import main
 from models.affinity.scoring import AffinityResult
 from models.data.calibration import CONVERGED_CALIBRATION_TOKENS
 from models.layouts.layout import load
-from models.layouts.set import affinity_for
 from models.optimise import is_block_optimal
+from models.variants.set import affinity_for
 from tests.tiny import GGUF_TINY, tiny_gguf, tiny_model, tokens
 
 

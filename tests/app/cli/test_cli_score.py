@@ -12,7 +12,8 @@ import pytest
 
 from app.cli.main import main
 from models.affinity.file import AffinityResult
-from models.layouts.layout import ModelShape, contiguous, random
+from models.base.shapes import ModelShape
+from models.layouts.layout import contiguous, random
 from models.optimise import Affinity
 from tests.models.optimise.kit import literal_J
 

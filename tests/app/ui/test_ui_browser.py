@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from models.layouts.set import ablation_names
+from models.variants.set import ablation_names
 from tests import browser_kit
 from tests.app.conftest import API_KEYS
 from tests.service_kit import CALIB, TEXT_MODEL, TINY_MODEL, make_settings, provision_text_model

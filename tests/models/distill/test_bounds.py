@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models import distill as D
+from models.base.progress import Cancelled
 from models.distill import recipe as recipe_module
-from models.run.progress import Cancelled
 from tests.models.distill.kit import layout_of, recipe, run
 
 CAP = 32  # tokens per forward in these tests: 2 sequences of 16

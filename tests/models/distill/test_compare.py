@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from models import distill as D
+from models.base.layout_format import LayoutError
 from models.data.calibration import CalibrationSpec
 from models.families import model_shape
 from models.layouts import layout as lay
-from models.layouts.format import LayoutError
 from tests.models.distill.kit import VOCAB, layout_of, recipe
 from tests.tiny import tiny_model
 

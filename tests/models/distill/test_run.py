@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models import distill as D
-from models.run.progress import Cancelled
+from models.base.progress import Cancelled
 from tests.models.distill.kit import recipe, run
 
 

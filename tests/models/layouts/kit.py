@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 
 from models.affinity.file import AffinityResult
-from models.layouts.layout import ModelShape
+from models.base.shapes import ModelShape
 from models.optimise import Affinity
 
 N, G, I, L = 6, 2, 4, 2

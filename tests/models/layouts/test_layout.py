@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from models.layouts.format import LAYOUT_FORMAT, LayoutError
+from models.base.layout_format import LAYOUT_FORMAT, LayoutError
 from models.layouts.layout import (
     Layout,
     ModelShape,

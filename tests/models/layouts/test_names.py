@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.layouts.format import LayoutError
+from models.base.layout_format import LayoutError
 from models.layouts.names import canonical_layout_name, parse_layout_name
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from models.base.layout_format import LayoutError
 from models.families import model_shape
-from models.layouts.format import LayoutError
 from models.layouts.layout import contiguous, random
 from models.layouts.resolve import resolve_layout
 from tests.tiny import tiny_config

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from models.affinity.names import SCORES
-from models.layouts.layout import Layout, ModelShape
-from models.layouts.set import (
+from models.base.shapes import ModelShape
+from models.layouts.layout import Layout
+from models.optimise import Affinity, contiguous_row
+from models.variants.set import (
     LAYER_COUNTS,
     PAPER_REFERENCE,
     ablation_names,
@@ -22,7 +24,6 @@ from models.layouts.set import (
     evenly_spaced_layers,
     neuron_agreement,
 )
-from models.optimise import Affinity, contiguous_row
 from tests.models.layouts.kit import G, I, L, N, brute_agreement, fake_result, units
 from tests.models.optimise.kit import all_balanced, literal_J
 

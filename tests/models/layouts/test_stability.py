@@ -1,10 +1,10 @@
-"""Calibration stability (models.layouts.stability): each half's layout scored on both halves."""
+"""Calibration stability (models.variants.stability): each half's layout scored on both halves."""
 
 from __future__ import annotations
 
 import pytest
 
-from models.layouts.stability import half_layouts, stability_report
+from models.variants.stability import half_layouts, stability_report
 from tests.models.layouts.kit import L, brute_agreement, fake_result, units
 from tests.models.optimise.kit import literal_J
 

@@ -39,7 +39,7 @@ def chain_affinities() -> dict[str, tuple[Any, list[int]]]:
     """name -> (Affinity, device counts)."""
     from bench.optimiser import synthetic_affinity
     from models.affinity.scoring import affinity_pass
-    from models.layouts.set import affinity_for
+    from models.variants.set import affinity_for
     from tests.models.optimise.kit import affinity_of
     from tests.tiny import tiny_model, tokens
 

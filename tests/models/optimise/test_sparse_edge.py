@@ -66,7 +66,7 @@ def test_a_file_with_issue_20s_top_k_rows_still_loads(tmp_path) -> None:
     from safetensors.numpy import save_file
 
     from models.affinity.file import AffinityResult
-    from models.layouts.layout import ModelShape
+    from models.base.shapes import ModelShape
 
     rng = np.random.default_rng(7)
     groups, neurons = 2, 6

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.schemas.jobs import JobSpec
-from models.layouts.format import LayoutError
+from models.base.layout_format import LayoutError
 from models.run.plan import RunPlan, plan_run
 from models.run.rules import (
     DeltaConflict,
@@ -73,7 +73,7 @@ def test_the_schedule_and_delta_rule():
 
 
 def test_model_refusals_name_the_field_and_the_error_the_run_raises():
-    from models.layouts.layout import ModelShape
+    from models.base.shapes import ModelShape
 
     shape = ModelShape(model_type="llama", num_layers=3, num_kv_groups=4, num_query_heads=4, intermediate_size=96,
                        hidden_size=32, head_dim=8)

@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoConfig
 
 from models.export.resident import export_rank_shards, permuted_copy
+from models.export.serving_manifest import DTP_ARCHITECTURES, ServingError, check_entry, hf_overrides
 from models.families import model_shape
 from models.layouts import layout as lay
 from models.schedules.grammar import resolve_schedule
-from models.serving.manifest import DTP_ARCHITECTURES, ServingError, check_entry, hf_overrides
 from tests.tiny import fresh
 
 

@@ -31,8 +31,8 @@ import numpy as np
 import psutil
 import pytest
 
+from models.export.serving_manifest import hf_overrides
 from models.runtime import DTPRuntime
-from models.serving.manifest import hf_overrides
 from tests.models.serving.vllm_kit import EngineHost, HostedEngine, Server, export_tiny, runtime_tokens, vllm_missing
 from tests.tiny import tokens
 

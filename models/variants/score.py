@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 
 from models.affinity.file import AffinityResult
+from models.base.layout_format import LayoutError
 from models.layouts import layout as layout_mod
-from models.layouts.format import LayoutError
-from models.layouts.set import affinity_for
 from models.optimise import score, upper_bound
 from models.optimise.edges import SparseEdge, edge_name
 from models.schedules.grammar import resolve_schedule
+from models.variants.set import affinity_for
 
 SCORES_FORMAT = "dtp-layout-scores/1"
 

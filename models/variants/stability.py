@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from models.layouts.layout import Layout
-from models.layouts.set import Variant, affinity_for, neuron_agreement, run_variant
 from models.optimise import score, upper_bound
 from models.schedules.grammar import Schedule
+from models.variants.set import Variant, affinity_for, neuron_agreement, run_variant
 
 if TYPE_CHECKING:
     from models.affinity.file import AffinityResult

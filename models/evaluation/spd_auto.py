@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from models.base.progress import Progress
 from models.distill.loss import chunked_kl_nll, next_token_targets
 from models.evaluation.evaluate import LOGIT_CHUNK
 from models.families import model_shape
-from models.run.progress import Progress
 from models.schedules.grammar import ScheduleError, ScheduleSpec
 from models.sim.dtp import DTPModel
 

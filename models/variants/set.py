@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from models.affinity.names import SCORES, other_score
+from models.base.layout_format import LayoutError
+from models.base.shapes import ModelShape
 from models.layouts import layout as layout_mod
-from models.layouts.format import LayoutError
-from models.layouts.layout import Layout, ModelShape
+from models.layouts.layout import Layout
 from models.layouts.names import RANDOM_SEED_BASE
 from models.optimise import Affinity, OptimiseResult, Problem, balanced_assignment, optimise, score, upper_bound
 from models.schedules.grammar import (
@@ -117,7 +118,7 @@ def objective_schedule(schedule: str | ScheduleSpec | None, *, delta: int, num_l
 
     `schedule` None means dtp:δ of `delta` (the shorthand) for δ ≥ 2 and the chain (J_σ of dtp:1) for
     δ ≤ 1 (at δ = 0 no layout is better than another; the chain objective is kept as before).
-    spd:auto:K needs `resolved`, the spd:B its calibration sensitivities chose (`models.schedules.spd_auto`; an
+    spd:auto:K needs `resolved`, the spd:B its calibration sensitivities chose (`models.evaluation.spd_auto`; an
     affinity file records it as its schedule). ScheduleError when it does not fit the model or is
     spd:auto:K without `resolved`; LayoutError when it leaves nothing to optimise (tp, ladder).
     """
