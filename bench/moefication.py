@@ -5,8 +5,9 @@ Per layer, on calibration text:
 
 1. the FFN's neurons (SwiGLU: h = silu(x·Gᵀ) ⊙ (x·Uᵀ), I of them) are clustered by co-activation into E experts of
    exactly I/E neurons each: balanced k-means on each neuron's activation pattern (|h| over the calibration tokens,
-   unit length: two neurons are close when they are large on the same tokens), the balanced assignment step solved
-   exactly (each centroid offered I/E slots, `scipy.optimize.linear_sum_assignment`);
+   unit length: two neurons are close when they are large on the same tokens), the iterations' balanced assignment
+   greedy (cheapest pairs first), the last one exact (each centroid offered I/E slots,
+   `scipy.optimize.linear_sum_assignment`);
 2. a linear router is fitted by ridge least squares to predict, from the FFN's input x (the normed stream), each
    expert's activation mass Σ_{j∈e} |h_j| centred per token (only the order within a token matters for top-k):
    MoEfication's router predicts which experts a token's largest activations fall in;
@@ -69,10 +70,27 @@ def balanced_assign(cost: np.ndarray, size: int) -> np.ndarray:
     return labels
 
 
+def greedy_balanced_assign(cost: np.ndarray, size: int) -> np.ndarray:
+    """Labels [N] with exactly `size` items per cluster, each (item, cluster) pair taken cheapest first while the
+    item is free and the cluster has room (cost [N, E]): the fast, not always optimal, step of the k-means
+    iterations; the last step is `balanced_assign`."""
+    n, clusters = cost.shape
+    if n != clusters * size:
+        raise ConversionError(f"balanced_assign: {n} items cannot fill {clusters} clusters of {size}")
+    labels = np.full(n, -1, dtype=np.int64)
+    room = np.full(clusters, size)
+    for flat in np.argsort(cost, axis=None, kind="stable"):
+        item, cluster = divmod(int(flat), clusters)
+        if labels[item] < 0 and room[cluster] > 0:
+            labels[item], room[cluster] = cluster, room[cluster] - 1
+    return labels
+
+
 def balanced_kmeans(features: torch.Tensor, clusters: int, *, iters: int = 15, seed: int = 0) -> torch.Tensor:
     """Labels [N] of `features` [N, F] into `clusters` groups of exactly N/clusters, by cosine similarity to the
-    centroids (spherical k-means whose assignment step is the balanced assignment). Starts from `clusters`
-    distinct items drawn with `seed`; stops when no label changes."""
+    centroids (spherical k-means whose assignment step is balanced). Starts from `clusters` distinct items drawn
+    with `seed`; iterates the greedy balanced step until no label changes (at most `iters` times), then assigns
+    once more to the final centroids exactly (`balanced_assign`)."""
     n = features.shape[0]
     if clusters < 1 or n % clusters:
         raise ConversionError(f"experts: {n} neurons do not split into {clusters} equal experts; pick a divisor of {n}")
@@ -81,12 +99,12 @@ def balanced_kmeans(features: torch.Tensor, clusters: int, *, iters: int = 15, s
     centroids = unit[torch.randperm(n, generator=g)[:clusters]]  # [E, F]
     labels = torch.full((n,), -1, dtype=torch.long)
     for _ in range(iters):
-        new = torch.from_numpy(balanced_assign(-(unit @ centroids.T).numpy(), n // clusters))  # [N]
+        new = torch.from_numpy(greedy_balanced_assign(-(unit @ centroids.T).numpy(), n // clusters))  # [N]
         if torch.equal(new, labels):
             break
         labels = new
         centroids = F.normalize(torch.zeros_like(centroids).index_add_(0, labels, unit), dim=1)
-    return labels
+    return torch.from_numpy(balanced_assign(-(unit @ centroids.T).numpy(), n // clusters))
 
 
 def experts_of(labels: torch.Tensor, clusters: int) -> torch.Tensor:

@@ -187,3 +187,12 @@ def test_the_flattened_router_keeps_the_order_within_the_spread():
     before, after = x @ weight.T, x @ flat.T
     assert torch.equal(before.argsort(dim=1), after.argsort(dim=1))
     assert float((after.max(1).values - after.min(1).values).max()) == pytest.approx(mf.GATE_SPREAD, rel=1e-5)
+
+
+def test_the_greedy_step_is_balanced_and_never_beats_the_exact_one():
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        cost = rng.normal(size=(12, 4))
+        greedy, exact = mf.greedy_balanced_assign(cost, 3), mf.balanced_assign(cost, 3)
+        assert np.bincount(greedy, minlength=4).tolist() == [3, 3, 3, 3]
+        assert cost[np.arange(12), greedy].sum() >= cost[np.arange(12), exact].sum() - 1e-12
