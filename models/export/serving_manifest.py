@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.families import FAMILIES
 from models.layouts.layout import Layout
 from models.schedules.grammar import Schedule, ScheduleError, resolve_schedule
 
@@ -28,13 +29,9 @@ __all__ = ["DTP_ARCHITECTURES", "DTP_CONFIG_FORMAT", "ServingError", "check_entr
 
 DTP_CONFIG_FORMAT = "dtp-layout-serving/1"
 
-# model_type -> the architecture the vLLM plugin registers for it (models.serving.vllm).
-DTP_ARCHITECTURES = {
-    "llama": "DtpLlamaForCausalLM",
-    "mistral": "DtpMistralForCausalLM",
-    "qwen2": "DtpQwen2ForCausalLM",
-    "qwen3": "DtpQwen3ForCausalLM",
-}
+# model_type -> the architecture the vLLM plugin registers for it (models.serving.vllm): its family's record.
+DTP_ARCHITECTURES = {model_type: family.vllm.dtp for family in FAMILIES if family.vllm is not None
+                     for model_type in family.model_types}
 
 
 class ServingError(ValueError):

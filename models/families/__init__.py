@@ -8,9 +8,9 @@ export and the runtime all derive from the plan; the memory plan, the API's defa
 manifest and the vLLM plugin from the record.
 """
 
-from models.families.base import Family, UnsupportedModelError, VllmArchitecture, model_shape
+from models.families.base import Family, UnsupportedModelError, VllmArchitecture
 from models.families.plan import LLAMA_PLAN, Colwise, ParallelStyle, PlanError, Rowwise, ShardingPlan
-from models.families.registry import FAMILIES, family_for_config, find_family, supported_model_types
+from models.families.registry import FAMILIES, family_for_config, find_family, model_shape, supported_model_types
 
 __all__ = [
     "FAMILIES",

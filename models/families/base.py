@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from models.base.shapes import ModelShape
 from models.families.moe import MoeFfn
 from models.families.plan import LLAMA_PLAN, ShardingPlan
 
@@ -128,27 +127,3 @@ def _common_refusals(config: Any, *, moe: bool = False) -> list[str]:
         reasons.append(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     return reasons
 
-
-def model_shape(config: Any) -> ModelShape:
-    """The dimensions a layout is defined over. An MoE family's FFN units are its experts' neurons,
-    expert-major: intermediate_size = E·I_e (issue 46, `models.families.moe`)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    from models.families.registry import find_family  # the registry imports this module
-
-    family = find_family(getattr(config, "model_type", None))
-    if family is not None and family.moe is not None:
-        experts, size = family.moe.num_experts(config), family.moe.expert_size(config)
-        return ModelShape(
-            model_type=config.model_type, num_layers=config.num_hidden_layers,
-            num_kv_groups=config.num_key_value_heads, num_query_heads=config.num_attention_heads,
-            intermediate_size=experts * size, hidden_size=config.hidden_size, head_dim=head_dim,
-            num_experts=experts, experts_per_token=family.moe.experts_per_token(config), expert_size=size)
-    return ModelShape(
-        model_type=config.model_type,
-        num_layers=config.num_hidden_layers,
-        num_kv_groups=config.num_key_value_heads,
-        num_query_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
-        hidden_size=config.hidden_size,
-        head_dim=head_dim,
-    )

@@ -1,4 +1,5 @@
-"""The supported families: one registration each (`FAMILIES`), looked up by `config.model_type`.
+"""The supported families: one registration each (`FAMILIES`), looked up by `config.model_type`; the shape a
+layout is defined over (`model_shape`, which reads the record of an MoE family).
 
 A new family is its module (a `FAMILY` record, models/families/base.py) plus its line below; every
 consumer (loading and the refusals, the simulator, the memory plan, the API's config defaults, the serving
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from models.base.shapes import ModelShape
 from models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from models.families.base import Family, UnsupportedModelError
 
@@ -74,3 +76,26 @@ def family_for_config(config: Any) -> Family:
             "layer (qwen3_moe, mixtral), no shared experts."
         )
     return family
+
+
+def model_shape(config: Any) -> ModelShape:
+    """The dimensions a layout is defined over. An MoE family's FFN units are its experts' neurons,
+    expert-major: intermediate_size = E·I_e (issue 46, `models.families.moe`)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    family = find_family(getattr(config, "model_type", None))
+    if family is not None and family.moe is not None:
+        experts, size = family.moe.num_experts(config), family.moe.expert_size(config)
+        return ModelShape(
+            model_type=config.model_type, num_layers=config.num_hidden_layers,
+            num_kv_groups=config.num_key_value_heads, num_query_heads=config.num_attention_heads,
+            intermediate_size=experts * size, hidden_size=config.hidden_size, head_dim=head_dim,
+            num_experts=experts, experts_per_token=family.moe.experts_per_token(config), expert_size=size)
+    return ModelShape(
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        num_kv_groups=config.num_key_value_heads,
+        num_query_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_size=config.hidden_size,
+        head_dim=head_dim,
+    )
