@@ -13,6 +13,10 @@ attention output, W_o^(h) its slice of o_proj and p_h = γ ⊙ (a_h W_o^(h)) / r
 p_h·w_k is computed without the hidden-size vector p_h: γ and each head's slice of W_o are folded
 into the gate/up weights once per layer and micro-batch ([H, hd, I]), so a head costs hd, not
 hidden_size, multiply-adds per neuron; tokens are chunked so the [H, tokens, I] terms stay small.
+
+A mixture-of-experts model's units are its experts' neurons, and each token's terms are weighted by the
+square of its router's gate weight for the neuron's expert (0 where the token does not reach it):
+`models.affinity.units`, which also reads either kind of FFN as the same three matrices.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 
 # The result and its file are torch-free (models.affinity.file), re-exported where callers import them.
 from models.affinity.file import AffinityResult as AffinityResult
+from models.affinity.units import FfnUnits, ffn_units
 from models.base.progress import Cancelled as Cancelled  # where callers of the pass have imported it from
 from models.base.progress import Progress, ShouldStop
 from models.base.shapes import ModelShape
@@ -57,25 +62,28 @@ NEURON_BLOCK = 1024
 Fold = list[tuple[slice, torch.Tensor, torch.Tensor]]
 
 
-def _fold(model_layer: Any, heads: int, head_dim: int, block: int = NEURON_BLOCK) -> Fold:
+def _fold(model_layer: Any, units: FfnUnits, heads: int, head_dim: int, block: int = NEURON_BLOCK) -> Fold:
     """W_o^(h)ᵀ diag(γ) W_gᵀ and W_o^(h)ᵀ diag(γ) W_uᵀ in neuron blocks: [(cols, [H, hd, b], [H, hd, b]), ...]."""
     w_o = model_layer.self_attn.o_proj.weight  # [D, H*hd]
     gamma = model_layer.post_attention_layernorm.weight  # [D]
     w_o_heads = w_o.t().reshape(heads, head_dim, -1)  # [H, hd, D]
-    mlp = model_layer.mlp
-    neurons = mlp.gate_proj.weight.shape[0]
+    neurons = units.gate.shape[0]
     out = []
     for start in range(0, neurons, block):
         cols = slice(start, min(neurons, start + block))
-        fold_g = torch.matmul(w_o_heads, gamma[:, None] * mlp.gate_proj.weight[cols].t())  # [H, hd, b]
-        fold_u = torch.matmul(w_o_heads, gamma[:, None] * mlp.up_proj.weight[cols].t())
+        fold_g = torch.matmul(w_o_heads, gamma[:, None] * units.gate[cols].t())  # [H, hd, b]
+        fold_u = torch.matmul(w_o_heads, gamma[:, None] * units.up[cols].t())
         out.append((cols, fold_g, fold_u))
     return out
 
 
 def _accumulate_up(acc: LayerAccumulator, heads_out: torch.Tensor, inv_r: torch.Tensor, gate: torch.Tensor,
-                   up: torch.Tensor, fold: Fold, token_chunk: int) -> None:
-    """heads_out: [T, H*hd]; inv_r: [T, 1]; gate/up: [T, I]; fold: neuron blocks of [H, hd, b]."""
+                   up: torch.Tensor, fold: Fold, token_chunk: int, weight: torch.Tensor | None = None) -> None:
+    """heads_out: [T, H*hd]; inv_r: [T, 1]; gate/up: [T, I]; fold: neuron blocks of [H, hd, b]; weight: [T, I]
+    each token's weight of each unit (an MoE router's gate weight of the unit's expert), None: all 1."""
+    if weight is not None:
+        _accumulate_up_weighted(acc, heads_out, inv_r, gate, up, fold, token_chunk, weight)
+        return
     heads, head_dim = fold[0][1].shape[:2]
     acc_dtype = sum_dtype(gate.dtype)
     a = (heads_out * inv_r).view(-1, heads, head_dim).transpose(0, 1).contiguous()  # [H, T, hd]: a_h / r
@@ -96,6 +104,30 @@ def _accumulate_up(acc: LayerAccumulator, heads_out: torch.Tensor, inv_r: torch.
             delta = torch.bmm(a[:, rows], fold_g).mul_(coef_g[rows, cols])  # silu'(g)u (p_h·w^g): [H, t, b]
             delta.addcmul_(torch.bmm(a[:, rows], fold_u), silu[rows, cols])  # + silu(g) (p_h·w^u) = Δ_hk
             fo[:, cols] += delta.to(acc_dtype).square_().sum(1)  # per token in the model's dtype, summed in fp32
+    acc.fo += fo.double()
+    acc.add += add.double()
+
+
+def _accumulate_up_weighted(acc: LayerAccumulator, heads_out: torch.Tensor, inv_r: torch.Tensor, gate: torch.Tensor,
+                            up: torch.Tensor, fold: Fold, token_chunk: int, weight: torch.Tensor) -> None:
+    """`_accumulate_up` with each token's terms of unit u scaled by weight[t, u] (so FO and ADD by its square):
+    ADD is then a weighted sum over tokens, formed per token chunk beside FO rather than from a covariance."""
+    heads, head_dim = fold[0][1].shape[:2]
+    acc_dtype = sum_dtype(gate.dtype)
+    a = (heads_out * inv_r).view(-1, heads, head_dim).transpose(0, 1).contiguous()  # [H, T, hd]: a_h / r
+    sig = torch.sigmoid(gate)
+    silu_w = gate * sig * weight  # w silu(g): [T, I]
+    coef_g = sig * (1 + gate * (1 - sig)) * up * weight  # w silu'(g) u
+    weight_sq = weight.to(acc_dtype).square()
+    fo = torch.zeros(heads, gate.shape[1], dtype=acc_dtype, device=gate.device)  # [H, I]
+    add = torch.zeros_like(fo)
+    for cols, fold_g, fold_u in fold:
+        for start in range(0, a.shape[1], token_chunk):
+            rows = slice(start, start + token_chunk)
+            pg, pu = torch.bmm(a[:, rows], fold_g), torch.bmm(a[:, rows], fold_u)  # p_h·w^g, p_h·w^u: [H, t, b]
+            add[:, cols] += ((pg.to(acc_dtype).square() + pu.to(acc_dtype).square()) * weight_sq[rows, cols]).sum(1)
+            delta = pg * coef_g[rows, cols] + pu * silu_w[rows, cols]  # w Δ_hu
+            fo[:, cols] += delta.to(acc_dtype).square().sum(1)
     acc.fo += fo.double()
     acc.add += add.double()
 
@@ -146,17 +178,21 @@ def layer_step(dense: DTPModel, i: int, x: torch.Tensor, batch_shape: torch.Size
     from position `skip_positions` of each sequence on; returns the residual after the layer;
     `affinity_pass` runs it in either order of `models.streaming.pipelines`."""
     layer: Any = decoder_layers(dense.model)[i]
+    units = ffn_units(layer, dense.decoder.routing)
     heads_out = dense.attention_heads(i, x.view(1, *batch_shape), cos, sin)[0]  # [T, H*hd]
     x = x + heads_out @ layer.self_attn.o_proj.weight.t()
     inv_r = _rms_inverse(x, dense.eps)  # [T, 1]
     normed = rms_norm(x, layer.post_attention_layernorm.weight, dense.eps)
-    gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
-    up = normed @ layer.mlp.up_proj.weight.t()
+    gate = normed @ units.gate.t()  # [T, I]
+    up = normed @ units.up.t()
+    weight = units.token_weights(normed)  # [T, I] an MoE token's gate weight of each unit's expert; None: dense
     keep = counted(batch_shape, skip_positions, x.device)  # a sender's skipped tokens write nothing
     _accumulate_up(acc, heads_out if keep is None else heads_out * keep.to(heads_out.dtype), inv_r, gate, up,
-                   fold, token_chunk)
+                   fold, token_chunk, weight)
     act = F.silu(gate) * up  # [T, I]
-    x = x + act @ layer.mlp.down_proj.weight.t()
+    if weight is not None:  # an MoE output: Σ_e w_e Σ_j α_ej w^d_ej, every unit's write scaled by its weight
+        act = act * weight
+    x = x + act @ units.down.t()
     if not last:  # α² / r'², r' the rms of the residual entering layer i+1
         act_sq = act.to(sum_dtype(act.dtype)).square()
         inv = _rms_inverse(x, dense.eps).to(act_sq.dtype)
@@ -190,8 +226,8 @@ class _ChainPass:
 
     def step(self, i: int, layer: Any, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         shape = self.shape
-        fold = self.folds[i] if i in self.folds else _fold(layer, shape.num_query_heads, shape.head_dim,
-                                                            self.neuron_block)
+        fold = self.folds[i] if i in self.folds else _fold(layer, ffn_units(layer, self.dense.decoder.routing),
+                                                            shape.num_query_heads, shape.head_dim, self.neuron_block)
         if self.cache_folds:
             self.folds[i] = fold
         if i not in self.accs:
@@ -202,7 +238,8 @@ class _ChainPass:
 
     def close(self, i: int, layer: Any, next_layer: Any | None) -> None:
         self.folds.pop(i, None)
-        fo, add, down = layer_terms(self.accs.pop(i), layer, next_layer, self.shape, self.tokens)
+        fo, add, down = layer_terms(self.accs.pop(i), layer, next_layer, self.shape, self.tokens,
+                                    self.dense.decoder.routing)
         self.up_fo.append(fo)
         self.up_add.append(add)
         if down is not None:
@@ -248,12 +285,13 @@ def affinity_pass(model: Any, blocks: torch.Tensor, *, batch_size: int = 4, toke
     return result
 
 
-def layer_terms(acc: LayerAccumulator, layer: Any, next_layer: Any | None, shape: ModelShape, tokens: int
-                ) -> tuple[Any, Any, Any | None]:
+def layer_terms(acc: LayerAccumulator, layer: Any, next_layer: Any | None, shape: ModelShape, tokens: int,
+                routing: Any = None) -> tuple[Any, Any, Any | None]:
     """Layer i's up (FO, ADD) [G, I] and, when there is a layer i+1, down [I, G'] affinity means: what
-    needs layer i's down_proj and layer i+1's attention weights (the streamed pass's window of two)."""
+    needs layer i's down_proj and layer i+1's attention weights (the streamed pass's window of two).
+    routing: an MoE model's (`models.sim.moe.Routing`; its units are the experts' neurons), None: dense."""
     per_group = shape.heads_per_group
-    w_down = layer.mlp.down_proj.weight  # [D, I]
+    w_down = ffn_units(layer, routing).down  # [D, I]
     down_norm = w_down.double().square().sum(0)  # ‖w^d_k‖²: [I]
     fo_heads = acc.fo / tokens * down_norm  # [H, I]
     up_fo = fo_heads.view(shape.num_kv_groups, per_group, -1).sum(1).cpu().numpy()

@@ -22,8 +22,9 @@ from models.schedules.grammar import MAX_SCHEDULE_CHARS
 
 
 def valid_device_counts(shape: ModelShape) -> list[int]:
-    """The L dividing both G and I: the divisors of gcd(G, I), found in O(√gcd) (a config is input)."""
-    n = math.gcd(shape.num_kv_groups, shape.intermediate_size)
+    """The L dividing both G and I (an MoE model: each expert's I_e): the divisors of their gcd, found in
+    O(√gcd) (a config is input)."""
+    n = math.gcd(shape.num_kv_groups, shape.block_size)
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
 
@@ -39,13 +40,14 @@ def check_devices(shape: ModelShape, devices: int) -> None:
     bad = []
     if shape.num_kv_groups % devices:
         bad.append(f"num_kv_groups={shape.num_kv_groups}")
-    if shape.intermediate_size % devices:
-        bad.append(f"intermediate_size={shape.intermediate_size}")
+    width = "expert_size" if shape.num_experts else "intermediate_size"  # an MoE model splits every expert
+    if shape.block_size % devices:
+        bad.append(f"{width}={shape.block_size}")
     if bad:
         valid = ", ".join(map(str, valid_device_counts(shape)))
         raise LayoutError(
             f"devices L={devices} does not divide {' and '.join(bad)}; "
-            f"L must divide both num_kv_groups and intermediate_size: valid L for this model: {valid}"
+            f"L must divide both num_kv_groups and {width}: valid L for this model: {valid}"
         )
 
 
@@ -84,7 +86,11 @@ class Layout:
         return np.argsort(self.kv_group_device[layer], kind="stable")
 
     def neuron_order(self, layer: int) -> np.ndarray:
-        return np.argsort(self.neuron_device[layer], kind="stable")
+        """Storage order that puts device 0's neurons first (stable within a device); an MoE model's within
+        each expert (issue 46): expert e's device-l neurons at positions e·I_e + [l·I_e/L, (l+1)·I_e/L)."""
+        blocks = self.neuron_device[layer].reshape(self.shape.neuron_blocks, -1)  # [E or 1, I_e or I]
+        offsets = np.arange(blocks.shape[0])[:, None] * blocks.shape[1]
+        return (np.argsort(blocks, axis=1, kind="stable") + offsets).reshape(-1)
 
     def with_name(self, name: str, score: dict[str, Any] | None = None) -> Layout:
         return Layout(name, self.devices, self.delta, self.shape, self.kv_group_device,
@@ -101,7 +107,7 @@ class Layout:
             "name": self.name,
             "devices": self.devices,
             "delta": self.delta,
-            "model": asdict(self.shape),
+            "model": shape_json(self.shape),
             "kv_group_device": self.kv_group_device.tolist(),
             "neuron_device": self.neuron_device.tolist(),
         }
@@ -115,10 +121,24 @@ class Layout:
         atomic_write_json(path, self.to_json_dict(), indent=None)
 
 
-def _check_assignment(arr: np.ndarray, field_name: str, width: int, devices: int, layers: int) -> None:
+def shape_json(shape: ModelShape) -> dict[str, Any]:
+    """A layout file's `model`: the shape's fields, the MoE ones only for an MoE model (a dense layout's file
+    is what it was before issue 46)."""
+    out = asdict(shape)
+    if not shape.num_experts:
+        for key in _MOE_FIELDS:
+            out.pop(key)
+    return out
+
+
+def _check_assignment(arr: np.ndarray, field_name: str, width: int, devices: int, layers: int,
+                      blocks: int = 1) -> None:
+    """Shape, device ids and balance: every one of `blocks` equal blocks of a row (an MoE layer's experts)
+    holds width/(blocks·L) units on each device."""
     if arr.ndim != 2 or arr.shape != (layers, width):
         raise LayoutError(f"{field_name}: expected shape [{layers}, {width}], got {list(arr.shape)}")
-    per_device = width // devices
+    size = width // blocks
+    per_device = size // devices
     for layer in range(layers):
         row = arr[layer]
         if row.min() < 0 or row.max() >= devices:
@@ -126,12 +146,16 @@ def _check_assignment(arr: np.ndarray, field_name: str, width: int, devices: int
                 f"{field_name}[{layer}]: device ids must be in [0, {devices - 1}], "
                 f"found {int(row.min())}..{int(row.max())}"
             )
-        counts = np.bincount(row, minlength=devices)
-        if (counts != per_device).any():
-            raise LayoutError(
-                f"{field_name}[{layer}]: unbalanced, per-device counts {counts.tolist()}, "
-                f"expected {per_device} on each of {devices} devices"
-            )
+        for block in range(blocks):
+            counts = np.bincount(row[block * size : (block + 1) * size], minlength=devices)
+            if (counts != per_device).any():
+                which = f" expert {block}" if blocks > 1 else ""
+                raise LayoutError(
+                    f"{field_name}[{layer}]:{which} unbalanced, per-device counts {counts.tolist()}, "
+                    f"expected {per_device} on each of {devices} devices"
+                    + (f" (an MoE layout puts {per_device} of each expert's {size} neurons on every device)"
+                       if blocks > 1 else "")
+                )
 
 
 def validate(layout: Layout) -> None:
@@ -141,11 +165,12 @@ def validate(layout: Layout) -> None:
     _check_assignment(layout.kv_group_device, "kv_group_device", shape.num_kv_groups,
                       layout.devices, shape.num_layers)
     _check_assignment(layout.neuron_device, "neuron_device", shape.intermediate_size,
-                      layout.devices, shape.num_layers)
+                      layout.devices, shape.num_layers, shape.neuron_blocks)
 
 
-def _contiguous_row(width: int, devices: int) -> np.ndarray:
-    return np.repeat(np.arange(devices), width // devices)  # [width]
+def _contiguous_row(width: int, devices: int, blocks: int = 1) -> np.ndarray:
+    """Each of `blocks` equal blocks (an MoE layer's experts) sliced into L contiguous shards: [width]."""
+    return np.tile(np.repeat(np.arange(devices), width // blocks // devices), blocks)
 
 
 def contiguous(shape: ModelShape, devices: int, delta: int = 1, name: str = CONTIGUOUS) -> Layout:
@@ -153,23 +178,26 @@ def contiguous(shape: ModelShape, devices: int, delta: int = 1, name: str = CONT
     check_devices(shape, devices)
     n = shape.num_layers
     groups = np.tile(_contiguous_row(shape.num_kv_groups, devices), (n, 1))
-    neurons = np.tile(_contiguous_row(shape.intermediate_size, devices), (n, 1))
+    neurons = np.tile(_contiguous_row(shape.intermediate_size, devices, shape.neuron_blocks), (n, 1))
     return Layout(name, devices, delta, shape, groups, neurons)
 
 
 def random(shape: ModelShape, devices: int, delta: int = 1, seed: int = 0,
            name: str | None = None) -> Layout:
-    """Uniform among balanced layouts: a uniform shuffle of the contiguous assignment, per layer."""
+    """Uniform among balanced layouts: a uniform shuffle of the contiguous assignment, per layer (an MoE
+    model's: of each expert's, every expert balanced)."""
     check_devices(shape, devices)
     rng = np.random.default_rng(seed)
     g_row = _contiguous_row(shape.num_kv_groups, devices)
-    i_row = _contiguous_row(shape.intermediate_size, devices)
+    i_row = _contiguous_row(shape.block_size, devices)  # one block: the dense FFN, or one expert
     groups = np.stack([rng.permutation(g_row) for _ in range(shape.num_layers)])
-    neurons = np.stack([rng.permutation(i_row) for _ in range(shape.num_layers)])
+    neurons = np.stack([np.concatenate([rng.permutation(i_row) for _ in range(shape.neuron_blocks)])
+                        for _ in range(shape.num_layers)])
     return Layout(name or random_name(seed), devices, delta, shape, groups, neurons)
 
 
 _SHAPE_FIELDS = ("model_type", "num_layers", "num_kv_groups", "num_query_heads", "intermediate_size")
+_MOE_FIELDS = ("num_experts", "experts_per_token", "expert_size")
 
 
 def from_json_dict(data: Any, source: str = "layout") -> Layout:
@@ -198,6 +226,10 @@ def from_json_dict(data: Any, source: str = "layout") -> Layout:
         if not _is_int(data[key]):
             raise fail(f"field {key!r} must be an integer, got {data[key]!r}")
     shape = ModelShape(**{k: model[k] for k in ModelShape.__dataclass_fields__ if k in model})
+    if shape.num_experts and shape.intermediate_size != shape.num_experts * shape.expert_size:
+        raise fail(f"field 'model.intermediate_size' must be num_experts × expert_size = "
+                   f"{shape.num_experts} × {shape.expert_size} for an MoE model (its units are the experts' "
+                   f"neurons), got {shape.intermediate_size}")
     schedule = data.get("schedule")
     if schedule is not None and (not isinstance(schedule, str) or not 0 < len(schedule) <= MAX_SCHEDULE_CHARS):
         raise fail(f"field 'schedule' must be a schedule string of 1..{MAX_SCHEDULE_CHARS} characters, "
@@ -232,7 +264,7 @@ def load(path: str | Path) -> Layout:
 
 def check_fits(layout: Layout, shape: ModelShape) -> None:
     """Raise unless the layout was made for a model of this shape."""
-    for key in _SHAPE_FIELDS:
+    for key in (*_SHAPE_FIELDS, "num_experts", "expert_size"):
         mine, theirs = getattr(layout.shape, key), getattr(shape, key)
         if mine != theirs:
             raise LayoutError(f"layout {layout.name!r} is for model.{key}={mine}, the model has {theirs}")

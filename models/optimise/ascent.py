@@ -5,7 +5,9 @@ best balanced assignment of one layer's neurons (module 2i+1), or KV groups (mod
 is one transportation problem on the gain [U, L] that sums the module's incoming and outgoing edges,
 which `balanced_assignment` solves exactly. Sweeps visit layer i's neurons, then its KV groups, in layer
 order, so J_σ increases monotonically to a block-wise fixed point. On the paper's chain (dtp:1) a block
-is ν_i given h_i and h_{i+1}, or h_i given ν_{i-1} and ν_i. Pure numpy.
+is ν_i given h_i and h_{i+1}, or h_i given ν_{i-1} and ν_i. On an MoE model (issue 46) each expert's
+neurons are balanced on their own, and the neuron block splits exactly into one transportation problem per
+expert (`blockwise_balanced_assignment`). Pure numpy.
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ from typing import Any
 import numpy as np
 
 from models.base.progress import check_stop
-from models.optimise.assignment import REL_TOL, balanced_assignment
+from models.optimise.assignment import REL_TOL, blockwise_balanced_assignment
 from models.optimise.bound import UpperBound
 from models.optimise.edges import ScheduleAffinity, module_devices, receiver_gain, sender_gain
 from models.optimise.objective import ScoreReport, check_layout, objective, score
-from models.optimise.problem import Problem, check_devices, contiguous_layout, contiguous_row, edges_of
+from models.optimise.problem import (
+    Problem,
+    check_devices,
+    contiguous_layout,
+    contiguous_row,
+    edges_of,
+    neuron_blocks,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,16 +53,17 @@ def module_gain(unit: ScheduleAffinity, heads: np.ndarray, cells: np.ndarray, n:
     return gain
 
 
-def _best_block(gain: np.ndarray, current: np.ndarray, maximise: bool) -> tuple[np.ndarray, float]:
-    """The exact best balanced assignment of one block and how much it beats the current one."""
-    best = balanced_assignment(gain, maximise)
+def _best_block(gain: np.ndarray, current: np.ndarray, maximise: bool, blocks: int = 1) -> tuple[np.ndarray, float]:
+    """The exact best balanced assignment of one block and how much it beats the current one (`blocks`: an MoE
+    layer's experts, each balanced on its own: one assignment per expert)."""
+    best = blockwise_balanced_assignment(gain, blocks, maximise)
     rows = np.arange(len(current))
     improvement = gain[rows, best].sum() - gain[rows, current].sum()
     return best, float(improvement if maximise else -improvement)
 
 
-def _step(gain: np.ndarray, current: np.ndarray, maximise: bool) -> np.ndarray:
-    best, improvement = _best_block(gain, current, maximise)
+def _step(gain: np.ndarray, current: np.ndarray, maximise: bool, blocks: int = 1) -> np.ndarray:
+    best, improvement = _best_block(gain, current, maximise, blocks)
     # Keep the current assignment on (near-)ties so that sweeps do not churn between equal optima.
     return best if improvement > REL_TOL * max(float(gain.sum()), 1.0) else current
 
@@ -141,7 +151,8 @@ def _ascend(affinity: Problem, devices: int, *, maximise: bool, move_heads: bool
         for i in moving:
             check_stop()  # a safe point per layer: a stopped job's optimiser ends here (models.base.progress)
             if move_neurons:
-                cells[i] = _step(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise)
+                cells[i] = _step(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise,
+                                 neuron_blocks(affinity))
             if move_heads:
                 heads[i] = _step(module_gain(unit, heads, cells, 2 * i, devices), heads[i], maximise)
         history.append(objective(unit, heads, cells))
@@ -168,7 +179,8 @@ def block_improvement(affinity: Problem, kv_group_device: Any, neuron_device: An
     best = 0.0
     for i in _moving_layers(layers, affinity.num_layers):
         if move_neurons:
-            best = max(best, _best_block(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise)[1])
+            best = max(best, _best_block(module_gain(unit, heads, cells, 2 * i + 1, devices), cells[i], maximise,
+                                         neuron_blocks(affinity))[1])
         if move_heads:
             best = max(best, _best_block(module_gain(unit, heads, cells, 2 * i, devices), heads[i], maximise)[1])
     return best

@@ -18,6 +18,7 @@ from torch import nn
 from models.base.shapes import ModelShape
 from models.families import Family, family_for_config, model_shape
 from models.layouts.layout import Layout, check_fits
+from models.sim.moe import expert_orders, reorder_experts_
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -68,6 +69,8 @@ def reorder_layer_(layer: nn.Module, family: Family, shape: ModelShape, group_or
         _take_(lin.weight, index, style.dim)
         if lin.bias is not None and style.dim == 0:
             _take_(lin.bias, index, 0)
+    if shape.num_experts:  # an MoE FFN: each expert's neurons move within it (models.sim.moe)
+        reorder_experts_(layer, expert_orders(neuron_order, shape.num_experts, shape.expert_size))
 
 
 def permuted_tensor(name: str, tensor: torch.Tensor, family: Family, shape: ModelShape,
