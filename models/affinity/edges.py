@@ -262,6 +262,9 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
     if not pairs:
         return {}
     shape = model_shape(model.config)
+    if shape.num_experts:
+        raise ValueError(f"the edges beyond the paper's chain are not scored for a mixture-of-experts model "
+                         f"({shape.model_type}): a schedule of the chain (dtp:1, spd:B) is accepted")
     entries = sparse_entries(pairs, shape, memory_limit)
     pool = None if entries is None else _EntryPool(entries, 2 * sum(edge_kind(p) == "neuron-neuron" for p in pairs))
     rounds = edge_rounds(pairs, shape, memory_limit)
@@ -338,7 +341,12 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
     source = layer_source(model)
     if schedule is None:
         return affinity_pass(source, blocks, progress=progress, **options)
-    further = AffinityResult.missing_edges_of(model_shape(source.config), schedule)
+    shape = model_shape(source.config)
+    further = AffinityResult.missing_edges_of(shape, schedule)
+    if further and shape.num_experts:
+        raise ValueError(f"schedule {schedule} needs edges beyond the paper's chain, which the affinity pass does not "
+                         f"score for a mixture-of-experts model ({shape.model_type}): a schedule of the chain "
+                         "(dtp:1, spd:B) is accepted")
     whole = source.whole_model(f"schedule {schedule} needs edges beyond the paper's chain, which only the "
                                f"in-memory affinity pass scores") if further else None
     chain_progress, edge_progress = progress, progress

@@ -89,7 +89,7 @@ class AffinityResult:
             else:
                 matrices[(m, t)] = self.edges[(m, t)][score]
         affinity = ScheduleAffinity(str(schedule), self.shape.num_layers, self.shape.num_kv_groups,
-                                    self.shape.intermediate_size, matrices)
+                                    self.shape.intermediate_size, matrices, experts=self.shape.num_experts)
         self._schedule_affinities[key] = affinity
         return affinity
 

@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from models.families import family_for_config, model_shape
 from models.io.loading import ModelLoadError
+from models.streaming.experts import read_parameters
 from models.streaming.source import LayerSource
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class StreamedModel(LayerSource):
     metadata: ClassVar[dict[str, str]] = {"streamed": "true"}  # recorded in a pass's result (the affinity file)
 
     def __init__(self, directory: Path, config: Any, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        family_for_config(config)  # refuse an unsupported architecture before anything is read
+        self.family = family_for_config(config)  # refuse an unsupported architecture before anything is read
         self.directory = Path(directory)
         self.config = config
         self.dtype = dtype
@@ -171,7 +172,8 @@ class StreamedModel(LayerSource):
 
     def _materialise(self, module: nn.Module, prefix: str) -> None:
         names = [f"{prefix}{name}" for name, _ in module.named_parameters()]
-        stored = self.reader.read(names)
+        # an MoE layer's fused experts from the checkpoint's per-expert tensors (models.streaming.experts)
+        stored = read_parameters(self.reader, names, self.family, self.config)
         state = {name[len(prefix):]: t.to(device=self.device, dtype=self.dtype) for name, t in stored.items()}
         module.load_state_dict(state, assign=True, strict=True)
 
