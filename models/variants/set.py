@@ -99,7 +99,7 @@ def evenly_spaced_layers(num_layers: int, count: int) -> list[int]:
 
 
 def affinity_for(result: AffinityResult, score_name: str) -> Affinity:
-    return Affinity(up=result.up(score_name), down=result.down)
+    return Affinity(up=result.up(score_name), down=result.down, experts=result.shape.num_experts)
 
 
 def objective_affinity(result: AffinityResult, score_name: str, schedule: Schedule | None) -> Problem:
