@@ -60,6 +60,7 @@ class CheckpointTensors:
         self.entries: list[Entry] = []
         self.experts: dict[str, ExpertTensor] = {}  # checkpoint name -> what it is
         self.num_experts = 0
+        self._last: tuple[str, torch.Tensor] | None = None  # the fused tensor `tensor` read last, by its name
         for name, shape in state_entries:
             for entry, expert in self._expand(name, tuple(shape)):
                 self.entries.append(entry)
@@ -92,7 +93,9 @@ class CheckpointTensors:
         expert = self.experts.get(name)
         if expert is None:
             return read(name)
-        fused = read(expert.fused)
+        if self._last is None or self._last[0] != expert.fused:  # a layer's experts are read once, not once each
+            self._last = (expert.fused, read(expert.fused))
+        fused = self._last[1]
         if expert.role == "router":
             return fused
         if expert.role == "down":

@@ -249,8 +249,9 @@ class StreamedModel(LayerSource):
                  spill_dir=spill_dir)
 
     def checkpoint_tensor(self, name: str) -> torch.Tensor:
-        """Read from its file and cast to the compute dtype, as `from_pretrained(dtype=…)` casts it."""
-        return self.reader.tensor(name).to(self.dtype)
+        """Read from its file and cast to the compute dtype, as `from_pretrained(dtype=…)` casts it (an MoE's fused
+        expert parameter stacked from the checkpoint's per-expert tensors, `models.streaming.experts`)."""
+        return read_parameters(self.reader, [name], self.family, self.config)[name].to(self.dtype)
 
     def save_configs(self, out: Path, dtype: torch.dtype, *, generation: bool) -> None:
         """config.json as save_pretrained writes it for weights in `dtype`; generation_config.json as the

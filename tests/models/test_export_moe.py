@@ -142,3 +142,19 @@ def test_resident_export_of_the_permuted_model_is_the_same(exported: dict[str, A
         for name in want:
             assert torch.equal(got[name], want[name]), name
     assert np.array_equal(load_rank_shards(tmp_path / "shards")[1].neuron_device, layout.neuron_device)
+
+
+def test_streamed_export_is_the_resident_one(exported: dict[str, Any], tmp_path: Path) -> None:
+    """From the model's save_pretrained directory, read layer by layer (the per-expert tensors stacked as loading
+    does), the export writes the resident export's checkpoint and shards bit for bit."""
+    from models.streaming.layer_source import StreamedModel
+
+    model, layout, out = exported["model"], exported["layout"], exported["out"]
+    model.save_pretrained(tmp_path / "hf")
+    export_layout(StreamedModel(tmp_path / "hf", model.config, dtype=torch.float32), layout,
+                  checkpoint_dir=tmp_path / "checkpoint", shards_dir=tmp_path / "shards", dtype=torch.float32)
+    for sub, pattern in [("checkpoint", "*.safetensors"), *[("shards", shard_file_name(r)) for r in range(L)]]:
+        ours = {k: v for p in sorted((tmp_path / sub).glob(pattern)) for k, v in load_file(str(p)).items()}
+        theirs = {k: v for p in sorted((out / sub).glob(pattern)) for k, v in load_file(str(p)).items()}
+        assert sorted(ours) == sorted(theirs)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), sub
