@@ -125,11 +125,12 @@ class Sweep:
         """Block `index`'s affinity (dtp:1's chain edges), computed once and kept."""
         from models.affinity.file import AffinityResult
         from models.run import pipeline
+        from models.schedules.grammar import dtp_spec
 
         path = self.args.work / "blocks" / f"block-{index:03d}.safetensors"
         if not path.exists():
             t0 = time.perf_counter()
-            spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule="dtp:1", export=False)
+            spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=dtp_spec(1), export=False)
             result = pipeline.run_affinity(self.model, self.block_tokens(index), schedule=None, spec=spec,
                                            metadata={"block": str(index)})
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +180,7 @@ class Sweep:
         {layout: {seed: final KL}}."""
         from models import distill
         from models.data.calibration import CalibrationSpec
+        from models.schedules.grammar import dtp_spec
 
         a = self.args
         paths = []
@@ -191,7 +193,7 @@ class Sweep:
                                        min_lr=1e-5, warmup_steps=max(1, a.distill_steps // 10),
                                        eval_every=a.distill_steps, eval_batch_size=4)
         spec = distill.DistillSpec(
-            layouts=(*paths, "contiguous"), devices=a.devices, delta=1,
+            layouts=(*paths, "contiguous"), devices=a.devices, delta=1, schedule=dtp_spec(1),
             seeds=tuple(int(s) for s in a.distill_seeds.split(",")), recipe=recipe,
             train=CalibrationSpec(source=a.text, sequences=a.distill_steps * batch, seq_len=seq_len),
             eval=CalibrationSpec(source=a.text, sequences=4 if a.quick else 64, seq_len=seq_len),

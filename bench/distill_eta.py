@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models import distill as D
 from models.data.calibration import CalibrationSpec
+from models.schedules.grammar import dtp_spec
 from tests.models.distill.kit import VOCAB, recipe
 from tests.tiny import tiny_model
 
@@ -38,7 +39,7 @@ def worst_eta_error(points: list[tuple[float, float]], end: float) -> float:
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     np.save(tmp / "ids.npy", np.random.default_rng(0).integers(0, VOCAB, size=400 * 64))
-    spec = D.DistillSpec(layouts=("contiguous",), devices=2, seeds=(0,),
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, schedule=dtp_spec(1), seeds=(0,),
                          recipe=recipe(steps=STEPS, eval_every=5, batch_size=4, eval_batch_size=4),
                          train=CalibrationSpec(str(tmp / "ids.npy"), sequences=80, seq_len=64),
                          eval=CalibrationSpec(str(tmp / "ids.npy"), sequences=64, seq_len=64))

@@ -44,6 +44,7 @@ from models.io.atomic import atomic_write_json
 from models.io.loading import ModelSource, load_model, load_tokenizer
 from models.layouts.names import RANDOM_SEED_BASE, random_name
 from models.run import pipeline
+from models.schedules.grammar import dtp_spec
 from models.variants.set import ablation_names
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,7 +97,8 @@ def optimise_layouts(args: argparse.Namespace, model: Any, tokenizer: Any, work:
         report: dict[str, Any] = json.loads(report_path.read_text())
         return report
     calibration = CalibrationSpec(source=args.calib, sequences=args.calib_sequences, seq_len=args.calib_seq_len)
-    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, random_layouts=args.random, export=False,
+    spec = pipeline.OptimiseSpec(devices=args.devices, delta=args.delta, schedule=dtp_spec(args.delta),
+                                 random_layouts=args.random, export=False,
                                  ablations=args.ablations, restarts=args.restarts)
     state = pipeline.RunState(out_dir=work)
     pipeline.stage_calibration(state, model=model, tokenizer=tokenizer, calibration=calibration)
@@ -153,7 +155,7 @@ def distill_spec(args: argparse.Namespace) -> distill.DistillSpec:
     layouts = study_layouts(args)
     seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
     return distill.DistillSpec(layouts=layouts, train=train, eval=evaluation, devices=args.devices, delta=args.delta,
-                               seeds=seeds, recipe=recipe, calibration=calibration)
+                               schedule=dtp_spec(args.delta), seeds=seeds, recipe=recipe, calibration=calibration)
 
 
 def markdown_table(summary: dict[str, Any]) -> str:

@@ -105,9 +105,11 @@ class Experiment:
     def affinity(self, schedule: str) -> AffinityResult:
         path = self.work / "affinity" / slug(schedule) / AFFINITY_FILE
         if not path.exists():
-            spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=self.resolved(schedule), export=False)
-            result = pipeline.run_affinity(self.model, self.blocks(), schedule=spec.objective_schedule(
-                self.shape.num_layers), spec=spec, metadata={"model": str(self.args.model)})
+            spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=parse_schedule(self.resolved(schedule)),
+                                         export=False)
+            # J_σ of σ itself, dtp:1 included (its affinity records σ; a run's objective takes dtp:1 as the chain)
+            result = pipeline.run_affinity(self.model, self.blocks(), schedule=self.schedule(schedule), spec=spec,
+                                           metadata={"model": str(self.args.model)})
             path.parent.mkdir(parents=True, exist_ok=True)
             result.save(path)
         return AffinityResult.load(path)
@@ -198,7 +200,7 @@ class Experiment:
             layouts=(arm,), devices=a.devices, delta=1, seeds=(seed,), recipe=self.recipe(),
             train=CalibrationSpec(source=a.train, sequences=a.steps * a.batch_size, seq_len=a.seq_len),
             eval=CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len),
-            calibration=self.calibration, schedule=self.resolved(schedule))
+            calibration=self.calibration, schedule=parse_schedule(self.resolved(schedule)))
 
     def train(self, schedule: str, arms: list[str] | None = None
               ) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:

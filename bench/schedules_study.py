@@ -215,8 +215,9 @@ class Study:
         if path.exists():
             return AffinityResult.load(path)
         t0 = time.perf_counter()
-        spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=source, export=False)
-        sched = spec.objective_schedule(self.shape.num_layers)
+        spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=parse_schedule(source), export=False)
+        # J_σ of `source` itself, dtp:1 included (a run's objective takes dtp:1 as the chain)
+        sched = resolve_schedule(source, self.shape.num_layers, self.args.devices)
         result = pipeline.run_affinity(self.model, self.calib_blocks(), schedule=sched, spec=spec,
                                        metadata={"model": self.args.model_name,
                                                  "calibration": json.dumps(dataclasses.asdict(self.calibration))})
@@ -259,7 +260,7 @@ class Study:
         evaluation = CalibrationSpec(source=a.eval, sequences=a.eval_blocks, seq_len=a.seq_len)
         return distill.DistillSpec(layouts=layouts, train=train, eval=evaluation, devices=a.devices, delta=1,
                                    seeds=seeds, recipe=recipe, calibration=self.calibration,
-                                   schedule=self.resolved_name(schedule))
+                                   schedule=parse_schedule(self.resolved_name(schedule)))
 
     def arms(self, schedule: str) -> tuple[str, ...]:
         if affinity_source(schedule) is None:

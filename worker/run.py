@@ -26,6 +26,7 @@ from app.core.settings import Settings
 from app.core.storage.root import Storage, tenant_scope
 from app.core.storage.uploads import UploadStore
 from models.base.progress import StopSignal, stopped_by
+from models.data.source import is_upload
 from models.run.runner import run_stages
 from models.run.stages import REPORT_INPUTS, STAGES
 from models.run.stages import build_report as stages_report
@@ -256,14 +257,14 @@ class JobRun(Publishing):
     def data_source(self, source: str, field: str) -> str:
         """What models.data.calibration reads for a spec's data source: an upload's local copy, a corpus, a hub
         dataset, or a name under the data root as its absolute path."""
-        if source.startswith("upload:"):
+        if is_upload(source):
             return str(self.upload_path(source, kind="data", field=field))
         return resolve_data(self.settings.data_dir, source, field=field)
 
     def model_location(self) -> ModelLocation:
         """Where the model is loaded from: an upload (its config checked again), else `prepare_model`."""
         spec = self.spec
-        if not spec.model.id.startswith("upload:"):
+        if not is_upload(spec.model.id):
             return prepare_model(settings=self.settings, spec=spec)
         from app.core.hub import check_local_model
 

@@ -20,6 +20,7 @@ from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.train import StepStats
 from models.io.atomic import atomic_write_text
 from models.layouts.layout import Layout
+from models.schedules.grammar import dtp_spec
 
 RUN_FORMAT = "dtp-layout-distill-run/1"
 METRIC_COLUMNS = ("layout", "seed", "step", "kl", "ppl", "loss", "lr")
@@ -85,7 +86,7 @@ def write_logs(run_dir: Path, *, layout: Layout, seed: int, fingerprint: str, re
     write_metrics(run_dir, state.records)
     atomic_write_text(run_dir / "steps.csv", csv_text(STEP_COLUMNS, [s.as_dict() for s in state.steps]))
     doc = {"format": RUN_FORMAT, "layout": layout.name, "seed": seed, "fingerprint": fingerprint,
-           "devices": layout.devices, "delta": layout.delta, "schedule": schedule or f"dtp:{layout.delta}",
+           "devices": layout.devices, "delta": layout.delta, "schedule": schedule or str(dtp_spec(layout.delta)),
            "recipe": recipe.as_dict(), "dense_ppl": dense_ppl,
            "complete": complete, "records": rows}
     atomic_write_text(run_dir / "metrics.json", json.dumps(json_safe(doc), indent=1))

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from models.data.calibration import CalibrationSpec
 from models.distill.recipe import DistillError, DistillRecipe
-from models.schedules.grammar import ScheduleError, parse_schedule
+from models.schedules.grammar import ScheduleSpec, shorthand
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistillSpec:
     """A layout comparison: every (layout, seed) pair is one run of the same recipe.
 
@@ -21,7 +21,9 @@ class DistillSpec:
     train: CalibrationSpec
     eval: CalibrationSpec
     devices: int
-    delta: int = 1
+    # The communication schedule every student simulates, parsed at the boundary (the job spec, the flags)
+    schedule: ScheduleSpec
+    delta: int = 1  # the layouts' δ (a dtp schedule's own)
     seeds: tuple[int, ...] = (0,)
     recipe: DistillRecipe = field(default_factory=DistillRecipe)
     reference: str = "contiguous"  # the headline compares `candidate` against `reference`
@@ -32,19 +34,14 @@ class DistillSpec:
     calibration_identity: str | None = None
     allow_overlap: bool = False
     world_size: int = 1  # ranks each run trains on (models.distill.sharding); the curves do not depend on it
-    # The communication schedule every student simulates (`models.schedules.grammar`, canonical); None: dtp:δ.
-    schedule: str | None = None
 
     def __post_init__(self) -> None:
-        if self.schedule is not None:
-            try:
-                spec = parse_schedule(self.schedule)
-            except ScheduleError as exc:
-                raise DistillError(f"schedule: {exc}") from exc
-            if not spec.resolvable:
-                raise DistillError(f"schedule: {spec} chooses its layers from calibration data (not available "
-                                   "yet); give them as spd:B")
-            object.__setattr__(self, "schedule", None if str(spec) == f"dtp:{self.delta}" else str(spec))
+        if not isinstance(self.schedule, ScheduleSpec):
+            raise DistillError(f"schedule: a ScheduleSpec (parsed where the spec is read), got "
+                               f"{type(self.schedule).__name__}")
+        if not self.schedule.resolvable:
+            raise DistillError(f"schedule: {self.schedule} chooses its layers from calibration data (not available "
+                               "yet); give them as spd:B")
         object.__setattr__(self, "layouts", tuple(self.layouts))
         object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
         if not self.layouts:
@@ -56,3 +53,10 @@ class DistillSpec:
                                f"(each rank takes an equal share of every batch), got {self.world_size}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise DistillError(f"seeds: give distinct integers, got {list(self.seeds)}")
+
+    @property
+    def run_schedule(self) -> str | None:
+        """The schedule as each (layout, seed) run takes it (`models.distill.run`): None for dtp:δ of the layouts'
+        δ, so that a run's fingerprint (`models.distill.checkpoint.run_fingerprint`) stays the one it had before
+        schedules, else canonical."""
+        return shorthand(self.schedule, self.delta)

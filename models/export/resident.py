@@ -15,7 +15,7 @@ from models.base.progress import Progress
 from models.export.writer import export_layout
 from models.io.sizes import UNITS
 from models.layouts.layout import Layout
-from models.schedules.grammar import LastScale
+from models.schedules.grammar import LastScale, ScheduleSpec, schedule_spec
 from models.sim.permute import permute_
 from models.streaming.source import ResidentModel
 
@@ -53,12 +53,13 @@ def export_checkpoint(permuted: PreTrainedModel, layout: Layout, out_dir: Path, 
 def export_rank_shards(permuted: PreTrainedModel, layout: Layout, out_dir: Path, *,
                        tokenizer: Any = None, overwrite: bool = False,
                        progress: Progress | None = None, compute_dtype: torch.dtype | None = None,
-                       schedule: str | None = None, last_scale: LastScale = "sqrt") -> Path:
+                       schedule: str | ScheduleSpec | None = None, last_scale: LastScale = "sqrt") -> Path:
     """Write device r's slices to `model-rank-{r}-part-0.safetensors` plus `manifest.json` (see
     `models.export.writer.export_layout`); `compute_dtype`: the dtype the model was loaded and scored in
     (None: the permuted model's)."""
     source = ResidentModel(permuted)
     export_layout(source, layout, checkpoint_dir=None, shards_dir=Path(out_dir), dtype=source.dtype,
-                  tokenizer=tokenizer, overwrite=overwrite, progress=progress, schedule=schedule,
-                  last_scale=last_scale, permute=False, compute_dtype=compute_dtype)
+                  tokenizer=tokenizer, overwrite=overwrite, progress=progress,
+                  schedule=None if schedule is None else schedule_spec(schedule), last_scale=last_scale,
+                  permute=False, compute_dtype=compute_dtype)
     return Path(out_dir)

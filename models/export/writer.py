@@ -41,7 +41,7 @@ from models.families import family_for_config, model_shape
 from models.families.plan import local_shape, rank_slice
 from models.io.digest import sha256_file
 from models.layouts.layout import Layout, check_fits
-from models.schedules.grammar import LastScale, resolve_schedule
+from models.schedules.grammar import LastScale, ScheduleSpec, dtp_spec
 from models.sim.permute import permuted_tensor
 from models.streaming.layer_source import return_freed_memory
 from models.streaming.safetensors_reader import SafetensorsWriter
@@ -83,12 +83,12 @@ def checkpoint_files(sizes: list[int], max_bytes: int) -> dict[int, str]:
 def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path | None, shards_dir: Path | None,
                   dtype: torch.dtype, tokenizer: Any = None, overwrite: bool = False,
                   progress: Progress | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                  schedule: str | None = None, last_scale: LastScale = "sqrt", permute: bool = True,
+                  schedule: ScheduleSpec | None = None, last_scale: LastScale = "sqrt", permute: bool = True,
                   compute_dtype: torch.dtype | None = None) -> None:
     """`checkpoint_dir` (the permuted checkpoint) and/or `shards_dir` (the rank shards) for `layout`, from `source`.
 
     `schedule`: the communication schedule the shards are made for (`models.schedules.grammar`; the runtime
-    refuses to run them at another), recorded canonical; None: the layout's dtp:δ. The manifest's `serving`
+    refuses to run them at another), recorded canonical; None: dtp:δ of the layout's δ. The manifest's `serving`
     records its per-module table (with `last_scale`), the family, L and the layout's provenance, and
     config.json names the family's DTP architecture (`models.export.serving_manifest`). The manifest's `dtype` is the
     shards' (`dtype`: what a reader loads), `compute_dtype` the dtype the model was loaded and scored in (None:
@@ -98,7 +98,8 @@ def export_layout(source: LayerSource, layout: Layout, *, checkpoint_dir: Path |
     family = family_for_config(config)
     shape = model_shape(config)
     check_fits(layout, shape)
-    table = resolve_schedule(schedule or f"dtp:{layout.delta}", shape.num_layers, layout.devices, last_scale)
+    made_for = dtp_spec(layout.delta) if schedule is None else schedule
+    table = made_for.resolve(shape.num_layers, layout.devices, last_scale)
     # An MoE family's fused experts are written one expert at a time, under its checkpoint names.
     tensors = CheckpointTensors(family, source.checkpoint_entries())
     names = tensors.entries

@@ -33,20 +33,24 @@ from models.io.atomic import atomic_write_json
 from models.layouts.layout import Layout
 from models.optimise.edges import schedule_pairs
 from models.run.files import AFFINITY_FILE, REPORT_FILE
-from models.schedules.grammar import Schedule, ScheduleSpec, parse_schedule
+from models.schedules.grammar import Schedule, ScheduleSpec, dtp_spec
 from models.streaming.source import layer_source
 from models.variants.score import edge_kept_mass
-from models.variants.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule
+from models.variants.set import PAPER_RESTARTS, ablation_names, build_layouts, objective_schedule, optimises_chain
 from models.variants.stability import HALVES, half_layouts, stability_report
 
 # The paper's seven spread layouts (§5.4) for an FO run; models.variants.set defines them.
 ABLATIONS = tuple(ablation_names("fo"))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimiseSpec:
     devices: int
-    delta: int = 1
+    # The communication schedule the run is for, parsed at the boundary (the job spec's `schedule` and `delta`,
+    # the flags: models.run.rules.job_schedule): the layouts optimise its J_σ (issue 20; dtp:0 and dtp:1 the
+    # paper's chain objective, `models.variants.set.optimises_chain`), the shards are exported for it.
+    schedule: ScheduleSpec
+    delta: int = 1  # the layouts' δ (recorded in each; a dtp schedule's own δ)
     score: str = "fo"
     random_layouts: int = 0
     ablations: bool = False
@@ -54,24 +58,17 @@ class OptimiseSpec:
     batch_size: int = 4
     restarts: int = 4  # the paper's procedure is 0 (one start, from the contiguous KV groups)
     stability: bool = False  # also optimise on each half of the calibration blocks (models.variants.stability)
-    # The communication schedule (models.schedules.grammar' grammar, canonical) the run is for: the layouts optimise
-    # its J_σ (issue 20), the shards are exported for it. None: dtp:δ of `delta` (for δ ≤ 1 the paper's
-    # chain objective, J_σ of dtp:1).
-    schedule: str | None = None
     edge_memory_limit: int = EDGE_MEMORY_LIMIT  # bytes of dense further-edge matrices before neuron→neuron go sparse
     edge_kept_mass: float = KEPT_MASS  # the mass a sparse neuron→neuron edge keeps (within the limit)
     # A job may run a layout-independent schedule (tp, ladder: a_n = b_n everywhere) to compare it with
     # the others; its layouts then optimise the paper's dtp:δ objective (they cannot matter), where the
     # `optimise` command refuses such a schedule outright.
     layout_independent_ok: bool = False
-    # `schedule` parsed, once, here (None: dtp:δ)
-    schedule_spec: ScheduleSpec | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.schedule is not None:
-            spec = parse_schedule(self.schedule)  # ScheduleError (a ValueError) naming what is accepted
-            object.__setattr__(self, "schedule", str(spec))
-            object.__setattr__(self, "schedule_spec", spec)
+        if not isinstance(self.schedule, ScheduleSpec):
+            raise TypeError(f"schedule must be a ScheduleSpec (models.run.rules.job_schedule parses a spec's), got "
+                            f"{type(self.schedule).__name__}")
         if not 0 < self.edge_kept_mass <= 1 or self.edge_memory_limit < 0:
             raise ValueError(f"edge_kept_mass must be in (0, 1] and edge_memory_limit ≥ 0, got "
                              f"{self.edge_kept_mass}, {self.edge_memory_limit}")
@@ -89,8 +86,7 @@ class OptimiseSpec:
         """The schedule the layouts are optimised for (`models.variants.set.objective_schedule`); `resolved`:
         the spd:B an spd:auto:K became (the affinity file's schedule)."""
         try:
-            return objective_schedule(self.schedule, delta=self.delta, num_layers=num_layers, devices=self.devices,
-                                      resolved=resolved)
+            return objective_schedule(self.schedule, num_layers=num_layers, devices=self.devices, resolved=resolved)
         except LayoutError:
             if self.layout_independent_ok:
                 return None
@@ -99,7 +95,7 @@ class OptimiseSpec:
     @property
     def chooses_spd_layers(self) -> bool:
         """spd:auto:K: the affinity stage first measures each layer's sensitivity and picks K layers."""
-        return self.schedule_spec is not None and self.schedule_spec.kind == "spd-auto"
+        return self.schedule.kind == "spd-auto"
 
 
 @dataclass
@@ -149,9 +145,9 @@ def stage_affinity(state: RunState, *, model: Any, spec: OptimiseSpec, model_nam
     meta = {"model": model_name, "calibration": json.dumps(asdict(calibration)),
             "calibration_fingerprint": calibration.fingerprint(), "dtype": str(layer_source(model).dtype)}
     resolved = None
-    if spec.schedule_spec is not None and spec.chooses_spd_layers:  # spd:auto:K, spd:isolated:K: chosen here
+    if spec.chooses_spd_layers:  # spd:auto:K, spd:isolated:K: chosen here
         whole = layer_source(model).whole_model(f"{spec.schedule} chooses its layers by simulating the whole model")
-        chosen, sensitivities, rounds = resolve_spd_auto(spec.schedule_spec, whole, state.blocks,
+        chosen, sensitivities, rounds = resolve_spd_auto(spec.schedule, whole, state.blocks,
                                                          devices=spec.devices, batch_size=spec.batch_size,
                                                          progress=progress)
         resolved = str(chosen)
@@ -211,11 +207,11 @@ def stage_stability(state: RunState, *, model: Any, spec: OptimiseSpec, progress
 
 def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progress | None = None,
                  overwrite: bool = False, checkpoint: bool = True, shards: bool = True,
-                 dtype: torch.dtype | None = None, schedule: str | None = None) -> None:
+                 dtype: torch.dtype | None = None, schedule: ScheduleSpec | None = None) -> None:
     """The optimised layout's permuted checkpoint (`checkpoint/`) and/or rank shards (`shards/`), stored
     in `dtype` (see `models.export.files.export_dtype`; None: the dtype the model was loaded in); the shards
     are made for `schedule`, resolved (spd:auto:K already its spd:B: `models.run.stages` passes the plan's;
-    None: the layout's dtp:δ)."""
+    None: the layout's own, `models.export.writer.export_layout`)."""
     t0 = time.perf_counter()
     best = state.layouts["optimised"]
     source = layer_source(model)  # tensor by tensor, from memory or from the safetensors: the same tensors
@@ -276,10 +272,10 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         notes.append(f"{state.affinity.metadata.get('spd_auto')} chose {objective}: the layers whose dropped "
                      f"attention sync alone costs least KL(dense ‖ spd:i) on the calibration blocks "
                      f"(spd_sensitivities, nats per token, contiguous layout)")
-    if objective is None and spec.schedule is not None and spec.layout_independent_ok:
+    if objective is None and not optimises_chain(spec.schedule) and spec.layout_independent_ok:
         notes.append(f"schedule={spec.schedule}: every module's partial reaches every device before the next "
                      f"module reads it, so the model is the same under every layout; the layouts optimise the "
-                     f"dtp:{spec.delta} objective (the layout's own δ) and do not matter for this schedule")
+                     f"{dtp_spec(spec.delta)} objective (the layout's own δ) and do not matter for this schedule")
     elif objective is None and spec.delta != 1:
         notes.append(f"delta={spec.delta}: the layouts optimise the dtp:1 objective (the paper's chain); at δ=0 "
                      "every module is exchanged before the next one reads it, so no layout is better than another")
@@ -300,7 +296,7 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         "devices": spec.devices,
         "delta": spec.delta,
         # the schedule the run is for: the one whose J_σ the layouts optimise, else the layout's dtp:δ
-        "schedule": str(objective) if objective is not None else (spec.schedule or f"dtp:{spec.delta}"),
+        "schedule": str(objective) if objective is not None else str(spec.schedule),
         **({"spd_sensitivities": json.loads(spd)} if spd is not None else {}),
         **({"spd_rounds": json.loads(spd_rounds)} if spd_rounds is not None else {}),
         "score": spec.score,

@@ -4,9 +4,9 @@ The worker (worker/run.py: job spec → plan) and `dtp-layout optimise` (app/cli
 job spec → plan) both build their run here; `dtp-layout distill` fills a plan of its own (no optimise stages).
 The plan holds what the stages run (`stage_names`) and with what: the optimise spec, the calibration (as read and
 as given), the export, the distillation's spec, the memory limit, and the schedule parsed once
-(`models.schedules.grammar.ScheduleSpec`). spd:auto:K is the one schedule the spec cannot fix: the plan records
-that it is still to be chosen (`schedule_pending`) and the affinity stage, which chooses its layers, writes the
-spd:B back (`resolve_schedule`), for the export and the distillation after it.
+(`models.schedules.grammar.ScheduleSpec`, from the spec's `schedule` and `delta`). spd:auto:K is the one schedule
+the spec cannot fix: the plan records that it is still to be chosen (`schedule_pending`) and the affinity stage,
+which chooses its layers, writes the spd:B back (`resolve_schedule`), for the export and the distillation after it.
 
 What the spec asks that the run would refuse is refused here, before any work, by the same rules the API's
 submit check asks (models/run/rules.py). Torch-free at import.
@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from models.run.rules import RunFacts, RunRefused, as_schedule, spec_refusals
+from models.run.rules import RunFacts, RunRefused, job_schedule, spec_refusals
 from models.run.stage_names import STAGES as STAGE_ORDER
-from models.schedules.grammar import ScheduleSpec, parse_schedule
+from models.schedules.grammar import ScheduleSpec, dtp_spec, parse_schedule
 
-DataSource = Callable[[str, str], str]  # (source as given, its spec field) -> what models.data.calibration reads
+DataReader = Callable[[str, str], str]  # (source as given, its spec field) -> what models.data.calibration reads
 
 
 @dataclass(kw_only=True)
@@ -33,11 +33,11 @@ class RunPlan:
     model_id: str  # as shown in the report
     dtype: str  # compute dtype
     devices: int
-    delta: int
-    # The communication schedule (canonical; a string given is parsed once, here) the layouts are optimised for,
-    # the shards exported for and the students simulate; None: dtp:δ. spd:auto:K until the affinity stage
-    # chooses its layers (`resolve_schedule`).
-    schedule: ScheduleSpec | None = None
+    delta: int  # the layouts' δ
+    # The communication schedule (parsed at the boundary: models.run.rules.job_schedule) the layouts are optimised
+    # for, the shards exported for and the students simulate. spd:auto:K until the affinity stage chooses its
+    # layers (`resolve_schedule`).
+    schedule: ScheduleSpec
     optimise: Any = None  # models.run.pipeline.OptimiseSpec; None: no optimise stages (`dtp-layout distill`)
     calibration: Any = None  # models.data.calibration.CalibrationSpec, as read (a server path)
     calibration_shown: Any = None  # the same, as given (recorded in the affinity file and the report)
@@ -49,9 +49,6 @@ class RunPlan:
     # the limit; models.streaming.memory_plan)
     max_memory: int | None = None
     stream: bool | None = None
-
-    def __post_init__(self) -> None:
-        self.schedule = as_schedule(self.schedule)
 
     # -- what runs --
 
@@ -81,14 +78,9 @@ class RunPlan:
     # -- the schedule --
 
     @property
-    def schedule_text(self) -> str | None:
-        """The schedule's canonical string (None: dtp:δ)."""
-        return None if self.schedule is None else str(self.schedule)
-
-    @property
     def schedule_pending(self) -> bool:
         """spd:auto:K whose layers the affinity stage has not chosen yet."""
-        return self.schedule is not None and not self.schedule.resolvable
+        return not self.schedule.resolvable
 
     def resolve_schedule(self, chosen: str | None) -> None:
         """spd:auto:K's layers, as the affinity stage chose them (the affinity file's schedule): the spd:B the
@@ -96,13 +88,13 @@ class RunPlan:
         if not self.schedule_pending or chosen is None:
             return
         spd = parse_schedule(chosen)
-        assert self.schedule is not None and spd.kind == "spd" and len(spd.layers) == self.schedule.count, chosen
+        assert spd.kind == "spd" and len(spd.layers) == self.schedule.count, chosen
         self.schedule = spd
         if self.distill is not None:
-            self.distill = dataclasses.replace(self.distill, schedule=str(spd))
+            self.distill = dataclasses.replace(self.distill, schedule=spd)
 
 
-def plan_run(spec: Any, *, data: DataSource | None = None, max_memory: int | None = None, stream: bool | None = None,
+def plan_run(spec: Any, *, data: DataReader | None = None, max_memory: int | None = None, stream: bool | None = None,
              layout_independent_ok: bool = True, **optimise_options: Any) -> RunPlan:
     """The run of a validated job spec (app.core.schemas.jobs.JobSpec, or anything with its attributes).
 
@@ -118,12 +110,11 @@ def plan_run(spec: Any, *, data: DataSource | None = None, max_memory: int | Non
     if refusals := spec_refusals(spec):
         raise RunRefused(refusals)
     read = data or (lambda source, _field: source)
-    schedule = as_schedule(spec.schedule)
-    text = None if schedule is None else str(schedule)
+    schedule = job_schedule(spec.schedule, spec.delta)  # the job spec's text, parsed once: the run's from here on
     given = spec.calibration.model_dump()
     shown = CalibrationSpec(**given)
     calibration = CalibrationSpec(**{**given, "source": read(spec.calibration.source, "calibration.source")})
-    optimise = OptimiseSpec(devices=spec.devices, delta=spec.delta, schedule=text, score=spec.score,
+    optimise = OptimiseSpec(devices=spec.devices, delta=spec.delta, schedule=schedule, score=spec.score,
                             random_layouts=spec.random_layouts, ablations=spec.ablations,
                             export=spec.export.checkpoint or spec.export.shards, batch_size=spec.batch_size,
                             restarts=spec.restarts, stability=spec.stability,
@@ -133,14 +124,15 @@ def plan_run(spec: Any, *, data: DataSource | None = None, max_memory: int | Non
                    checkpoint=spec.export.checkpoint, shards=spec.export.shards, export_dtype=spec.export.dtype,
                    max_memory=max_memory, stream=stream)
     if spec.distill is not None:
+        # spd:auto:K: the students hold dtp:δ until its layers are chosen (`RunPlan.resolve_schedule`)
         plan.distill = distill_spec(spec, calibration=calibration, read=read,
-                                    schedule=None if plan.schedule_pending else text)
+                                    schedule=dtp_spec(spec.delta) if plan.schedule_pending else schedule)
     return plan
 
 
-def distill_spec(spec: Any, *, calibration: Any, read: DataSource, schedule: str | None) -> Any:
+def distill_spec(spec: Any, *, calibration: Any, read: DataReader, schedule: ScheduleSpec) -> Any:
     """The job spec's `distill` as a models.distill.spec.DistillSpec, its data sources as read. `schedule`:
-    what the students simulate (spd:auto:K: none until its layers are chosen; `RunPlan.resolve_schedule`)."""
+    what the students simulate."""
     from models.data.calibration import CalibrationSpec
     from models.distill.recipe import DistillRecipe
     from models.distill.spec import DistillSpec
@@ -157,6 +149,6 @@ def distill_spec(spec: Any, *, calibration: Any, read: DataSource, schedule: str
 def plan_distill(distill: Any, *, model_id: str, dtype: str) -> RunPlan:
     """The run of a distillation alone (`dtp-layout distill`: layouts already made, a DistillSpec from its
     flags): no optimise spec, so the stages that apply are loading, then distilling (which resumes every
-    run from its checkpoints by itself). The schedule is parsed here, once, as for a job."""
+    run from its checkpoints by itself). The schedule is the DistillSpec's (parsed at the flags)."""
     return RunPlan(model_id=model_id, dtype=dtype, devices=distill.devices, delta=distill.delta,
-                   schedule=as_schedule(distill.schedule), distill=distill)
+                   schedule=distill.schedule, distill=distill)

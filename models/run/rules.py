@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.base.layout_format import LayoutError
-from models.schedules.grammar import ScheduleError, ScheduleSpec, parse_schedule, schedule_spec
+from models.schedules.grammar import ScheduleError, ScheduleSpec, dtp_spec, parse_schedule, schedule_spec
 
 # The rules, by name: what each refuses. tests/app/api/test_refusals.py feeds each a job can meet (all but
 # LOCAL_ONLY) to a worker and to the API's submit check, which must refuse it too, naming the same field.
@@ -81,9 +81,11 @@ class DeltaConflict(ScheduleError):
 
 
 def schedule_and_delta(text: str | None, delta: int | None) -> tuple[ScheduleSpec | None, int | None]:
-    """The schedule rule of a job spec and of every command: `text` parsed (a ScheduleError names what is
-    accepted); a dtp schedule gives δ where `delta` is not given (None) and is refused (DeltaConflict) with a
-    different one. Returns the schedule (None where not given) and the δ."""
+    """The schedule rule of a job spec and of every command, at the boundary (the spec's `schedule` and `delta`,
+    the flags --schedule and --delta): `text` parsed (a ScheduleError names what is accepted); a dtp schedule
+    gives δ where `delta` is not given (None) and is refused (DeltaConflict) with a different one. Returns the
+    schedule (None where not given) and the δ; `job_schedule` then makes them the one ScheduleSpec the run
+    carries."""
     if text is None:
         return None, delta
     spec = parse_schedule(text)
@@ -94,14 +96,10 @@ def schedule_and_delta(text: str | None, delta: int | None) -> tuple[ScheduleSpe
     return spec, delta
 
 
-def shorthand(schedule: ScheduleSpec | None, delta: int | None) -> str | None:
-    """A schedule as a spec stores it: canonical, None where it is dtp:δ of `delta` (its shorthand)."""
-    return None if schedule is None or str(schedule) == f"dtp:{delta}" else str(schedule)
-
-
-def as_schedule(schedule: ScheduleSpec | str | None) -> ScheduleSpec | None:
-    """A schedule given as its string (a stored spec) or already parsed; None stays None (dtp:δ)."""
-    return None if schedule is None else schedule_spec(schedule)
+def job_schedule(schedule: ScheduleSpec | str | None, delta: int) -> ScheduleSpec:
+    """The one schedule a run carries past the boundary: a job spec's or a command's `schedule` (its string,
+    parsed here, or already parsed), else dtp:δ of `delta` (the shorthand)."""
+    return dtp_spec(delta) if schedule is None else schedule_spec(schedule)
 
 
 # ---- what a run does, as the rules see it ---------------------------------------------------------------
@@ -111,8 +109,8 @@ class RunFacts:
     """The parts of a run the rules read: from a job spec (`of_spec`) or a run's plan (`RunPlan.facts`)."""
 
     devices: int
-    delta: int
-    schedule: ScheduleSpec | None = None  # None: dtp:δ of delta
+    delta: int  # the layouts' δ (recorded in each; for a dtp schedule, its δ)
+    schedule: ScheduleSpec
     optimises: bool = True  # the calibration, affinity and optimising stages run
     stability: bool = False
     exports: bool = False
@@ -127,7 +125,8 @@ class RunFacts:
     @classmethod
     def of_spec(cls, spec: Any, *, layout_independent_ok: bool = True) -> RunFacts:
         """A validated job spec's (app.core.schemas.jobs.JobSpec, or anything with its attributes)."""
-        return cls(devices=spec.devices, delta=spec.delta, schedule=as_schedule(spec.schedule), optimises=True,
+        return cls(devices=spec.devices, delta=spec.delta, schedule=job_schedule(spec.schedule, spec.delta),
+                   optimises=True,
                    stability=bool(spec.stability), exports=bool(spec.export.checkpoint or spec.export.shards),
                    distills=spec.distill is not None, layout_independent_ok=layout_independent_ok,
                    dtype=spec.model.dtype, calibration_sequences=spec.calibration.sequences,
@@ -135,7 +134,7 @@ class RunFacts:
 
     @property
     def chooses_spd_layers(self) -> bool:
-        return self.schedule is not None and not self.schedule.resolvable
+        return not self.schedule.resolvable
 
 
 # ---- the rules -----------------------------------------------------------------------------------------
@@ -190,7 +189,7 @@ def model_refusals(facts: RunFacts, shape: Any) -> list[Refusal]:
             check(shape, value)
         except LayoutError as exc:
             out.append(Refusal(rule, rule, str(exc), LayoutError))
-    if out or facts.schedule is None:
+    if out:
         return out
     try:  # its layers, blocks and δ against the model's depth; spd:auto:K: K now, its layers at the affinity stage
         check_schedule(facts.schedule, shape.num_layers, facts.devices)
@@ -200,8 +199,7 @@ def model_refusals(facts: RunFacts, shape: Any) -> list[Refusal]:
         from models.variants.set import objective_schedule
 
         try:
-            objective_schedule(facts.schedule, delta=facts.delta, num_layers=shape.num_layers,
-                               devices=facts.devices)
+            objective_schedule(facts.schedule, num_layers=shape.num_layers, devices=facts.devices)
         except ScheduleError as exc:
             out.append(Refusal("schedule-fits", "schedule", str(exc), ScheduleError))
         except LayoutError as exc:
@@ -223,8 +221,7 @@ def further_edges(facts: RunFacts, num_layers: int) -> bool:
     if facts.chooses_spd_layers:
         return False  # spd:B: one up edge per dropped layer, all on the chain
     try:
-        objective = objective_schedule(facts.schedule, delta=facts.delta,
-                                       num_layers=num_layers, devices=facts.devices)
+        objective = objective_schedule(facts.schedule, num_layers=num_layers, devices=facts.devices)
     except LayoutError:  # a layout-independent schedule: its layouts optimise the chain
         return False
     chain = set(chain_pairs(num_layers))
@@ -260,8 +257,7 @@ def memory_refusals(facts: RunFacts, config: Any, *, limit: int | None, stream: 
                            _streamed(f"{facts.schedule} chooses its layers by simulating the whole model"),
                            MemoryLimitError))
     elif facts.optimises and affinity_pass and further_edges(facts, model_shape(config).num_layers):
-        shown = facts.schedule if facts.schedule is not None else f"dtp:{facts.delta}"
         out.append(Refusal("streamed-edges", "schedule",
-                           _streamed(f"schedule {shown} needs edges beyond the paper's chain, which only the "
+                           _streamed(f"schedule {facts.schedule} needs edges beyond the paper's chain, which only the "
                                      f"in-memory affinity pass scores"), MemoryLimitError))
     return plan, out

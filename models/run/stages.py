@@ -44,6 +44,7 @@ from models.run.plan import RunPlan
 from models.run.rules import memory_refusals, model_refusals, raise_first
 from models.run.runner import Hooks, Note, Stage, StageContext
 from models.run.stage_names import STAGES as STAGE_ORDER
+from models.schedules.grammar import ScheduleSpec
 
 
 class AffinityStore:
@@ -233,12 +234,12 @@ def _restore_affinity(ctx: RunContext) -> None:
     ctx.resolve_schedule(ctx.run_state().affinity.schedule)
 
 
-def _schedule_now(ctx: RunContext) -> str | None:
+def _schedule_now(ctx: RunContext) -> ScheduleSpec:
     """The run's schedule for the stages after the affinity: spd:auto:K's chosen spd:B (read back from the
     affinity file where no stage of this run restored it)."""
     if ctx.schedule_pending:
         _restore_affinity(ctx)
-    return ctx.schedule_text
+    return ctx.schedule
 
 
 def _optimise(ctx: RunContext, hooks: Hooks) -> Note:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from models.schedules.grammar import accepted_forms
+from models.schedules.grammar import accepted_forms, dtp_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def _read_ids(path: str) -> Any:
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
-    override = args.schedule_override if args.delta_override is None else f"dtp:{args.delta_override}"
+    override = args.schedule_override if args.delta_override is None else dtp_text(args.delta_override)
     return dict(max_new_tokens=args.max_new_tokens, schedule=args.schedule, schedule_override=override,
                 last_scale=args.last_scale,
                 temperature=args.temperature, top_k=args.top_k, seed=args.seed, stop_at_eos=not args.ignore_eos,

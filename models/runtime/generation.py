@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from models.runtime.errors import ShardError
-from models.schedules.grammar import ScheduleError, resolve_schedule
+from models.schedules.grammar import ScheduleError, parse_schedule, resolve_schedule
 
 LAST_SCALES = ("sqrt", "one")
 
@@ -95,9 +95,9 @@ def checked_schedule(requested: str | None, override: bool, info: LoadInfo, last
 
 
 def schedule_delta(schedule: str) -> int | None:
-    """δ of a dtp:δ schedule (no @K), else None."""
-    name, _, rest = schedule.partition(":")
-    return int(rest) if name == "dtp" and rest.isdigit() else None
+    """δ of a dtp:δ schedule (no @K), else None; `schedule` is a checked request's (canonical)."""
+    spec = parse_schedule(schedule)
+    return spec.delta if spec.kind == "dtp" and spec.upper is None else None
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class GenerationResult:
             "schedule": self.schedule,
             "delta": self.delta,
             "mode": "tensor-parallel" if self.schedule in ("tp", "dtp:0") else "dtp" if self.delta is not None
-            else self.schedule.partition(":")[0],
+            else parse_schedule(self.schedule).kind,
             "backend": self.backend,
             "link_latency_us": self.link_latency_us,
             "sampling": self.sampling,

@@ -34,6 +34,7 @@ import numpy as np
 
 from models.runtime.errors import RankFailure, RuntimeStopped, ShardError
 from models.runtime.generation import GenerateRequest, GenerationResult, LoadInfo
+from models.schedules.grammar import dtp_text
 
 BACKENDS = ("auto", "gloo", "nccl")
 WAIT_SLICE_S = 0.25  # the longest the launcher waits on its ranks before it looks at pending signals
@@ -273,7 +274,7 @@ class DTPRuntime:
         if delta is not None:
             if not isinstance(delta, int) or isinstance(delta, bool) or delta < 0:
                 raise ValueError(f"delta must be a non-negative integer (0 = tensor parallelism), got {delta!r}")
-            schedule_override = f"dtp:{delta}"
+            schedule_override = dtp_text(delta)
         request = GenerateRequest(ids, max_new_tokens, schedule=schedule or schedule_override,
                                   override=schedule_override is not None, last_scale=last_scale,
                                   temperature=temperature, top_k=top_k, seed=seed, stop_ids=stops,

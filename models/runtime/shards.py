@@ -28,7 +28,7 @@ from models.families.plan import PlanError, SplitRule, local_shape, stacked_bias
 from models.io.digest import sha256_file
 from models.layouts.layout import Layout, check_fits, from_json_dict
 from models.runtime.errors import ShardError
-from models.schedules.grammar import ScheduleError, resolve_schedule
+from models.schedules.grammar import ScheduleError, dtp_text, resolve_schedule
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ShardSet:
         """The schedule the shards were made for: the manifest's `schedule`; shards written before it
         was recorded were made for dtp:δ with the manifest's δ."""
         recorded = self.manifest.get("schedule")
-        return recorded if isinstance(recorded, str) else f"dtp:{self.manifest['delta']}"
+        return recorded if isinstance(recorded, str) else dtp_text(self.manifest["delta"])
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: local_shape(full, self.rules[name], self.devices) for name, full in self.full_shapes.items()}

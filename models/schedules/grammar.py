@@ -58,8 +58,8 @@ from models.schedules.presets import (
 from models.schedules.table import NEVER, LastScale, Schedule, ScheduleError
 
 __all__ = ["ACCEPTED", "ACCEPTED_WITHOUT_AUTO", "MAX_SCHEDULE_CHARS", "NEVER", "LastScale", "Schedule",
-           "ScheduleError", "ScheduleSpec", "accepted_forms", "check_schedule", "dtp_spec", "parse_schedule",
-           "resolve_schedule", "schedule_spec"]
+           "ScheduleError", "ScheduleSpec", "accepted_forms", "check_schedule", "dtp_spec", "dtp_text",
+           "parse_schedule", "resolve_schedule", "schedule_spec", "shorthand"]
 
 Kind = Literal["tp", "dtp", "ladder", "spd", "spd-auto", "pt"]
 
@@ -137,9 +137,23 @@ def schedule_spec(schedule: str | ScheduleSpec) -> ScheduleSpec:
     return parse_schedule(schedule) if isinstance(schedule, str) else schedule
 
 
+def dtp_text(delta: int) -> str:
+    """dtp:δ's string, unchecked, where a string travels on (a rank's request, a manifest's field): with
+    `dtp_spec`, the one place that spells dtp:δ from a δ."""
+    return f"dtp:{delta}"
+
+
 def dtp_spec(delta: int) -> ScheduleSpec:
     """`delta: δ` is the shorthand for `dtp:δ`."""
-    return parse_schedule(f"dtp:{delta}")
+    return parse_schedule(dtp_text(delta))
+
+
+def shorthand(schedule: ScheduleSpec | None, delta: int | None) -> str | None:
+    """A schedule as the stores that keep the older `delta` + `schedule` pair write it (a job spec's fields, a
+    distillation run's fingerprint): canonical, None where it is dtp:δ of `delta` (its shorthand)."""
+    if schedule is None or (schedule.kind == "dtp" and schedule.upper is None and schedule.delta == delta):
+        return None
+    return str(schedule)
 
 
 def resolve_schedule(schedule: str | ScheduleSpec, num_layers: int, devices: int,

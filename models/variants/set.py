@@ -18,8 +18,9 @@ Every layout's `score` is its report in the run's score units (J, per-edge co-lo
 plus `scores` with the same report in FO and in ADD units whichever score built it, `objective` (the score
 it was optimised on, None for contiguous/random) and `restarts` (the extra optimiser starts it used).
 With a schedule (issue 20) every layout is optimised and scored on J_σ, the objective of that schedule's
-edges (`models.optimise.objective`), and records the schedule; without one (None), on the
-paper's chain objective exactly as before (which is J_σ at dtp:1).
+edges (`models.optimise.objective`), and records the schedule; dtp:0 and dtp:1 optimise the paper's chain
+objective (`CHAIN`: J_σ of dtp:1, which the chain's affinity pass computes exactly as before issue 20), and
+their layouts record no schedule.
 Pure numpy (no torch): the `score` command and the API process use it.
 """
 
@@ -42,10 +43,8 @@ from models.schedules.grammar import (
     Schedule,
     ScheduleError,
     ScheduleSpec,
-    dtp_spec,
     parse_schedule,
     resolve_schedule,
-    schedule_spec,
 )
 
 if TYPE_CHECKING:
@@ -102,8 +101,20 @@ def affinity_for(result: AffinityResult, score_name: str) -> Affinity:
     return Affinity(up=result.up(score_name), down=result.down, experts=result.shape.num_experts)
 
 
+# The paper's chain objective, as an objective table: no table, the affinity pass's chain edges alone. dtp:0 and
+# dtp:1 optimise it (`optimises_chain`); every function below taking `schedule: Schedule | None` reads None so.
+CHAIN: None = None
+
+
+def optimises_chain(schedule: ScheduleSpec) -> bool:
+    """Whether `schedule`'s layouts optimise the paper's chain objective (`CHAIN`): dtp:1, whose J_σ the chain
+    is, and dtp:0, where every module is exchanged before the next reads it (no layout is better than another:
+    the chain objective is kept, as it always was)."""
+    return schedule.kind == "dtp" and schedule.upper is None and schedule.delta <= 1
+
+
 def objective_affinity(result: AffinityResult, score_name: str, schedule: Schedule | None) -> Problem:
-    """What a layout is optimised and scored on: `schedule`'s edges, or the paper's chain (None)."""
+    """What a layout is optimised and scored on: `schedule`'s edges, or the paper's chain (`CHAIN`)."""
     return affinity_for(result, score_name) if schedule is None else result.schedule_affinity(score_name, schedule)
 
 
@@ -112,19 +123,18 @@ def restarts_used(variant: Variant, restarts: int) -> int:
     return 0 if variant.paper_restarts or not variant.move_heads else restarts
 
 
-def objective_schedule(schedule: str | ScheduleSpec | None, *, delta: int, num_layers: int, devices: int,
+def objective_schedule(schedule: ScheduleSpec, *, num_layers: int, devices: int,
                        resolved: str | None = None) -> Schedule | None:
-    """The schedule a layout is optimised for, resolved for the model; None: the paper's chain objective.
+    """The schedule a layout is optimised for, resolved for the model; `CHAIN` (None): the paper's chain
+    objective, for dtp:0 and dtp:1 (`optimises_chain`).
 
-    `schedule` None means dtp:δ of `delta` (the shorthand) for δ ≥ 2 and the chain (J_σ of dtp:1) for
-    δ ≤ 1 (at δ = 0 no layout is better than another; the chain objective is kept as before).
     spd:auto:K needs `resolved`, the spd:B its calibration sensitivities chose (`models.evaluation.spd_auto`; an
     affinity file records it as its schedule). ScheduleError when it does not fit the model or is
     spd:auto:K without `resolved`; LayoutError when it leaves nothing to optimise (tp, ladder).
     """
-    if schedule is None and delta <= 1:
-        return None
-    spec = schedule_spec(schedule) if schedule is not None else dtp_spec(delta)
+    if optimises_chain(schedule):
+        return CHAIN
+    spec = schedule
     if spec.kind == "spd-auto":
         if resolved is None:
             raise ScheduleError(f"schedule {spec}: its layers are chosen by their sensitivity on the calibration "

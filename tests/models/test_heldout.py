@@ -10,6 +10,7 @@ import pytest
 from models import distill as D
 from models.data import heldout
 from models.data.calibration import CalibrationSpec
+from models.schedules.grammar import dtp_spec
 from tests.tiny import tiny_model
 
 
@@ -85,7 +86,8 @@ def test_two_dimensional_npy_counts_rows(tmp_path):
 def test_distill_reads_held_out_blocks_and_reports_them(tmp_path):
     np.save(tmp_path / "ids.npy", np.arange(60 * 8))  # token i at position i
     ids = str(tmp_path / "ids.npy")
-    spec = D.DistillSpec(layouts=("contiguous",), devices=2, calibration=CalibrationSpec(ids, sequences=5, seq_len=8),
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, schedule=dtp_spec(1),
+                         calibration=CalibrationSpec(ids, sequences=5, seq_len=8),
                          train=CalibrationSpec(ids, sequences=10, seq_len=8),
                          eval=CalibrationSpec(ids, sequences=2, seq_len=16))
     train, evaluation = D.load_data(spec, tokenizer=None, vocab_size=1000)
@@ -105,7 +107,7 @@ def test_summary_json_records_the_placement(tmp_path, allow):
     ids = str(tmp_path / "ids.npy")
     recipe = D.DistillRecipe(steps=1, batch_size=2, micro_batch_size=2, eval_every=1, eval_batch_size=2,
                              warmup_steps=0, logit_chunk=16)
-    spec = D.DistillSpec(layouts=("contiguous",), devices=2, recipe=recipe, allow_overlap=allow,
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, schedule=dtp_spec(1), recipe=recipe, allow_overlap=allow,
                          calibration=CalibrationSpec(ids, sequences=4, seq_len=8),
                          train=CalibrationSpec(ids, sequences=2, seq_len=8),
                          eval=CalibrationSpec(ids, sequences=2, seq_len=8))

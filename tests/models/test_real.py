@@ -13,6 +13,7 @@ from models.export.resident import permuted_copy
 from models.families import model_shape
 from models.io.assets import corpus_file
 from models.layouts import layout as lay
+from models.schedules.grammar import dtp_spec
 
 pytestmark = pytest.mark.real
 
@@ -116,7 +117,7 @@ def test_smollm2_distillation_reduces_the_kl(smollm2, tmp_path):
     model, tokenizer, _ = smollm2
     recipe = distill.DistillRecipe(steps=4, batch_size=2, micro_batch_size=2, lr=2e-4, min_lr=2e-5, warmup_steps=1,
                                    eval_every=4, eval_batch_size=4, checkpoint_every=1)
-    spec = distill.DistillSpec(layouts=("contiguous",), devices=3, delta=1, recipe=recipe,
+    spec = distill.DistillSpec(layouts=("contiguous",), devices=3, delta=1, schedule=dtp_spec(1), recipe=recipe,
                                train=CalibrationSpec(str(corpus_file("shakespeare")), sequences=8, seq_len=64),
                                eval=CalibrationSpec(str(corpus_file("shakespeare")), sequences=4, seq_len=64))
     summary = distill.run_distill(spec, teacher=model, tokenizer=tokenizer, out_dir=tmp_path, model_id="smollm2",

@@ -77,8 +77,9 @@ def direct_layouts(settings, tmp_path, sequences: int) -> dict[str, float]:
     out.mkdir()
     ctx = stages.RunContext(
         run_dir=out, model_id="tiny.gguf", source=lambda: ModelSource(str(settings.models_dir / "tiny.gguf")),
-        dtype=body.model.dtype, device="cpu", devices=body.devices, delta=body.delta,
-        optimise=pipeline.OptimiseSpec(devices=body.devices, delta=body.delta, score=body.score,
+        dtype=body.model.dtype, device="cpu", devices=body.devices, delta=body.delta, schedule=body.schedule_spec(),
+        optimise=pipeline.OptimiseSpec(devices=body.devices, delta=body.delta, schedule=body.schedule_spec(),
+                                       score=body.score,
                                        random_layouts=body.random_layouts, ablations=body.ablations, export=False,
                                        batch_size=body.batch_size, restarts=body.restarts, stability=False),
         calibration=calibration, calibration_shown=calibration)

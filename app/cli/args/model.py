@@ -174,10 +174,10 @@ def layout_of(args: argparse.Namespace, config: Any) -> Any:
 
 
 def check_layout_numbers(config: Any, devices: int, delta: int, schedule: Any = None) -> None:
-    """L, δ and the schedule (its string or parsed) checked against the model's config (before any weights load),
-    by the rules of a run's loading stage (models.run.rules.model_refusals)."""
+    """L, δ and the schedule (its string or parsed; None: dtp:δ) checked against the model's config (before any
+    weights load), by the rules of a run's loading stage (models.run.rules.model_refusals)."""
     from models.families import model_shape
-    from models.run.rules import RunFacts, as_schedule, model_refusals, raise_first
+    from models.run.rules import RunFacts, job_schedule, model_refusals, raise_first
 
-    facts = RunFacts(devices=devices, delta=delta, schedule=as_schedule(schedule), optimises=False)
+    facts = RunFacts(devices=devices, delta=delta, schedule=job_schedule(schedule, delta), optimises=False)
     raise_first(model_refusals(facts, model_shape(config)))

@@ -20,6 +20,7 @@ from app.cli.args.schedule import schedule_of
 from app.cli.args.spec_flags import command_flags
 from app.cli.errors import CliError
 from models.base.fields import FieldRule, Flag
+from models.data.source import parse_data_source
 from models.run.jobspec import SpecField
 
 # The command's own numeric flags that are not job-spec fields: name -> the least value accepted.
@@ -117,9 +118,10 @@ def check_layouts(args: argparse.Namespace) -> None:
 def check_data_source(flag: str, source: str) -> None:
     """A data flag's source exists on this machine: the corpus is installed, the file or directory is there,
     hf: sources have `datasets`. (An upload:ID is the service's: a local command reads local files.)"""
-    if source.startswith("corpus:"):
-        _check_corpus(flag, source.split(":", 1)[1])
-    elif source.startswith("hf:"):
+    parsed = parse_data_source(source)
+    if parsed.kind == "corpus":
+        _check_corpus(flag, parsed.value)
+    elif parsed.kind == "hf":
         if importlib.util.find_spec("datasets") is None:
             raise CliError(f"{flag} {source}: hf: sources need the `datasets` package (the hf extra: "
                            "pip install -e '.[hf]' in a checkout), or give a local file or corpus:NAME")

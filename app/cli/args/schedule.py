@@ -32,9 +32,18 @@ def schedule_flags(p: argparse.ArgumentParser) -> None:
 def schedule_text(args: argparse.Namespace, *, allow_auto: bool = False) -> str | None:
     """`--schedule S` canonical, None where it is the layout's dtp:δ (its shorthand) or not given.
     `allow_auto`: spd:auto:K passes (only `optimise` runs the sensitivity pass that chooses its layers)."""
-    from models.run.rules import shorthand
+    from models.schedules.grammar import shorthand
 
     return shorthand(schedule_of(args, allow_auto=allow_auto), args.delta)
+
+
+def command_schedule(args: argparse.Namespace, *, allow_auto: bool = False) -> Any:
+    """The one schedule the command runs (models.schedules.grammar.ScheduleSpec), from --schedule and --delta:
+    the schedule given, else dtp:δ of --delta (`schedule_of` refuses a conflict and fills in --delta)."""
+    from models.run.rules import job_schedule
+
+    spec = schedule_of(args, allow_auto=allow_auto)
+    return job_schedule(spec, args.delta)
 
 
 def accepted_here(message: str, allow_auto: bool) -> str:

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from app.cli.args.schedule import command_schedule
 from app.cli.errors import CliError
 
 
@@ -25,7 +26,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     check_devices(result.shape, args.devices)
     check_delta(result.shape, args.delta)
     try:
-        schedule = objective_schedule(args.schedule, delta=args.delta, num_layers=result.shape.num_layers,
+        schedule = objective_schedule(command_schedule(args), num_layers=result.shape.num_layers,
                                       devices=args.devices)
         sigma = None if schedule is None else result.schedule_affinity(args.score, schedule)
     except ValueError as exc:

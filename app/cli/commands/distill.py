@@ -21,7 +21,7 @@ from app.cli.args.model import (
     layouts_dir_of,
     model_config,
 )
-from app.cli.args.schedule import schedule_flags, schedule_text
+from app.cli.args.schedule import command_schedule, schedule_flags
 from app.cli.args.spec_flags import spec_values
 from app.cli.extras import needs_worker_extra
 from app.cli.run import CliHooks
@@ -37,7 +37,7 @@ def _recipe(args: argparse.Namespace) -> DistillRecipe:
 def _spec(args: argparse.Namespace) -> Any:
     from models.data.calibration import CalibrationSpec
     from models.distill import DistillSpec
-    schedule = schedule_text(args)  # fills in --delta from a dtp --schedule; a conflict is refused
+    schedule = command_schedule(args)  # fills in --delta from a dtp --schedule; a conflict is refused
     given = spec_values(args, "distill")
     recipe = _recipe(args)
     sequences = given["distill.train.sequences"] or recipe.steps * recipe.batch_size

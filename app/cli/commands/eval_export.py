@@ -19,7 +19,7 @@ from app.cli.args.model import (
     progress_bar,
     weights,
 )
-from app.cli.args.schedule import schedule_of, schedule_text
+from app.cli.args.schedule import command_schedule, schedule_of
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 
 
@@ -28,7 +28,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from models.io.loading import ModelSource
     from models.streaming.source import layer_source
 
-    schedule = schedule_text(args)  # a bad --schedule fails before anything loads
+    schedule = command_schedule(args)  # a bad --schedule fails before anything loads
     config = model_config(args, ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file))
     check_layout_numbers(config, args.devices, args.delta, schedule)  # fail before loading weights
     layout = layout_of(args, config)
@@ -44,7 +44,7 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"{str(dtype).removeprefix('torch.')} (computed in {args.dtype})")
     print(f"permuted checkpoint: {ckpt}")
     print(f"rank shards:         {shards} ({layout.devices} files + manifest.json), made for schedule "
-          f"{schedule or f'dtp:{layout.delta}'}")
+          f"{schedule}")
     return 0
 
 

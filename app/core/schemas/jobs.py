@@ -30,8 +30,8 @@ from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
 from models.run import jobspec
 from models.run.files import ARTIFACTS
 from models.run.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
-from models.run.rules import schedule_and_delta, shorthand
-from models.schedules.grammar import ScheduleError, ScheduleSpec, dtp_spec, parse_schedule
+from models.run.rules import job_schedule, schedule_and_delta
+from models.schedules.grammar import ScheduleError, ScheduleSpec, shorthand
 from models.variants.set import ablation_names
 
 __all__ = ["INT32_MAX", "MAX_SKIP_BLOCKS", "STAGES", "STATUSES", "Stage", "Status"]  # importable from here
@@ -363,7 +363,7 @@ class JobSpec(_Strict):
 
     def schedule_spec(self) -> ScheduleSpec:
         """The schedule the job runs: `schedule`, else dtp:δ of `delta` (its shorthand)."""
-        return parse_schedule(self.schedule) if self.schedule is not None else dtp_spec(self.delta)
+        return job_schedule(self.schedule, self.delta)
 
     def effective_schedule(self) -> str:
         """The schedule the job runs, canonical (what the job's row records and the filters compare)."""

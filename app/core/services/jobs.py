@@ -55,8 +55,9 @@ from app.core.services.uploads import resolve_ref
 from app.core.settings import Settings
 from app.core.storage.root import DamagedFile, Storage
 from models.base.layout_format import LAYOUT_FORMAT
+from models.data.source import is_upload, parse_data_source
 from models.run.rules import schedule_and_delta, spec_refusals
-from models.schedules.grammar import ScheduleError, dtp_spec
+from models.schedules.grammar import ScheduleError, dtp_spec, dtp_text
 
 log = logging.getLogger(__name__)
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -88,7 +89,7 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
     data_path: Path | None = None
     config: dict[str, Any] | None = None
     gguf = spec.model.gguf_file is not None or spec.model.id.endswith(".gguf")  # loaded through a converted copy
-    if spec.model.id.startswith("upload:"):
+    if is_upload(spec.model.id):
         try:
             upload = _upload(uploads, spec.model.id, "model", "model.id")
             config = dict(upload.config or {}) or None
@@ -112,7 +113,7 @@ def check_spec(*, settings: Settings, spec: JobSpec, tenant: str | None = None,
         except SourceError as exc:
             problems.append((exc.field, str(exc)))
     problems += _data_problems(settings, spec.calibration.source, "calibration.source", uploads)
-    if not problems and not spec.calibration.source.startswith(("corpus:", "hf:", "upload:")):
+    if not problems and parse_data_source(spec.calibration.source).kind == "path":
         data_path = Path(resolve_data(settings.data_dir, spec.calibration.source))
     if location is not None:
         config = read_config(location, scope=tenant)
@@ -144,7 +145,7 @@ def source_problems(*, settings: Settings, body: dict[str, Any], uploads: Upload
     model_id = text(model, "id")
     if model_id is not None and not {"model", "model.id"} & set(reported):
         try:
-            if model_id.startswith("upload:"):
+            if is_upload(model_id):
                 _upload(uploads, model_id, "model", "model.id")
             else:
                 location = resolve_model(settings.models_dir, model_id, revision=text(model, "revision"),
@@ -172,7 +173,7 @@ def _upload(uploads: UploadLookup | None, ref: str, kind: str, field: str) -> An
 def _data_problems(settings: Settings, source: str, field: str,
                    uploads: UploadLookup | None = None) -> list[tuple[str, str]]:
     try:
-        if source.startswith("upload:"):
+        if is_upload(source):
             _upload(uploads, source, "data", field)
             return []
         resolve_data(settings.data_dir, source, field=field, corpora=submit_corpora(settings.corpora))
@@ -276,8 +277,8 @@ def schedule_filter(schedule: str | None, delta: int | None) -> str | None:
     if parsed is None:
         return str(dtp_spec(delta))
     if parsed.kind != "dtp":
-        raise SpecError([("delta", f"delta={delta} asks for the dtp:{delta} jobs, but schedule={parsed} has no δ: "
-                                   f"give one of them")])
+        raise SpecError([("delta", f"delta={delta} asks for the {dtp_text(delta)} jobs, but schedule={parsed} has "
+                                   f"no δ: give one of them")])
     return str(parsed)
 
 

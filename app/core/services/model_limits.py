@@ -19,7 +19,7 @@ from typing import Any, TypeGuard
 from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from models.families.defaults import parameter_count, with_family_defaults
-from models.run.rules import RunFacts, as_schedule, memory_refusals, model_refusals
+from models.run.rules import RunFacts, job_schedule, memory_refusals, model_refusals
 
 __all__ = ["check_config", "check_model_config", "dimension_problems", "parameter_count", "upload_config_problems"]
 
@@ -79,7 +79,7 @@ def check_config(config: dict[str, Any], *, devices: int, delta: int, schedule: 
     except (AttributeError, TypeError, ZeroDivisionError):
         return []
     if facts is None:
-        facts = RunFacts(devices=devices, delta=delta, schedule=as_schedule(schedule))
+        facts = RunFacts(devices=devices, delta=delta, schedule=job_schedule(schedule, delta))
     return [(r.field, r.message) for r in model_refusals(facts, shape)]
 
 

@@ -133,7 +133,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
                              run_dir=run_dir_for(out_dir, name, seed), model_id=model_id, progress=run_progress,
                              should_stop=should_stop, on_eval=record, on_step=step_hook, on_restore=restored,
                              keep_checkpoint=keep_checkpoints, world_size=spec.world_size,
-                             schedule=spec.schedule)
+                             schedule=spec.run_schedule)
         records[:] = [r for r in records if (r.layout, r.seed) != (name, seed)] + result.records
         if writer:
             write_metrics(out_dir, records)

@@ -91,7 +91,7 @@ def summarise(records: Sequence[EvalRecord], *, spec: DistillSpec, dense_ppl: fl
         "model": model_id,
         "devices": spec.devices,
         "delta": spec.delta,
-        "schedule": spec.schedule or f"dtp:{spec.delta}",
+        "schedule": str(spec.schedule),
         "world_size": spec.world_size,  # the ranks each run trained on (the curves do not depend on it)
         "seeds": list(spec.seeds),
         "recipe": spec.recipe.as_dict(),

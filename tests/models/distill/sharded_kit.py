@@ -60,7 +60,10 @@ def compare_main(data: str, out_dir: str, calls: str) -> None:
 
     torch.set_num_threads(1)
     teacher = tiny_model("llama-tied-headdim")  # the LM head is the embedding: one FSDP unit (the root)
-    spec = D.DistillSpec(layouts=("contiguous",), devices=2, seeds=(0,), recipe=small_recipe(steps=4), world_size=2,
+    from models.schedules.grammar import dtp_spec
+
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, schedule=dtp_spec(1), seeds=(0,),
+                         recipe=small_recipe(steps=4), world_size=2,
                          train=CalibrationSpec(data, sequences=16, seq_len=16),
                          eval=CalibrationSpec(data, sequences=4, seq_len=16))
     seen = {"progress": 0, "on_eval": 0, "on_step": 0, "on_run_start": 0}

@@ -12,6 +12,7 @@ from models.base.layout_format import LayoutError
 from models.data.calibration import CalibrationSpec
 from models.families import model_shape
 from models.layouts import layout as lay
+from models.schedules.grammar import dtp_spec
 from tests.models.distill.kit import VOCAB, layout_of, recipe
 from tests.tiny import tiny_model
 
@@ -41,7 +42,8 @@ def test_resolve_layouts_by_name(tmp_path):
 def test_run_distill_compares_layouts_and_writes_the_summary(tmp_path):
     teacher = tiny_model("qwen2")
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, VOCAB, size=40 * 16))
-    spec = D.DistillSpec(layouts=("optimised", "contiguous"), devices=2, seeds=(0, 1), recipe=recipe(steps=4),
+    spec = D.DistillSpec(layouts=("optimised", "contiguous"), devices=2, schedule=dtp_spec(1), seeds=(0, 1),
+                         recipe=recipe(steps=4),
                          train=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=16, seq_len=16),
                          eval=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=4, seq_len=16))
     layout_of(teacher, seed=9).with_name("optimised", {"J": 3.0}).save(tmp_path / "layouts" / "optimised.json")
@@ -72,7 +74,8 @@ def test_progress_moves_through_the_reference_and_the_evaluations_not_only_the_s
     after every evaluation micro-batch and every step. The sequence below is that count written out by hand."""
     teacher = tiny_model("qwen2")
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, VOCAB, size=40 * 16))
-    spec = D.DistillSpec(layouts=("contiguous",), devices=2, seeds=(0,), recipe=recipe(steps=4),  # evals 0, 2, 4
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, schedule=dtp_spec(1), seeds=(0,),
+                         recipe=recipe(steps=4),  # evals 0, 2, 4
                          train=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=16, seq_len=16),
                          eval=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=4, seq_len=16))
     told: list[tuple[str, float]] = []

@@ -9,6 +9,7 @@ import torch
 
 from models import distill as D
 from models.data.calibration import CalibrationSpec
+from models.schedules.grammar import dtp_spec
 
 
 def test_batch_order_depends_only_on_seed_and_step():
@@ -24,12 +25,12 @@ def test_batch_order_depends_only_on_seed_and_step():
 
 def test_evaluation_skips_past_the_training_text_of_the_same_source(tmp_path):
     np.save(tmp_path / "ids.npy", np.arange(40 * 8))  # token i at position i
-    spec = D.DistillSpec(layouts=("contiguous",), devices=2,
+    spec = D.DistillSpec(layouts=("contiguous",), devices=2, schedule=dtp_spec(1),
                          train=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=10, seq_len=8, seed=3),
                          eval=CalibrationSpec(str(tmp_path / "ids.npy"), sequences=4, seq_len=16))
     train, evaluation = D.load_data(spec, tokenizer=None, vocab_size=1000)
     assert train.shape == (10, 8) and evaluation.shape == (4, 16)
     assert int(train.max()) < 80 <= int(evaluation.min())
     # The spec's seed does not reorder the blocks: each run's training seed does (batch_indices).
-    reseeded = D.DistillSpec(layouts=("contiguous",), devices=2, train=replace(spec.train, seed=0), eval=spec.eval)
+    reseeded = replace(spec, train=replace(spec.train, seed=0))
     assert torch.equal(D.load_data(reseeded, tokenizer=None, vocab_size=1000)[0], train)

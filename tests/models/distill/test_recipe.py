@@ -13,6 +13,7 @@ import pytest
 from models import distill as D
 from models.data.calibration import CalibrationSpec
 from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, DistillError, DistillRecipe
+from models.schedules.grammar import dtp_spec
 
 REPO = Path(__file__).resolve().parents[3]
 PAPER = REPO.parent / "shared" / "papers" / "000_3f90ffc866264473.txt"
@@ -147,6 +148,6 @@ def test_every_field_has_a_rule_a_schema_can_use():
 def test_spec_validation():
     spec = CalibrationSpec("x.npy", sequences=4, seq_len=8)
     with pytest.raises(D.DistillError, match="duplicates"):
-        D.DistillSpec(layouts=("contiguous", "contiguous"), train=spec, eval=spec, devices=2)
+        D.DistillSpec(layouts=("contiguous", "contiguous"), train=spec, eval=spec, devices=2, schedule=dtp_spec(1))
     with pytest.raises(D.DistillError, match="seeds"):
-        D.DistillSpec(layouts=("contiguous",), train=spec, eval=spec, devices=2, seeds=(1, 1))
+        D.DistillSpec(layouts=("contiguous",), train=spec, eval=spec, devices=2, schedule=dtp_spec(1), seeds=(1, 1))

@@ -43,13 +43,18 @@ def test_a_run_distils_the_schedule_and_records_it(setup, tmp_path):
         run(teacher, train, tmp_path / "tp", r=r, schedule="ladder")
 
 
-def test_the_spec_takes_a_schedule_canonical_and_refuses_a_bad_one():
+def test_the_spec_takes_a_parsed_schedule_and_refuses_what_it_cannot_run():
     from models.data.calibration import CalibrationSpec
+    from models.schedules.grammar import parse_schedule
 
     data = CalibrationSpec(source="s", sequences=4, seq_len=8)
-    spec = D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, delta=2, schedule="spd:2,0")
-    assert spec.schedule == "spd:0,2"
-    assert D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, delta=2,
-                         schedule="dtp:2").schedule is None  # delta's own: the shorthand
-    with pytest.raises(DistillError, match=r"schedule: .*accepted"):
-        D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, schedule="ring")
+    spec = D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, delta=2,
+                         schedule=parse_schedule("spd:2,0"))
+    assert str(spec.schedule) == "spd:0,2" and spec.run_schedule == "spd:0,2"
+    same = D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, delta=2,
+                         schedule=parse_schedule("dtp:2"))
+    assert same.run_schedule is None  # delta's own: the runs keep their fingerprints from before schedules
+    with pytest.raises(DistillError, match=r"schedule: a ScheduleSpec .* got str"):
+        D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, schedule="pt:2")
+    with pytest.raises(DistillError, match=r"schedule: spd:auto:2 chooses its layers"):
+        D.DistillSpec(layouts=("contiguous",), train=data, eval=data, devices=2, schedule=parse_schedule("spd:auto:2"))

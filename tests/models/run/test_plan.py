@@ -12,12 +12,12 @@ from models.run.rules import (
     DeltaConflict,
     RunFacts,
     RunRefused,
+    job_schedule,
     model_refusals,
     schedule_and_delta,
-    shorthand,
     spec_refusals,
 )
-from models.schedules.grammar import ScheduleError, ScheduleSpec, parse_schedule
+from models.schedules.grammar import ScheduleError, ScheduleSpec, dtp_spec, parse_schedule, shorthand
 
 
 def _spec(**overrides) -> JobSpec:
@@ -30,21 +30,24 @@ def test_the_plan_of_a_job_spec():
     plan = plan_run(_spec(schedule="pt:2", stability=True, export={"shards": False}),
                     data=lambda source, field: f"/data/{source}" if field == "calibration.source" else source)
     assert plan.stage_names == ("loading", "calibration", "affinity", "optimising", "stability", "exporting")
-    assert plan.schedule == ScheduleSpec("pt", block=2) and plan.schedule_text == "pt:2"
-    assert plan.optimise.schedule == "pt:2" and plan.optimise.layout_independent_ok
+    assert plan.schedule == ScheduleSpec("pt", block=2) and str(plan.schedule) == "pt:2"
+    assert plan.optimise.schedule == plan.schedule and plan.optimise.layout_independent_ok
     assert plan.calibration.source == "/data/calib/ids.npy" and plan.calibration_shown.source == "calib/ids.npy"
     assert (plan.checkpoint, plan.shards, plan.distill) == (True, False, None)
     assert plan.facts == RunFacts.of_spec(_spec(schedule="pt:2", stability=True, export={"shards": False}))
     assert plan_run(_spec(export=False)).stage_names == ("loading", "calibration", "affinity", "optimising")
+    # delta alone is dtp:δ, one ScheduleSpec from the job spec on (the optimise spec and the distillation's too)
+    shorthand_plan = plan_run(_spec(delta=2, distill={"layouts": ["optimised"], "steps": 1}))
+    assert shorthand_plan.schedule == shorthand_plan.optimise.schedule == shorthand_plan.distill.schedule == dtp_spec(2)
 
 
 def test_spd_auto_is_pending_until_the_affinity_stage_writes_its_layers_back():
     plan = plan_run(_spec(schedule="spd:auto:2", distill={"layouts": ["optimised"], "steps": 1}))
-    assert plan.schedule_pending and plan.distill.schedule is None  # the students wait for the layers
+    assert plan.schedule_pending and plan.distill.run_schedule is None  # the students wait for the layers
     assert plan.stage_names[-1] == "distilling"
     plan.resolve_schedule("spd:0,2")
-    assert not plan.schedule_pending and plan.schedule_text == "spd:0,2" and plan.distill.schedule == "spd:0,2"
-    assert plan.optimise.schedule == "spd:auto:2"  # the objective still says what chose them
+    assert not plan.schedule_pending and str(plan.schedule) == "spd:0,2" and str(plan.distill.schedule) == "spd:0,2"
+    assert str(plan.optimise.schedule) == "spd:auto:2"  # the objective still says what chose them
 
 
 def test_the_plan_refuses_what_the_run_would_whatever_the_model():
@@ -56,9 +59,10 @@ def test_the_plan_refuses_what_the_run_would_whatever_the_model():
                                                      ("distill-layouts", "distill.layouts.1")]
 
 
-def test_a_string_schedule_is_parsed_once_into_the_plan():
-    plan = RunPlan(model_id="m", dtype="float32", devices=2, delta=1, schedule="spd:3,1")
+def test_the_plan_carries_the_schedule_parsed_at_the_boundary():
+    plan = RunPlan(model_id="m", dtype="float32", devices=2, delta=1, schedule=job_schedule("spd:3,1", 1))
     assert plan.schedule == parse_schedule("spd:1,3") and plan.stage_names == ("loading",)
+    assert job_schedule(None, 2) == dtp_spec(2) and job_schedule(parse_schedule("tp"), 2) == parse_schedule("tp")
 
 
 def test_the_schedule_and_delta_rule():
@@ -77,8 +81,8 @@ def test_model_refusals_name_the_field_and_the_error_the_run_raises():
 
     shape = ModelShape(model_type="llama", num_layers=3, num_kv_groups=4, num_query_heads=4, intermediate_size=96,
                        hidden_size=32, head_dim=8)
-    assert model_refusals(RunFacts(devices=2, delta=1), shape) == []
-    [devices] = model_refusals(RunFacts(devices=3, delta=1), shape)
+    assert model_refusals(RunFacts(devices=2, delta=1, schedule=dtp_spec(1)), shape) == []
+    [devices] = model_refusals(RunFacts(devices=3, delta=1, schedule=dtp_spec(1)), shape)
     assert (devices.field, devices.error) == ("devices", LayoutError) and "valid L" in devices.message
     [spd] = model_refusals(RunFacts(devices=2, delta=1, schedule=parse_schedule("spd:auto:4")), shape)
     assert (spd.field, spd.error) == ("schedule", ScheduleError) and "K=4 layers to drop" in spd.message
