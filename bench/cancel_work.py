@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/cancel_work.py [--cancel-after 1.5] [--observe 10]
 
-Two jobs, each run in this process by `worker.jobs.run_job` (SQLite, CPU, a fresh STORAGE_ROOT: no
+Two jobs, each run in this process by `worker.entry.run_job` (SQLite, CPU, a fresh STORAGE_ROOT: no
 converted copy to reuse) and cancelled `--cancel-after` s into a stage whose work does not poll for a
 cancel:
 
@@ -71,7 +71,7 @@ def threads_named(prefix: str) -> list[threading.Thread]:
 
 def run_cancelled(settings: Any, body: dict[str, Any], stage: str, *, cancel_after: float,
                   observe: float) -> dict[str, Any]:
-    from worker.jobs import run_job
+    from worker.entry import run_job
 
     db = database(settings.database_url)
     with db.session() as session:

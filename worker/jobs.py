@@ -25,14 +25,16 @@ stage recorded in `stages_done`:
                artifacts, once summary.json exists;
 - then report.json and `succeeded`, in one transaction.
 
-This module is the entry (`run_job`, `run_claimed`: what a run comes to); the parts live by concern:
+This module runs a claimed job (`run_claimed`: what a run comes to); the parts live by concern:
 
+- worker/entry.py      the one entry point for a job (`run_job`: claim, lease, then `run_claimed`), which the
+                       Celery task (worker/tasks.py) calls;
 - worker/claiming.py   the claim and the sweeps that re-send messages;
 - worker/monitor.py    the thread that renews the lease, writes progress and watches stalls and time limits;
 - worker/run.py        `JobRun`: the runner's hooks (lease, cancel checks, fencing, stage rows), the spec in
                        the stages' terms;
-- worker/publishing.py the stages' recorders: uploads and artifact rows, layouts, report.json, the summary,
-                       and the per-tenant affinity cache (`CachedAffinity`);
+- worker/publishing.py the run's `Publisher`: each finished stage's uploads and the rows recording them,
+                       report.json and the summary, and the per-tenant affinity cache (`CachedAffinity`);
 - worker/metrics.py    the distillation's evaluations in the `metrics` table;
 - worker/failures.py   failed, cancelled or retried under the lease, the tenant's error text, and what each
                        exception comes to (`ended_by`).
@@ -62,30 +64,18 @@ from worker.run import JobCancelled, JobRun
 log = logging.getLogger("dtp_layout.worker")
 
 # Re-exported: the fence every write checks (app/core/lease.py), the claim and the sweeps
-# (worker/claiming.py) and the monitor (worker/monitor.py), which live apart so that the Celery task
-# can claim and start renewing the lease before it imports this module; and the run's parts, which
-# callers and tests have imported from here (tests/faults.py patches `JobRun`, the class itself).
+# (worker/claiming.py) and the monitor (worker/monitor.py), which live apart so that a job is claimed and
+# its lease renewed (worker/entry.py) before this module is imported; and the run's parts,
+# which callers and tests have imported from here (tests/faults.py patches `JobRun`, the class itself).
 __all__ = ["AFFINITY_COPY", "DISTILL_FILES", "CachedAffinity", "JobCancelled", "JobRun", "JobStalled", "Lease",
            "LeaseLost", "Monitor", "TimeLimitExceeded", "_end", "_retry", "claim", "public_error", "read_metrics_csv",
-           "requeue_queued", "requeue_stale", "run_claimed", "run_job", "upsert_metrics", "user_errors"]
+           "requeue_queued", "requeue_stale", "run_claimed", "upsert_metrics", "user_errors"]
 
 
-def run_job(job_id: str, *, settings: Settings, db: Database, worker: str,
-            enqueue: Callable[[str], None] | None = None, on_hard_limit: Callable[[], None] | None = None) -> str:
-    """Claim and run the job; returns what happened: skipped, succeeded, failed, cancelled, retried
-    (the run stalled; the job is queued again) or lost (another run holds the job now)."""
-    job = claim(db, job_id, worker=worker, lease_s=settings.lease_s)
-    if job is None:
-        log.info("job %s: nothing to do (finished, cancelled or leased by a live worker)", job_id)
-        return "skipped"
-    return run_claimed(job, settings=settings, db=db, worker=worker, enqueue=enqueue, on_hard_limit=on_hard_limit)
-
-
-def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
-                enqueue: Callable[[str], None] | None = None, on_hard_limit: Callable[[], None] | None = None,
-                monitor: Monitor | None = None) -> str:
-    """Run a job this worker has just claimed (`claim`). `monitor`: one already renewing the lease since
-    the claim (the Celery task starts it before importing this module); made here otherwise."""
+def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str, monitor: Monitor,
+                enqueue: Callable[[str], None] | None = None, on_hard_limit: Callable[[], None] | None = None) -> str:
+    """Run a job this worker has just claimed (`claim`), through `worker.entry.run_job`. `monitor`: the one
+    renewing the lease since the claim (started before this module was imported)."""
     from pydantic import ValidationError
 
     job_id = job.id
@@ -94,8 +84,7 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
         logs.update(**job_log_fields(session, job))
         last_reason = events.last_requeue_reason(session, job_id) if lease.attempt > settings.max_attempts else None
     if job.cancel_requested or lease.attempt > settings.max_attempts:
-        if monitor is not None:
-            monitor.stop()
+        monitor.stop()
         if job.cancel_requested:
             _end(db, lease, status="cancelled", error="cancelled by request", stage=job.stage)
             return "cancelled"
@@ -118,7 +107,6 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
         def hard_limit() -> None:
             # The run never reached a check (stuck in native code): record why, then the caller's
             # action (the Celery task kills its own process, as Celery's hard limit kills a pool process).
-            assert monitor is not None
             if on_hard_limit is None or monitor.hard_hit.is_set():
                 return
             monitor.hard_hit.set()
@@ -128,9 +116,6 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
             log.error("job %s: hard time limit exceeded in %s", job_id, monitor.stage)
             on_hard_limit()
 
-        if monitor is None:
-            monitor = Monitor(db, lease, settings.lease_s, stall_s=settings.stall_s)
-            monitor.start()
         monitor.watch_limits(limits, on_hard_limit=hard_limit)
         runner = JobRun(db=db, settings=settings, job=job, spec=spec, worker=worker, monitor=monitor)
         # After the monitor renews the lease: forgetting imports models.data.heldout (and so torch), which
@@ -146,8 +131,7 @@ def run_claimed(job: Job, *, settings: Settings, db: Database, worker: str,
         return ended_by(exc, db=db, lease=lease, settings=settings, job_id=job_id, owner=job.owner, stage=stage,
                         enqueue=enqueue)
     finally:
-        if monitor is not None:
-            monitor.stop()
+        monitor.stop()
         del runner
         _release_memory()
 

@@ -1,7 +1,11 @@
-"""What a run publishes: each finished stage's files uploaded to the store and recorded with the stage (the
-recorders: the `after` hook), report.json and the job's summary once it succeeds, and the affinity stage's
-result in the per-tenant cache (`CachedAffinity`). `Publishing` is the part of `worker.run.JobRun` that does
-it; every row is written inside the run's fence (`_owned`): a run that lost the job records nothing."""
+"""What a run publishes, apart from running it: each finished stage's files uploaded to the store with the rows
+that record them (`Publisher.stage`), report.json and the job's summary once it succeeds (`Publisher.report`),
+and the affinity stage's result in the per-tenant cache (`CachedAffinity`).
+
+`worker.run.JobRun` runs the job and holds one `Publisher`, which it gives what publishing needs and nothing
+else: the job's identity and work directory, the store, the run's lease (every row is written inside its
+fence, `Lease.fence`: a run that lost the job records nothing) and its stop check (between uploads). The run
+records each stage (`JobRun.complete`) with the rows its publisher hands back."""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -18,17 +23,14 @@ from sqlalchemy.orm import Session
 from app.core import events
 from app.core.db import Artifact, Database, Job, LayoutRow, utcnow
 from app.core.jobstate import DISTILL_SUMMARY
+from app.core.lease import Lease
 from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from app.core.storage.root import Storage, sha256_file
 from models.run.files import DISTILL_DIR, REPORT_FILE, UndeclaredArtifact, kind_of, published_by
-from models.run.runner import Hooks
 from models.run.stages import AffinityStore
 from models.serving.commands import serve_summary
 from worker.metrics import read_metrics_csv, upsert_metrics
-
-if TYPE_CHECKING:
-    from worker.run import JobRun
 
 log = logging.getLogger("dtp_layout.worker")
 DISTILL_FILES = tuple(PurePosixPath(a.pattern).name for a in published_by("distilling"))  # under work/distill/
@@ -42,50 +44,53 @@ class CachedAffinity(AffinityStore):
     copy in the work directory (fetched from the store on a hit); the job's `affinity.safetensors`
     artifact is that copy, published under the job's own key (deleting another job never takes it)."""
 
-    def __init__(self, run: JobRun) -> None:
-        self.run = run
-        self.key = Storage.affinity_key(run.fingerprint, tenant=run.owner)
-        self.path = run.work / AFFINITY_COPY
-        self.computed_here = run.work / "affinity.computed"  # survives a crash between caching and recording
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+        self.key = Storage.affinity_key(publisher.fingerprint, tenant=publisher.owner)
+        self.path = publisher.work / AFFINITY_COPY
+        self.computed_here = publisher.work / "affinity.computed"  # survives a crash between caching and recording
 
     def lookup(self) -> bool | None:
+        storage = self.publisher.storage
         if not self.path.is_file():
-            if self.run.storage.objects.head(self.key) is None:
+            if storage.objects.head(self.key) is None:
                 return None
-            self.run.storage.objects.fetch(self.key, self.path)
+            storage.objects.fetch(self.key, self.path)
         return not self.computed_here.exists()
 
     def publish(self, produced: Path) -> None:
+        publisher = self.publisher
         self.computed_here.touch()
         produced.replace(self.path)
-        with self.run.db.transaction() as session:
-            self.run._owned(session)  # a run that lost the job leaves the cache alone
-        if self.run.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
-            self.run.reserve([self.path])  # the tenant's cache entry counts against its quota too
-            self.run.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
+        with publisher.db.transaction() as session:
+            publisher.lease.fence(session)  # a run that lost the job leaves the cache alone
+        if publisher.storage.objects.head(self.key) is None:  # else another job with the fingerprint won
+            publisher.reserve([self.path])  # the tenant's cache entry counts against its quota too
+            publisher.storage.publish(self.path, self.key, sha256=sha256_file(self.path))
 
 
-class Publishing(Hooks):
-    """The stages' recorders and the uploads they make, as methods of the run (`worker.run.JobRun`)."""
+Rows = Callable[[Session, Job], None]  # what a stage's record writes inside its transaction (under the fence)
 
-    # the run's, set by JobRun
-    db: Database
-    settings: Settings
-    storage: Storage
-    spec: JobSpec
-    owner: str | None
-    job_id: str
-    attempt: int
-    fingerprint: str
-    work: Path
-    _trained: int
 
-    if TYPE_CHECKING:
-        def check(self) -> None: ...
+@dataclass
+class StageRecord:
+    """What publishing a finished stage hands back to the run, which records the stage with it in one
+    transaction: the rows to write (artifacts, layouts, metrics) and what the stage's event notes."""
 
-        def _owned(self, session: Session) -> Job: ...
+    rows: Rows | None = None
+    note: dict[str, Any] = field(default_factory=dict)
 
-        def complete(self, stage: str, also: Callable[[Session, Job], None] | None = None, **note: Any) -> None: ...
+
+class Publisher:
+    """The uploads and rows of one attempt at a job (`worker.run.JobRun` holds one): each finished stage's
+    files (`stage`), the report and the job's summary (`report`), and the store's quota reservation."""
+
+    def __init__(self, *, db: Database, settings: Settings, storage: Storage, spec: JobSpec, lease: Lease,
+                 owner: str | None, fingerprint: str, work: Path, check: Callable[[], None]) -> None:
+        self.db, self.settings, self.storage, self.spec, self.lease = db, settings, storage, spec, lease
+        self.job_id, self.attempt = lease.job_id, lease.attempt
+        self.owner, self.fingerprint, self.work = owner, fingerprint, work
+        self.check = check  # the run's: raises why it must end (between uploads)
 
     def upload(self, files: list[tuple[str, str, Path]]) -> list[tuple[str, str, str, int, str]]:
         """(name, kind, key, size, sha256) of files about to be published: hashed and put in the store
@@ -122,8 +127,8 @@ class Publishing(Hooks):
             raise ValueError(exc.detail) from None
 
     def _artifact_rows(self, session: Session, files: list[tuple[str, str, str, int, str]]) -> None:
-        """Add the rows of uploaded files (skipping names already recorded); called inside `complete`,
-        after `_owned`: a run that lost the job records nothing."""
+        """Add the rows of uploaded files (skipping names already recorded); called inside the stage's
+        transaction, after the fence: a run that lost the job records nothing."""
         have = set(session.scalars(select(Artifact.name).where(Artifact.job_id == self.job_id)).all())
         for name, kind, key, size, digest in files:
             if name in have:
@@ -131,16 +136,15 @@ class Publishing(Hooks):
             session.add(Artifact(job_id=self.job_id, name=name, kind=kind, size=size, sha256=digest,
                                  storage_key=key))
 
-    def after(self, stage: Any, note: dict[str, Any], seconds: float) -> None:
+    def stage(self, name: str, note: dict[str, Any]) -> StageRecord:
+        """Publish what the finished stage `name` produced (its files uploaded; its note from the stages):
+        the rows and note the run records the stage with."""
         record = {"affinity": self._record_affinity, "optimising": self._record_layouts,
                   "stability": self._record_stability, "exporting": self._record_export,
-                  "distilling": self._record_distill}.get(stage.name)
-        if record is None:
-            self.complete(stage.name, **note)
-        else:
-            record(note)
+                  "distilling": self._record_distill}.get(name)
+        return StageRecord() if record is None else record(note)
 
-    def _record_affinity(self, note: dict[str, Any]) -> None:
+    def _record_affinity(self, note: dict[str, Any]) -> StageRecord:
         from models.run.files import AFFINITY_FILE
         from worker.derived_data import record_affinity
 
@@ -151,9 +155,9 @@ class Publishing(Hooks):
             job.affinity_cached = note["cached"]
             self._artifact_rows(session, published)
 
-        self.complete("affinity", record, **note)
+        return StageRecord(record)
 
-    def _record_layouts(self, note: dict[str, Any]) -> None:
+    def _record_layouts(self, note: dict[str, Any]) -> StageRecord:
         from models.layouts.layout import load
 
         layouts = [load(p) for p in sorted((self.work / "layouts").glob("*.json"))]
@@ -164,25 +168,24 @@ class Publishing(Hooks):
                 if lay.name not in have:
                     session.add(_layout_row(self.job_id, lay))
 
-        self.complete("optimising", record, **note)
+        return StageRecord(record)
 
-    def _record_stability(self, note: dict[str, Any]) -> None:
+    def _record_stability(self, note: dict[str, Any]) -> StageRecord:
         from models.run.files import STABILITY_FILE
 
         # Published once the job succeeds, inside report.json (and the job's summary).
         assert (self.work / STABILITY_FILE).is_file()
-        self.complete("stability", **note)
+        return StageRecord()
 
-    def _record_export(self, note: dict[str, Any]) -> None:
+    def _record_export(self, note: dict[str, Any]) -> StageRecord:
         from models.run.files import EXPORT_DIRS
 
         files = [(f"{sub}/{p.name}", kind_of(f"{sub}/{p.name}"), p) for sub in EXPORT_DIRS
                  for p in sorted((self.work / sub).glob("*")) if p.is_file()]
         published = self.upload(files)
-        self.complete("exporting", lambda session, _job: self._artifact_rows(session, published),
-                      **note, files=len(files))
+        return StageRecord(lambda session, _job: self._artifact_rows(session, published), {"files": len(files)})
 
-    def _record_distill(self, note: dict[str, Any]) -> None:
+    def _record_distill(self, note: dict[str, Any]) -> StageRecord:
         """summary.json with the data specs as submitted, then the files published and the metrics
         upserted with the stage."""
         out_dir = self.work / "distill"
@@ -203,16 +206,17 @@ class Publishing(Hooks):
             files.append((f"{DISTILL_DIR}/{name}", kind_of(f"{DISTILL_DIR}/{name}"), staging / name))
 
         published = self.upload(files)
+        shutil.rmtree(staging, ignore_errors=True)  # uploaded; a rerun of the stage copies them again
 
         def record(session: Session, _job: Job) -> None:
             upsert_metrics(session, self.job_id, read_metrics_csv(out_dir / "metrics.csv"))
             self._artifact_rows(session, published)
 
-        # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
-        self.complete("distilling", record, **note, steps_trained=self._trained)
-        shutil.rmtree(staging, ignore_errors=True)
+        return StageRecord(record)
 
-    def _finish(self, report: dict[str, Any]) -> None:
+    def report(self, report: dict[str, Any]) -> None:
+        """report.json published and the job recorded as succeeded with its summary, in one transaction
+        under the fence (the last thing a run does)."""
         report_file = self.work / "report.json"
         with self.db.session() as session:
             job = session.get(Job, self.job_id)
@@ -223,7 +227,7 @@ class Publishing(Hooks):
         _write_json(report_file, report)
         published = self.upload([(REPORT_FILE, kind_of(REPORT_FILE), report_file)])
         with self.db.transaction() as session:
-            job = self._owned(session)
+            job = self.lease.fence(session)
             self._artifact_rows(session, published)
             job.summary = report_summary(report)
             if "stability" in report:
@@ -242,10 +246,12 @@ class Publishing(Hooks):
             events.record(session, self.job_id, "succeeded", attempt=job.attempts)
         log.info("job %s: succeeded", self.job_id)
 
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(path)
+
 
 def _layout_row(job_id: str, lay: Any) -> LayoutRow:
     from dataclasses import asdict

@@ -1,7 +1,8 @@
 """One attempt at a job (`JobRun`): the stages of `models/run/stages.py` run by `models.run.runner` with this worker's
 hooks — the lease, cancel checks and fencing, the stage rows, the job's plan (`models.run.plan.plan_run`, its data
-sources resolved) — and, through `Publishing` (worker/publishing.py), the recorders of each finished stage.
-Torch is imported inside the methods that need it."""
+sources resolved). What the run publishes (each finished stage's uploads and rows, the report) is its `Publisher`'s
+(worker/publishing.py): the run records each stage with what its publisher hands back. Torch is imported inside
+the methods that need it."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ from app.core.storage.root import Storage, tenant_scope
 from app.core.storage.uploads import UploadStore
 from models.base.progress import StopSignal, stopped_by
 from models.data.source import is_upload
-from models.run.runner import run_stages
+from models.run.runner import Hooks, run_stages
 from models.run.stages import REPORT_INPUTS, STAGES
 from models.run.stages import build_report as stages_report
 from worker.converted_mirror import StoreMirror
 from worker.device import prepare_device
 from worker.metrics import read_metrics_csv, upsert_metrics
 from worker.monitor import SHUTTING_DOWN, JobStalled, Monitor, TimeLimitExceeded, WorkerShuttingDown
-from worker.publishing import CachedAffinity, Publishing
+from worker.publishing import CachedAffinity, Publisher
 
 log = logging.getLogger("dtp_layout.worker")
 # While a stopped stage's work winds down (to its next safe point), a line in the log this often.
@@ -45,9 +46,9 @@ class JobCancelled(RuntimeError):
     pass
 
 
-class JobRun(Publishing):
+class JobRun(Hooks):
     """One attempt at a job: the stages of models.run.stages, with this worker's lease, cancel checks,
-    fencing and database recording as the runner's hooks."""
+    fencing and the stage rows as the runner's hooks; its publisher uploads and records what they produce."""
 
     def __init__(self, *, db: Database, settings: Settings, job: Job, spec: JobSpec, worker: str,
                  monitor: Monitor) -> None:
@@ -64,6 +65,8 @@ class JobRun(Publishing):
         self.stop = StopSignal()
         self._stage_t0 = self._stage_mono = 0.0
         self._trained = self._total_steps = 0  # the distilling stage's steps, for its ETA
+        self.publisher = Publisher(db=db, settings=settings, storage=self.storage, spec=spec, lease=self.lease,
+                                   owner=self.owner, fingerprint=self.fingerprint, work=self.work, check=self.check)
 
     # -- bookkeeping --
 
@@ -149,10 +152,6 @@ class JobRun(Publishing):
         log.info("job %s: the work of stage %s stopped %.2f s after it was told to (%s)", self.job_id, self.stage,
                  time.monotonic() - t0, self.stop.reason)
 
-    def _owned(self, session: Session) -> Job:
-        """The job row, locked, if this run still holds it (the fence: same worker, same attempt)."""
-        return self.lease.fence(session)
-
     def prepare_work(self) -> None:
         """This attempt's work directory, seeded with a copy of the latest earlier attempt's (finished
         stages' outputs and distillation checkpoints; not the exports, which are redone). A worker
@@ -186,7 +185,7 @@ class JobRun(Publishing):
         logs.update(stage=stage)
         self.monitor.start_stage(stage)
         with self.db.transaction() as session:
-            job = self._owned(session)
+            job = self.lease.fence(session)
             job.stage, job.progress, job.eta_s, job.stage_started_at = stage, 0.0, None, utcnow()
             events.record(session, self.job_id, events.STAGE_START, stage=stage, attempt=job.attempts, **note)
         log.info("job %s: %s", self.job_id, stage)
@@ -195,7 +194,7 @@ class JobRun(Publishing):
         """Record the stage as done (with whatever `also` writes) in one transaction."""
         seconds = time.perf_counter() - self._stage_t0
         with self.db.transaction() as session:
-            job = self._owned(session)
+            job = self.lease.fence(session)
             if also is not None:
                 also(session, job)
             if stage not in (job.stages_done or []):
@@ -212,7 +211,7 @@ class JobRun(Publishing):
         """Evaluation rows (layout, seed, step, kl, ppl, loss, lr) into the metrics table, if this
         worker still holds the job (the job row's lock also serialises writers)."""
         with self.db.transaction() as session:
-            self._owned(session)
+            self.lease.fence(session)
             upsert_metrics(session, self.job_id, rows)
 
     # -- the stages: models.run.stages, run by models.run.runner with this run's hooks --
@@ -229,7 +228,7 @@ class JobRun(Publishing):
         self.stage = None
         summary_file = self.work / "distill" / "summary.json"
         held_out = json.loads(summary_file.read_text()).get("data") if ctx.distill and summary_file.is_file() else None
-        self._finish(stages_report(ctx, calibration_identity=source_identity(ctx.calibration.source,
+        self.publisher.report(stages_report(ctx, calibration_identity=source_identity(ctx.calibration.source,
                                                                              ctx.calibration.text_field),
                                    data=held_out))
 
@@ -297,7 +296,7 @@ class JobRun(Publishing):
         return RunContext.of(
             plan, run_dir=self.work, source=source, device=self.settings.device,
             distill_output=self.distill_output() if plan.distill is not None else None,
-            affinity=CachedAffinity(self),
+            affinity=CachedAffinity(self.publisher),
             # Per tenant, as the affinity cache: which model a job names is its tenant's input, and finding
             # another tenant's copy (seconds instead of a dequantisation) would tell that someone ran it.
             # With a remote store the local directory is a cache of the store's copy (worker.converted_mirror).
@@ -346,6 +345,15 @@ class JobRun(Publishing):
                 if stage.name == "loading" else {})
         self.enter(stage.name, **note)
         self._trained, self._stage_mono = 0, time.monotonic()
+
+    def after(self, stage: Any, note: dict[str, Any], seconds: float) -> None:
+        """The stage's outputs published (`Publisher.stage`), then the stage recorded with their rows."""
+        record = self.publisher.stage(stage.name, note)
+        extra = dict(record.note)
+        if stage.name == "distilling":
+            # steps_trained < total_steps: this attempt resumed from finished runs or checkpoints.
+            extra["steps_trained"] = self._trained
+        self.complete(stage.name, record.rows, **note, **extra)
 
     def execute(self, stage: Any, fn: Callable[[], Any]) -> Any:
         """A stage that polls should_stop runs here; any other in a thread that stops at its safe points

@@ -1,6 +1,6 @@
-"""The Celery task: a thin shim that takes a job id, claims the job at once (`worker.claiming`, before
-any slow import), starts the lease's monitor and runs it (`worker.jobs`). A message for a job that
-this worker's database does not hold (another service's, sharing the broker) is logged as an error
+"""The Celery task: a thin shim that takes a job id and hands it to the one entry point for a job
+(`worker.entry.run_job`: the claim at once, before any slow import, the lease's monitor, the run). A message
+for a job that this worker's database does not hold (another service's, sharing the broker) is logged as an error
 and handed back to the queue a bounded number of times, then dropped with an error.
 
 When a worker starts, it re-sends every job nobody holds whose message was sent before its start: a
@@ -34,15 +34,14 @@ from typing import Any
 
 from celery.signals import task_received, worker_ready, worker_shutting_down
 
-from app.core import logs
 from app.core.broker_owner import fail_dead_lettered, note_dead_letter
 from app.core.db import database
-from app.core.lease import Lease
 from app.core.queue import world_size_of
 from app.core.settings import get_settings, redacted_url
 from worker import claiming
 from worker.celery_app import TASK_NAME, app, enqueue
-from worker.monitor import SHUTTING_DOWN, Monitor
+from worker.entry import run_job
+from worker.monitor import SHUTTING_DOWN
 
 log = logging.getLogger("dtp_layout.worker")
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -65,7 +64,8 @@ def _note_receipt(request: Any = None, **_: Any) -> None:
 
 
 @app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
-def run_job(self: Any, job_id: str) -> str:
+def job_task(self: Any, job_id: str) -> str:
+    """The queue's task (TASK_NAME): the job run through `worker.entry.run_job`."""
     received = _received_at.pop(self.request.id, None) if self.request.id else None
     if not isinstance(job_id, str) or not JOB_ID.match(job_id):
         log.error("ignoring a task with a malformed job id %r", job_id)
@@ -73,30 +73,15 @@ def run_job(self: Any, job_id: str) -> str:
     settings = get_settings()
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
     db = database(settings.database_url)
-    with logs.bound(job_id=job_id):  # every line logged while the job runs names it (app/core/logs.py)
-        # Claim first, before anything slow: a worker that dies between the message and the claim loses
-        # the message, and the job would wait for a sweep (worker/claiming.py).
-        job = claiming.claim(db, job_id, worker=worker, lease_s=settings.lease_s)
-        if job is None:
-            return _not_claimed(self, db, job_id)
-        held_s = time.monotonic() - received if received is not None else float("nan")
-        log.info("job %s: claimed (attempt %d) %.3f s after its message was received", job_id, job.attempts, held_s)
-        # The lease is renewed from now on; importing the run's code (torch) happens under it.
-        monitor = Monitor(db, Lease(job_id, worker, job.attempts), settings.lease_s, stall_s=settings.stall_s)
-        monitor.start()
-        try:
-            from worker import jobs
-        except BaseException:
-            monitor.stop()
-            raise
 
-        def hard_limit() -> None:
-            # `jobs.run_claimed` has already failed the job with the reason, under its lease, before calling this.
-            log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
-            os.kill(os.getpid(), signal.SIGKILL)
+    def hard_limit() -> None:
+        # `jobs.run_claimed` has already failed the job with the reason, under its lease, before calling this.
+        log.error("job %s: hard time limit exceeded; killing this worker process", job_id)
+        os.kill(os.getpid(), signal.SIGKILL)
 
-        return jobs.run_claimed(job, settings=settings, db=db, worker=worker, monitor=monitor,
-                                enqueue=lambda jid: send_job(db, jid), on_hard_limit=hard_limit)
+    return run_job(job_id, settings=settings, db=db, worker=worker, received=received,
+                   enqueue=lambda jid: send_job(db, jid), on_hard_limit=hard_limit,
+                   not_claimed=lambda: _not_claimed(self, db, job_id))
 
 
 def _not_claimed(task: Any, db: Any, job_id: str) -> str:

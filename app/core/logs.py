@@ -7,7 +7,7 @@ of the request's context, so a plain context variable set by the `caller` depend
 would be gone by the time the route or the access log runs; the object is shared by every copy.
 
     request  ──RequestContext──▶ LogContext(request_id, tenant?, job_id?)   (app/api/request_context.py)
-    worker   ──run_job──────────▶ LogContext(job_id, tenant, stage)         (worker/tasks.py, jobs.py)
+    worker   ──run_job──────────▶ LogContext(job_id, tenant, stage)         (worker/entry.py, jobs.py)
     record   ──ContextFilter────▶ record.request_id / job_id / tenant / stage
              ──JsonFormatter────▶ {"ts", "level", "logger", "message", "request_id", …, extras}
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.api.routers.artifacts import MEDIA_TYPES, media_type
+from app.core.lease import Lease
 from models.run import stages
 from models.run.files import (
     ARTIFACT_KINDS,
@@ -25,7 +26,7 @@ from models.run.files import (
     published_by,
 )
 from models.run.stage_names import STAGES
-from worker.publishing import DISTILL_FILES, Publishing
+from worker.publishing import DISTILL_FILES, Publisher
 
 
 def test_every_declaration_names_a_stage_that_writes_it():
@@ -59,23 +60,24 @@ def test_a_download_is_served_as_declared_which_is_what_the_extension_said():
     assert media_type("checkpoint/config.json") == "application/json"
 
 
-def _run(tmp_path, uploaded):
-    """Just enough of a run for `Publishing.upload`: no artifact recorded yet, a store that takes files."""
+def _publisher(tmp_path, uploaded):
+    """Just enough of a run's publisher for `Publisher.upload`: no artifact recorded yet, a store that takes files."""
     session = SimpleNamespace(scalars=lambda _query: SimpleNamespace(all=lambda: []))
     db = SimpleNamespace(session=lambda: contextlib.nullcontext(session))
     storage = SimpleNamespace(publish=lambda path, key, sha256: uploaded.append(key))
-    run = SimpleNamespace(db=db, storage=storage, job_id="0" * 32, attempt=1, check=lambda: None,
-                          reserve=lambda paths: None)  # the quota's reservation: tests/app/core/test_quota_races.py
+    publisher = Publisher(db=db, settings=None, storage=storage, spec=None, lease=Lease("0" * 32, "w:1", 1),
+                          owner=None, fingerprint="f", work=tmp_path, check=lambda: None)
+    publisher.reserve = lambda paths: None  # the quota's reservation: tests/app/core/test_quota_races.py
     (tmp_path / "f").write_text("x")
-    return run, tmp_path / "f"
+    return publisher, tmp_path / "f"
 
 
 def test_the_worker_publishes_nothing_declared_nowhere(tmp_path):
     uploaded: list[str] = []
-    run, path = _run(tmp_path, uploaded)
-    published = Publishing.upload(run, [(REPORT_FILE, "report", path)])
+    publisher, path = _publisher(tmp_path, uploaded)
+    published = publisher.upload([(REPORT_FILE, "report", path)])
     assert [(name, kind) for name, kind, *_ in published] == [(REPORT_FILE, "report")] and len(uploaded) == 1
     for name, kind in (("layouts/optimised.json", "layouts"), (REPORT_FILE, "distill")):
         with pytest.raises(UndeclaredArtifact):
-            Publishing.upload(run, [(name, kind, path)])
+            publisher.upload([(name, kind, path)])
     assert len(uploaded) == 1

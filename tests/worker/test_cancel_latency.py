@@ -31,7 +31,7 @@ from app.core.schemas.jobs import JobSpec
 from app.core.services.jobs import cancel_job, submit_job
 from tests.faults import Faults
 from tests.service_kit import CALIB, WorkerProcess, make_settings, provision, spec, wait_for, worker_settings
-from worker.jobs import run_job
+from worker.entry import run_job
 
 # serial: cancel latency against LATENCY_S
 pytestmark = [pytest.mark.postgres, pytest.mark.serial]

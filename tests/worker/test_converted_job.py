@@ -21,7 +21,7 @@ from app.core.storage.root import Storage, tenant_scope
 from models.io.converted import MANIFEST
 from tests.service_kit import make_settings, provision, spec
 from tests.tiny import GGUF_TINY, tiny_gguf
-from worker.jobs import run_job
+from worker.entry import run_job
 
 CALIB = "calib/ids96.npy"  # token ids below the tiny GGUF's vocabulary of 96
 

@@ -16,7 +16,7 @@ from app.core.services.jobs import job_view, submit_job
 from models.io.loading import ModelLoadError
 from tests.service_kit import spec
 from worker import device as D
-from worker.jobs import run_job
+from worker.entry import run_job
 
 # PyTorch's allocator messages, in the wording of recent releases (2.4+): a plain one and one under a
 # per-process memory cap (set_per_process_memory_fraction).

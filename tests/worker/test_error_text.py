@@ -43,7 +43,7 @@ def test_a_dtype_carrying_terminal_escapes_fails_the_job_with_its_text_escaped(t
     from app.core.services.jobs import submit_job
     from tests.service_kit import make_settings, provision, spec
     from tests.tiny import tiny_model
-    from worker.jobs import run_job
+    from worker.entry import run_job
 
     settings = make_settings(tmp_path, device="cpu")
     upgrade(settings.database_url)

@@ -3,7 +3,7 @@ partial files are removed (the space comes back), and the API stays healthy.
 
 The storage root is a real 512 KiB tmpfs: the stages before exporting fit, the checkpoint (~290 kB)
 fits, the rank shards (~330 kB) do not. Mounting needs root (CAP_SYS_ADMIN); elsewhere the test is
-skipped with that reason. The job runs in this process through `worker.jobs.run_job`, the code a
+skipped with that reason. The job runs in this process through `worker.entry.run_job`, the code a
 Celery worker runs.
 """
 
@@ -20,7 +20,7 @@ from app.api.main import create_app
 from app.core.db import database
 from app.core.migrate import upgrade
 from tests.service_kit import make_settings, provision, spec
-from worker.jobs import run_job
+from worker.entry import run_job
 
 VOLUME = "512k"
 

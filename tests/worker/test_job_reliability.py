@@ -21,6 +21,7 @@ from app.core.services.jobs import submit_job
 from tests.service_kit import job_history, make_settings, provision, spec
 from worker import failures, metrics, publishing
 from worker import run as job_run
+from worker.entry import run_job
 from worker.jobs import (
     JobRun,
     Lease,
@@ -29,7 +30,6 @@ from worker.jobs import (
     claim,
     requeue_queued,
     requeue_stale,
-    run_job,
     upsert_metrics,
 )
 

@@ -106,7 +106,7 @@ def test_a_distillation_job_shows_its_fraction_per_step_and_an_eta_that_moves(tm
     import threading
 
     from tests.service_kit import TINY_DISTILL
-    from worker.jobs import run_job
+    from worker.entry import run_job
 
     settings = make_settings(tmp_path / "var", device="cpu", lease_s=0.6)  # the monitor ticks every 0.2 s
     settings.var_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from app.core.services.jobs import job_view, submit_job
 from app.core.storage.root import Storage
 from models.run.files import kind_of
 from tests.service_kit import spec
-from worker.jobs import run_job
+from worker.entry import run_job
 
 
 def submit(settings, db, **overrides) -> str:

@@ -16,7 +16,8 @@ from app.core.caller import OPEN
 from app.core.db import Job, database
 from app.core.services.jobs import cancel_job
 from tests.worker.test_job_reliability import row, sqlite_settings, submit
-from worker.jobs import JobRun, run_job
+from worker.entry import run_job
+from worker.jobs import JobRun
 
 WORK_S = 3.0  # the stage's work between two safe points: it cannot be told to stop sooner
 

@@ -16,7 +16,7 @@ from app.core.storage.root import Storage
 from models.streaming.layer_source import StreamedModel
 from models.streaming.memory_plan import plan_memory
 from tests.service_kit import TINY_MODEL, job_history, spec
-from worker.jobs import run_job
+from worker.entry import run_job
 
 
 def _artifacts(settings, db, job_id) -> dict[str, object]:

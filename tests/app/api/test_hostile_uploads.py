@@ -292,7 +292,7 @@ def test_a_tokenizer_that_panics_on_the_jobs_text_fails_the_job_once_naming_the_
     from app.core.services.jobs import submit_job
     from tests.service_kit import spec
     from tests.tiny import tiny_model
-    from worker.jobs import run_job
+    from worker.entry import run_job
 
     settings = make_settings(tmp_path, device="cpu")
     upgrade(settings.database_url)

@@ -155,7 +155,7 @@ def test_text_logs_stay_readable_with_the_context_appended(tmp_path, capsys):
 
 
 def test_the_worker_side_formatter_carries_job_tenant_and_stage(capsys):
-    """What a worker does (worker/tasks.py, worker/jobs.py): bind the job, then update tenant and stage;
+    """What a worker does (worker/entry.py, worker/jobs.py): bind the job, then update tenant and stage;
     `adopt` gives Celery's handler the JSON format and the context."""
     logger = logging.getLogger("test.observability.worker")
     logger.propagate = False

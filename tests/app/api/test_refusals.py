@@ -74,7 +74,7 @@ def _body(settings, overrides: dict) -> dict:
 
 def _worker_error(settings, body: dict) -> str | None:
     """Run the job as a worker does, without the submit check: its error (None: it did not fail)."""
-    from worker.jobs import run_job
+    from worker.entry import run_job
 
     db = database(settings.database_url)
     valid = JobSpec.model_validate(body)  # a valid spec: what is refused is what it asks of the run
