@@ -99,7 +99,7 @@ def test_the_dashboard_reads_the_names_from_the_server():
     # and the checker sees a restatement where there is one (the lists as the scripts had them)
     assert any(set(STAGES) <= s for s in _js_string_lists(
         'const C = {queued: "#c", loading: "#8", calibration: "#6", affinity: "#f", optimising: "#e",\n'
-        '  stability: "#b", exporting: "#a", distilling: "#f"};'))
+        '  probing: "#d", stability: "#b", exporting: "#a", distilling: "#f"};'))
     assert any(set(DTYPE_NAMES) <= s for s in _js_string_lists(
         'select([["float32", "float32"], ["bfloat16", "bfloat16"], ["float16", "float16"]])'))
 

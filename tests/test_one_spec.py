@@ -51,7 +51,7 @@ def _other(field: SpecField) -> Any:
     """A valid value of the field that is not its default (within bounds and the recipe's cross rules)."""
     rule, default = field.rule, field.default
     special = {"model.revision": "v1.0", "model.gguf_file": "other.gguf", "model.id": "other-model", "devices": 3,
-               "schedule": "pt:2", "max_memory": "2GiB"}
+               "schedule": "pt:2", "max_memory": "2GiB", "probe": 3}  # probe 1 is refused (a probe compares ≥ 2)
     if field.path in special:
         return special[field.path]
     if rule.kind == "bool":

@@ -13,6 +13,7 @@ BLOCKS_FILE = "blocks.npy"
 LAYOUTS_DIR = "layouts"
 STABILITY_DIR = "stability"
 STABILITY_FILE = "stability.json"
+PROBE_DIR = "probe"  # the training probe's candidates, runs, cost.json and probe.json (models.probe.probe)
 EXPORT_DIRS = ("checkpoint", "shards")
 DISTILL_DIR = "distill"
 DISTILL_SUMMARY = f"{DISTILL_DIR}/summary.json"  # GET /v1/jobs/{id}/metrics reads the headline from the artifact

@@ -20,6 +20,8 @@ from models.distill.recipe import EVAL_SEQUENCES, SEQ_LEN, WIKITEXT2_TEST, Disti
 from models.io.ids import DTYPE_NAMES, EXPORT_DTYPE_NAMES, GGUF_FILE, REVISION
 from models.io.sizes import SIZE_PATTERN
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE
+from models.probe.spec import MAX_CANDIDATES as MAX_PROBE_CANDIDATES
+from models.probe.spec import PROBE_BATCH
 from models.schedules.grammar import MAX_SCHEDULE_CHARS, accepted_forms
 
 REQUIRED: Any = object()  # a SpecField's default when a request must give the field
@@ -206,6 +208,20 @@ FIELDS: tuple[SpecField, ...] = (
     _f("stability", "bool", "also optimise on each half of the calibration blocks and report how the two layouts "
        "score on the other half and how much they agree (report.json `stability`)", False,
        _on(("--stability",), "optimise", "submit", form="on")),
+    # ---- the training probe (models/probe) ----
+    _f("probe", "int", "choose the job's layout by a short training probe among this many candidate layouts (the "
+       "schedule's J_σ-optimised, the dtp:1-optimised, mixtures of their objectives, optimiser restarts): each is "
+       "distilled probe_steps steps on the calibration blocks and the lowest KL on held-out calibration text wins "
+       "and is exported (report.json `probe`); 0: no probe, the J_σ-optimised layout", 0,
+       _on(("--probe",), "optimise", "submit", metavar="K"), ge=0, le=MAX_PROBE_CANDIDATES),
+    _f("probe_steps", "int", f"distillation steps of each probe candidate ({PROBE_BATCH} calibration blocks a step)",
+       20, _on(("--probe-steps",), "optimise", "submit", metavar="S"), ge=1, le=10_000),
+    _f("probe_eval_sequences", "int", "held-out blocks (of calibration.seq_len tokens, the calibration text after "
+       "the blocks the probe trains on) each probe candidate's KL is measured on", 16,
+       _on(("--probe-eval-sequences",), "optimise", "submit", metavar="N"), ge=1, le=4096),
+    _f("probe_max_seconds", "int", "the probe's time budget: before it trains, its time is estimated from one "
+       "measured step, and a probe estimated over this is refused", 3600,
+       _on(("--probe-max-seconds",), "optimise", "submit", metavar="S"), ge=1, le=7 * 86_400),
     # ---- export ----
     _f("export.checkpoint", "bool", "the permuted Hugging Face checkpoint (checkpoint/*)", True,
        _on(("--no-checkpoint",), "submit", form="off", help="no permuted checkpoint")),

@@ -109,6 +109,8 @@ class RunState:
     layouts: dict[str, Layout] = field(default_factory=dict)
     export_dtypes: dict[str, str] | None = None  # what stage_export stored and what the passes computed in
     stability: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None  # the training probe's probe.json (models.probe.probe)
+    chosen: Layout | None = None  # the probe's pick: the layout exported in place of `optimised`
 
     def timed(self, stage: str, start: float) -> None:
         self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - start, 3)
@@ -213,7 +215,7 @@ def stage_export(state: RunState, *, model: Any, tokenizer: Any, progress: Progr
     are made for `schedule`, resolved (spd:auto:K already its spd:B: `models.run.stages` passes the plan's;
     None: the layout's own, `models.export.writer.export_layout`)."""
     t0 = time.perf_counter()
-    best = state.layouts["optimised"]
+    best = state.chosen if state.chosen is not None else state.layouts["optimised"]
     source = layer_source(model)  # tensor by tensor, from memory or from the safetensors: the same tensors
     compute = source.dtype
     export_layout(source, best, checkpoint_dir=state.out_dir / "checkpoint" if checkpoint else None,
@@ -313,6 +315,8 @@ def build_report(state: RunState, *, spec: OptimiseSpec, model_name: str, calibr
         # the mass the sparse neuron→neuron edges kept (null: every edge dense, or the chain only)
         "kept_mass": edge_kept_mass(state.affinity, spec.score) if objective is not None else None,
         **({"stability": state.stability} if state.stability is not None else {}),
+        # the probe's candidates, their curves and its pick, which the export used (null: no probe)
+        **({"probe": state.probe, "chosen_layout": state.probe["chosen"]} if state.probe is not None else {}),
         "seconds": state.seconds,
         "versions": versions(),
         "notes": notes,

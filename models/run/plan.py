@@ -45,6 +45,7 @@ class RunPlan:
     shards: bool = False
     export_dtype: str = "auto"
     distill: Any = None  # models.distill.spec.DistillSpec; None: no distillation
+    probe: Any = None  # models.probe.spec.ProbeSpec: choose the exported layout by a training probe; None: none
     # the memory limit in bytes (None: none) and whether to stream (None: when the model would not fit under
     # the limit; models.streaming.memory_plan)
     max_memory: int | None = None
@@ -58,6 +59,7 @@ class RunPlan:
         optimising = self.optimise is not None
         # every stage but loading (always) runs when asked
         asked = {"calibration": optimising, "affinity": optimising, "optimising": optimising,
+                 "probing": optimising and self.probe is not None,
                  "stability": optimising and bool(self.optimise.stability),
                  "exporting": optimising and (self.checkpoint or self.shards), "distilling": self.distill is not None}
         return tuple(name for name in STAGE_ORDER if asked.get(name, True))
@@ -69,7 +71,8 @@ class RunPlan:
         return RunFacts(devices=self.devices, delta=self.delta, schedule=self.schedule,
                         optimises=optimise is not None and calibration is not None,
                         stability=optimise is not None and bool(optimise.stability),
-                        exports="exporting" in self.stage_names, distills=self.distill is not None,
+                        exports="exporting" in self.stage_names,
+                        distills=self.distill is not None or self.probe is not None,  # the probe distils too
                         layout_independent_ok=optimise is None or bool(optimise.layout_independent_ok),
                         dtype=self.dtype, calibration_sequences=calibration.sequences if calibration else 0,
                         calibration_seq_len=calibration.seq_len if calibration else 0,
@@ -105,6 +108,7 @@ def plan_run(spec: Any, *, data: DataReader | None = None, max_memory: int | Non
     `optimise` refuses them. `optimise_options`: further OptimiseSpec fields (the edges' memory). Raises
     RunRefused (a ValueError naming the field) for what the run would refuse whatever the model."""
     from models.data.calibration import CalibrationSpec
+    from models.probe.spec import probe_of
     from models.run.pipeline import OptimiseSpec
 
     if refusals := spec_refusals(spec):
@@ -122,7 +126,7 @@ def plan_run(spec: Any, *, data: DataReader | None = None, max_memory: int | Non
     plan = RunPlan(model_id=spec.model.id, dtype=spec.model.dtype, devices=spec.devices, delta=spec.delta,
                    schedule=schedule, optimise=optimise, calibration=calibration, calibration_shown=shown,
                    checkpoint=spec.export.checkpoint, shards=spec.export.shards, export_dtype=spec.export.dtype,
-                   max_memory=max_memory, stream=stream)
+                   max_memory=max_memory, stream=stream, probe=probe_of(spec))
     if spec.distill is not None:
         # spd:auto:K: the students hold dtp:δ until its layers are chosen (`RunPlan.resolve_schedule`)
         plan.distill = distill_spec(spec, calibration=calibration, read=read,

@@ -128,7 +128,8 @@ class RunFacts:
         return cls(devices=spec.devices, delta=spec.delta, schedule=job_schedule(spec.schedule, spec.delta),
                    optimises=True,
                    stability=bool(spec.stability), exports=bool(spec.export.checkpoint or spec.export.shards),
-                   distills=spec.distill is not None, layout_independent_ok=layout_independent_ok,
+                   distills=spec.distill is not None or bool(getattr(spec, "probe", 0)),  # the probe distils
+                   layout_independent_ok=layout_independent_ok,
                    dtype=spec.model.dtype, calibration_sequences=spec.calibration.sequences,
                    calibration_seq_len=spec.calibration.seq_len, batch_size=spec.batch_size)
 

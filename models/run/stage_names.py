@@ -6,5 +6,6 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-Stage = Literal["loading", "calibration", "affinity", "optimising", "stability", "exporting", "distilling"]
+Stage = Literal["loading", "calibration", "affinity", "optimising", "probing", "stability", "exporting",
+                "distilling"]
 STAGES: tuple[str, ...] = get_args(Stage)

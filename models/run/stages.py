@@ -11,6 +11,8 @@ stages apply and with what), its hooks and where it runs (`RunContext.of(plan, �
   affinity     blocks.npy → affinity.safetensors (where `AffinityStore` keeps it: the run directory,
                or the worker's per-tenant cache)
   optimising   affinity → layouts/*.json
+  probing      (when asked) K candidate layouts distilled S steps each on the calibration text, the lowest
+               held-out KL chosen for the export → probe/ (`models.probe`)
   stability    (when asked) an affinity pass and the optimiser on each half of the blocks →
                stability/*.json and stability.json, the report (`models.variants.stability`)
   exporting    (when asked) the optimised layout's checkpoint/ and/or shards/
@@ -37,6 +39,7 @@ from models.run.files import (
     DISTILL_DIR,
     EXPORT_DIRS,
     LAYOUTS_DIR,
+    PROBE_DIR,
     STABILITY_DIR,
     STABILITY_FILE,
 )
@@ -141,7 +144,7 @@ def weights_of(ctx: RunContext) -> Any:
 def needs_weights(ctx: RunContext) -> bool:
     """Whether a stage still to run needs the model's weights (not when the affinity is there already
     and nothing after it runs the model)."""
-    if ctx.pending & {"stability", "exporting", "distilling"}:
+    if ctx.pending & {"probing", "stability", "exporting", "distilling"}:
         return True
     return bool(ctx.pending & {"calibration", "affinity"}) and not _affinity_there(ctx)
 
@@ -257,6 +260,37 @@ def _restore_layouts(ctx: RunContext) -> None:
     ctx.run_state().layouts = {p.stem: load(p) for p in sorted((ctx.run_dir / LAYOUTS_DIR).glob("*.json"))}
 
 
+def _probe(ctx: RunContext, hooks: Hooks) -> Note:
+    """The training probe (models.probe): K candidates distilled S steps each, the lowest held-out KL exported."""
+    import sys
+
+    from models.probe.candidates import probe_candidates
+    from models.probe.probe import run_probe
+
+    state, spec = ctx.run_state(), ctx.optimise
+    assert state.affinity is not None and ctx.probe is not None and spec is not None
+    objective = spec.objective_schedule(state.affinity.shape.num_layers, state.affinity.schedule)
+    candidates = probe_candidates(state.affinity, count=ctx.probe.candidates, devices=spec.devices, delta=spec.delta,
+                                  score_name=spec.score, restarts=spec.restarts, schedule=objective,
+                                  optimised=state.layouts.get("optimised"))
+    schedule = _schedule_now(ctx)  # spd:auto:K: its chosen spd:B; the students simulate it, as a distillation's
+    record = run_probe(ctx.probe, teacher=ctx.model, tokenizer=ctx.tokenizer, candidates=candidates,
+                       calibration=ctx.calibration, schedule=None if schedule is None else str(schedule),
+                       out_dir=ctx.run_dir / PROBE_DIR, model_id=ctx.model_id, progress=hooks.progress,
+                       should_stop=hooks.should_stop,
+                       announce=lambda line: print(f"probe: {line}", file=sys.stderr, flush=True))
+    _restore_probe(ctx)
+    return {"chosen": record["chosen"], "candidates": len(candidates)}
+
+
+def _restore_probe(ctx: RunContext) -> None:
+    from models.probe.probe import chosen_layout, read_probe
+
+    state = ctx.run_state()
+    state.probe = read_probe(ctx.run_dir / PROBE_DIR)
+    state.chosen = chosen_layout(ctx.run_dir / PROBE_DIR, state.probe)
+
+
 def _stabilise(ctx: RunContext, hooks: Hooks) -> Note:
     from models.run import pipeline
     shutil.rmtree(ctx.run_dir / STABILITY_DIR, ignore_errors=True)
@@ -328,9 +362,11 @@ STAGES: tuple[Stage[RunContext], ...] = (
     Stage("optimising", _optimise, inputs=(AFFINITY_FILE,), outputs=(LAYOUTS_DIR,),
           applies=_applies("optimising"),
           restore=_restore_layouts),
+    Stage("probing", _probe, inputs=(AFFINITY_FILE, LAYOUTS_DIR), outputs=(PROBE_DIR,), applies=_applies("probing"),
+          restore=_restore_probe, checks_stop=True),
     Stage("stability", _stabilise, inputs=(BLOCKS_FILE,), outputs=(STABILITY_DIR, STABILITY_FILE),
           applies=_applies("stability"), restore=_restore_stability),
-    Stage("exporting", _export, inputs=(LAYOUTS_DIR,), outputs=EXPORT_DIRS, applies=_applies("exporting"),
+    Stage("exporting", _export, inputs=(LAYOUTS_DIR, PROBE_DIR), outputs=EXPORT_DIRS, applies=_applies("exporting"),
           restore=_restore_export),
     Stage("distilling", _distil, inputs=(LAYOUTS_DIR,), outputs=(DISTILL_DIR,), applies=_applies("distilling"),
           checks_stop=True),
@@ -353,7 +389,7 @@ def _check_artifacts() -> None:
 
 _check_artifacts()
 # What the report reads after the run: restored from finished stages even when nothing runs after them.
-REPORT_INPUTS = (AFFINITY_FILE, LAYOUTS_DIR, STABILITY_FILE, *EXPORT_DIRS)
+REPORT_INPUTS = (AFFINITY_FILE, LAYOUTS_DIR, PROBE_DIR, STABILITY_FILE, *EXPORT_DIRS)
 
 
 def build_report(ctx: RunContext, *, seconds: dict[str, float] | None = None, calibration_identity: str | None = None,

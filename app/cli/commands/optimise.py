@@ -24,6 +24,9 @@ def _optimise_parameters(args: argparse.Namespace, calibration: Any) -> dict[str
             "random": args.random, "ablations": args.ablations, "stability": args.stability,
             "export": not args.no_export, "export_dtype": args.export_dtype, "batch_size": args.batch_size,
             "restarts": args.restarts,
+            # only when asked, so that a run recorded before the probe resumes with the same flags
+            **({"probe": args.probe, "probe_steps": args.probe_steps, "probe_eval_sequences": args.probe_eval_sequences,
+                "probe_max_seconds": args.probe_max_seconds} if args.probe else {}),
             # only when given, so that a run recorded before schedules resumes with the same flags
             **({"schedule": schedule_text(args, allow_auto=True), "edge_kept_mass": args.edge_kept_mass,
                 "edge_memory_limit": args.edge_memory_limit} if schedule_text(args, allow_auto=True) is not None
@@ -108,6 +111,8 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     source = ModelSource(args.model, revision=args.revision, gguf_file=args.gguf_file)
     config = model_config(args, source)
     check_objective_schedule(config, plan)  # L, δ and the schedule against the model, before any weights load
+    if plan.probe is not None:  # its tokens now; its time once one step is measured, before it trains
+        print(f"probe: {plan.probe.cost(calibration.seq_len).describe()}", file=sys.stderr)
     out = Path(args.out)
     record = _run_record(args, out, _optimise_parameters(args, calibration))
     created = not out.exists()
@@ -129,6 +134,8 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     print(pipeline.summary_table(report))
     if ctx.run_state().stability is not None:
         print(pipeline.stability_text(ctx.run_state().stability))
+    if "probe" in report:
+        print(probe_text(report["probe"]))
     for note in report["notes"]:
         print(f"note: {note}")
     times = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
@@ -138,6 +145,15 @@ def cmd_optimise(args: argparse.Namespace) -> int:
     if (out / "shards" / "manifest.json").is_file():
         print(serve_line(out / "shards"))
     return 0
+
+
+def probe_text(probe: dict[str, Any]) -> str:
+    """The probe's candidates by final held-out KL, and its pick (the layout exported)."""
+    rows = sorted(probe["candidates"].items(), key=lambda kv: kv[1]["final_kl"])
+    said = ", ".join(f"{name} {row['final_kl']:.4f}" for name, row in rows)
+    steps = probe["recipe"]["steps"]
+    return (f"probe ({len(rows)} candidates × {steps} steps): held-out KL {said}; chosen {probe['chosen']} "
+            f"(exported in place of optimised), probe/probe.json")
 
 
 def serve_line(shards: Path) -> str:

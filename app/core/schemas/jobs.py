@@ -27,6 +27,7 @@ from models.distill.recipe import EVAL_SEQUENCES as RECIPE_EVAL_SEQUENCES  # tor
 from models.distill.recipe import DistillError, DistillRecipe, FieldRule
 from models.io.ids import DtypeName, ExportDtypeName
 from models.layouts.names import CONTIGUOUS, RANDOM_SEED_BASE, random_name
+from models.probe.spec import ProbeError, probe_of
 from models.run import jobspec
 from models.run.files import ARTIFACTS
 from models.run.jobspec import INT32_MAX, MAX_SKIP_BLOCKS
@@ -332,6 +333,10 @@ class JobSpec(_Strict):
     batch_size: StrictInt = _spec("batch_size")
     restarts: StrictInt = _spec("restarts")
     stability: StrictBool = _spec("stability")
+    probe: StrictInt = _spec("probe")
+    probe_steps: StrictInt = _spec("probe_steps")
+    probe_eval_sequences: StrictInt = _spec("probe_eval_sequences")
+    probe_max_seconds: StrictInt = _spec("probe_max_seconds")
     max_memory: Text | None = _spec("max_memory")
 
     @model_validator(mode="before")
@@ -368,6 +373,25 @@ class JobSpec(_Strict):
     def effective_schedule(self) -> str:
         """The schedule the job runs, canonical (what the job's row records and the filters compare)."""
         return str(self.schedule_spec())
+
+    @field_validator("probe")
+    @classmethod
+    def _probe_candidates(cls, value: int) -> int:
+        if value == 1:  # models.probe.spec.ProbeSpec says why
+            raise ValueError("give 0 (no probe) or 2 or more candidate layouts: a probe of one candidate would "
+                             "train it for nothing")
+        return value
+
+    @model_validator(mode="after")
+    def _probe_runs(self) -> JobSpec:
+        """The probe trains on batches of the calibration blocks (models.probe.spec)."""
+        try:
+            probe = probe_of(self)
+            if probe is not None:
+                probe.check_calibration(self.calibration.sequences)
+        except ProbeError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
     @field_validator("export", mode="before")
     @classmethod

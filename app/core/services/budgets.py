@@ -8,6 +8,8 @@ Every unit of work a spec can ask for is counted at submit, in work tokens (`job
 - distillation training: `steps × batch_size × seq_len × layouts × seeds`;
 - distillation evaluation: `(runs × evaluations per run + 1) × eval sequences × eval seq_len`, every
   evaluation of every run (at step 0, every eval_every and the last) and the dense model's once;
+- the training probe (`probe` > 0, models/probe): its candidates' training (`candidates × probe_steps × 4 ×
+  calibration seq_len`) and evaluation tokens, and each candidate's optimiser starts (1 + restarts);
 - layout work: each optimiser start (the optimised layout and each ablation, 1 + restarts each; with
   `stability` the optimised layout of each half too) charged as LAYOUT_START_TOKENS and each layout
   scored (random, contiguous, …; with `stability` each half's layout on each half) as LAYOUT_SCORE_TOKENS.
@@ -35,6 +37,7 @@ from app.core.jobstate import ACTIVE
 from app.core.schemas.jobs import JobSpec
 from app.core.settings import Settings
 from models.distill.recipe import DistillRecipe
+from models.probe.spec import probe_of
 from models.variants.set import Variant, ablation_variants, restarts_used
 
 RETRY_ACTIVE_S = 30  # Retry-After when a tenant's active jobs are at the limit: jobs take minutes
@@ -57,6 +60,7 @@ class JobWork:
     layouts_scored: int
     runs: int = 0  # (layout, seed) pairs distilled
     evaluations: int = 0  # over all runs
+    probe: int = 0  # the training probe's training and evaluation tokens
 
     @property
     def layouts(self) -> int:
@@ -64,12 +68,12 @@ class JobWork:
 
     @property
     def tokens(self) -> int:
-        return self.calibration + self.training + self.evaluation + self.layouts
+        return self.calibration + self.training + self.evaluation + self.probe + self.layouts
 
     def parts(self) -> dict[str, int]:
         """Work tokens per part, with the spec field that asks for most of each."""
         return {"calibration.sequences": self.calibration, "distill.steps": self.training,
-                "distill.eval.sequences": self.evaluation, "restarts": self.layouts}
+                "distill.eval.sequences": self.evaluation, "probe_steps": self.probe, "restarts": self.layouts}
 
     def largest_field(self) -> str:
         parts = self.parts()
@@ -77,7 +81,8 @@ class JobWork:
 
     def describe(self) -> str:
         return (f"calibration {self.calibration:,} + distillation training {self.training:,} + evaluation "
-                f"{self.evaluation:,} + layout work {self.layouts:,} ({self.optimiser_starts} optimiser starts × "
+                f"{self.evaluation:,} + training probe {self.probe:,} + layout work {self.layouts:,} "
+                f"({self.optimiser_starts} optimiser starts × "
                 f"{LAYOUT_START_TOKENS:,} + {self.layouts_scored} layouts scored × {LAYOUT_SCORE_TOKENS:,})")
 
 
@@ -101,13 +106,19 @@ def job_work(spec: JobSpec) -> JobWork:
     calibration, scored = spec.calibration.sequences * spec.calibration.seq_len, len(spec.layout_names())
     if spec.stability:  # models.variants.stability: a pass over the two halves, each half optimised and cross-scored
         calibration, starts, scored = 2 * calibration, starts + 2 * (1 + spec.restarts), scored + 4
-    work = JobWork(calibration=calibration, training=0, evaluation=0, optimiser_starts=starts, layouts_scored=scored)
+    probe = probe_of(spec)
+    probe_tokens = 0
+    if probe is not None:  # models.probe.candidates: up to K optimised candidates, each scored
+        probe_tokens = probe.cost(spec.calibration.seq_len).tokens
+        starts, scored = starts + probe.candidates * (1 + max(spec.restarts, 1)), scored + probe.candidates
+    work = JobWork(calibration=calibration, training=0, evaluation=0, optimiser_starts=starts, layouts_scored=scored,
+                   probe=probe_tokens)
     if spec.distill is None:
         return work
     d = _distill_numbers(spec)
     return JobWork(calibration=work.calibration, training=d["training_tokens"], evaluation=d["eval_tokens"],
                    optimiser_starts=starts, layouts_scored=work.layouts_scored, runs=d["runs"],
-                   evaluations=d["evaluations"])
+                   evaluations=d["evaluations"], probe=probe_tokens)
 
 
 def work_tokens(spec: JobSpec) -> int:
@@ -129,6 +140,7 @@ def job_problems(spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
     if cal.skip_blocks * cal.seq_len > settings.max_skip_tokens:
         problems.append(_over("calibration.skip_blocks", "skip_blocks × seq_len", cal.skip_blocks * cal.seq_len,
                               settings.max_skip_tokens, "DTP_LAYOUT_MAX_SKIP_TOKENS"))
+    problems += _probe_problems(spec, settings)
     work = job_work(spec)
     if work.tokens > settings.max_active_tokens:  # no tenant may hold this much: waiting cannot help
         problems.append((work.largest_field(), f"this job's work tokens ({work.describe()}) = {work.tokens:,} are "
@@ -166,6 +178,25 @@ def job_problems(spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
         problems.append(_over("distill.recipe.eval_every", "evaluations (runs × evaluations per run: step 0, every "
                               "eval_every and the last)", d["evaluations"], settings.max_evaluations,
                               "DTP_LAYOUT_MAX_EVALUATIONS"))
+    return problems
+
+
+def _probe_problems(spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """The training probe under the distillation's budgets: its training tokens under DTP_LAYOUT_MAX_DISTILL_TOKENS,
+    its held-out blocks under DTP_LAYOUT_MAX_CALIBRATION_TOKENS (as a distillation's evaluation blocks)."""
+    probe = probe_of(spec)
+    if probe is None:
+        return []
+    cost, problems = probe.cost(spec.calibration.seq_len), []
+    if cost.training_tokens > settings.max_distill_tokens:
+        problems.append(_over("probe_steps", "the probe's training tokens (probe × probe_steps × 4 × calibration "
+                              "seq_len)", cost.training_tokens, settings.max_distill_tokens,
+                              "DTP_LAYOUT_MAX_DISTILL_TOKENS"))
+    held_out = cost.eval_sequences * cost.seq_len
+    if held_out > settings.max_calibration_tokens:
+        problems.append(_over("probe_eval_sequences", "the probe's held-out blocks (probe_eval_sequences × "
+                              "calibration seq_len)", held_out, settings.max_calibration_tokens,
+                              "DTP_LAYOUT_MAX_CALIBRATION_TOKENS"))
     return problems
 
 
