@@ -66,15 +66,6 @@ def _prompts() -> list[list[int]]:
     return [tokens(1, n, vocab=257, seed=n).tolist()[0] for n in PROMPT_LENGTHS]
 
 
-@pytest.fixture(scope="module")
-def runtime2() -> Iterator[DTPRuntime]:
-    rt = DTPRuntime.start(world_size=2, backend="gloo", timeout_s=60.0, threads=1)
-    try:
-        yield rt
-    finally:
-        rt.stop()
-
-
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """The exports made so far under this session's base temp directory, which outlives a module's fixtures:

@@ -49,15 +49,6 @@ def export_moe(out: Path, case: str, schedule: str) -> Path:
     return out / "shards"
 
 
-@pytest.fixture(scope="module")
-def runtime2() -> Iterator[DTPRuntime]:
-    rt = DTPRuntime.start(world_size=2, backend="gloo", timeout_s=60.0, threads=1)
-    try:
-        yield rt
-    finally:
-        rt.stop()
-
-
 @pytest.fixture(scope="session")
 def moe_engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost]:
     host = EngineHost(tmp_path_factory.mktemp("vllm-moe-host") / "host.log")
