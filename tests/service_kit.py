@@ -52,11 +52,20 @@ def worker_settings(root: Path, postgres_server: Any, redis_broker: tuple[str, s
 
     url = postgres_server.create_database(f"dtp_{name}")
     upgrade(url)
-    broker, prefix = redis_broker
-    settings = make_settings(root, database_url=url, broker_url=broker, broker_key_prefix=f"{prefix}{name}:",
-                             device="cpu", **overrides)
+    broker = redis_broker[0]
+    settings = make_settings(root, database_url=url, broker_url=broker,
+                             broker_key_prefix=own_prefix(redis_broker, name), device="cpu", **overrides)
     provision(settings)
     return settings
+
+
+def own_prefix(redis_broker: tuple[str, str], name: str) -> str:
+    """A broker key prefix no other database of this session uses. The API marks its broker as its
+    database's (app/api/readiness.py), and a module-scoped fixture is built again whenever xdist hands
+    this worker the module's tests in more than one run: the new database needs a new prefix."""
+    import uuid
+
+    return f"{redis_broker[1]}{name}-{uuid.uuid4().hex[:8]}:"
 
 
 def provision(settings: Settings) -> None:

@@ -21,7 +21,7 @@ from app.api.main import create_app
 from app.core.db import Job, database, utcnow
 from app.core.keys import create_key
 from app.core.migrate import upgrade
-from tests.service_kit import free_port, make_settings, provision, spec
+from tests.service_kit import free_port, make_settings, own_prefix, provision, spec
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -32,7 +32,7 @@ def base(tmp_path_factory, postgres_server, redis_broker):
     broker, prefix = redis_broker
     root = tmp_path_factory.mktemp("abuse")
     kwargs = {"database_url": postgres_server.create_database("dtp_abuse"), "broker_url": broker,
-              "broker_key_prefix": f"{prefix}abuse:"}
+              "broker_key_prefix": own_prefix((broker, prefix), "abuse")}
     upgrade(kwargs["database_url"])
     provision(make_settings(root, **kwargs))
     admin = create_key(database(kwargs["database_url"]), name="abuse-admin", admin=True)

@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 from app.api.main import create_app
 from app.core.keys import create_key
 from app.core.migrate import upgrade
-from tests.service_kit import CALIB, TINY_MODEL, make_settings, provision
+from tests.service_kit import CALIB, TINY_MODEL, make_settings, own_prefix, provision
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -78,8 +78,8 @@ def fuzz_world(tmp_path_factory, postgres_server, redis_broker):
     url = postgres_server.create_database("dtp_fuzz")
     upgrade(url)
     s = make_settings(tmp_path_factory.mktemp("fuzz"), database_url=url, broker_url=broker,
-                      broker_key_prefix=f"{prefix}fuzz:", rate_limit_per_min=0, max_active_jobs=1_000_000,
-                      max_active_tokens=1 << 60, corpora="kjv,shakespeare")
+                      broker_key_prefix=own_prefix((broker, prefix), "fuzz"), rate_limit_per_min=0,
+                      max_active_jobs=1_000_000, max_active_tokens=1 << 60, corpora="kjv,shakespeare")
     provision(s)
     app = create_app(s)
     key = create_key(app.state.db, name="fuzz", tenant="fuzzers")

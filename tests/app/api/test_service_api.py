@@ -14,7 +14,16 @@ from app.api.main import create_app
 from app.core.db import Artifact, Job, Metric, database
 from app.core.storage.root import Storage
 from models.schedules.grammar import ACCEPTED, MAX_SCHEDULE_CHARS
-from tests.service_kit import CALIB, TINY_MODEL, delete_jobs, make_settings, provision, seed_finished_job, spec
+from tests.service_kit import (
+    CALIB,
+    TINY_MODEL,
+    delete_jobs,
+    make_settings,
+    own_prefix,
+    provision,
+    seed_finished_job,
+    spec,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 
@@ -28,7 +37,8 @@ def settings(tmp_path_factory, postgres_server, redis_broker):
     broker, prefix = redis_broker
     # No worker runs here: submitted jobs stay queued, so the per-tenant active-job limits are lifted.
     s = make_settings(tmp_path_factory.mktemp("api"), database_url=url, broker_url=broker,
-                      broker_key_prefix=f"{prefix}api:",  # a prefix of its own: the API marks it (app/api/readiness.py)
+                      # a prefix of its own: the API marks it (app/api/readiness.py)
+                      broker_key_prefix=own_prefix((broker, prefix), "api"),
                       max_active_jobs=100_000, max_active_tokens=1 << 50,
                       rate_limit_per_min=0)  # one TestClient address for the module's many requests (tested elsewhere)
     provision(s)

@@ -18,7 +18,7 @@ from app.cli.main import main as cli_main
 from app.core.db import ApiKey, Job, database
 from app.core.keys import create_key, key_digest, revoke_key, settings_entry
 from app.core.migrate import upgrade
-from tests.service_kit import make_settings, provision, seed_finished_job, spec
+from tests.service_kit import make_settings, own_prefix, provision, seed_finished_job, spec
 
 BACKENDS = [pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis]), "sqlite"]
 
@@ -32,7 +32,7 @@ def world(request, tmp_path_factory):
         server = request.getfixturevalue("postgres_server")
         broker, prefix = request.getfixturevalue("redis_broker")
         overrides = {"database_url": server.create_database("dtp_tenants"), "broker_url": broker,
-                     "broker_key_prefix": f"{prefix}tenants:"}
+                     "broker_key_prefix": own_prefix((broker, prefix), "tenants")}
     settings = make_settings(root, key_cache_s=0, max_active_jobs=50, **overrides)
     upgrade(settings.database_url)
     provision(settings)
