@@ -210,11 +210,7 @@ class DtpModel(nn.Module):
         self.ffn_name = ffn_name
         self.devices = get_tensor_model_parallel_world_size()
         entry = getattr(config, "dtp", None)
-        self.schedule = check_entry(entry, num_layers=config.num_hidden_layers, tp_size=self.devices)
-        self.plan = ArrivalPlan.of(self.schedule)
-        self.steps = module_steps(self.plan)
-        # every exchange whole, no own partial alone: the ranks' streams stay equal (tp, pt:D)
-        self.equal_streams = all(not a.own for a in self.plan.arrivals) and None not in self.plan.others_due
+        self.reschedule(entry)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList([make_layer(vllm_config, f"{prefix}.layers.{i}")
@@ -236,6 +232,17 @@ class DtpModel(nn.Module):
         self.configure(settings)
         if get_tensor_model_parallel_rank() == 0:
             logger.info("DTP schedule %s on TP=%d: %s", self.schedule.name, self.devices, settings.describe())
+
+    def reschedule(self, entry: Any) -> None:
+        """Run under the schedule this `dtp` entry records (checked as the config's is at load) from the next
+        forward on. No weight depends on the schedule (export writes the same rank shards for every one), so
+        the engine host serves one load under several; KV cached under the old schedule is not this one's:
+        the caller drops it (vLLM's LLM.reset_prefix_cache)."""
+        self.schedule = check_entry(entry, num_layers=self.config.num_hidden_layers, tp_size=self.devices)
+        self.plan = ArrivalPlan.of(self.schedule)
+        self.steps = module_steps(self.plan)
+        # every exchange whole, no own partial alone: the ranks' streams stay equal (tp, pt:D)
+        self.equal_streams = all(not a.own for a in self.plan.arrivals) and None not in self.plan.others_due
 
     def configure(self, settings: PluginSettings) -> None:
         """Run the exchanges as `settings` says from the next forward on (the bench switches it in place)."""

@@ -13,8 +13,10 @@ Requests: {"op": "load", "model": DIR, "tp": 2, "max_num_batched_tokens": 16, "h
 {"op": "complete", "prompts": [[ids]], "max_tokens": N} (the reply has the tokens and "elapsed_s"),
 {"op": "configure", "exchange": MODE, "link_latency_us": X} (the DTP plugin's settings, switched in every TP
 worker's model through `LLM.collective_rpc`: one load serves both exchange modes and every latency),
-{"op": "unload"}, {"op": "exit"}. Replies carry "ok" or "error" (the traceback's text). vLLM's own prints and
-logs go to stderr (the client's log file).
+{"op": "reschedule", "entry": {...}} (the schedule of a config's `dtp` entry, switched the same way, and the
+prefix cache dropped: one load serves every schedule of the same rank shards), {"op": "unload"},
+{"op": "exit"}. Replies carry "ok" or "error" (the traceback's text). vLLM's own prints and logs go to stderr
+(the client's log file).
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def configure_worker(worker: Any, exchange: str, link_latency_us: float) -> str:
         settings = importlib.import_module(plugin + ".options").PluginSettings
         model.model.configure(settings(exchange, float(link_latency_us), "set by the engine host"))
     return type(model).__name__
+
+
+def reschedule_worker(worker: Any, entry: dict[str, Any]) -> str:
+    """In a TP worker (through collective_rpc): the DTP model runs under the schedule of this `dtp` entry."""
+    model = worker.get_model()
+    model.model.reschedule(entry)
+    return str(model.model.schedule.name)
 
 
 def main() -> None:
@@ -92,6 +101,11 @@ def main() -> None:
                 names = llm.collective_rpc(configure_worker, args=(request["exchange"],
                                                                    float(request.get("link_latency_us", 0.0))))
                 _reply(replies, {"ok": True, "models": names})
+            elif op == "reschedule":
+                names = llm.collective_rpc(reschedule_worker, args=(request["entry"],))
+                if not llm.reset_prefix_cache():  # the cached KV was computed under the old schedule
+                    raise RuntimeError("vLLM could not drop its prefix cache after the schedule changed")
+                _reply(replies, {"ok": True, "schedules": names})
             elif op == "unload":
                 unload()
                 _reply(replies, {"ok": True})

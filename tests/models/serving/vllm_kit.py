@@ -252,6 +252,11 @@ class HostedEngine:
         reply = self.host.request(timeout_s=120, op="configure", exchange=exchange, link_latency_us=link_latency_us)
         return [str(name) for name in reply["models"]]
 
+    def reschedule(self, entry: dict[str, Any]) -> list[str]:
+        """Every TP worker's model runs under the schedule of this `dtp` entry; the schedule each reports."""
+        reply = self.host.request(timeout_s=120, op="reschedule", entry=entry)
+        return [str(name) for name in reply["schedules"]]
+
     def stop(self) -> None:
         with contextlib.suppress(EngineError):
             self.host.request(timeout_s=120, op="unload")
