@@ -38,7 +38,7 @@ from models.layouts.layout import Layout
 from models.optimise import optimise, score, upper_bound
 from models.run import pipeline
 from models.run.files import AFFINITY_FILE
-from models.schedules.grammar import Schedule, parse_schedule, resolve_schedule
+from models.schedules.grammar import Schedule, ScheduleSpec, parse_schedule, resolve_schedule
 from models.variants.set import build_layouts, neuron_agreement, objective_affinity, scored_layout
 
 
@@ -241,7 +241,7 @@ class Experiment:
                 out.append(Run(arm_of(layout), layout, seed, tuple(curve), second))
         return out
 
-    def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: str | None,
+    def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
                        recipe: distill.DistillRecipe) -> float:
         """KL(dense ‖ student) on the second domain of the run's final weights (its kept checkpoint)."""
         lay = layout_mod.load(layout_file)

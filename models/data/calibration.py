@@ -23,6 +23,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,15 @@ class CalibrationSpec:
             raise DataError(f"seq_len must be ≥ 2, got {self.seq_len}")
         if self.skip_blocks < 0:
             raise DataError(f"skip_blocks must be ≥ 0, got {self.skip_blocks}")
+        try:
+            _ = self.data_source  # parsed once, where the spec is read; every reader takes the parsed value
+        except ValueError as exc:
+            raise DataError(f"source: {exc}") from exc
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
-    @property
+    @cached_property  # in the instance's __dict__, not a field: asdict (the fingerprint) stays as it was
     def data_source(self) -> DataSource:
         """`source` parsed (`models.data.source`): which kind of text it names."""
         return parse_data_source(self.source)

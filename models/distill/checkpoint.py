@@ -31,6 +31,7 @@ from models.distill.sharding import Ranks
 from models.distill.train import StepStats
 from models.io.atomic import atomic_write_json
 from models.layouts.layout import Layout
+from models.schedules.grammar import ScheduleSpec, shorthand
 from models.sim.dtp import DTPModel
 
 CHECKPOINT_FORMAT = "dtp-layout-distill-checkpoint/2"
@@ -43,7 +44,7 @@ def tensor_fingerprint(t: torch.Tensor) -> str:
 
 
 def run_fingerprint(*, layout: Layout, seed: int, recipe: DistillRecipe, train_blocks: torch.Tensor,
-                    eval_blocks: torch.Tensor, model_id: str = "", schedule: str | None = None) -> str:
+                    eval_blocks: torch.Tensor, model_id: str = "", schedule: ScheduleSpec | None = None) -> str:
     """What a run's curve depends on; a checkpoint made under another fingerprint is not resumed."""
     lay = layout.to_json_dict()
     lay.pop("score", None)
@@ -51,8 +52,9 @@ def run_fingerprint(*, layout: Layout, seed: int, recipe: DistillRecipe, train_b
     payload = {"layout": lay, "seed": seed, "recipe": recipe.as_dict(), "model": model_id,
                "train": [list(train_blocks.shape), tensor_fingerprint(train_blocks)],
                "eval": [list(eval_blocks.shape), tensor_fingerprint(eval_blocks)]}
-    if schedule is not None:  # absent for the layout's dtp:δ, so that earlier runs keep their fingerprints
-        payload["schedule"] = schedule
+    stored = shorthand(schedule, layout.delta)
+    if stored is not None:  # absent for the layout's dtp:δ, so that earlier runs keep their fingerprints
+        payload["schedule"] = stored
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -20,7 +20,7 @@ from models.distill.recipe import DistillError, DistillRecipe
 from models.distill.train import StepStats
 from models.io.atomic import atomic_write_text
 from models.layouts.layout import Layout
-from models.schedules.grammar import dtp_spec
+from models.schedules.grammar import ScheduleSpec, dtp_spec
 
 RUN_FORMAT = "dtp-layout-distill-run/1"
 METRIC_COLUMNS = ("layout", "seed", "step", "kl", "ppl", "loss", "lr")
@@ -81,12 +81,12 @@ def write_metrics(out_dir: Path, records: Sequence[EvalRecord]) -> None:
 
 
 def write_logs(run_dir: Path, *, layout: Layout, seed: int, fingerprint: str, recipe: DistillRecipe,
-               state: RunState, complete: bool, dense_ppl: float, schedule: str | None = None) -> None:
+               state: RunState, complete: bool, dense_ppl: float, schedule: ScheduleSpec | None = None) -> None:
     rows = [r.as_dict() for r in state.records]
     write_metrics(run_dir, state.records)
     atomic_write_text(run_dir / "steps.csv", csv_text(STEP_COLUMNS, [s.as_dict() for s in state.steps]))
     doc = {"format": RUN_FORMAT, "layout": layout.name, "seed": seed, "fingerprint": fingerprint,
-           "devices": layout.devices, "delta": layout.delta, "schedule": schedule or str(dtp_spec(layout.delta)),
+           "devices": layout.devices, "delta": layout.delta, "schedule": str(schedule or dtp_spec(layout.delta)),
            "recipe": recipe.as_dict(), "dense_ppl": dense_ppl,
            "complete": complete, "records": rows}
     atomic_write_text(run_dir / "metrics.json", json.dumps(json_safe(doc), indent=1))

@@ -51,6 +51,7 @@ from models.distill.sharding import (
 from models.distill.student import make_student
 from models.distill.train import StepStats, make_optimizer, train_step
 from models.layouts.layout import Layout
+from models.schedules.grammar import ScheduleSpec
 
 STAGE = "distilling"
 
@@ -136,7 +137,7 @@ class _Run:
 
     def __init__(self, *, teacher: nn.Module, layout: Layout, seed: int, recipe: DistillRecipe,
                  train_blocks: torch.Tensor, reference: DenseReference, run_dir: Path, fingerprint: str,
-                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks, schedule: str | None = None,
+                 hooks: RunHooks, keep_checkpoint: bool, ranks: Ranks, schedule: ScheduleSpec | None = None,
                  own_teacher: bool = False) -> None:
         self.teacher, self.layout, self.seed, self.recipe = teacher, layout, seed, recipe
         self.schedule = schedule  # None: the layout's dtp:δ
@@ -253,7 +254,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                 on_eval: Callable[[EvalRecord], None] | None = None,
                 on_step: Callable[[StepStats, EvalRecord | None], None] | None = None,
                 on_restore: Callable[[list[EvalRecord]], None] | None = None,
-                keep_checkpoint: bool = True, world_size: int = 1, schedule: str | None = None) -> RunResult:
+                keep_checkpoint: bool = True, world_size: int = 1,
+                schedule: ScheduleSpec | None = None) -> RunResult:
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
 
     schedule: the communication schedule the student simulates (`models.schedules.grammar`; None: the

@@ -55,8 +55,7 @@ class DistillSpec:
             raise DistillError(f"seeds: give distinct integers, got {list(self.seeds)}")
 
     @property
-    def run_schedule(self) -> str | None:
+    def run_schedule(self) -> ScheduleSpec | None:
         """The schedule as each (layout, seed) run takes it (`models.distill.run`): None for dtp:δ of the layouts'
-        δ, so that a run's fingerprint (`models.distill.checkpoint.run_fingerprint`) stays the one it had before
-        schedules, else canonical."""
-        return shorthand(self.schedule, self.delta)
+        δ (the runs' default), else the spec."""
+        return None if shorthand(self.schedule, self.delta) is None else self.schedule

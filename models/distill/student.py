@@ -16,10 +16,12 @@ from torch import nn
 from models.distill.recipe import DistillRecipe
 from models.export.resident import permuted_copy
 from models.layouts.layout import Layout
+from models.schedules.grammar import ScheduleSpec
 from models.sim.dtp import DTPModel
 
 
-def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe, schedule: str | None = None) -> DTPModel:
+def make_student(teacher: nn.Module, layout: Layout, recipe: DistillRecipe,
+                 schedule: ScheduleSpec | None = None) -> DTPModel:
     """A DTP model over an fp32 deep copy of the teacher permuted by `layout` (no shared parameters),
     simulating `schedule` (None: the layout's dtp:δ)."""
     permuted = permuted_copy(teacher, layout)

@@ -42,6 +42,7 @@ from models.io.atomic import atomic_write_json
 from models.layouts.layout import Layout
 from models.probe.candidates import OPTIMISED
 from models.probe.spec import ProbeCost, ProbeError, ProbeSpec
+from models.schedules.grammar import ScheduleSpec
 
 PROBE_FORMAT = "dtp-layout-probe/1"
 STAGE = "probing"
@@ -57,7 +58,7 @@ def probe_data(calibration: CalibrationSpec, eval_sequences: int) -> Placement:
 
 
 def measure_step(teacher: nn.Module, layout: Layout, recipe: DistillRecipe, train_blocks: torch.Tensor,
-                 schedule: str | None) -> float:
+                 schedule: ScheduleSpec | None) -> float:
     """Wall seconds of one optimiser step of `layout`'s student (built, stepped once and thrown away)."""
     device = next(teacher.parameters()).device
     student = make_student(teacher, layout, recipe, schedule).to(device)
@@ -88,7 +89,7 @@ def budget_check(cost: ProbeCost, estimate: float, probe: ProbeSpec, step_second
 
 
 def run_probe(probe: ProbeSpec, *, teacher: nn.Module, tokenizer: Any, candidates: dict[str, Layout],
-              calibration: CalibrationSpec, schedule: str | None, out_dir: Path, model_id: str = "",
+              calibration: CalibrationSpec, schedule: ScheduleSpec | None, out_dir: Path, model_id: str = "",
               progress: Progress | None = None, should_stop: ShouldStop | None = None,
               announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Distil every candidate S steps (`models.distill.run.distill_run`, one seed), pick the lowest held-out KL;

@@ -275,7 +275,7 @@ def _probe(ctx: RunContext, hooks: Hooks) -> Note:
                                   optimised=state.layouts.get("optimised"))
     schedule = _schedule_now(ctx)  # spd:auto:K: its chosen spd:B; the students simulate it, as a distillation's
     record = run_probe(ctx.probe, teacher=ctx.model, tokenizer=ctx.tokenizer, candidates=candidates,
-                       calibration=ctx.calibration, schedule=None if schedule is None else str(schedule),
+                       calibration=ctx.calibration, schedule=schedule,
                        out_dir=ctx.run_dir / PROBE_DIR, model_id=ctx.model_id, progress=hooks.progress,
                        should_stop=hooks.should_stop,
                        announce=lambda line: print(f"probe: {line}", file=sys.stderr, flush=True))

@@ -29,11 +29,13 @@ from models.optimise.problem import edges_of
 from models.probe import probe as P
 from models.probe.candidates import mixture, probe_candidates
 from models.probe.spec import PROBE_BATCH, ProbeError, ProbeSpec
-from models.schedules.grammar import resolve_schedule
+from models.schedules.grammar import parse_schedule, resolve_schedule
 from models.variants.set import build_layouts, neuron_agreement, objective_affinity
 from tests.tiny import tiny_model
 
 VOCAB, SEQ = 97, 16
+
+DTP2 = parse_schedule("dtp:2")  # what the students simulate (the layouts' own δ)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_the_probe_picks_the_candidate_with_the_lowest_held_out_kl(setup, tmp_pa
     probe = ProbeSpec(candidates=3, steps=3, eval_sequences=4)
     said = []
     record = P.run_probe(probe, teacher=model, tokenizer=None, candidates=candidates, calibration=calibration,
-                         schedule="dtp:2", out_dir=tmp_path / "probe",
+                         schedule=DTP2, out_dir=tmp_path / "probe",
                          announce=said.append)
     assert record["format"] == P.PROBE_FORMAT and said and "about" in said[0]
     # held out: the blocks after the 8 the probe trained on (the calibration blocks themselves)
@@ -117,7 +119,7 @@ def test_the_probe_picks_the_candidate_with_the_lowest_held_out_kl(setup, tmp_pa
                            vocab_size=VOCAB)
     assert not any(torch.equal(h, t) for h in held_out for t in train_blocks)
     independent = {name: _independent_kl(model, layout, probe.recipe(), train_blocks, held_out,
-                                         tmp_path / "alone" / name, "dtp:2")
+                                         tmp_path / "alone" / name, DTP2)
                    for name, layout in candidates.items()}
     probed = {name: row["final_kl"] for name, row in record["candidates"].items()}
     assert probed == pytest.approx(independent, rel=1e-5)
@@ -131,7 +133,7 @@ def test_the_probe_picks_the_candidate_with_the_lowest_held_out_kl(setup, tmp_pa
     assert cost["training_tokens"] == 3 * 3 * PROBE_BATCH * SEQ and cost["estimated_seconds"] > 0
     # rerun over the same directory: the finished runs are read back, the same pick
     again = P.run_probe(probe, teacher=model, tokenizer=None, candidates=candidates, calibration=calibration,
-                        schedule="dtp:2", out_dir=tmp_path / "probe")
+                        schedule=DTP2, out_dir=tmp_path / "probe")
     assert again["chosen"] == record["chosen"] and again["candidates"] == record["candidates"]
 
 
@@ -159,7 +161,7 @@ def test_a_probe_over_its_time_budget_is_refused_before_it_trains(setup, tmp_pat
     said = []
     with pytest.raises(ProbeError, match="probe_max_seconds=600") as refused:
         P.run_probe(ProbeSpec(candidates=2, steps=20, eval_sequences=4, max_seconds=600), teacher=model,
-                    tokenizer=None, candidates=candidates, calibration=calibration, schedule="dtp:2",
+                    tokenizer=None, candidates=candidates, calibration=calibration, schedule=DTP2,
                     out_dir=tmp_path / "probe", announce=said.append)
     assert refused.value.field == "probe_max_seconds"
     assert said and "30.00 s" in said[0]  # the cost was told before the refusal
