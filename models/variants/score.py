@@ -25,8 +25,8 @@ from models.base.layout_format import LayoutError
 from models.layouts import layout as layout_mod
 from models.optimise import score, upper_bound
 from models.optimise.edges import SparseEdge, edge_name
-from models.schedules.grammar import resolve_schedule
-from models.variants.set import affinity_for
+from models.schedules.grammar import ScheduleSpec, dtp_spec, resolve_schedule
+from models.variants.set import CHAIN, affinity_for
 
 SCORES_FORMAT = "dtp-layout-scores/1"
 
@@ -41,10 +41,10 @@ OTHER_SCHEDULE_CAVEAT = ("J_σ is not shown to rank a layout made for another sc
 
 
 def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, score_name: str = "fo",
-            schedule: str | None = None) -> dict[str, Any]:
+            schedule: ScheduleSpec | None = CHAIN) -> dict[str, Any]:
     """{format, affinity, score, schedule, tokens, layouts: [{name, path, devices, J, J_over_bound, …}], warnings}.
 
-    schedule: score J_σ of that schedule (None: the paper's chain objective, J_σ of dtp:1).
+    schedule: score J_σ of that schedule (`CHAIN`: the paper's chain objective, J_σ of dtp:1).
     ValueError (LayoutError for a layout) naming the file when a file is unreadable or does not fit the
     affinity's model shape, or the affinity lacks the schedule's edges.
     """
@@ -52,7 +52,7 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
     affinity = affinity_for(result, score_name)
     rows = []
     warnings = []
-    scored_for = schedule if schedule is not None else "dtp:1"
+    scored_for = str(dtp_spec(1) if schedule is CHAIN else schedule)
     for path in layout_paths:
         lay = layout_mod.load(path)
         try:

@@ -58,10 +58,16 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """J, J/bound and the per-layer co-located fractions of each layout; torch-free."""
+    from models.schedules.grammar import parse_schedule
     from models.variants.score import rescore, score_table
+    from models.variants.set import CHAIN
 
     try:
-        doc = rescore(args.affinity, args.layouts, score_name=args.score, schedule=args.schedule)
+        schedule = CHAIN if args.schedule is None else parse_schedule(args.schedule)
+    except ValueError as exc:
+        raise CliError(f"--schedule: {exc}") from exc
+    try:
+        doc = rescore(args.affinity, args.layouts, score_name=args.score, schedule=schedule)
     except ValueError as exc:  # LayoutError and ScheduleError are ValueErrors
         raise CliError(str(exc)) from exc
     for warning in doc["warnings"]:
