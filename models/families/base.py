@@ -69,6 +69,10 @@ class Family:
     qk_norm: bool = False
     # What the family's config class fills in for a field a config leaves out (models.families.defaults).
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Keys the config class also stores a field under (its attribute_map, read the other way): alias -> field.
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; a config.json read as a dict must not
+    # then take num_experts from config_defaults (128 experts for 8).
+    config_aliases: Mapping[str, str] = field(default_factory=dict)
     # Extra refusals on top of the common ones: returns a reason, or None if the config is fine.
     extra_check: Callable[[Any], str | None] | None = None
     # A mixture-of-experts FFN in every layer (issue 46; models.families.moe): its config fields, router and
@@ -79,6 +83,7 @@ class Family:
         if not self.model_types:
             raise ValueError(f"family {self.name!r}: model_types is empty (give the config model_type(s) it covers)")
         object.__setattr__(self, "config_defaults", MappingProxyType(dict(self.config_defaults)))
+        object.__setattr__(self, "config_aliases", MappingProxyType(dict(self.config_aliases)))
 
     def refusals(self, config: Any) -> list[str]:
         """Why this family cannot run `config` under DTP (the common reasons, then its own); empty if it can."""

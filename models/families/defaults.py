@@ -27,7 +27,9 @@ def with_family_defaults(config: dict[str, Any]) -> dict[str, Any]:
     family = find_family(config.get("model_type"))
     if family is None:
         return config
-    return {**{k: v for k, v in family.config_defaults.items() if k not in config}, **config}
+    # a field saved under its alias is given (the field itself wins where a config has both)
+    given = {**{field: config[alias] for alias, field in family.config_aliases.items() if alias in config}, **config}
+    return {**{k: v for k, v in family.config_defaults.items() if k not in given}, **given}
 
 
 def _int(value: Any) -> TypeGuard[int]:

@@ -25,6 +25,7 @@ FAMILY = Family(
     hf_config_class="MixtralConfig",
     vllm=VllmArchitecture(dtp="DtpMixtralForCausalLM", replaces="MixtralForCausalLM"),
     plan=ATTENTION_PLAN,
+    config_aliases={"num_experts": "num_local_experts"},  # MixtralConfig.attribute_map
     moe=MoeFfn(num_experts_field="num_local_experts", expert_size_field="intermediate_size",
                checkpoint=ExpertNames(router="block_sparse_moe.gate.weight",
                                       gate="block_sparse_moe.experts.{e}.w1.weight",

@@ -41,5 +41,6 @@ FAMILY = Family(
                      "use_sliding_window": False, "attention_bias": False, "moe_intermediate_size": 768,
                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+    config_aliases={"num_local_experts": "num_experts"},  # Qwen3MoeConfig.attribute_map
     extra_check=_check,
 )

@@ -44,6 +44,41 @@ def test_the_table_is_what_each_config_class_fills_in(model_type):
             assert getattr(filled, key) == value, (model_type, key, getattr(filled, key), value)
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_every_alias_the_config_class_reads_is_declared(model_type):
+    """The config class's attribute_map, read both ways: each key it also stores a defaulted field under."""
+    family = find_family(model_type)
+    cls = getattr(transformers, family.hf_config_class)
+    want = {alias: field for a, b in cls.attribute_map.items() for alias, field in ((a, b), (b, a))
+            if field in family.config_defaults}
+    assert dict(family.config_aliases) == want
+
+
+ALIASED = [(t, alias) for t in MODEL_TYPES for alias in find_family(t).config_aliases]
+
+
+@pytest.mark.parametrize(("model_type", "alias"), ALIASED)
+def test_a_field_given_under_its_alias_is_counted_as_given(model_type, alias):
+    """qwen3_moe's num_experts saved as num_local_experts (transformers 5's save_pretrained): 4 experts, not
+    the class default's 128."""
+    config = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 100, "intermediate_size": 48, "moe_intermediate_size": 24,
+              alias: 4}
+    assert parameter_count(config) == built_parameters(config), with_family_defaults(config)
+
+
+@pytest.mark.parametrize("model_type", sorted(t for family in FAMILIES if family.moe for t in family.model_types))
+def test_a_config_json_the_installed_transformers_wrote_counts_every_expert(model_type, tmp_path):
+    import json
+
+    cfg = transformers.AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=100, intermediate_size=48,
+                                            moe_intermediate_size=24, num_experts=4)
+    cfg.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert parameter_count(config) == built_parameters(config), config
+
+
 OMISSIONS = [
     # the issue's bypass: the FFN width left out (transformers fills 11008, 14336 or 22016)
     {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100},
