@@ -18,6 +18,13 @@ d = W_o^(h) a_h, a sending neuron k' of FFN i writing d = α_k' w^d_k', and p = 
 
 A head's scores are summed over the heads of its KV group, as the paper does. One no-grad dense
 forward per micro-batch; a sender's writes are kept only until its last receiver has read them.
+
+A mixture-of-experts FFN's units are its experts' neurons (`models.affinity.units`, as in the chain pass): unit
+u of expert e writes w_e(t) α_u(t) w^d_u, w_e(t) token t's router gate weight of e (0 where t does not reach e),
+so as a sender its α is w_e α_u, and as a receiver its Δ and both its ADD terms are scaled by the receiving
+token's w_e(t) (FO and ADD by w_e²), the routing (the router's choice and weights) held as the rms is. The
+neuron → neuron ADD then reads E[β_k'² w_e(k)²] per sending neuron and receiving expert ([I, E]), the FO the
+weighted A = w silu'(g)u and B = w silu(g). With every weight 1 these are the dense scores above.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import torch.nn.functional as F
 
 from models.affinity.names import SCORES
 from models.affinity.scoring import (
+    NEURON_BLOCK,
     AffinityResult,
+    Fold,
     LayerAccumulator,
     _accumulate_up,
     _down_weight_norms,
@@ -42,27 +51,33 @@ from models.affinity.scoring import (
     counted_tokens,
     sum_dtype,
 )
+from models.affinity.units import FfnUnits, ffn_units
 from models.base.progress import Cancelled, Progress, ShouldStop
 from models.base.shapes import ModelShape
 from models.families import model_shape
 from models.optimise.edges import EdgeMatrix, Pair, SparseEdge, edge_kind
 from models.schedules.grammar import Schedule
-from models.sim.dtp import DTPModel
+from models.sim.dtp import DTPModel, rms_norm
+from models.sim.moe import Routing
 from models.sim.permute import decoder_layers
 from models.streaming.source import layer_source
 
 EdgeScores = dict[str, EdgeMatrix]  # {"fo": [U_m, U_t], "add": [U_m, U_t]}
 
 
-def _cross_fold(sender: Any, receiver: Any, heads: int,
-                head_dim: int) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Sender's W_o^(h)ᵀ diag(γ_receiver) W_gᵀ / W_uᵀ of the receiving FFN, in one block: [(cols, [H, hd, I] ×2)]."""
+def _cross_fold(sender: Any, receiver: Any, units: FfnUnits, heads: int, head_dim: int, block: int) -> Fold:
+    """Sender's W_o^(h)ᵀ diag(γ_receiver) W_gᵀ / W_uᵀ of the receiving FFN's units, in neuron blocks (an MoE FFN's
+    E·I_e units are many): [(cols, [H, hd, b] ×2), ...]."""
     w_o_heads = sender.self_attn.o_proj.weight.t().reshape(heads, head_dim, -1)  # [H, hd, D]
     gamma = receiver.post_attention_layernorm.weight  # [D]
-    mlp = receiver.mlp
-    fold_g = torch.matmul(w_o_heads, gamma[:, None] * mlp.gate_proj.weight.t())  # [H, hd, I]
-    fold_u = torch.matmul(w_o_heads, gamma[:, None] * mlp.up_proj.weight.t())
-    return [(slice(0, fold_g.shape[-1]), fold_g, fold_u)]
+    neurons = units.gate.shape[0]
+    out = []
+    for start in range(0, neurons, block):
+        cols = slice(start, min(neurons, start + block))
+        fold_g = torch.matmul(w_o_heads, gamma[:, None] * units.gate[cols].t())  # [H, hd, b]
+        fold_u = torch.matmul(w_o_heads, gamma[:, None] * units.up[cols].t())
+        out.append((cols, fold_g, fold_u))
+    return out
 
 
 class _EdgeAccumulator:
@@ -81,33 +96,44 @@ class _EdgeAccumulator:
             self.act = zeros(I)
         elif self.kind == "kv-kv":  # Σ (a_h/r)(a_h/r)ᵀ
             self.cov = zeros(H, hd, hd)
-        else:  # neuron → neuron: E[β²A²], E[β²AB], E[β²B²] [I, I] and E[β²] [I]
+        else:  # neuron → neuron: E[β²A²], E[β²AB], E[β²B²] [I, I] and E[β² w_e²] [I, E] (dense: E = 1, w = 1)
             self.aa = zeros(I, I)
             self.ab = zeros(I, I)
             self.bb = zeros(I, I)
-            self.beta = zeros(I)
+            self.beta = zeros(I, shape.neuron_blocks)
 
 
-def _receiver_ffn(layer: Any, x: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
-    """What a receiving FFN's units read: inv_r [T, 1], gate/up [T, I], A = silu'(g)u and B = silu(g)."""
-    from models.sim.dtp import rms_norm
-
+def _receiver_ffn(layer: Any, x: torch.Tensor, eps: float, routing: Routing | None) -> dict[str, Any]:
+    """What a receiving FFN's units read: inv_r [T, 1], gate/up [T, I], its units (`FfnUnits`), each token's
+    weight of each unit ("weight" [T, I], and per expert "expert_weight" [T, E]; None: a dense FFN, all 1),
+    A = w silu'(g)u and B = w silu(g) (w the weight: the units' terms as they reach the residual), and the
+    units' write ("act" [T, I]: w α)."""
+    units = ffn_units(layer, routing)
     normed = rms_norm(x, layer.post_attention_layernorm.weight, eps)
-    gate = normed @ layer.mlp.gate_proj.weight.t()  # [T, I]
-    up = normed @ layer.mlp.up_proj.weight.t()
+    gate = normed @ units.gate.t()  # [T, I]
+    up = normed @ units.up.t()
+    weight = units.token_weights(normed)  # [T, I] or None
     sig = torch.sigmoid(gate)
-    return {"inv_r": _rms_inverse(x, eps), "gate": gate, "up": up,
-            "A": sig * (1 + gate * (1 - sig)) * up, "B": gate * sig}
+    reads: dict[str, Any] = {"inv_r": _rms_inverse(x, eps), "gate": gate, "up": up, "units": units,
+                             "weight": weight, "expert_weight": None, "A": sig * (1 + gate * (1 - sig)) * up,
+                             "B": gate * sig, "act": F.silu(gate) * up}
+    if weight is not None:
+        reads["expert_weight"] = weight[:, :: gate.shape[1] // units.experts]  # [T, E]: its first unit's
+        for name in ("A", "B", "act"):
+            reads[name] = reads[name] * weight
+    return reads
 
 
-def _accumulate(acc: _EdgeAccumulator, pair: Pair, write: torch.Tensor, receiver: dict[str, torch.Tensor],
+def _accumulate(acc: _EdgeAccumulator, pair: Pair, write: torch.Tensor, receiver: dict[str, Any],
                 layers: Any, shape: ModelShape, token_chunk: int) -> None:
-    """write: the sender's heads_out [T, H*hd] or activations [T, I]; receiver: its read state."""
+    """write: the sender's heads_out [T, H*hd] or its units' writes w α [T, I]; receiver: its read state."""
     inv_r = receiver["inv_r"]  # [T, 1]
     acc_dtype = sum_dtype(write.dtype)
     if acc.kind == "up":
-        fold = _cross_fold(layers[pair[0] // 2], layers[pair[1] // 2], shape.num_query_heads, shape.head_dim)
-        _accumulate_up(acc.layer, write, inv_r, receiver["gate"], receiver["up"], fold, token_chunk)
+        fold = _cross_fold(layers[pair[0] // 2], layers[pair[1] // 2], receiver["units"], shape.num_query_heads,
+                           shape.head_dim, NEURON_BLOCK)
+        _accumulate_up(acc.layer, write, inv_r, receiver["gate"], receiver["up"], fold, token_chunk,
+                       receiver["weight"])
     elif acc.kind == "down":
         acc.act += (write.to(acc_dtype).square() * inv_r.to(acc_dtype).square()).sum(0).double()
     elif acc.kind == "kv-kv":
@@ -115,11 +141,13 @@ def _accumulate(acc: _EdgeAccumulator, pair: Pair, write: torch.Tensor, receiver
         acc.cov += torch.bmm(a.transpose(1, 2), a).double()
     else:
         beta2 = (write * inv_r).to(acc_dtype).square()  # [T, I] sender
-        A, B = receiver["A"].to(acc_dtype), receiver["B"].to(acc_dtype)  # [T, I] receiver
+        A, B = receiver["A"].to(acc_dtype), receiver["B"].to(acc_dtype)  # [T, I] receiver, weighted
         acc.aa += (beta2.t() @ A.square()).double()
         acc.ab += (beta2.t() @ (A * B)).double()
         acc.bb += (beta2.t() @ B.square()).double()
-        acc.beta += beta2.sum(0).double()
+        per_expert = receiver["expert_weight"]  # [T, E] or None (dense: every token's weight 1)
+        acc.beta += (beta2.sum(0)[:, None] if per_expert is None
+                     else beta2.t() @ per_expert.to(acc_dtype).square()).double()
 
 
 def _qkv_rows(attn: Any, shape: ModelShape) -> list[torch.Tensor]:
@@ -136,16 +164,17 @@ def _scores(fo: np.ndarray, add: np.ndarray) -> EdgeScores:
     return dict(zip(SCORES, (fo, add), strict=True))
 
 
-def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelShape, tokens: int) -> EdgeScores:
+def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelShape, tokens: int,
+                   routing: Routing | None) -> EdgeScores:
     sender, receiver = layers[pair[0] // 2], layers[pair[1] // 2]
     G, per_group = shape.num_kv_groups, shape.heads_per_group
     if acc.kind == "up":
-        down_norm = receiver.mlp.down_proj.weight.double().square().sum(0)  # [I]
+        down_norm = ffn_units(receiver, routing).down.double().square().sum(0)  # [I]
         fo = (acc.layer.fo / tokens * down_norm).view(G, per_group, -1).sum(1)
         add = (acc.layer.add / tokens).view(G, per_group, -1).sum(1)
         return _scores(fo.cpu().numpy(), add.cpu().numpy())
     if acc.kind == "down":
-        weight = _down_weight_norms(receiver, sender.mlp.down_proj.weight, shape)  # [I, G]
+        weight = _down_weight_norms(receiver, ffn_units(sender, routing).down, shape)  # [I, G]
         matrix = ((acc.act / tokens)[:, None] * weight).cpu().numpy()
         return _scores(matrix, matrix)
     if acc.kind == "kv-kv":
@@ -159,13 +188,15 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
             scores[:, g] = (torch.bmm(fold, cov) * fold).sum((1, 2)).cpu()
         matrix = scores.view(G, per_group, G).sum(1).numpy()
         return _scores(matrix, matrix)
+    theirs = ffn_units(receiver, routing)
     gamma = receiver.post_attention_layernorm.weight.double()
-    c = gamma[:, None] * sender.mlp.down_proj.weight.double()  # [D, I] sender columns through γ
-    mg = c.t() @ receiver.mlp.gate_proj.weight.double().t()  # [I, I]
-    mu = c.t() @ receiver.mlp.up_proj.weight.double().t()
-    down_norm = receiver.mlp.down_proj.weight.double().square().sum(0)  # [I] receiver
+    c = gamma[:, None] * ffn_units(sender, routing).down.double()  # [D, I] sender columns through γ
+    mg = c.t() @ theirs.gate.double().t()  # [I, I]
+    mu = c.t() @ theirs.up.double().t()
+    down_norm = theirs.down.double().square().sum(0)  # [I] receiver
     fo = (mg.square() * acc.aa + 2 * mg * mu * acc.ab + mu.square() * acc.bb) / tokens * down_norm
-    add = (acc.beta / tokens)[:, None] * (mg.square() + mu.square())
+    I, blocks = mg.shape[1], acc.beta.shape[1]  # the receiver's units, in blocks of one weight (its experts)
+    add = ((mg.square() + mu.square()).view(-1, blocks, I // blocks) * (acc.beta / tokens)[:, :, None]).view(-1, I)
     return _scores(fo.cpu().numpy(), add.cpu().numpy())
 
 
@@ -194,7 +225,7 @@ def accumulator_bytes(pair: Pair, shape: ModelShape) -> int:
         return I * F64
     if kind == "kv-kv":
         return H * hd * hd * F64
-    return (3 * I * I + I) * F64 + dense_edge_bytes(pair, shape)
+    return (3 * I * I + I * shape.neuron_blocks) * F64 + dense_edge_bytes(pair, shape)
 
 
 def edge_rounds(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> list[list[Pair]]:
@@ -262,9 +293,6 @@ def edge_pass(model: Any, blocks: torch.Tensor, pairs: Iterable[Pair], *, batch_
     if not pairs:
         return {}
     shape = model_shape(model.config)
-    if shape.num_experts:
-        raise ValueError(f"the edges beyond the paper's chain are not scored for a mixture-of-experts model "
-                         f"({shape.model_type}): a schedule of the chain (dtp:1, spd:B) is accepted")
     entries = sparse_entries(pairs, shape, memory_limit)
     pool = None if entries is None else _EntryPool(entries, 2 * sum(edge_kind(p) == "neuron-neuron" for p in pairs))
     rounds = edge_rounds(pairs, shape, memory_limit)
@@ -289,6 +317,7 @@ def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: Mode
     """One pass over the blocks: the dense scores of `pairs` (over each block's positions from
     `skip_positions` on)."""
     dense = DTPModel(model, devices=1, delta=0)
+    routing = dense.decoder.routing  # an MoE model's (its units are the experts' neurons), None: dense
     layers: Any = decoder_layers(model)
     device = next(model.parameters()).device
     accs = {p: _EdgeAccumulator(p, shape, device) for p in pairs}
@@ -307,24 +336,24 @@ def _edge_round(model: Any, blocks: torch.Tensor, pairs: list[Pair], shape: Mode
             layer = layers[t // 2]
             incoming = [m for m in writes if (m, t) in accs]
             if t % 2 == 0:
-                receiver = {"inv_r": _rms_inverse(x, dense.eps)}
+                receiver: dict[str, Any] = {"inv_r": _rms_inverse(x, dense.eps)}
                 heads_out = dense.attention_heads(t // 2, x.view(1, *emb.shape), cos, sin)[0]  # [T, H*hd]
                 for m in incoming:
                     _accumulate(accs[(m, t)], (m, t), writes[m], receiver, layers, shape, token_chunk)
                 write, x = heads_out, x + heads_out @ layer.self_attn.o_proj.weight.t()
             else:
-                receiver = _receiver_ffn(layer, x, dense.eps)
+                receiver = _receiver_ffn(layer, x, dense.eps, routing)
                 for m in incoming:
                     _accumulate(accs[(m, t)], (m, t), writes[m], receiver, layers, shape, token_chunk)
-                write = F.silu(receiver["gate"]) * receiver["up"]  # [T, I]
-                x = x + write @ layer.mlp.down_proj.weight.t()
+                write = receiver["act"]  # [T, I] w α: the units' writes (an MoE output's Σ_e w_e Σ_j α_ej w^d_ej)
+                x = x + write @ receiver["units"].down.t()
             writes = {m: w for m, w in writes.items() if last_read[m] > t}
             if t in last_read:  # a sender's skipped tokens write nothing into the sums
                 writes[t] = write if keep is None else write * keep.to(write.dtype)
             if t % 2:  # per layer
                 progress("affinity", (start + ids.shape[0] * (t + 1) / (2 * shape.num_layers)) / n_blocks)
     tokens = counted_tokens(blocks, skip_positions)
-    return {p: _finalise_edge(accs.pop(p), p, layers, shape, tokens) for p in pairs}
+    return {p: _finalise_edge(accs.pop(p), p, layers, shape, tokens, routing) for p in pairs}
 
 
 def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedule | None,
@@ -343,10 +372,6 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
         return affinity_pass(source, blocks, progress=progress, **options)
     shape = model_shape(source.config)
     further = AffinityResult.missing_edges_of(shape, schedule)
-    if further and shape.num_experts:
-        raise ValueError(f"schedule {schedule} needs edges beyond the paper's chain, which the affinity pass does not "
-                         f"score for a mixture-of-experts model ({shape.model_type}): a schedule of the chain "
-                         "(dtp:1, spd:B) is accepted")
     whole = source.whole_model(f"schedule {schedule} needs edges beyond the paper's chain, which only the "
                                f"in-memory affinity pass scores") if further else None
     chain_progress, edge_progress = progress, progress

@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from models.optimise.assignment import REL_TOL, blockwise_balanced_assignment
-from models.optimise.edges import EdgeMatrix, Pair, SparseEdge
+from models.optimise.edges import EdgeMatrix, Pair, SparseEdge, edge_kind
 from models.optimise.problem import Problem, check_devices, edges_of, neuron_blocks
 
 _GAIN_CHUNK = 1 << 22  # floats per temporary when scoring group partitions in bulk
@@ -155,15 +155,20 @@ def _sparse_bound(matrix: SparseEdge, devices: int) -> float:
     return float(min(by_row, by_col, matrix.values.sum()))
 
 
-def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int, blocks: int = 1) -> tuple[float, bool]:
+def _one_edge_bound(matrix: EdgeMatrix, devices: int, max_partitions: int, blocks: int = 1,
+                    kind: str = "up") -> tuple[float, bool]:
     """The best co-located mass of one (weighted) edge alone; (value, exact). `blocks`: the experts an FFN's
-    neurons are balanced in (1: dense); a neuron → neuron edge's relaxed bound ignores them (still valid)."""
+    neurons are balanced in (1: dense); `kind`: the edge's (`edge_kind`). A KV group → KV group edge has no
+    neurons (its blocks are 1); a neuron → neuron edge's partitioned side, and its relaxed bound, ignore the
+    experts (still valid, not exact)."""
     if isinstance(matrix, SparseEdge):
         return _sparse_bound(matrix, devices), False
     rows, cols = matrix.shape
-    # _edge_bound enumerates the partitions of its first axis: give it the smaller side
-    # (a chain's down edge [I, G] is bounded as its transpose).
-    return _edge_bound(matrix if rows <= cols else matrix.T, devices, max_partitions, blocks)
+    # _edge_bound enumerates the partitions of its first axis and assigns the other in `blocks`: give it the
+    # smaller side (a chain's down edge [I, G] is bounded as its transpose, its neurons assigned).
+    value, exact = _edge_bound(matrix if rows <= cols else matrix.T, devices, max_partitions,
+                               1 if kind == "kv-kv" else blocks)
+    return value, exact and not (kind == "neuron-neuron" and blocks > 1)
 
 
 def upper_bound(affinity: Problem, devices: int, *, max_partitions: int = 20000) -> UpperBound:
@@ -179,7 +184,8 @@ def upper_bound(affinity: Problem, devices: int, *, max_partitions: int = 20000)
     if key not in sigma._cache:
         weighted = sigma.weighted()
         blocks = neuron_blocks(affinity)
-        per = {p: _one_edge_bound(m, devices, max_partitions, blocks) for p, m in weighted.edges.items()}
+        per = {p: _one_edge_bound(m, devices, max_partitions, blocks, edge_kind(p))
+               for p, m in weighted.edges.items()}
         sigma._cache[key] = UpperBound(int(devices), float(sum(v for v, _ in per.values())),
                                        all(e for _, e in per.values()), {p: v for p, (v, _) in per.items()})
     result: UpperBound = sigma._cache[key]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.func import jvp, vmap
 
 from models.affinity.edges import schedule_affinity_pass
+from models.affinity.file import AffinityResult
 from models.affinity.scoring import affinity_pass
 from models.families import model_shape
 from models.schedules.grammar import resolve_schedule
@@ -195,8 +196,16 @@ def test_streamed_moe_affinity_equals_in_memory(tmp_path: Path, case: str) -> No
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
 
 
-def test_schedules_beyond_the_chain_are_refused_for_moe() -> None:
+def test_schedules_beyond_the_chain_score_their_further_edges_for_moe() -> None:
+    """pt:2 on an MoE model: the chain's scores are `affinity_pass`'s, and every further edge the schedule needs is
+    scored (against autograd in tests/models/test_moe_edges.py)."""
     model = tiny_model("mixtral")
-    with pytest.raises(ValueError, match=r"schedule pt:2 needs edges beyond the paper's chain, which the affinity "
-                                         r"pass does not score for a mixture-of-experts model \(mixtral\)"):
-        schedule_affinity_pass(model, tokens(1, 6), schedule=resolve_schedule("pt:2", 3, 2))
+    blocks = tokens(1, 6)
+    schedule = resolve_schedule("pt:2", 3, 2)
+    result = schedule_affinity_pass(model, blocks, schedule=schedule)
+    chain = affinity_pass(model, blocks)
+    assert result.schedule == "pt:2"
+    assert sorted(result.edges) == sorted(AffinityResult.missing_edges_of(model_shape(model.config), schedule))
+    for name in ("up_fo", "up_add", "down"):
+        for a, b in zip(getattr(result, name), getattr(chain, name), strict=True):
+            np.testing.assert_array_equal(a, b)
