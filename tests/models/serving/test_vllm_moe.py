@@ -28,9 +28,9 @@ from models.runtime import DTPRuntime
 from tests.models.serving.vllm_kit import EngineHost, HostedEngine, vllm_missing
 from tests.tiny import tokens
 
-# split_by_param("engine"): an engine's tests are one xdist unit (one engine load), as in test_vllm.py
-pytestmark = [pytest.mark.vllm, pytest.mark.split_by_param("engine"),
-              pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
+# Not split by parameter: the file is one xdist unit, so its two engines load one after the other. Split, the
+# suite loaded both at once on two workers and each missed the host's 420 s start bound on two loaded cores.
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
 
 PROMPT_LENGTHS = (5, 19, 37)
 MAX_TOKENS = 10
