@@ -125,6 +125,8 @@ def test_arms_by_layout_name():
 # ---- the committed runs files and the verdicts command ------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]
+# Re-run under the amended rule (2 optimised and 2 random layouts, 3 seeds): the verdict the command gives.
+RERUN = {("dtp:1", 50): "helps"}
 RECOVERED = {("dtp:2", 50): "docs/schedules_other_dtp2.json", ("dtp:2", 100): "docs/schedules_dtp2_100steps.json",
              ("pt:4", 100): "docs/schedules_pt4_100steps.json"}
 
@@ -155,6 +157,13 @@ def test_the_verdicts_command_recomputes_the_docs_table_where_the_runs_are_commi
     doc = doc_verdict_table()
     for schedule, steps in sv.TABLE:
         row = rows[schedule, steps]
+        if (schedule, steps) in RERUN:  # re-run under the amended rule: its lines of the command are the page's
+            assert row["verdict"] == RERUN[schedule, steps] and row["counts"]["optimised"]["layouts"] >= 2
+            assert row["counts"]["random"]["layouts"] >= 2
+            text = (REPO / "docs" / "schedules.md").read_text()
+            assert f"{schedule} at {steps} steps: {row['verdict']} ({row['why']})" in text
+            assert f"interpolated: {row['speedup']:.2f}×" in text
+            continue
         if (schedule, steps) not in RECOVERED:  # no raw runs committed: nothing invented
             assert row["verdict"] == sv.LOST and set(row) == {"schedule", "steps", "file", "verdict"}
             continue
@@ -180,7 +189,7 @@ def test_the_text_table_says_which_runs_must_be_rerun(tmp_path, capsys):
     sv.write_runs(sv.runs_file(tmp_path, "dtp:2", 50), "dtp:2", 50, runs, resolved="dtp:2")
     exp.main(["verdicts", "--runs", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "dtp:1 at 50 steps: raw runs not in the repository: re-run needed" in out
+    assert "dtp:1 at 50 steps: raw runs not in the repository: re-run needed" in out  # not in tmp_path
     assert "dtp:2 at 50 steps: not decided (1 optimised and 1 random layout(s); the rule needs 2 of each)" in out
     assert "1.57× (runs 1.57×–1.68×, 3 runs)" in out and "not shown at this budget, 1.25× on the grid" in out
     at_once = {"speedup_range": [float("inf"), float("inf")], "counts": {"optimised": {"runs": 1}}}
