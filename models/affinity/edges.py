@@ -40,10 +40,10 @@ from models.affinity.names import SCORES
 from models.affinity.scoring import (
     NEURON_BLOCK,
     AffinityResult,
-    Fold,
     LayerAccumulator,
     _accumulate_up,
     _down_weight_norms,
+    _fold,
     _rms_inverse,
     affinity_pass,
     check_skip_positions,
@@ -51,7 +51,7 @@ from models.affinity.scoring import (
     counted_tokens,
     sum_dtype,
 )
-from models.affinity.units import FfnUnits, ffn_units
+from models.affinity.units import ffn_units
 from models.base.progress import Cancelled, Progress, ShouldStop
 from models.base.shapes import ModelShape
 from models.families import model_shape
@@ -63,21 +63,6 @@ from models.sim.permute import decoder_layers
 from models.streaming.source import layer_source
 
 EdgeScores = dict[str, EdgeMatrix]  # {"fo": [U_m, U_t], "add": [U_m, U_t]}
-
-
-def _cross_fold(sender: Any, receiver: Any, units: FfnUnits, heads: int, head_dim: int, block: int) -> Fold:
-    """Sender's W_o^(h)ᵀ diag(γ_receiver) W_gᵀ / W_uᵀ of the receiving FFN's units, in neuron blocks (an MoE FFN's
-    E·I_e units are many): [(cols, [H, hd, b] ×2), ...]."""
-    w_o_heads = sender.self_attn.o_proj.weight.t().reshape(heads, head_dim, -1)  # [H, hd, D]
-    gamma = receiver.post_attention_layernorm.weight  # [D]
-    neurons = units.gate.shape[0]
-    out = []
-    for start in range(0, neurons, block):
-        cols = slice(start, min(neurons, start + block))
-        fold_g = torch.matmul(w_o_heads, gamma[:, None] * units.gate[cols].t())  # [H, hd, b]
-        fold_u = torch.matmul(w_o_heads, gamma[:, None] * units.up[cols].t())
-        out.append((cols, fold_g, fold_u))
-    return out
 
 
 class _EdgeAccumulator:
@@ -130,8 +115,8 @@ def _accumulate(acc: _EdgeAccumulator, pair: Pair, write: torch.Tensor, receiver
     inv_r = receiver["inv_r"]  # [T, 1]
     acc_dtype = sum_dtype(write.dtype)
     if acc.kind == "up":
-        fold = _cross_fold(layers[pair[0] // 2], layers[pair[1] // 2], receiver["units"], shape.num_query_heads,
-                           shape.head_dim, NEURON_BLOCK)
+        fold = _fold(layers[pair[0] // 2], receiver["units"], shape.num_query_heads, shape.head_dim, NEURON_BLOCK,
+                     receiver=layers[pair[1] // 2])
         _accumulate_up(acc.layer, write, inv_r, receiver["gate"], receiver["up"], fold, token_chunk,
                        receiver["weight"])
     elif acc.kind == "down":

@@ -62,10 +62,13 @@ NEURON_BLOCK = 1024
 Fold = list[tuple[slice, torch.Tensor, torch.Tensor]]
 
 
-def _fold(model_layer: Any, units: FfnUnits, heads: int, head_dim: int, block: int = NEURON_BLOCK) -> Fold:
-    """W_o^(h)ᵀ diag(γ) W_gᵀ and W_o^(h)ᵀ diag(γ) W_uᵀ in neuron blocks: [(cols, [H, hd, b], [H, hd, b]), ...]."""
+def _fold(model_layer: Any, units: FfnUnits, heads: int, head_dim: int, block: int = NEURON_BLOCK,
+          receiver: Any = None) -> Fold:
+    """W_o^(h)ᵀ diag(γ) W_gᵀ and W_o^(h)ᵀ diag(γ) W_uᵀ in neuron blocks: [(cols, [H, hd, b], [H, hd, b]), ...].
+    W_o is `model_layer`'s; γ and the FFN `units` are `receiver`'s (a later layer's, for the edges beyond the
+    chain; None: the same layer, the chain's up score)."""
     w_o = model_layer.self_attn.o_proj.weight  # [D, H*hd]
-    gamma = model_layer.post_attention_layernorm.weight  # [D]
+    gamma = (model_layer if receiver is None else receiver).post_attention_layernorm.weight  # [D]
     w_o_heads = w_o.t().reshape(heads, head_dim, -1)  # [H, hd, D]
     neurons = units.gate.shape[0]
     out = []

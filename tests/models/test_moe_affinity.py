@@ -162,15 +162,22 @@ def test_moe_scores_are_the_gate_weighted_first_order_damage(case: str) -> None:
                 np.testing.assert_allclose(result.down[i], down.numpy(), rtol=1e-6, atol=1e-12)
 
 
-def test_an_expert_no_token_reaches_scores_zero() -> None:
-    """Top-1 routing where expert 1 or 0 always wins over expert 3: router rows v, -v and 0 give logits h·v,
-    -h·v and 0, so max(h·v, -h·v) = |h·v| > 0 on every token. Every edge of expert 3's neurons is exactly 0."""
+def expert_3_unreached() -> Any:
+    """The fp64 tiny mixtral at top-1 with router rows v, -v and 0 for experts 0, 1 and 3: logits h·v, -h·v
+    and 0, so max(h·v, -h·v) = |h·v| > 0 on every token and expert 3 is never chosen."""
     model = double(tiny_model("mixtral", num_experts_per_tok=1))
     with torch.no_grad():
         for layer in model.model.layers:
             router = layer.mlp.gate.weight  # [E, D]
             router[1] = -router[0]
             router[3] = 0.0
+    return model
+
+
+def test_an_expert_no_token_reaches_scores_zero() -> None:
+    """Top-1 routing where expert 1 or 0 always wins over expert 3: router rows v, -v and 0 give logits h·v,
+    -h·v and 0, so max(h·v, -h·v) = |h·v| > 0 on every token. Every edge of expert 3's neurons is exactly 0."""
+    model = expert_3_unreached()
     result = affinity_pass(model, tokens(2, 7), batch_size=2)
     I_e = model_shape(model.config).expert_size
     for i in range(model.config.num_hidden_layers):

@@ -31,7 +31,16 @@ from models.layouts import layout as layout_mod
 from models.optimise.edges import edge_kind
 from models.schedules.grammar import resolve_schedule
 from models.variants.set import build_layouts
-from tests.models.test_moe_affinity import double, down_columns, gate_of_units, group_preacts, rms, trace, weighted_acts
+from tests.models.test_moe_affinity import (
+    double,
+    down_columns,
+    expert_3_unreached,
+    gate_of_units,
+    group_preacts,
+    rms,
+    trace,
+    weighted_acts,
+)
 from tests.tiny import MOE_CASES, tiny_model, tokens
 
 CASES = sorted(MOE_CASES)
@@ -109,12 +118,7 @@ def test_moe_edges_beyond_the_chain_are_the_gate_weighted_first_order_damage(cas
 def test_an_expert_no_token_reaches_sends_and_receives_nothing() -> None:
     """Top-1 routing where expert 0 or 1 always wins over expert 3 (router rows v, -v and 0: max(h·v, -h·v) > 0
     on every token): every further edge out of and into expert 3's neurons is exactly 0, the others' are not."""
-    model = double(tiny_model("mixtral", num_experts_per_tok=1))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            router = layer.mlp.gate.weight  # [E, D]
-            router[1] = -router[0]
-            router[3] = 0.0
+    model = expert_3_unreached()
     result = schedule_affinity_pass(model, tokens(1, 7), schedule=resolve_schedule("pt:3", 3, 2))
     I_e = model_shape(model.config).expert_size
     unreached = slice(3 * I_e, 4 * I_e)
