@@ -60,7 +60,7 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
         except LayoutError as exc:
             raise LayoutError(f"{path}: {exc} (affinity {affinity_path})") from exc
         extra: dict[str, Any] = {}
-        if schedule is not None:
+        if schedule is not CHAIN:
             resolved = resolve_schedule(schedule, result.shape.num_layers, lay.devices)
             scored_for = str(resolved)
             sigma = result.schedule_affinity(score_name, resolved)
@@ -89,7 +89,7 @@ def rescore(affinity_path: str | Path, layout_paths: Sequence[str | Path], *, sc
         rows[k]["rank"] = rank
     return {"format": SCORES_FORMAT, "affinity": str(affinity_path), "score": score_name, "schedule": scored_for,
             "tokens": result.tokens, "num_layers": result.shape.num_layers, "layouts": rows, "warnings": warnings,
-            "kept_mass": edge_kept_mass(result, score_name) if schedule is not None else None}
+            "kept_mass": edge_kept_mass(result, score_name) if schedule is not CHAIN else None}
 
 
 def edge_kept_mass(result: AffinityResult, score_name: str) -> dict[str, Any] | None:

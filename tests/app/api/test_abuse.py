@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, postgres_server, redis_broker):
     """Keyword arguments of the settings: one migrated Postgres database, a broker prefix, the roots."""
-    broker, prefix = redis_broker
+    broker = redis_broker[0]
     root = tmp_path_factory.mktemp("abuse")
     kwargs = {"database_url": postgres_server.create_database("dtp_abuse"), "broker_url": broker,
-              "broker_key_prefix": own_prefix((broker, prefix), "abuse")}
+              "broker_key_prefix": own_prefix(redis_broker, "abuse")}
     upgrade(kwargs["database_url"])
     provision(make_settings(root, **kwargs))
     admin = create_key(database(kwargs["database_url"]), name="abuse-admin", admin=True)

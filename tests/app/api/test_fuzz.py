@@ -74,11 +74,11 @@ def fuzz_world(tmp_path_factory, postgres_server, redis_broker):
     """The app on its own Postgres database and broker prefix, and a tenant key. The limits that would
     turn most submissions into 429 are lifted; they have their own tests (test_abuse.py). Both corpora
     are declared installed (DTP_LAYOUT_CORPORA): the same draws are accepted on every machine."""
-    broker, prefix = redis_broker
+    broker = redis_broker[0]
     url = postgres_server.create_database("dtp_fuzz")
     upgrade(url)
     s = make_settings(tmp_path_factory.mktemp("fuzz"), database_url=url, broker_url=broker,
-                      broker_key_prefix=own_prefix((broker, prefix), "fuzz"), rate_limit_per_min=0,
+                      broker_key_prefix=own_prefix(redis_broker, "fuzz"), rate_limit_per_min=0,
                       max_active_jobs=1_000_000, max_active_tokens=1 << 60, corpora="kjv,shakespeare")
     provision(s)
     app = create_app(s)

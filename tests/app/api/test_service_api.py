@@ -34,11 +34,11 @@ def settings(tmp_path_factory, postgres_server, redis_broker):
 
     url = postgres_server.create_database("dtp_api")
     upgrade(url)
-    broker, prefix = redis_broker
+    broker = redis_broker[0]
     # No worker runs here: submitted jobs stay queued, so the per-tenant active-job limits are lifted.
     s = make_settings(tmp_path_factory.mktemp("api"), database_url=url, broker_url=broker,
                       # a prefix of its own: the API marks it (app/api/readiness.py)
-                      broker_key_prefix=own_prefix((broker, prefix), "api"),
+                      broker_key_prefix=own_prefix(redis_broker, "api"),
                       max_active_jobs=100_000, max_active_tokens=1 << 50,
                       rate_limit_per_min=0)  # one TestClient address for the module's many requests (tested elsewhere)
     provision(s)

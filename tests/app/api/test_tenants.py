@@ -30,9 +30,10 @@ def world(request, tmp_path_factory):
     overrides = {}
     if request.param == "postgres":
         server = request.getfixturevalue("postgres_server")
-        broker, prefix = request.getfixturevalue("redis_broker")
+        redis_broker = request.getfixturevalue("redis_broker")
+        broker = redis_broker[0]
         overrides = {"database_url": server.create_database("dtp_tenants"), "broker_url": broker,
-                     "broker_key_prefix": own_prefix((broker, prefix), "tenants")}
+                     "broker_key_prefix": own_prefix(redis_broker, "tenants")}
     settings = make_settings(root, key_cache_s=0, max_active_jobs=50, **overrides)
     upgrade(settings.database_url)
     provision(settings)
