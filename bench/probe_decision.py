@@ -140,6 +140,7 @@ def pick(args: Any, experiment: Any) -> tuple[dict[str, Any], Path]:
     from models.probe.candidates import probe_candidates
     from models.probe.probe import run_probe
     from models.probe.spec import ProbeSpec
+    from models.schedules.grammar import parse_schedule
     from models.variants.set import build_layouts, neuron_agreement
 
     sched, result = experiment.schedule(SCHEDULE), experiment.affinity(SCHEDULE)
@@ -155,7 +156,7 @@ def pick(args: Any, experiment: Any) -> tuple[dict[str, Any], Path]:
         record = run_probe(ProbeSpec(candidates=args.probe, steps=args.probe_steps,
                                      eval_sequences=args.probe_eval_blocks, max_seconds=7 * 86_400),
                            teacher=experiment.model, tokenizer=experiment.tokenizer, candidates=candidates,
-                           calibration=calibration, schedule=SCHEDULE, out_dir=args.work / "probe",
+                           calibration=calibration, schedule=parse_schedule(SCHEDULE), out_dir=args.work / "probe",
                            announce=lambda line: print(f"probe: {line}", flush=True))
         optimised.save(out / "optimised.json")
         chosen = candidates[record["chosen"]]

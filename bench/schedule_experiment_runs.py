@@ -183,7 +183,8 @@ class Experiment:
         a = self.args
         return distill.DistillRecipe(steps=a.steps, batch_size=a.batch_size, micro_batch_size=a.batch_size, lr=a.lr,
                                      min_lr=a.lr / 10, warmup_steps=max(1, a.steps // 10), eval_every=a.eval_every,
-                                     checkpoint_every=10, eval_batch_size=4)
+                                     # a checkpoint at every evaluation: the second domain's curve reads each
+                                     checkpoint_every=1, eval_batch_size=4)
 
     def secondary(self) -> DenseReference:
         """The second domain's evaluation blocks and the dense model on them (computed once)."""
@@ -218,10 +219,16 @@ class Experiment:
                 run_dir = run_dir_for(out, arm, seed)
                 done = run_dir / "secondary.json"
                 if not done.exists():  # keep the final weights until the second domain has evaluated them
+                    layout_file = self.layouts(schedule) / f"{arm}.json"
+                    curve = self.second_curve(run_dir)
                     distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
-                                        layouts_dir=self.layouts(schedule), keep_checkpoints=True, plot=False)
-                    kl = self.evaluate_final(run_dir, self.layouts(schedule) / f"{arm}.json", spec.schedule, recipe)
-                    done.write_text(json.dumps({"source": a.eval2, "tokens": a.eval2_blocks * a.seq_len, "kl": kl}))
+                                        layouts_dir=self.layouts(schedule), keep_checkpoints=True, plot=False,
+                                        on_eval=lambda r, d=run_dir, f=layout_file, c=curve, s=spec.schedule:
+                                        self.second_point(d, f, s, recipe, c, r.step))
+                    if recipe.steps not in curve:  # a run read back whole (its metrics.json complete)
+                        self.second_point(run_dir, layout_file, spec.schedule, recipe, curve, recipe.steps)
+                    done.write_text(json.dumps({"source": a.eval2, "tokens": a.eval2_blocks * a.seq_len,
+                                                "kl": curve[recipe.steps], "curve": sorted(curve.items())}))
                     remove_checkpoint(run_dir / CHECKPOINT_DIR)
                 secondary.setdefault(arm, []).append(float(json.loads(done.read_text())["kl"]))
         curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
@@ -231,19 +238,36 @@ class Experiment:
         return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}, secondary
 
     def runs(self, schedule: str, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> list[Run]:
-        """Each (layout, seed) run as the verdict rule reads it, with the second domain's KL after the last step
-        from the run's own secondary.json."""
+        """Each (layout, seed) run as the verdict rule reads it, with its second domain's curve (or, for runs
+        made before the curve was kept, its KL after the last step) from the run's own secondary.json."""
         out = []
         for layout, by_seed in curves.items():
             for seed, curve in sorted(by_seed.items()):
                 done = run_dir_for(self.work / "distill" / slug(schedule), layout, seed) / "secondary.json"
-                second = ((curve[-1][0], float(json.loads(done.read_text())["kl"])),) if done.exists() else ()
+                second: tuple[tuple[int, float], ...] = ()
+                if done.exists():
+                    kept = json.loads(done.read_text())
+                    second = tuple((int(st), float(kl)) for st, kl in kept["curve"]) if "curve" in kept else \
+                        ((curve[-1][0], float(kept["kl"])),)
                 out.append(Run(arm_of(layout), layout, seed, tuple(curve), second))
         return out
 
+    @staticmethod
+    def second_curve(run_dir: Path) -> dict[int, float]:
+        """The second domain's points of an interrupted run so far ({step: KL}, kept beside its checkpoint)."""
+        partial = run_dir / "secondary-partial.json"
+        return {int(k): float(v) for k, v in json.loads(partial.read_text()).items()} if partial.exists() else {}
+
+    def second_point(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
+                     recipe: distill.DistillRecipe, curve: dict[int, float], step: int) -> None:
+        """The second domain's KL at `step`, from the checkpoint the run saved at that evaluation (the recipe
+        checkpoints at every one); kept in secondary-partial.json so that a resumed run keeps its curve."""
+        curve[step] = self.evaluate_final(run_dir, layout_file, schedule, recipe)
+        (run_dir / "secondary-partial.json").write_text(json.dumps({str(k): v for k, v in sorted(curve.items())}))
+
     def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
                        recipe: distill.DistillRecipe) -> float:
-        """KL(dense ‖ student) on the second domain of the run's final weights (its kept checkpoint)."""
+        """KL(dense ‖ student) on the second domain of the run's weights in its latest checkpoint."""
         lay = layout_mod.load(layout_file)
         student = make_student(self.model, lay, recipe, schedule)
         found = checkpoint_to_read(run_dir / CHECKPOINT_DIR)

@@ -10,10 +10,11 @@ from tests import xdist_kit
 
 
 def _item(nodeid: str, param: str | None, *marks: str, params: dict[str, Any] | None = None,
-          mark_args: tuple[str, ...] = ()) -> Any:
+          mark_args: tuple[str, ...] = (), mark_kwargs: dict[str, Any] | None = None) -> Any:
     callspec = None if param is None else SimpleNamespace(id=param, params=params or {})
     return SimpleNamespace(nodeid=nodeid, callspec=callspec,
-                           get_closest_marker=lambda name: SimpleNamespace(name=name, args=mark_args)
+                           get_closest_marker=lambda name: SimpleNamespace(name=name, args=mark_args,
+                                                                           kwargs=mark_kwargs or {})
                            if name in marks else None)
 
 
@@ -35,6 +36,21 @@ def test_a_split_by_named_parameters_keeps_the_other_parameters_in_one_unit() ->
                                        params={"engine": ("llama", "pt:2"), "mode": "eager"}, mark_args=("engine",)))
     assert units == {"tests/v.py[('llama', 'tp')]"} and other == "tests/v.py[('llama', 'pt:2')]"
     assert xdist_kit.unit_of("tests/x.py::test_a[1]@grp") == "grp"
+
+
+def test_a_unit_function_puts_the_parameter_sets_that_share_a_load_in_one_unit() -> None:
+    """split_by_param("engine", unit=f): the engines f maps to one name are one unit (one load, switched in
+    place); the others stay apart."""
+    def load(engine: tuple[str, str]) -> str:
+        return "llama-hosted" if engine[0] == "llama" else "-".join(engine)
+
+    def unit(engine: tuple[str, str]) -> str | None:
+        return xdist_kit.param_unit(_item(f"tests/v.py::test_g[{'-'.join(engine)}]", "-".join(engine),
+                                          "split_by_param", params={"engine": engine}, mark_args=("engine",),
+                                          mark_kwargs={"unit": load}))
+
+    assert unit(("llama", "tp")) == unit(("llama", "pt:2")) == "tests/v.py[llama-hosted]"
+    assert unit(("qwen3", "dtp:1")) == "tests/v.py[qwen3-dtp:1]"
 
 
 def test_the_workers_lists_reach_the_schedule(tmp_path, monkeypatch) -> None:

@@ -152,13 +152,16 @@ class SerialLock:
 def param_unit(item: pytest.Item) -> str | None:
     """The work unit of a test of a `split_by_param` file: the file and its parameter set's id, or, where the
     mark names parameters (`split_by_param("engine")`), those parameters' values alone: a test parametrized
-    further (`mode`) stays in its engine's unit, which starts the engine once."""
+    further (`mode`) stays in its engine's unit, which starts the engine once. `unit=f` on the mark: the unit
+    is f(those values) instead, so several parameter sets that share one load are one unit."""
     callspec = getattr(item, "callspec", None)
     mark = item.get_closest_marker(SPLIT_BY_PARAM)
     if callspec is None or mark is None:
         return None
     if mark.args:
-        return f"{item.nodeid.split('::', 1)[0]}[{', '.join(repr(callspec.params.get(n)) for n in mark.args)}]"
+        values = [callspec.params.get(n) for n in mark.args]
+        unit = getattr(mark, "kwargs", {}).get("unit")
+        return f"{item.nodeid.split('::', 1)[0]}[{unit(*values) if unit else ', '.join(map(repr, values))}]"
     return f"{item.nodeid.split('::', 1)[0]}[{callspec.id}]"
 
 

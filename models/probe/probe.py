@@ -94,7 +94,7 @@ def run_probe(probe: ProbeSpec, *, teacher: nn.Module, tokenizer: Any, candidate
               announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Distil every candidate S steps (`models.distill.run.distill_run`, one seed), pick the lowest held-out KL;
     returns (and writes) probe.json's content. `schedule`: what the students simulate, as a run takes it
-    (canonical text; None: the layouts' dtp:δ).
+    (a parsed ScheduleSpec; None: the layouts' dtp:δ).
 
     Rerun over the same out_dir, finished candidates are read back (distill_run's resume). Raises ProbeError
     (probe_max_seconds) before training when the estimated time is over the budget."""

@@ -79,6 +79,10 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
     # the runs file, the verdicts' only input: every (layout, seed) run with both domains' KL
     rows = exp.main(["verdicts", "--json", "--runs", str(tmp_path / "work" / "schedule_runs")])
     (mine,) = [r for r in rows if r["file"] == "dtp-2-2steps.json"]
+    # both domains as curves: the second evaluated at every step the primary is (each evaluation's checkpoint)
+    kept = json.loads((tmp_path / "work" / "schedule_runs" / "dtp-2-2steps.json").read_text())["runs"]
+    assert kept and all([s for s, _ in r["second"]] == [s for s, _ in r["primary"]] == [0, 1, 2] for r in kept)
+    assert all(r["second"][0][1] != r["second"][-1][1] for r in kept)  # trained: the curve moves
     assert mine["verdict"] == row["amended_verdict"]["verdict"] and mine["final_kl"]["optimised"] == \
         row["final_kl"]["optimised"]
     assert mine["final_kl_second_domain"]["contiguous"] == row["final_kl_second_domain"]["contiguous"]

@@ -210,7 +210,7 @@ class DtpModel(nn.Module):
         self.ffn_name = ffn_name
         self.devices = get_tensor_model_parallel_world_size()
         entry = getattr(config, "dtp", None)
-        self.reschedule(entry)
+        self._set_schedule(entry)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList([make_layer(vllm_config, f"{prefix}.layers.{i}")
@@ -238,6 +238,12 @@ class DtpModel(nn.Module):
         forward on. No weight depends on the schedule (export writes the same rank shards for every one), so
         the engine host serves one load under several; KV cached under the old schedule is not this one's:
         the caller drops it (vLLM's LLM.reset_prefix_cache)."""
+        self._set_schedule(entry)
+        if get_tensor_model_parallel_rank() == 0:
+            logger.info("DTP schedule %s on TP=%d: %s (switched in place)", self.schedule.name, self.devices,
+                        self.settings.describe())
+
+    def _set_schedule(self, entry: Any) -> None:
         self.schedule = check_entry(entry, num_layers=self.config.num_hidden_layers, tp_size=self.devices)
         self.plan = ArrivalPlan.of(self.schedule)
         self.steps = module_steps(self.plan)

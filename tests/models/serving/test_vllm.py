@@ -10,7 +10,10 @@ command, and stopped by SIGTERM to the command), and the checkpoint with the tab
 --hf-overrides. The others are loaded by this session's engine host (vllm_host.py: `vllm.LLM` in one process
 that imported vLLM once; the same plugin, model classes, executor and TP workers), which readies an engine
 in ~10 s instead of the server's ~25 s on an idle machine, and switches the plugin's exchange mode and link
-latency within one load (`LLM.collective_rpc`), so both modes are checked without a second engine.
+latency within one load (`LLM.collective_rpc`), so both modes are checked without a second engine. The hosted
+llama shards engines (tp, dtp:2, pt:2, spd:1, ladder: one random layout, so byte-identical rank shards, checked)
+are one load switched in place to each schedule (`DtpModel.reschedule`, the prefix cache dropped), as the MoE
+engines are (test_vllm_moe.py): one xdist unit, one start instead of five.
 Every engine runs with --max-num-batched-tokens 16, so the longer prompts are prefilled in chunks, and
 every request is a batch of prompts of different lengths sent as token ids at temperature 0. The
 reference is the project's runtime (`models.runtime`, what `dtp-layout generate` runs) on the same shards.
@@ -20,12 +23,14 @@ Skipped without .venv-vllm (`make vllm-env`); the engines take minutes to start 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -39,8 +44,6 @@ from tests.tiny import tokens
 # split_by_param("engine"): each engine's tests are a unit of their own under xdist (an engine is started per
 # parameter set whatever the grouping; one file of 11 engines was the suite's longest tail, 6 minutes on one
 # worker), both exchange modes in it (split by the whole id, a mode's tests started the engine again)
-pytestmark = [pytest.mark.vllm, pytest.mark.split_by_param("engine"),
-              pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
 
 PROMPT_LENGTHS = (5, 19, 37)  # 37 > 16: two chunks and a remainder under --max-num-batched-tokens 16
 MAX_TOKENS = 10
@@ -60,6 +63,17 @@ VIA_COMMAND = ("llama", "dtp:1", "shards")
 MODES = ("eager", "overlap")
 TIMES: dict[str, float] = {}
 REFERENCES: dict[tuple[Path, str | None], list[list[int]]] = {}  # the runtime's tokens, per shards and override
+SHARED = ("llama", "shards")  # (case, load path) of the hosted engines that share one load
+SWITCHED: set[tuple[str, str, str]] = set()  # the engines that are the shared load switched in place
+
+
+def load_of(engine: tuple[str, str, str]) -> str:
+    """The load an engine runs on: the hosted llama shards engines share one; every other its own."""
+    return "llama-shards-hosted" if engine[::2] == SHARED and engine not in SERVED else "-".join(engine)
+
+
+pytestmark = [pytest.mark.vllm, pytest.mark.split_by_param("engine", unit=load_of),
+              pytest.mark.skipif(vllm_missing() is not None, reason=vllm_missing() or "")]
 
 
 def _prompts() -> list[list[int]]:
@@ -91,6 +105,44 @@ def engine_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHost
         host.stop()
 
 
+def _rank_files(shards: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(shards.glob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def kept_load() -> Iterator[dict[str, Any]]:
+    """The hosted load the llama shards engines share ({"files": rank file hashes, "server": HostedEngine}),
+    kept across their engine fixtures; unloaded with the module (no engine left loaded beside another file's)."""
+    kept: dict[str, Any] = {}
+    try:
+        yield kept
+    finally:
+        if "server" in kept:
+            kept["server"].stop()
+
+
+def _hosted(request: pytest.FixtureRequest, model: Path, overrides: dict[str, Any] | None,
+            shared: bool) -> tuple[HostedEngine, str]:
+    """A hosted engine on `model`: the kept load switched to this export's schedule where its rank shards are
+    the kept ones (how: "switched in place"), else a fresh load (kept if `shared`; the kept one unloaded)."""
+    kept = request.getfixturevalue("kept_load")
+    files = _rank_files(model) if shared else None
+    if files is not None and kept.get("files") == files:
+        server: HostedEngine = kept["server"]
+        entry = json.loads((model / "config.json").read_text())["dtp"]
+        server.configure(MODES[0], 0.0)  # the mode a fresh load starts in
+        assert server.reschedule(entry) == [entry["schedule"]] * 2
+        return server, "switched in place"
+    if "server" in kept:
+        kept.pop("server").stop()
+        kept.clear()
+    server = request.getfixturevalue("engine_host").load(model, hf_overrides=overrides)
+    if files is not None:
+        assert len(files) == 2, files
+        kept.update(files=files, server=server)
+    return server, "engine host"
+
+
 @pytest.fixture(scope="module", params=ENGINES, ids=["-".join(e) for e in ENGINES])
 def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
@@ -101,19 +153,22 @@ def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
     overrides = hf_overrides(json.loads((shards / "manifest.json").read_text())["serving"]) \
         if path == "checkpoint" else None
     server: Server | HostedEngine
+    how = "OpenAI server"
     if request.param == VIA_COMMAND:
         server = Server(model, extra=CHUNK, vllm_serve=["--exchange", SERVED[VIA_COMMAND]])
     elif request.param in SERVED:
         server = Server(model, extra=[*CHUNK, *(["--hf-overrides", json.dumps(overrides)] if overrides else [])])
     else:
-        server = request.getfixturevalue("engine_host").load(model, hf_overrides=overrides)
-    TIMES["-".join(request.param)] = server.start_s
-    how = "OpenAI server" if request.param in SERVED else "engine host"
-    print(f"\nvLLM engine {'-'.join(request.param)} ({how}): ready in {server.start_s:.1f} s")
+        server, how = _hosted(request, model, overrides, shared=load_of(request.param) != "-".join(request.param))
+    if how == "switched in place":
+        SWITCHED.add(request.param)
+    TIMES["-".join(request.param)] = 0.0 if request.param in SWITCHED else server.start_s
+    print(f"\nvLLM engine {'-'.join(request.param)} ({how}): ready in {TIMES['-'.join(request.param)]:.1f} s")
     try:
         yield case, schedule, path, shards, server
     finally:
-        server.stop()
+        if server is not request.getfixturevalue("kept_load").get("server"):
+            server.stop()
 
 
 def _reference(rt: DTPRuntime, shards: Path, prompts: list[list[int]], override: str | None = None) -> list[list[int]]:
@@ -215,7 +270,9 @@ def test_the_exchange_mode_is_printed_at_engine_start(engine: Engine,
         log, source = server.host.log, "the default on cpu"
     mode = SERVED.get((case, schedule, path), MODES[0])
     line = f"DTP schedule {schedule} on TP=2: exchange {mode} ({source};"
-    assert line in log.read_text(errors="replace"), line
+    switched = f"DTP schedule {schedule} on TP=2: exchange {mode} (set by the engine host;"  # ... (switched in place)
+    text = log.read_text(errors="replace")
+    assert line in text or ((case, schedule, path) in SWITCHED and switched in text), line
 
 
 def test_sigterm_to_vllm_serve_stops_every_process_it_started(engine: Engine) -> None:
