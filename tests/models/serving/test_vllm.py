@@ -211,6 +211,8 @@ def test_greedy_tokens_equal_the_runtime(engine: Engine, runtime2: DTPRuntime, m
         assert got == _reference(runtime2, shards, prompts, override="tp")
     else:
         assert got == want, f"{case} {schedule} via {path}: vLLM {got} != runtime {want}"
+    if (case, schedule, path) in SWITCHED:  # the switch took: not the tokens of the load's first schedule (tp)
+        assert got != _reference(runtime2, shards, prompts, override="tp"), f"{schedule}: tp's tokens"
 
 
 def test_single_requests_equal_the_batch(engine: Engine) -> None:
