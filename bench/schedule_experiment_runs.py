@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +224,8 @@ class Experiment:
                     curve = self.second_curve(run_dir)
                     distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
                                         layouts_dir=self.layouts(schedule), keep_checkpoints=True, plot=False,
-                                        on_eval=lambda r, d=run_dir, f=layout_file, c=curve, s=spec.schedule:
-                                        self.second_point(d, f, s, recipe, c, r.step))
+                                        on_eval=partial(self.second_record, run_dir, layout_file, spec.schedule,
+                                                        recipe, curve))
                     if recipe.steps not in curve:  # a run read back whole (its metrics.json complete)
                         self.second_point(run_dir, layout_file, spec.schedule, recipe, curve, recipe.steps)
                     done.write_text(json.dumps({"source": a.eval2, "tokens": a.eval2_blocks * a.seq_len,
@@ -257,6 +258,11 @@ class Experiment:
         """The second domain's points of an interrupted run so far ({step: KL}, kept beside its checkpoint)."""
         partial = run_dir / "secondary-partial.json"
         return {int(k): float(v) for k, v in json.loads(partial.read_text()).items()} if partial.exists() else {}
+
+    def second_record(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
+                      recipe: distill.DistillRecipe, curve: dict[int, float], record: Any) -> None:
+        """run_distill's on_eval: the second domain at the step the primary was just evaluated at."""
+        self.second_point(run_dir, layout_file, schedule, recipe, curve, int(record.step))
 
     def second_point(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
                      recipe: distill.DistillRecipe, curve: dict[int, float], step: int) -> None:

@@ -121,11 +121,10 @@ def kept_load() -> Iterator[dict[str, Any]]:
             kept["server"].stop()
 
 
-def _hosted(request: pytest.FixtureRequest, model: Path, overrides: dict[str, Any] | None,
+def _hosted(request: pytest.FixtureRequest, kept: dict[str, Any], model: Path, overrides: dict[str, Any] | None,
             shared: bool) -> tuple[HostedEngine, str]:
     """A hosted engine on `model`: the kept load switched to this export's schedule where its rank shards are
     the kept ones (how: "switched in place"), else a fresh load (kept if `shared`; the kept one unloaded)."""
-    kept = request.getfixturevalue("kept_load")
     files = _rank_files(model) if shared else None
     if files is not None and kept.get("files") == files:
         server: HostedEngine = kept["server"]
@@ -144,7 +143,7 @@ def _hosted(request: pytest.FixtureRequest, model: Path, overrides: dict[str, An
 
 
 @pytest.fixture(scope="module", params=ENGINES, ids=["-".join(e) for e in ENGINES])
-def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
+def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path], kept_load: dict[str, Any],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     case, schedule, path = request.param
     out = _export(exports, tmp_path_factory.getbasetemp() / "vllm-exports", case, schedule)
@@ -159,7 +158,8 @@ def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
     elif request.param in SERVED:
         server = Server(model, extra=[*CHUNK, *(["--hf-overrides", json.dumps(overrides)] if overrides else [])])
     else:
-        server, how = _hosted(request, model, overrides, shared=load_of(request.param) != "-".join(request.param))
+        server, how = _hosted(request, kept_load, model, overrides,
+                              shared=load_of(request.param) != "-".join(request.param))
     if how == "switched in place":
         SWITCHED.add(request.param)
     TIMES["-".join(request.param)] = 0.0 if request.param in SWITCHED else server.start_s
@@ -167,7 +167,7 @@ def engine(request: pytest.FixtureRequest, exports: dict[tuple[str, str], Path],
     try:
         yield case, schedule, path, shards, server
     finally:
-        if server is not request.getfixturevalue("kept_load").get("server"):
+        if server is not kept_load.get("server"):
             server.stop()
 
 
