@@ -1,6 +1,6 @@
 """An MoE model through the whole service (issue 46): a tiny Qwen3-MoE saved under MODEL_ROOT, the API on
-Postgres, a real Celery worker on Redis. The job runs the affinity pass, the optimiser, the export and a short
-distillation; its layouts are balanced per expert, its permuted checkpoint and rank shards compute the dense
+Postgres, a real Celery worker on Redis. The job, at dtp:2, runs the affinity pass (the chain's and the edges
+beyond it), the optimiser, the export and a short distillation; its layouts are balanced per expert, its permuted checkpoint and rank shards compute the dense
 model's function, its shards run on the project's runtime with the simulator's tokens, and its summary says
 how vLLM serves them. The server's parameter limit counts every expert."""
 
@@ -26,6 +26,7 @@ from tests.worker.test_e2e import download_all
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.worker]
 
 MOE_MODEL = "tiny-qwen3-moe"
+SCHEDULE = "dtp:2"
 DISTILL = {**TINY_DISTILL, "layouts": ["optimised", "contiguous"], "steps": 2}  # evaluated at steps 0 and 2
 
 
@@ -38,7 +39,10 @@ def settings(tmp_path_factory, postgres_server, redis_broker):
 
 @pytest.fixture(scope="module")
 def finished(settings):
-    body = spec(model={"id": MOE_MODEL}, random_layouts=1, ablations=False, distill=DISTILL)
+    # dtp:2, a schedule beyond the paper's chain: the MoE edge pass (head and expert-neuron edges two modules
+    # apart) feeds the optimiser, and the shards record dtp:2
+    body = spec(model={"id": MOE_MODEL}, delta=2, schedule=SCHEDULE, random_layouts=1, ablations=False,
+                distill=DISTILL)
     worker = WorkerProcess(settings, settings.var_dir / "worker.log").start()
     try:
         with TestClient(create_app(settings)) as client:
@@ -76,6 +80,7 @@ def test_an_moe_job_runs_end_to_end(settings, finished, tmp_path):
         torch.testing.assert_close(permuted(ids).logits, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(rebuilt(ids).logits, want, atol=1e-4, rtol=0)
     assert shard_layout.name == "optimised"
+    assert (shard_layout.delta, shard_layout.schedule) == (2, SCHEDULE)  # optimised for dtp:2's J_σ
 
     # How vLLM serves them, and the distillation's curves (both layouts, evaluated at steps 0 and 2).
     serve = job["summary"]["serve"]
@@ -96,7 +101,7 @@ def test_the_moe_shards_run_on_the_runtime_with_the_simulators_tokens(finished, 
     ids = tokens(2, 7, seed=5)
     with DTPRuntime.start(tmp_path / "shards", backend="gloo", timeout_s=60.0, threads=1) as rt:
         result = rt.generate(ids.numpy(), max_new_tokens=6, stop_at_eos=False, return_logits=True)
-    prefill, steps, want = simulator_generation(tmp_path / "shards", ids, 5, 1)
+    prefill, steps, want = simulator_generation(tmp_path / "shards", ids, 5, schedule=SCHEDULE)
     assert max_logit_error(result, prefill, steps) <= 1e-5
     np.testing.assert_array_equal(result.tokens, want.numpy())
 
