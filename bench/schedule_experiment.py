@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval", default="corpus:kjv", help="the primary evaluation text (held out from the "
                     "calibration and training blocks where it is their text)")
     ap.add_argument("--eval2", default="corpus:shakespeare",
-                    help="the second domain, evaluated at every evaluation (from that evaluation's checkpoint)")
+                    help="the second domain, evaluated at every evaluation")
     ap.add_argument("--eval-blocks", type=int, default=None)
     ap.add_argument("--eval2-blocks", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)

@@ -184,8 +184,7 @@ class Experiment:
         a = self.args
         return distill.DistillRecipe(steps=a.steps, batch_size=a.batch_size, micro_batch_size=a.batch_size, lr=a.lr,
                                      min_lr=a.lr / 10, warmup_steps=max(1, a.steps // 10), eval_every=a.eval_every,
-                                     # a checkpoint at every evaluation: the second domain's curve reads each
-                                     checkpoint_every=1, eval_batch_size=4)
+                                     checkpoint_every=10, eval_batch_size=4)
 
     def secondary(self) -> DenseReference:
         """The second domain's evaluation blocks and the dense model on them (computed once)."""
@@ -224,8 +223,7 @@ class Experiment:
                     curve = self.second_curve(run_dir)
                     distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,
                                         layouts_dir=self.layouts(schedule), keep_checkpoints=True, plot=False,
-                                        on_eval=partial(self.second_record, run_dir, layout_file, spec.schedule,
-                                                        recipe, curve))
+                                        on_eval_student=partial(self.second_record, run_dir, recipe, curve))
                     if recipe.steps not in curve:  # a run read back whole (its metrics.json complete)
                         self.second_point(run_dir, layout_file, spec.schedule, recipe, curve, recipe.steps)
                     done.write_text(json.dumps({"source": a.eval2, "tokens": a.eval2_blocks * a.seq_len,
@@ -256,20 +254,20 @@ class Experiment:
     @staticmethod
     def second_curve(run_dir: Path) -> dict[int, float]:
         """The second domain's points of an interrupted run so far ({step: KL}, kept beside its checkpoint)."""
-        partial = run_dir / "secondary-partial.json"
-        return {int(k): float(v) for k, v in json.loads(partial.read_text()).items()} if partial.exists() else {}
+        kept = run_dir / "secondary-partial.json"
+        return {int(k): float(v) for k, v in json.loads(kept.read_text()).items()} if kept.exists() else {}
 
-    def second_record(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
-                      recipe: distill.DistillRecipe, curve: dict[int, float], record: Any) -> None:
-        """run_distill's on_eval: the second domain at the step the primary was just evaluated at."""
-        self.second_point(run_dir, layout_file, schedule, recipe, curve, int(record.step))
+    def second_record(self, run_dir: Path, recipe: distill.DistillRecipe, curve: dict[int, float], record: Any,
+                      student: Any) -> None:
+        """run_distill's on_eval_student: the second domain's KL of the student the primary evaluation just
+        measured, at its step; kept in secondary-partial.json so that a resumed run keeps its curve."""
+        curve[int(record.step)], _ = evaluate_student(student, self.model, self.secondary(), recipe=recipe)
+        (run_dir / "secondary-partial.json").write_text(json.dumps({str(k): v for k, v in sorted(curve.items())}))
 
     def second_point(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
                      recipe: distill.DistillRecipe, curve: dict[int, float], step: int) -> None:
-        """The second domain's KL at `step`, from the checkpoint the run saved at that evaluation (the recipe
-        checkpoints at every one); kept in secondary-partial.json so that a resumed run keeps its curve."""
+        """The second domain's KL at `step` from the run's kept final checkpoint (a run read back whole)."""
         curve[step] = self.evaluate_final(run_dir, layout_file, schedule, recipe)
-        (run_dir / "secondary-partial.json").write_text(json.dumps({str(k): v for k, v in sorted(curve.items())}))
 
     def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
                        recipe: distill.DistillRecipe) -> float:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.affinity.edge_memory import EDGE_MEMORY_LIMIT, dense_edge_bytes, edge_rounds, further_pairs
 from models.affinity.names import SCORES
 from models.affinity.scoring import (
     NEURON_BLOCK,
@@ -185,49 +186,8 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
     return _scores(fo.cpu().numpy(), add.cpu().numpy())
 
 
-F64 = 8  # bytes of a float64 accumulator or score
 SPARSE_ENTRY = 16  # bytes of one kept entry of a SparseEdge: int32 row and column, float64 value
 KEPT_MASS = 0.95  # the default mass a sparse neuron → neuron edge keeps (issue 29)
-# SmolLM2-135M on 256 corpus tokens needs 8–49 % of a neuron → neuron FO matrix's entries (43–58 % of an
-# ADD one) for 95 % of its mass, so 1 GiB (its dtp:2 edges dense: 1.02 GiB) keeps ≥ 95 % where 256 MiB could not.
-EDGE_MEMORY_LIMIT = 1 << 30
-
-
-def dense_edge_bytes(pair: Pair, shape: ModelShape) -> int:
-    """The finished scores of one edge, dense float64 (FO and ADD; one matrix where they are one score)."""
-    G, I = shape.num_kv_groups, shape.intermediate_size
-    return {"up": 2 * G * I, "down": I * G, "kv-kv": G * G}.get(edge_kind(pair), 2 * I * I) * F64
-
-
-def accumulator_bytes(pair: Pair, shape: ModelShape) -> int:
-    """What one edge holds during the pass: its float64 sums over tokens, and for a neuron → neuron edge
-    also its dense FO and ADD while they are finalised (then kept, or cut to a sparse edge)."""
-    H, hd, I = shape.num_query_heads, shape.head_dim, shape.intermediate_size
-    kind = edge_kind(pair)
-    if kind == "up":
-        return (2 * H * I + I) * F64
-    if kind == "down":
-        return I * F64
-    if kind == "kv-kv":
-        return H * hd * hd * F64
-    return (3 * I * I + I * shape.neuron_blocks) * F64 + dense_edge_bytes(pair, shape)
-
-
-def edge_rounds(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> list[list[Pair]]:
-    """The edges split into passes over the calibration blocks whose accumulators fit `memory_limit`
-    together (an edge larger than the limit alone gets a pass of its own). Each pass after the first is
-    one more no-grad forward over the blocks: memory bought with compute (SmolLM2-135M `dtp:2`: 29
-    neuron → neuron pairs of ~94 MB each take 15 passes under 256 MiB, 3 under the default 1 GiB)."""
-    rounds: list[list[Pair]] = []
-    used = 0
-    for pair in pairs:
-        need = accumulator_bytes(pair, shape)
-        if not rounds or used + need > memory_limit:
-            rounds.append([])
-            used = 0
-        rounds[-1].append(pair)
-        used += need
-    return rounds
 
 
 def sparse_entries(pairs: list[Pair], shape: ModelShape, memory_limit: int) -> int | None:
@@ -356,7 +316,7 @@ def schedule_affinity_pass(model: Any, blocks: torch.Tensor, *, schedule: Schedu
     if schedule is None:
         return affinity_pass(source, blocks, progress=progress, **options)
     shape = model_shape(source.config)
-    further = AffinityResult.missing_edges_of(shape, schedule)
+    further = further_pairs(schedule, shape.num_layers)
     whole = source.whole_model(f"schedule {schedule} needs edges beyond the paper's chain, which only the "
                                f"in-memory affinity pass scores") if further else None
     chain_progress, edge_progress = progress, progress

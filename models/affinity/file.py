@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from models.affinity.edge_memory import further_pairs
 from models.affinity.names import SCORES
 from models.base.shapes import ModelShape
 from models.io.atomic import atomic_write
@@ -29,7 +30,6 @@ from models.optimise.edges import (
     Pair,
     ScheduleAffinity,
     SparseEdge,
-    chain_pairs,
     edge_name,
     schedule_pairs,
 )
@@ -67,8 +67,7 @@ class AffinityResult:
     @staticmethod
     def missing_edges_of(shape: ModelShape, schedule: Schedule) -> list[Pair]:
         """The edges of `schedule` beyond the paper's chain (what the affinity pass scores on top of it)."""
-        chain = set(chain_pairs(shape.num_layers))
-        return [p for p in schedule_pairs(schedule) if p not in chain]
+        return further_pairs(schedule, shape.num_layers)
 
     def schedule_affinity(self, score: str, schedule: Schedule) -> ScheduleAffinity:
         """The matrices of `schedule`'s edges in `score` units; ValueError naming the missing edges when

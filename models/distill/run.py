@@ -80,6 +80,8 @@ class RunHooks:
     on_eval: Callable[[EvalRecord], None] | None = None
     on_step: Callable[[StepStats, EvalRecord | None], None] | None = None
     on_restore: Callable[[list[EvalRecord]], None] | None = None
+    # the student as it was just evaluated (a further evaluation set of a study; world size 1 only)
+    on_eval_student: Callable[[EvalRecord, nn.Module], None] | None = None
 
 
 def eval_steps(recipe: DistillRecipe) -> list[int]:
@@ -215,6 +217,8 @@ class _Run:
             self.write_logs(complete=False)
         if self.hooks.on_eval:
             self.hooks.on_eval(record)
+        if self.hooks.on_eval_student:
+            self.hooks.on_eval_student(record, self.student)
 
     def train_one_step(self) -> None:
         state, recipe = self.state, self.recipe
@@ -255,7 +259,8 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
                 on_step: Callable[[StepStats, EvalRecord | None], None] | None = None,
                 on_restore: Callable[[list[EvalRecord]], None] | None = None,
                 keep_checkpoint: bool = True, world_size: int = 1,
-                schedule: ScheduleSpec | None = None) -> RunResult:
+                schedule: ScheduleSpec | None = None,
+                on_eval_student: Callable[[EvalRecord, nn.Module], None] | None = None) -> RunResult:
     """Distil the DTP model of `layout` from `teacher`, evaluating on `reference`; resume if possible.
 
     schedule: the communication schedule the student simulates (`models.schedules.grammar`; None: the
@@ -266,6 +271,9 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
     (the last checkpoint stays).
     on_restore gets the evaluations read back from a finished run or a checkpoint; evaluations past
     the checkpoint are recomputed and passed to on_eval again (same layout, seed and step).
+    on_eval_student(record, student) gets the student right after each evaluation, before training goes on
+    (a study's further evaluation set, measured on the weights that evaluation saw; world_size 1 only: a
+    sharded student is whole on no rank).
     world_size W > 1 trains on W ranks (`models.distill.sharding`): this process is rank 0 (hooks and
     logs) and starts ranks 1 .. W-1, unless torchrun started it or a process group already exists.
     """
@@ -286,8 +294,10 @@ def distill_run(*, teacher: nn.Module, layout: Layout, seed: int, recipe: Distil
     if recipe.batch_size % world_size:
         raise DistillError(f"world_size={world_size} must divide recipe.batch_size={recipe.batch_size} (each rank "
                            "takes an equal share of every batch)")
+    if on_eval_student is not None and world_size != 1:
+        raise DistillError(f"on_eval_student needs the whole student in one process; world_size={world_size}")
     hooks = RunHooks(progress=progress, should_stop=should_stop, on_eval=on_eval, on_step=on_step,
-                     on_restore=on_restore)
+                     on_restore=on_restore, on_eval_student=on_eval_student)
     payload: dict[str, Any] = {
         "teacher": teacher, "layout": layout, "seed": seed, "recipe": recipe, "train_blocks": train_blocks,
         "reference": reference, "run_dir": run_dir, "fingerprint": fingerprint,

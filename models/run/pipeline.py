@@ -17,7 +17,8 @@ import numpy as np
 import torch
 import transformers
 
-from models.affinity.edges import EDGE_MEMORY_LIMIT, KEPT_MASS, schedule_affinity_pass
+from models.affinity.edge_memory import EDGE_MEMORY_LIMIT
+from models.affinity.edges import KEPT_MASS, schedule_affinity_pass
 from models.affinity.names import SCORES
 from models.affinity.scoring import AffinityResult
 from models.base.layout_format import LayoutError

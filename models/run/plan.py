@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from models.affinity.edge_memory import EDGE_MEMORY_LIMIT
 from models.run.rules import RunFacts, RunRefused, job_schedule, spec_refusals
 from models.run.stage_names import STAGES as STAGE_ORDER
 from models.schedules.grammar import ScheduleSpec, dtp_spec, parse_schedule
@@ -76,7 +77,8 @@ class RunPlan:
                         layout_independent_ok=optimise is None or bool(optimise.layout_independent_ok),
                         dtype=self.dtype, calibration_sequences=calibration.sequences if calibration else 0,
                         calibration_seq_len=calibration.seq_len if calibration else 0,
-                        batch_size=optimise.batch_size if optimise is not None else 1)
+                        batch_size=optimise.batch_size if optimise is not None else 1,
+                        edge_memory_limit=optimise.edge_memory_limit if optimise is not None else EDGE_MEMORY_LIMIT)
 
     # -- the schedule --
 

@@ -4,8 +4,9 @@ would refuse is refused at submit wherever the API can see it (the model's confi
 
   spec_refusals    the job spec alone: what the stages would refuse whatever the model
   model_refusals   the spec against the model's shape: L, δ and the schedule (the loading stage)
-  memory_refusals  the spec under a memory limit: the run fits (streamed if it must), and what a streamed model
-                   cannot run (the loading stage, before any weight is read)
+  memory_refusals  the spec under a memory limit: the run fits (streamed if it must), what a streamed model
+                   cannot run, and the pass over a schedule's further edges beside the model in memory (the
+                   loading stage, before any weight is read)
 
 Each refusal names its rule (`RULES`), the spec field to blame and the exception the run raises for it.
 Torch-free: the API process imports this module.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from models.affinity.edge_memory import EDGE_MEMORY_LIMIT
 from models.base.layout_format import LayoutError
 from models.schedules.grammar import ScheduleError, ScheduleSpec, dtp_spec, parse_schedule, schedule_spec
 
@@ -34,6 +36,8 @@ RULES: dict[str, str] = {
     "streamed-spd-auto": "spd:auto:K chooses its layers by simulating the whole model: it cannot stream",
     "streamed-edges": "the streamed affinity pass scores the paper's chain only: a schedule with further edges "
                       "needs the model in memory",
+    "edges-memory": "the pass over a schedule's edges beyond the paper's chain fits the memory limit beside the "
+                    "model in memory",
 }
 LOCAL_ONLY = frozenset({"layout-independent"})  # `optimise` refuses these; a job runs them (to compare schedules)
 
@@ -121,6 +125,7 @@ class RunFacts:
     calibration_sequences: int = 0
     calibration_seq_len: int = 0
     batch_size: int = 1
+    edge_memory_limit: int = EDGE_MEMORY_LIMIT  # what the further edges' pass may keep (OptimiseSpec's)
 
     @classmethod
     def of_spec(cls, spec: Any, *, layout_independent_ok: bool = True) -> RunFacts:
@@ -213,27 +218,50 @@ def _streamed(why: str) -> str:
             f"or a schedule of the chain (dtp:1, spd:B)")
 
 
-def further_edges(facts: RunFacts, num_layers: int) -> bool:
-    """Whether the affinity pass of this run scores edges beyond the paper's chain (which only the in-memory
-    pass does): the edges of J_σ of its objective schedule."""
-    from models.optimise.edges import chain_pairs, schedule_pairs
+def run_further_pairs(facts: RunFacts, num_layers: int) -> list[tuple[int, int]]:
+    """The edges beyond the paper's chain that the affinity pass of this run scores (which only the in-memory
+    pass does): those of J_σ of its objective schedule."""
+    from models.affinity.edge_memory import further_pairs
     from models.variants.set import objective_schedule
 
     if facts.chooses_spd_layers:
-        return False  # spd:B: one up edge per dropped layer, all on the chain
+        return []  # spd:B: one up edge per dropped layer, all on the chain
     try:
         objective = objective_schedule(facts.schedule, num_layers=num_layers, devices=facts.devices)
     except LayoutError:  # a layout-independent schedule: its layouts optimise the chain
-        return False
-    chain = set(chain_pairs(num_layers))
-    return objective is not None and any(p not in chain for p in schedule_pairs(objective))
+        return []
+    return [] if objective is None else further_pairs(objective, num_layers)
+
+
+def edges_memory(facts: RunFacts, config: Any, plan: Any) -> Refusal | None:
+    """The in-memory run's pass over its schedule's further edges (models.affinity.edge_memory) beside the model
+    and its micro-batch (`plan`, in memory) against the plan's limit: a refusal naming the need, its largest part
+    and what fits; None when it fits, or no limit or no further edge."""
+    from models.affinity.edge_memory import edge_pass_memory
+    from models.families import model_shape
+    from models.io.sizes import format_size
+    from models.streaming.memory_plan import MemoryLimitError
+
+    if plan.limit is None:
+        return None
+    shape = model_shape(config)
+    edges = edge_pass_memory(run_further_pairs(facts, shape.num_layers), shape, facts.edge_memory_limit)
+    if edges is None or plan.in_memory + edges.peak <= plan.limit:
+        return None
+    need = plan.in_memory + edges.peak
+    return Refusal("edges-memory", "schedule", (
+        f"schedule {facts.schedule} scores edges beyond the paper's chain beside the model in memory, and needs "
+        f"about {format_size(need)}: the model in memory {format_size(plan.in_memory)} + the edge pass "
+        f"{format_size(edges.peak)} ({edges.describe()}), whose largest part is {edges.largest_text()}; the "
+        f"memory limit (max_memory) is {format_size(plan.limit)}. A schedule on the paper's chain (dtp:1 or "
+        f"dtp:1@K) needs no such edge; or give a max_memory of at least {format_size(need)}"), MemoryLimitError)
 
 
 def memory_refusals(facts: RunFacts, config: Any, *, limit: int | None, stream: bool | None = None,
                     affinity_pass: bool = True) -> tuple[Any, list[Refusal]]:
     """The run under its memory limit (models.streaming.memory_plan): its plan (None when it cannot fit even
     streamed) and every refusal. `affinity_pass`: whether an affinity pass is still to run (a streamed one
-    cannot choose spd:auto's layers nor score further edges)."""
+    cannot choose spd:auto's layers nor score further edges; an in-memory one scores them beside the model)."""
     from models.families import model_shape
     from models.streaming.memory_plan import MemoryLimitError, plan_memory
 
@@ -248,6 +276,8 @@ def memory_refusals(facts: RunFacts, config: Any, *, limit: int | None, stream: 
         return None, [Refusal("memory-fits", "max_memory", str(exc), MemoryLimitError)]
     out: list[Refusal] = []
     if not plan.stream:
+        if facts.optimises and affinity_pass and (refusal := edges_memory(facts, config, plan)) is not None:
+            out.append(refusal)
         return plan, out
     if facts.distills:
         out.append(Refusal("streamed-distill", "max_memory",
@@ -257,7 +287,7 @@ def memory_refusals(facts: RunFacts, config: Any, *, limit: int | None, stream: 
         out.append(Refusal("streamed-spd-auto", "schedule",
                            _streamed(f"{facts.schedule} chooses its layers by simulating the whole model"),
                            MemoryLimitError))
-    elif facts.optimises and affinity_pass and further_edges(facts, model_shape(config).num_layers):
+    elif facts.optimises and affinity_pass and run_further_pairs(facts, model_shape(config).num_layers):
         out.append(Refusal("streamed-edges", "schedule",
                            _streamed(f"schedule {facts.schedule} needs edges beyond the paper's chain, which only the "
                                      f"in-memory affinity pass scores"), MemoryLimitError))

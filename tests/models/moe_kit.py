@@ -9,14 +9,21 @@ import numpy as np
 
 from models.families import family_for_config, model_shape
 from models.layouts.layout import Layout
-from tests.tiny import MOE_CASES, tiny_model
+from tests.tiny import MOE_CASES, tiny_config, tiny_model
 
-__all__ = ["MOE_CASES", "balanced_moe_layout", "expert_shape", "moe_model"]
+__all__ = ["MOE_CASES", "balanced_moe_layout", "expert_shape", "moe_model", "wide_moe_config"]
 
 
 def moe_model(case: str, seed: int = 0) -> Any:
     """The case's tiny fp32 MoE model (a fresh one: the tests permute and export it)."""
     return tiny_model(case, seed=seed)
+
+
+def wide_moe_config() -> Any:
+    """A config only (its weights are never built): Qwen3-30B-A3B's FFN width, 128 experts × 768 neurons (I = 98,304
+    units), on the tiny qwen3_moe's residual and attention: 57 M parameters whose dtp:2 edge pass would hold
+    ~360 GiB (issue 46's refusal before any weight is read)."""
+    return tiny_config("qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
 
 
 def expert_shape(config: Any) -> tuple[int, int]:

@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch.func import jvp, vmap
 
-from models.affinity.edges import _EdgeAccumulator, accumulator_bytes, dense_edge_bytes, schedule_affinity_pass
+from models.affinity.edge_memory import accumulator_bytes, dense_edge_bytes
+from models.affinity.edges import _EdgeAccumulator, schedule_affinity_pass
 from models.affinity.file import AffinityResult
 from models.families import model_shape
 from models.layouts import layout as layout_mod

@@ -231,7 +231,8 @@ def test_schedule_edges_of_the_pass_are_the_constructions_scores() -> None:
 
 
 def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
-    from models.affinity.edges import SPARSE_ENTRY, dense_edge_bytes
+    from models.affinity.edge_memory import dense_edge_bytes
+    from models.affinity.edges import SPARSE_ENTRY
     from models.affinity.file import AffinityResult
     from models.families import model_shape
     from models.optimise.edges import SparseEdge
@@ -297,7 +298,8 @@ def test_dtp1_pass_is_todays_and_files_round_trip(tmp_path: Any) -> None:
 def test_edge_pass_in_rounds_keeps_its_accumulators_under_the_limit_and_the_same_scores() -> None:
     """A limit that fits the dense edges but not every accumulator at once: several passes over the blocks,
     each within the limit (an edge alone excepted), and every score equal to the single pass's."""
-    from models.affinity.edges import accumulator_bytes, dense_edge_bytes, edge_pass, edge_rounds
+    from models.affinity.edge_memory import accumulator_bytes, dense_edge_bytes, edge_rounds
+    from models.affinity.edges import edge_pass
     from models.affinity.file import AffinityResult
     from models.schedules.grammar import resolve_schedule
 

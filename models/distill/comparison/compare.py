@@ -58,7 +58,8 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
                 on_step: Callable[[str, int, StepStats, EvalRecord | None], None] | None = None,
                 on_run_start: Callable[[str, int], None] | None = None, plot: bool = True,
                 keep_checkpoints: bool = True,
-                abandonable: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
+                abandonable: Callable[[Callable[[], Any]], Any] | None = None,
+                on_eval_student: Callable[[EvalRecord, nn.Module], None] | None = None) -> dict[str, Any]:
     """Every (layout, seed) run of `spec`, in order; writes out_dir/{metrics.csv, summary.json, curves.png}.
 
     Rerunning with the same spec and out_dir skips finished runs and resumes the interrupted one.
@@ -68,7 +69,8 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
     evaluation batches; abandonable(fn) runs the data loading (which asks nothing): the worker passes
     a wrapper that a cancel can walk away from.
     Under torchrun every rank calls this: only rank 0 writes out_dir's files and calls the callbacks
-    (`models.distill.sharding.launch_rank`); every rank returns the summary.
+    (`models.distill.sharding.launch_rank`); every rank returns the summary. on_eval_student: passed to each
+    run (`distill_run`).
     """
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -133,7 +135,7 @@ def run_distill(spec: DistillSpec, *, teacher: nn.Module, tokenizer: Any, out_di
                              run_dir=run_dir_for(out_dir, name, seed), model_id=model_id, progress=run_progress,
                              should_stop=should_stop, on_eval=record, on_step=step_hook, on_restore=restored,
                              keep_checkpoint=keep_checkpoints, world_size=spec.world_size,
-                             schedule=spec.run_schedule)
+                             schedule=spec.run_schedule, on_eval_student=on_eval_student)
         records[:] = [r for r in records if (r.layout, r.seed) != (name, seed)] + result.records
         if writer:
             write_metrics(out_dir, records)

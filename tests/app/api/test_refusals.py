@@ -20,6 +20,8 @@ from app.core.schemas.jobs import JobSpec
 from models.run.rules import LOCAL_ONLY, RULES
 from tests.service_kit import CALIB, TINY_MODEL, make_settings, provision, spec
 
+WIDE_MOE = "wide-moe"  # a config only: Qwen3-30B-A3B's FFN width on a tiny residual (tests/models/moe_kit.py)
+
 STREAMS = "streams"  # replaced by a max_memory the tiny model's run must stream under, and fits streamed
 DISTIL = {"layouts": ["optimised"], "steps": 1}  # one batch of 16 training blocks: the recipe's default
 
@@ -36,6 +38,8 @@ CASES: dict[str, tuple[dict, str]] = {
     "streamed-distill": ({"max_memory": STREAMS, "distill": DISTIL}, "max_memory"),
     "streamed-spd-auto": ({"max_memory": STREAMS, "schedule": "spd:auto:1"}, "schedule"),
     "streamed-edges": ({"max_memory": STREAMS, "delta": 2}, "schedule"),
+    # fits in memory (~1 GiB), but one of its dtp:2 neuron → neuron edges holds ~360 GiB while scored
+    "edges-memory": ({"model": {"id": WIDE_MOE}, "max_memory": "4GiB", "delta": 2}, "schedule"),
 }
 
 
@@ -48,6 +52,9 @@ def world(tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("refusals"), device="cpu", max_active_jobs=100)
     upgrade(settings.database_url)
     provision(settings)
+    from tests.models.moe_kit import wide_moe_config
+
+    wide_moe_config().save_pretrained(settings.models_dir / WIDE_MOE)  # config.json: no weight to read
     with TestClient(create_app(settings)) as client:
         yield settings, client
 

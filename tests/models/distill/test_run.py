@@ -118,3 +118,22 @@ def test_resume_after_sigkill_of_the_process(setup, tmp_path):
     assert resumed.resumed_from == 4
     for a, b in zip(whole.records, resumed.records, strict=True):
         assert a.step == b.step and a.kl == pytest.approx(b.kl, rel=1e-6, abs=1e-9)
+
+
+def test_on_eval_student_gets_the_weights_each_evaluation_measured(setup, tmp_path):
+    """A study's further evaluation set reads the student right after each evaluation: evaluating that student
+    on the run's own reference again gives the record's KL, at every evaluation step, and it is refused on a
+    sharded run (whole on no rank)."""
+    teacher, train = setup
+    reference = D.DenseReference.compute(teacher, train, recipe=recipe())
+    again: dict[int, float] = {}
+
+    def measure(record: D.EvalRecord, student: torch.nn.Module) -> None:
+        again[record.step], _ = D.evaluate_student(student, teacher, reference, recipe=recipe())
+
+    result = run(teacher, train, tmp_path / "a", reference_blocks=train, on_eval_student=measure)
+    assert sorted(again) == [r.step for r in result.records] == [0, 2, 4, 6]
+    for r in result.records:
+        assert again[r.step] == pytest.approx(r.kl, rel=1e-9)  # the same weights, the same blocks
+    with pytest.raises(D.DistillError, match="world_size=2"):
+        run(teacher, train, tmp_path / "b", reference_blocks=train, on_eval_student=measure, world_size=2)
