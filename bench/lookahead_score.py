@@ -159,29 +159,17 @@ def score_set(work: str, schedule: str, results: str, extra: list[str], scoring:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from bench.score_sets import add_set_args, score_sets, scoring_of
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--set", action="append", required=True,
-                    help='"WORK SCHEDULE RESULTS.json [experiment flags...]": a work directory whose layouts were '
-                         "trained, the result file with their final KLs, and the flags of the experiment that "
-                         "trained them (its recipe is the look-ahead's)")
-    ap.add_argument("--score-source", default="corpus:kjv")
-    ap.add_argument("--score-sequences", type=int, default=8, help="scoring blocks (0: each set's calibration)")
-    ap.add_argument("--score-seq-len", type=int, default=1024)
-    ap.add_argument("--out", type=Path, default=None)
+    add_set_args(ap, '"WORK SCHEDULE RESULTS.json [experiment flags...]": a work directory whose layouts were '
+                     "trained, the result file with their final KLs, and the flags of the experiment that "
+                     "trained them (its recipe is the look-ahead's)")
     args = ap.parse_args(argv)
     print(f"rule (fixed before the first run): {RULE}", flush=True)
     print(f"drop rule (fixed before the first run): {DROP_RULE}", flush=True)
-    from models.data.calibration import CalibrationSpec
-
-    scoring = CalibrationSpec(source=args.score_source, sequences=args.score_sequences,
-                              seq_len=args.score_seq_len) if args.score_sequences else None
-    sets = []
-    for spec_text in args.set:
-        work, schedule, results, *extra = spec_text.split()
-        row = score_set(work, schedule, results, extra, scoring)
-        sets.append(row)
-        print(f"{work} {schedule}: " + "; ".join(f"{p} {o}/{n}" + (f" (misorders {', '.join(bad)})" if bad else "")
-                                                  for p, (o, n, bad) in row["ordered"].items()), flush=True)
+    scoring = scoring_of(args)
+    sets = score_sets(args, score_set, scoring)
     # the rules need both four-arm sets: one set misordered rejects a candidate, every pair of both keeps it
     every = {name: all(s["orders_every_pair"][name] for s in sets) for name in CANDIDATES}
     print("every separated pair of the sets given: " + "; ".join(f"{n} {'yes' if ok else 'no (rejected)'}"

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from models.distill.recipe import DistillRecipe
 from models.distill.student import make_student
 from models.layouts import layout as layout_mod
 from models.schedules.grammar import parse_schedule
+from tests.bench.sets_kit import quick_trained_set
 from tests.tiny import tiny_model, tokens
 
 
@@ -86,18 +86,11 @@ def test_the_lookahead_is_one_clipped_adamw_step_on_kl_plus_weighted_ce():
 
 
 def test_the_command_scores_every_trained_arm_and_counts_the_pairs_each_score_orders(tmp_path):
-    model_dir = tmp_path / "model"
-    tiny_model("llama").save_pretrained(model_dir)
-    text = tmp_path / "one.npy"
-    np.save(text, np.random.default_rng(0).integers(0, 97, size=16 * 32))
-    common = ["--quick", "--model", str(model_dir), "--devices", "2", "--seeds", "0,1",
-              "--calib", str(text), "--train", str(text), "--eval", str(text), "--eval2", str(text)]
-    work = tmp_path / "work"
-    trained = exp.main([*common, "--schedules", "dtp:2", "--other", "dtp:1", "--work", str(work),
-                        *exp.RECORDED_SETS])["dtp:2"]
+    common, work, trained = quick_trained_set(tmp_path, *exp.RECORDED_SETS)
     out_file = tmp_path / "out.json"
     la.main(["--set", " ".join([str(work), "dtp:2", str(work / "result-dtp-2.json"), *common]),
-             "--score-source", str(text), "--score-sequences", "3", "--score-seq-len", "32", "--out", str(out_file)])
+             "--score-source", str(tmp_path / "one.npy"), "--score-sequences", "3", "--score-seq-len", "32",
+             "--out", str(out_file)])
     out = json.loads(out_file.read_text())
     assert out["rule"] == la.RULE and out["drop_rule"] == la.DROP_RULE
     row = out["sets"][0]

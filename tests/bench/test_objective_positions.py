@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-
 from bench import objective_positions as op
-from bench import schedule_experiment as exp
 from models.layouts import layout as layout_mod
-from tests.tiny import tiny_model
+from tests.bench.sets_kit import quick_trained_set
 
 
 def test_rescoring_keeps_the_layouts_and_the_trained_arm_runs_alone(tmp_path):
-    model_dir = tmp_path / "model"
-    tiny_model("llama").save_pretrained(model_dir)
-    text = tmp_path / "one.npy"
-    np.save(text, np.random.default_rng(0).integers(0, 97, size=16 * 32))
-    common = ["--quick", "--model", str(model_dir), "--devices", "2", "--seeds", "0,1",
-              "--calib", str(text), "--train", str(text), "--eval", str(text), "--eval2", str(text)]
-    work = tmp_path / "work"
-    trained = exp.main([*common, "--schedules", "dtp:2", "--other", "dtp:1", "--work", str(work)])["dtp:2"]
+    common, work, trained = quick_trained_set(tmp_path)
     layouts = work / "layouts" / "dtp-2"
     before = {p.name: p.read_bytes() for p in layouts.glob("*.json")}
     out = op.main(["--train", "--set", " ".join([str(work), "dtp:2", str(work / "result-dtp-2.json"), *common]),
