@@ -1,8 +1,9 @@
 """An MoE model through the whole service (issue 46): a tiny Qwen3-MoE saved under MODEL_ROOT, the API on
 Postgres, a real Celery worker on Redis. The job, at dtp:2, runs the affinity pass (the chain's and the edges
-beyond it), the optimiser, the export and a short distillation; its layouts are balanced per expert, its permuted checkpoint and rank shards compute the dense
-model's function, its shards run on the project's runtime with the simulator's tokens, and its summary says
-how vLLM serves them. The server's parameter limit counts every expert."""
+beyond it), the optimiser, the export and a short distillation; its layouts are balanced per expert, its
+permuted checkpoint and rank shards compute the dense model's function, its shards run on the project's
+runtime with the simulator's tokens, and its summary says how vLLM serves them. The server's parameter limit
+counts every expert."""
 
 from __future__ import annotations
 
