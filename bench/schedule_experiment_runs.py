@@ -225,10 +225,11 @@ class Experiment:
                                         layouts_dir=self.layouts(schedule), keep_checkpoints=True, plot=False,
                                         on_eval_student=partial(self.second_record, run_dir, recipe, curve))
                     if recipe.steps not in curve:  # a run read back whole (its metrics.json complete)
-                        self.second_point(run_dir, layout_file, spec.schedule, recipe, curve, recipe.steps)
+                        curve[recipe.steps] = self.evaluate_final(run_dir, layout_file, spec.schedule, recipe)
                     done.write_text(json.dumps({"source": a.eval2, "tokens": a.eval2_blocks * a.seq_len,
                                                 "kl": curve[recipe.steps], "curve": sorted(curve.items())}))
                     remove_checkpoint(run_dir / CHECKPOINT_DIR)
+                    (run_dir / "secondary-partial.json").unlink(missing_ok=True)  # secondary.json has its points
                 secondary.setdefault(arm, []).append(float(json.loads(done.read_text())["kl"]))
         curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
         for path in sorted((out / "runs").glob("*/seed-*/metrics.json")):
@@ -264,14 +265,9 @@ class Experiment:
         curve[int(record.step)], _ = evaluate_student(student, self.model, self.secondary(), recipe=recipe)
         (run_dir / "secondary-partial.json").write_text(json.dumps({str(k): v for k, v in sorted(curve.items())}))
 
-    def second_point(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
-                     recipe: distill.DistillRecipe, curve: dict[int, float], step: int) -> None:
-        """The second domain's KL at `step` from the run's kept final checkpoint (a run read back whole)."""
-        curve[step] = self.evaluate_final(run_dir, layout_file, schedule, recipe)
-
     def evaluate_final(self, run_dir: Path, layout_file: Path, schedule: ScheduleSpec | None,
                        recipe: distill.DistillRecipe) -> float:
-        """KL(dense ‖ student) on the second domain of the run's weights in its latest checkpoint."""
+        """KL(dense ‖ student) on the second domain of the run's final weights (its kept checkpoint)."""
         lay = layout_mod.load(layout_file)
         student = make_student(self.model, lay, recipe, schedule)
         found = checkpoint_to_read(run_dir / CHECKPOINT_DIR)
