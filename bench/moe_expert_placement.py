@@ -12,7 +12,11 @@ THE SETUP (fixed): SmolLM2-135M converted by bench/moefication.py as bench/moe_l
 calibration, seed 0, top-2) but into E = 6 experts of 256 neurons: L = 3 (SmolLM2's 3 KV groups allow no other
 L > 1) must divide E for whole experts to balance, and 8 does not. The schedule experiment's dtp:1 and dtp:2
 affinity passes on it (8 × 1024 calibration tokens of corpus:kjv), first-order damage, damage-weighted J_σ, the
-optimiser with 2 restarts (seed 0) for both kinds.
+optimiser with 2 restarts (seed 0) for both kinds. SmolLM2's FFN width 1536 = 2⁹ · 3 has one factor 3, so no E
+lets L = 3 divide both E and I/E: both kinds are scored on the same units, each expert's 256 neurons less its one
+of least affinity mass (`trimmed`: 255 per expert, 6 of 1536 neurons per layer; the largest share of an edge's
+mass so dropped is reported). (Amended before any result: the first, quick run stopped at the neuron layout's
+check that L divides the expert's width.)
 
 THE RULE (RULE, fixed before any run): per schedule, with G = J_σ of the neuron layout's optimum minus a random
 layout's expectation (the neuron layout's gain),
@@ -100,6 +104,52 @@ def expert_problem(problem: Problem) -> Problem:
                             problem.weighting)
 
 
+def trimmed(problem: Problem, devices: int) -> tuple[Problem, float]:
+    """The problem on the units both kinds can place: per layer and expert, the neurons of least affinity mass
+    (summed over every edge the neuron sends or receives) dropped until L divides the expert's width, the rest
+    kept in storage order; and the largest share of an edge's mass dropped. As it is where L divides it already.
+    A sparse edge's total loses the dropped neurons' kept entries (its unkept mass is not known per neuron)."""
+    experts = neuron_blocks(problem)
+    size = problem.intermediate_size // experts
+    keep = size - size % devices
+    if keep == size:
+        return problem, 0.0
+    sigma = edges_of(problem)
+    mass = np.zeros((problem.num_layers, problem.intermediate_size))  # [N, I]
+    for (m, t), matrix in sigma.edges.items():
+        dense = matrix.dense() if isinstance(matrix, SparseEdge) else matrix
+        if m % 2:
+            mass[m // 2] += dense.sum(axis=1)
+        if t % 2:
+            mass[t // 2] += dense.sum(axis=0)
+    kept = [np.concatenate([e * size + np.sort(np.argsort(-row[e * size:(e + 1) * size], kind="stable")[:keep])
+                            for e in range(experts)]) for row in mass]  # per layer: [E·keep] unit ids
+
+    def cut(pair: tuple[int, int], matrix: EdgeMatrix) -> tuple[EdgeMatrix, float]:
+        m, t = pair
+        dense = matrix.dense() if isinstance(matrix, SparseEdge) else np.asarray(matrix)
+        rows = kept[m // 2] if m % 2 else np.arange(dense.shape[0])
+        cols = kept[t // 2] if t % 2 else np.arange(dense.shape[1])
+        out = dense[np.ix_(rows, cols)]
+        lost = float(dense.sum() - out.sum())
+        share = lost / float(dense.sum()) if dense.sum() > 0 else 0.0
+        if isinstance(matrix, SparseEdge):
+            r, c = np.nonzero(out)
+            return SparseEdge(r.astype(np.int32), c.astype(np.int32), out[r, c], out.shape, matrix.total - lost), share
+        return out, share
+
+    cuts = {pair: cut(pair, matrix) for pair, matrix in sigma.edges.items()}
+    dropped = max((share for _, share in cuts.values()), default=0.0)
+    if isinstance(problem, Affinity):
+        n = problem.num_layers
+        up = [np.asarray(cuts[(2 * i, 2 * i + 1)][0]) for i in range(n)]
+        down = [np.asarray(cuts[(2 * i + 1, 2 * i + 2)][0]) for i in range(n - 1)]
+        return Affinity(up, down, experts=experts), dropped
+    edges = {pair: matrix for pair, (matrix, _) in cuts.items()}
+    return ScheduleAffinity(problem.schedule, problem.num_layers, problem.num_kv_groups, experts * keep, edges,
+                            problem.weighting, experts), dropped
+
+
 def expanded(expert_device: np.ndarray, expert_size: int) -> np.ndarray:
     """[N, E] expert devices → [N, E·I_e] neuron devices (every neuron on its expert's device, expert-major)."""
     return np.repeat(np.asarray(expert_device), expert_size, axis=1)
@@ -168,7 +218,7 @@ def converted(args: argparse.Namespace) -> Path:
     if not (out / moefication.CONVERSION_FILE).exists():
         calib = moe_layouts.QUICK_CONVERSION if args.quick else moe_layouts.CONVERSION_CALIBRATION
         moefication.main(["--out", str(out), "--experts", str(EXPERTS), "--top-k", str(TOP_K),
-                          "--seed", str(moe_layouts.CONVERSION_SEED), "--calib", calib["source"],
+                          "--seed", str(moe_layouts.CONVERSION_SEED), "--calib", str(calib["source"]),
                           "--calib-blocks", str(calib["blocks"]), "--seq-len", str(calib["seq_len"]),
                           "--eval-blocks", str(calib["blocks"]), "--kl-k", str(TOP_K),
                           *(["--layers", str(moe_layouts.QUICK_LAYERS)] if args.quick else [])])
@@ -189,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"rule": RULE, "quick": args.quick, "model": str(model_dir), "schedules": {}}
     for schedule in args.schedules.split():
         problem = objective_affinity(experiment.affinity(schedule), "fo", experiment.schedule(schedule))
-        row = compare(problem, DEVICES)
+        problem, dropped = trimmed(problem, DEVICES)
+        row = {**compare(problem, DEVICES), "dropped_mass": dropped}
         result["schedules"][schedule] = row
         print(f"{schedule}: {row['verdict']} (whole experts J {row['whole_experts']['J']:.3f}, neuron layout J "
               f"{row['neuron_layout']['J']:.3f}, random {row['random_expectation']:.3f}, contiguous experts "

@@ -128,3 +128,42 @@ def test_the_rule_reads_one_percent_of_the_gain(whole, verdict):
 def test_a_dense_problem_has_no_expert_placement():
     with pytest.raises(ValueError, match="experts"):
         mep.expert_problem(Affinity([np.ones((G, I))], []))
+
+
+def test_trimming_drops_each_experts_lightest_neurons_until_l_divides_its_width():
+    rng = np.random.default_rng(3)
+    size = 7  # 7 % 3 = 1: one neuron per expert goes
+    up = [rng.random((G, E * size)) + 1.0 for _ in range(2)]
+    down = [rng.random((E * size, G)) + 1.0]
+    light = [(e * size + (e % size)) for e in range(E)]  # in expert e, neuron e mod 7 carries almost nothing
+    for i, m in enumerate(up):
+        m[:, light] = 1e-6
+        if i < len(down):
+            down[i][light, :] = 1e-6
+    problem = Affinity(up, down, experts=E)
+    cut, dropped = mep.trimmed(problem, L)
+    kept = [k for k in range(E * size) if k not in light]
+    assert isinstance(cut, Affinity) and cut.experts == E and cut.intermediate_size == E * 6
+    np.testing.assert_array_equal(cut.up[1], up[1][:, kept])
+    np.testing.assert_array_equal(cut.down[0], down[0][kept, :])
+    shares = [m[:, light].sum() / m.sum() for m in up] + [down[0][light, :].sum() / down[0].sum()]
+    assert dropped == pytest.approx(max(shares), rel=1e-9)
+    whole = Affinity(up, down, experts=size)  # 7 experts of 6: L divides the width, nothing is dropped
+    assert mep.trimmed(whole, L) == (whole, 0.0)
+
+
+def test_trimming_a_sparse_edge_keeps_its_unkept_mass():
+    rng = np.random.default_rng(4)
+    size, n = 7, 2
+    units = E * size
+    edges: dict[tuple[int, int], object] = {(0, 1): rng.random((G, units)), (1, 2): rng.random((units, G)),
+                                            (2, 3): rng.random((G, units))}
+    kept = rng.random((units, units)) * (rng.random((units, units)) < 0.5)
+    rows, cols = np.nonzero(kept)
+    edges[(1, 3)] = SparseEdge(rows.astype(np.int32), cols.astype(np.int32), kept[rows, cols], (units, units),
+                               float(kept.sum()) + 10.0)  # 10 of its mass not kept
+    cut, _ = mep.trimmed(ScheduleAffinity("dtp:2", n, G, units, edges, experts=E), L)
+    assert isinstance(cut, ScheduleAffinity) and cut.intermediate_size == E * 6
+    sparse = cut.edges[(1, 3)]
+    assert isinstance(sparse, SparseEdge) and sparse.shape == (E * 6, E * 6)
+    assert sparse.total - float(sparse.values.sum()) == pytest.approx(10.0)
