@@ -184,13 +184,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     print(f"rule (fixed before any run): {PROBE_RULE}", flush=True)
+    decision = is_decision(args)  # read before the experiment resolves the default model to its path
     experiment = Experiment(args)
     probe, _ = pick(args, experiment)
     print(f"probe picked {probe['chosen']} (J_sigma's pick: optimised)", flush=True)
     curves, second = ({}, {}) if probe["same_layout"] else experiment.train(SCHEDULE)
     jsigma, probed = finals(curves, second, "optimised"), finals(curves, second, PROBE)
     said = probe_decision(same_layout=probe["same_layout"], jsigma=jsigma, probe=probed)
-    decision = is_decision(args)
     result = {"rule": PROBE_RULE, "decision": decision, "verdict": said, "probe": probe,
               "final_kl": {JSIGMA: None if jsigma is None else jsigma.primary,
                            PROBE: None if probed is None else probed.primary},

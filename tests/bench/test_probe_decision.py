@@ -55,3 +55,12 @@ def test_a_quick_run_on_a_tiny_model_probes_trains_and_is_not_the_decision(tmp_p
         assert len(result["final_kl"][pd.PROBE]) == 2 and len(result["final_kl_second_domain"][pd.JSIGMA]) == 2
     saved = json.loads((tmp_path / "work" / "probe-decision.json").read_text())
     assert saved["verdict"] == result["verdict"] and saved["rule"] == pd.PROBE_RULE
+
+
+def test_the_default_command_is_the_decision_and_a_changed_flag_is_not():
+    # the default model is the packaged GGUF, named by no flag (DECISION's model None); the experiment later
+    # resolves it to a path, which must not make the committed setup a smoke run
+    assert pd.is_decision(pd.parse_args([]))
+    assert not pd.is_decision(pd.parse_args(["--steps", "50"]))
+    assert not pd.is_decision(pd.parse_args(["--quick"]))
+
