@@ -180,10 +180,18 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
     mg = c.t() @ theirs.gate.double().t()  # [I, I]
     mu = c.t() @ theirs.up.double().t()
     down_norm = theirs.down.double().square().sum(0)  # [I] receiver
-    fo = (mg.square() * acc.aa + 2 * mg * mu * acc.ab + mu.square() * acc.bb) / tokens * down_norm
+    fo = sum_of_squares(mg, mu, acc.aa, acc.ab, acc.bb) / tokens * down_norm
     I, blocks = mg.shape[1], acc.beta.shape[1]  # the receiver's units, in blocks of one weight (its experts)
     add = ((mg.square() + mu.square()).view(-1, blocks, I // blocks) * (acc.beta / tokens)[:, :, None]).view(-1, I)
     return _scores(fo.cpu().numpy(), add.cpu().numpy())
+
+
+def sum_of_squares(mg: torch.Tensor, mu: torch.Tensor, aa: torch.Tensor, ab: torch.Tensor,
+                   bb: torch.Tensor) -> torch.Tensor:
+    """Σ_t β_t² (mg·A_t + mu·B_t)² from its accumulated moments (aa = Σ β²A², ab = Σ β²AB, bb = Σ β²B²), elementwise.
+    A sum of squares, but its expansion cancels where mg·A ≈ −mu·B and rounds to about −1e-14 there: clamped at 0
+    (an affinity is non-negative, and ScheduleAffinity refuses a negative entry)."""
+    return (mg.square() * aa + 2 * mg * mu * ab + mu.square() * bb).clamp_min(0.0)
 
 
 SPARSE_ENTRY = 16  # bytes of one kept entry of a SparseEdge: int32 row and column, float64 value

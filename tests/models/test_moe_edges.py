@@ -25,7 +25,7 @@ import torch
 from torch.func import jvp, vmap
 
 from models.affinity.edge_memory import accumulator_bytes, dense_edge_bytes
-from models.affinity.edges import _EdgeAccumulator, schedule_affinity_pass
+from models.affinity.edges import _EdgeAccumulator, schedule_affinity_pass, sum_of_squares
 from models.affinity.file import AffinityResult
 from models.families import model_shape
 from models.layouts import layout as layout_mod
@@ -184,3 +184,23 @@ def test_optimise_for_a_schedule_gives_per_expert_balanced_layouts(case: str, sc
     for name, lay in layouts.items():
         if name != "optimised":
             assert best.score["J"] >= lay.score["J"] - 1e-12, name
+
+
+def test_a_cancelling_neuron_to_neuron_form_is_zero_not_negative() -> None:
+    # a receiving unit whose gate and up folds cancel the sender's write (mg·A = −mu·B on every token): the exact
+    # damage Σ_t (mg·A_t + mu·B_t)² is 0, its expansion from the moments rounds below it (seen as −1.8e-14 on the
+    # converted SmolLM2 at dtp:2, which ScheduleAffinity refused)
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(64, dtype=torch.float64, generator=g)
+    b = 1.7 * a
+    mg = torch.rand(50, dtype=torch.float64, generator=g)
+    mu = -mg / 1.7
+    expanded = mg.square() * (a * a).sum() + 2 * mg * mu * (a * b).sum() + mu.square() * (b * b).sum()
+    assert (expanded < 0).any()  # the rounding this guards against
+    form = sum_of_squares(mg, mu, (a * a).sum(), (a * b).sum(), (b * b).sum())
+    direct = ((mg[:, None] * a + mu[:, None] * b) ** 2).sum(1)  # [50]: the sum of squares itself
+    assert (form >= 0).all()
+    torch.testing.assert_close(form, direct, atol=1e-12, rtol=0)
+    mu = torch.rand(50, dtype=torch.float64, generator=g)  # nothing cancels: the form is the sum of squares
+    torch.testing.assert_close(sum_of_squares(mg, mu, (a * a).sum(), (a * b).sum(), (b * b).sum()),
+                               ((mg[:, None] * a + mu[:, None] * b) ** 2).sum(1), rtol=1e-12, atol=0)
