@@ -19,7 +19,9 @@ with every seed of `--seeds`. Two results per schedule, with rules fixed here be
   contiguous needs no training to reach its own final KL.
 
 Resumable: the work directory keeps affinities, layouts and every run (`models.distill` skips finished
-runs and resumes an interrupted one); rerunning only trains what is missing. The full experiment (every
+runs and resumes an interrupted one); rerunning only trains what is missing. Across machines, `keep` copies a
+set's finished runs into docs/schedule_runs/in_progress/, which a later run restores before it trains
+(bench/schedule_runs_kept.py). The full experiment (every
 schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` is a smoke run, and
 `--layers N` keeps the first N layers of the model (a small real-text setup).
 
@@ -27,6 +29,7 @@ schedule × 4 arms × 3 seeds on SmolLM2-135M) takes hours on a CPU; `--quick` i
     .venv/bin/python bench/schedule_experiment.py --layers 3 --schedules dtp:2 --steps 20   # small setup
     .venv/bin/python bench/schedule_experiment.py --schedules dtp:2 --step0-only --restarts 0  # minutes
     .venv/bin/python -m bench.schedule_experiment verdicts [--json]   # the table from docs/schedule_runs alone
+    .venv/bin/python -m bench.schedule_experiment keep --schedules pt:4   # finished runs kept for the next machine
     .venv-gpu/bin/python bench/schedule_experiment.py --preset gpu   # on a GPU (--device auto picks it)
     .venv/bin/python -m bench.schedule_gpu_short prepare   # --preset gpu-short: made here, run on a lent GPU
 
@@ -196,6 +199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs-dir", type=Path, default=None,
                     help="where each schedule's runs file goes (per-seed, per-evaluation KL on both domains, the "
                          "input of `verdicts`; default WORK/schedule_runs; docs/schedule_runs is the committed one)")
+    ap.add_argument("--kept", type=Path, default=None,
+                    help="kept runs of unfinished sets, restored before training and written by `keep` (default "
+                         "docs/schedule_runs/in_progress; bench/schedule_runs_kept.py)")
     ap.add_argument("--report", type=Path, default=None,
                     help="write this page (e.g. docs/schedules.md) from the finished runs and stop (no model loaded)")
     ap.add_argument("--report-command", default=None, help="the command shown on the page as how the runs ran")
@@ -213,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     suffix = "" if args.preset == "cpu" else f"-{args.preset}"
     args.work = Path(args.work or REPO / "var" / f"schedule-experiment{suffix}")
     args.runs_dir = Path(args.runs_dir or args.work / "schedule_runs")
+    args.kept = Path(args.kept or REPO / "docs" / "schedule_runs" / "in_progress")
     return args
 
 
@@ -222,6 +229,14 @@ def main(argv: list[str] | None = None) -> Any:
         from bench.schedule_verdicts import verdicts_main
 
         return verdicts_main(argv[1:])
+    if argv[:1] == ["keep"]:  # the finished runs of unfinished sets into the repository (no model loaded)
+        from bench.schedule_runs_kept import keep
+
+        args = parse_args(argv[1:])
+        kept = {s: keep(args.work, s, args.steps, args.kept) for s in args.schedules.split()}
+        for schedule, names in kept.items():
+            print(f"{schedule} at {args.steps} steps: {len(names)} finished run(s) kept in {args.kept}", flush=True)
+        return kept
     from bench.schedule_experiment_runs import Experiment
     from bench.schedule_verdicts import AMENDED_RULE
 

@@ -11,15 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.schedule_experiment import CONTIGUOUS, OPTIMISED, PREDICTORS, SPEEDUP, VERDICT_RULE, speedup_text
-from bench.schedule_verdicts import spread
+from bench.schedule_verdicts import slug, spread
 
 ARM_ORDER = (OPTIMISED, "optimised-other", CONTIGUOUS)
 PREDICTOR_NAMES = {"J_damage": "J_σ damage-weighted (the objective)", "J_unit": "J_σ unit-mass (issue 20's)",
                    "neg_missing_ffn_damage": "− missing FFN damage (the reviewer's measure)"}
-
-
-def slug(schedule: str) -> str:
-    return schedule.replace(":", "-").replace(",", "_").replace("@", "at")
 
 
 def load_results(work: Path, schedules: list[str]) -> dict[str, dict[str, Any]]:

@@ -21,7 +21,8 @@ from bench.schedule_experiment import (
     ranking,
     verdict,
 )
-from bench.schedule_verdicts import Run, amended_verdict, arm_of, runs_file, write_runs
+from bench.schedule_runs_kept import restore_kept
+from bench.schedule_verdicts import Run, amended_verdict, arm_of, runs_file, slug, write_runs
 from models import distill
 from models.affinity.file import AffinityResult
 from models.data.calibration import CalibrationSpec, load_blocks
@@ -41,10 +42,6 @@ from models.run import pipeline
 from models.run.files import AFFINITY_FILE
 from models.schedules.grammar import Schedule, ScheduleSpec, parse_schedule, resolve_schedule
 from models.variants.set import build_layouts, neuron_agreement, objective_affinity, scored_layout
-
-
-def slug(schedule: str) -> str:
-    return schedule.replace(":", "-").replace(",", "_").replace("@", "at")
 
 
 def truncated(model: Any, layers: int) -> Any:
@@ -212,6 +209,8 @@ class Experiment:
         seeds = tuple(int(s) for s in a.seeds.split(","))
         out = self.work / "distill" / slug(schedule)
         recipe = self.recipe()
+        for name in restore_kept(self.work, schedule, recipe.steps, self.layouts(schedule), self.args.kept):
+            print(f"{schedule}: run {name} restored from {self.args.kept} (kept by an earlier session)", flush=True)
         secondary: dict[str, list[float]] = {}
         for arm in arms if arms is not None else self.arms(schedule):
             for seed in seeds:

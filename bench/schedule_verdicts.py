@@ -134,9 +134,13 @@ TABLE = (*((s, 50) for s in ("dtp:1", "dtp:2", "pt:2", "pt:4", "dtp:1@15", "spd:
 LOST = "raw runs not in the repository: re-run needed"
 
 
+def slug(schedule: str) -> str:
+    """A schedule as a file name: `dtp:1@15` → `dtp-1at15`."""
+    return schedule.replace(":", "-").replace(",", "_").replace("@", "at")
+
+
 def runs_file(runs_dir: Path, schedule: str, steps: int) -> Path:
-    slug = schedule.replace(":", "-").replace(",", "_").replace("@", "at")
-    return runs_dir / f"{slug}-{steps}steps.json"
+    return runs_dir / f"{slug(schedule)}-{steps}steps.json"
 
 
 def runs_text(schedule: str, steps: int, runs: Sequence[Run], **about: Any) -> str:
