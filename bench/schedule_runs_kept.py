@@ -2,7 +2,8 @@
 
 A schedule's 15 runs can outlast a session, and this machine's `var/` does not outlive one. `keep` copies every
 finished run of a schedule (its `metrics.json` and `secondary.json`, which the experiment reads back and skips)
-into docs/schedule_runs/in_progress/<schedule>-<steps>steps/, with the sha256 of each layout they trained. The
+into docs/schedule_runs/in_progress/<schedule>-<steps>steps/, with the sha256 of each layout's placement they
+trained. The
 experiment restores them before it trains (`restore_kept`, called by `Experiment.train`): a kept run whose layout file
 differs from the one the experiment has just built is refused, naming it, so a run is never counted for a layout
 it did not train.
@@ -28,8 +29,13 @@ def kept_dir(schedule: str, steps: int, root: Path = KEPT_DIR) -> Path:
     return root / runs_file(root, schedule, steps).stem
 
 
+PLACEMENT = ("devices", "delta", "schedule", "kv_group_device", "neuron_device")  # what a layout is, not its score
+
+
 def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of the layout's placement (its scores' last bits may differ on another machine's affinity)."""
+    layout = json.loads(path.read_text())
+    return hashlib.sha256(json.dumps({k: layout.get(k) for k in PLACEMENT}, sort_keys=True).encode()).hexdigest()
 
 
 def finished_runs(distill_dir: Path) -> list[Path]:

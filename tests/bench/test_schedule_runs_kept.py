@@ -21,6 +21,11 @@ def finished_run(work: Path, layout: str, seed: int, kl: float, done: bool = Tru
         (run / "secondary.json").write_text(json.dumps({"kl": kl + 0.5}))
 
 
+def placement(neurons: list[int], j: float = 30.3) -> str:
+    return json.dumps({"format": "dtp-layout/1", "devices": 3, "delta": 1, "schedule": "pt:4",
+                       "kv_group_device": [[0, 1, 2]], "neuron_device": [neurons], "score": {"J": j}})
+
+
 def layouts(work: Path, **files: str) -> Path:
     out = work / "layouts" / "pt-4"
     out.mkdir(parents=True, exist_ok=True)
@@ -31,7 +36,7 @@ def layouts(work: Path, **files: str) -> Path:
 
 def test_finished_runs_are_kept_and_restored_where_missing(tmp_path):
     first, root = tmp_path / "first", tmp_path / "kept"
-    layouts(first, optimised='{"a": 1}', contiguous='{"c": 1}')
+    layouts(first, optimised=placement([0, 1, 2]), contiguous=placement([0, 0, 1]))
     finished_run(first, "optimised", 0, 1.1)
     finished_run(first, "contiguous", 0, 1.4)
     finished_run(first, "contiguous", 1, 9.9, done=False)
@@ -41,7 +46,8 @@ def test_finished_runs_are_kept_and_restored_where_missing(tmp_path):
         "layouts.json", "runs/contiguous/seed-0/metrics.json", "runs/contiguous/seed-0/secondary.json",
         "runs/optimised/seed-0/metrics.json", "runs/optimised/seed-0/secondary.json"]
     second = tmp_path / "second"
-    built = layouts(second, optimised='{"a": 1}', contiguous='{"c": 1}')
+    # rebuilt elsewhere: the same placements, their scores' last bits not
+    built = layouts(second, optimised=placement([0, 1, 2], 30.30000000000001), contiguous=placement([0, 0, 1]))
     finished_run(second, "optimised", 0, 1.2)  # finished here already: its own result is kept
     assert kept.restore_kept(second, "pt:4", 50, built, root) == ["contiguous/seed-0"]
     run = second / "distill" / "pt-4" / "runs"
@@ -52,20 +58,20 @@ def test_finished_runs_are_kept_and_restored_where_missing(tmp_path):
 
 def test_a_kept_run_of_another_layout_is_refused(tmp_path):
     first, root = tmp_path / "first", tmp_path / "kept"
-    layouts(first, optimised='{"a": 1}')
+    layouts(first, optimised=placement([0, 1, 2]))
     finished_run(first, "optimised", 0, 1.1)
     kept.keep(first, "pt:4", 50, root)
     second = tmp_path / "second"
     with pytest.raises(ValueError, match=r"kept run optimised/seed-0 trained layout optimised .* not the same"):
-        kept.restore_kept(second, "pt:4", 50, layouts(second, optimised='{"a": 2}'), root)
+        kept.restore_kept(second, "pt:4", 50, layouts(second, optimised=placement([1, 0, 2])), root)
     with pytest.raises(ValueError, match="layout optimised was kept with another file"):
-        layouts(first, optimised='{"a": 2}')  # the set rebuilt differently, then kept into the same place
+        layouts(first, optimised=placement([1, 0, 2]))  # the set rebuilt differently, then kept into the same place
         kept.keep(first, "pt:4", 50, root)
 
 
 def test_the_keep_command_reads_the_experiments_flags(tmp_path, capsys):
     work = tmp_path / "work"
-    layouts(work, optimised='{"a": 1}')
+    layouts(work, optimised=placement([0, 1, 2]))
     finished_run(work, "optimised", 2, 1.0)
     said = exp.main(["keep", "--schedules", "pt:4", "--work", str(work), "--kept", str(tmp_path / "kept")])
     assert said == {"pt:4": ["optimised/seed-2"]}
