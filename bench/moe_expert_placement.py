@@ -54,7 +54,7 @@ from models.optimise.ascent import optimise
 from models.optimise.bound import upper_bound
 from models.optimise.edges import EdgeMatrix, ScheduleAffinity, SparseEdge
 from models.optimise.objective import objective
-from models.optimise.problem import Affinity, Problem, contiguous_row, edges_of, neuron_blocks
+from models.optimise.problem import Affinity, Problem, contiguous_layout, edges_of, neuron_blocks
 
 RULE = ('per schedule, with G the neuron layout\'s optimised J_sigma minus a random layout\'s expectation: "whole '
         'experts better" if the best whole-expert placement\'s J_sigma exceeds the neuron layout\'s by at least 1% '
@@ -170,9 +170,7 @@ def compare(problem: Problem, devices: int, *, restarts: int = RESTARTS, seed: i
     rescored = objective(weighted, whole.kv_group_device, expanded(whole.neuron_device, size))
     if not np.isclose(rescored, whole.report.J, rtol=1e-9, atol=1e-12):
         raise AssertionError(f"the summed problem's J_σ {whole.report.J} is not the neuron layout's {rescored}")
-    n = problem.num_layers
-    heads = np.tile(contiguous_row(problem.num_kv_groups, devices), (n, 1))  # [N, G]
-    blocks = np.tile(contiguous_row(experts, devices), (n, 1))  # [N, E]: experts 0..E/L-1 on device 0, …
+    heads, blocks = contiguous_layout(summed, devices)  # [N, G], [N, E]: experts 0..E/L-1 on device 0, …
     contiguous_whole = objective(weighted, heads, expanded(blocks, size))
     random_j = neuron.report.random_expectation
     said = decide(neuron=neuron.report.J, whole=whole.report.J, random=random_j)
