@@ -124,6 +124,32 @@ def amended_verdict(runs: Sequence[Run]) -> dict[str, Any]:
     return {**said, "verdict": NOT_SHOWN, "why": "; ".join(why)}
 
 
+# ---- the speedup across budgets (issue 45 item 3: does dtp:1's speedup grow from 50 to 200 steps?) --------------
+# Fixed before the first 200-step run. Each budget's speedups are the amended rule's, per optimised run
+# (interpolated, to contiguous's own final KL at that budget), so the two budgets' ranges are compared whole.
+
+GROWS, SHRINKS, UNRESOLVED = "grows", "shrinks", "no change resolved"
+GROWTH_RULE = ('from the shorter budget to the longer the speedup "grows" where the slowest optimised run\'s '
+               'speedup at the longer exceeds the fastest one\'s at the shorter, "shrinks" where the fastest at '
+               'the longer is below the slowest at the shorter, otherwise "no change resolved"; both budgets need '
+               "the amended rule's layouts (2 optimised, 2 random) and a speedup that applies")
+PAPER_SPEEDUP = 2.9  # the paper's dtp:1 figure (Qwen3-0.6B, about 16M distillation tokens)
+
+
+def growth(short: Sequence[Run], long: Sequence[Run]) -> dict[str, Any]:
+    """GROWTH_RULE on one schedule's runs at two budgets (`short` the fewer steps)."""
+    said = {"short": amended_verdict(short), "long": amended_verdict(long)}
+    for budget in ("short", "long"):
+        if said[budget]["verdict"] in (NOT_APPLICABLE, NOT_DECIDED):
+            return {"verdict": NOT_DECIDED, "why": f"the {budget}er budget is {said[budget]['verdict']}"}
+    (s_low, s_high), (l_low, l_high) = said["short"]["speedup_range"], said["long"]["speedup_range"]
+    verdict = GROWS if l_low > s_high else SHRINKS if l_high < s_low else UNRESOLVED
+    return {"verdict": verdict, "short_range": [s_low, s_high], "long_range": [l_low, l_high],
+            "paper_speedup": PAPER_SPEEDUP, "long_reaches_paper": l_low >= PAPER_SPEEDUP,
+            "why": f"runs {times(s_low)}–{times(s_high)} at the shorter budget, {times(l_low)}–{times(l_high)} "
+                   f"at the longer"}
+
+
 # ---- the runs behind the verdicts, as committed files --------------------------------------------------------
 
 RUNS_FORMAT = "dtp-layout-schedule-runs/1"
@@ -206,6 +232,13 @@ def verdict_table(runs_dir: Path = RUNS_DIR) -> list[dict[str, Any]]:
     for path in sorted(set(runs_dir.glob("*steps.json")) - listed):
         about, _ = load_runs(path)
         rows.append(table_row(about["schedule"], int(about["steps"]), runs_dir, path))
+    for row in rows:  # a budget longer than the schedule's shortest: GROWTH_RULE against that one
+        shorter = [r for r in rows if r["schedule"] == row["schedule"] and r["steps"] < row["steps"]
+                   and r["verdict"] != LOST]
+        if row["verdict"] != LOST and shorter:
+            short = min(shorter, key=lambda r: r["steps"])
+            row["growth"] = {"from_steps": short["steps"], **growth(load_runs(runs_dir / short["file"])[1],
+                                                                    load_runs(runs_dir / row["file"])[1])}
     return rows
 
 
@@ -243,7 +276,10 @@ def table_text(rows: Sequence[dict[str, Any]]) -> str:
                   f"  the registered rule on these runs: {old['verdict']}, "
                   f"{'undefined' if old['speedup'] is None else format(old['speedup'], '.2f') + '×'} on the grid"
                   if old else "  the registered rule: no optimised or contiguous run"]
-    return "\n".join(lines)
+        if "growth" in row:
+            grown = row["growth"]
+            lines.append(f"  the speedup from {grown['from_steps']} steps: {grown['verdict']} ({grown['why']})")
+    return "\n".join([*lines, "", f"across budgets: {GROWTH_RULE}"])
 
 
 def verdicts_main(argv: Sequence[str]) -> list[dict[str, Any]]:

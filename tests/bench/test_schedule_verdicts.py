@@ -122,6 +122,59 @@ def test_arms_by_layout_name():
         "optimised", "optimised", "other", "contiguous", "random", "other", "other"]
 
 
+# ---- the speedup across budgets ------------------------------------------------------------------------------
+
+LONG_STEPS = (0, 50, 100, 150, 200)
+
+
+def long_run(arm: str, layout: str, seed: int, kls: tuple[float, ...]) -> sv.Run:
+    return sv.Run(arm, layout, seed, tuple(zip(LONG_STEPS, kls, strict=True)))
+
+
+# 200 steps: contiguous's mean curve 5.0, 2.0, 1.5, 1.2, 1.0 reaches its final 1.0 at step 200
+LONG_BASE = [long_run("contiguous", "contiguous", 0, (5.0, 2.1, 1.55, 1.25, 0.95)),
+             long_run("contiguous", "contiguous", 1, (5.0, 1.9, 1.45, 1.15, 1.05)),
+             long_run("random", "random-1000", 0, (6.0, 2.2, 1.7, 1.3, 1.1)),
+             long_run("random", "random-1001", 0, (6.0, 2.3, 1.8, 1.4, 1.2))]
+# at 1.0: 50 + (1.5 − 1.0) / (1.5 − 0.5) · 50 = 75 → 200 / 75 = 2.667×; 50 + 0.6 / 1.0 · 50 = 80 → 2.5×;
+# 100 + (1.4 − 1.0) / (1.4 − 1.0) · 50 = 150 → 1.333×
+AT_75 = (4.0, 1.5, 0.5, 0.45, 0.4)
+AT_80 = (4.0, 1.6, 0.6, 0.5, 0.45)
+AT_150 = (4.0, 1.8, 1.4, 1.0, 0.9)
+
+
+@pytest.mark.parametrize(("first", "second", "verdict", "long_range"), [
+    (AT_75, AT_80, sv.GROWS, [2.5, 200 / 75]),  # 2.5–2.67× above the 50-step runs' 1.818×
+    (AT_150, AT_150, sv.SHRINKS, [200 / 150, 200 / 150]),  # 1.33× below them
+    (AT_75, AT_150, sv.UNRESOLVED, [200 / 150, 200 / 75]),  # 1.33–2.67× straddles them
+])
+def test_the_speedup_across_budgets_compares_the_runs_ranges_whole(first, second, verdict, long_range):
+    long = [*LONG_BASE, long_run("optimised", "optimised", 0, first),
+            long_run("optimised", "optimised-seed1", 0, second)]
+    said = sv.growth([*CONTIGUOUS, *RANDOM, *FAST], long)
+    assert said["verdict"] == verdict
+    assert said["short_range"] == pytest.approx([50 / 27.5, 50 / 27.5])
+    assert said["long_range"] == pytest.approx(long_range)
+    assert not said["long_reaches_paper"]  # 2.9×: not reached by 2.5×
+
+
+def test_the_speedup_across_budgets_needs_the_rules_layouts_at_both(tmp_path, capsys):
+    one_layout = [*LONG_BASE, long_run("optimised", "optimised", 0, AT_75)]
+    said = sv.growth([*CONTIGUOUS, *RANDOM, *FAST], one_layout)
+    assert said == {"verdict": sv.NOT_DECIDED, "why": "the longer budget is not decided"}
+    # in the table: the longer budget's row carries the comparison with the schedule's shortest committed budget
+    long = [*LONG_BASE, long_run("optimised", "optimised", 0, AT_75),
+            long_run("optimised", "optimised-seed1", 0, AT_80)]
+    sv.write_runs(sv.runs_file(tmp_path, "dtp:1", 50), "dtp:1", 50, [*CONTIGUOUS, *RANDOM, *FAST])
+    sv.write_runs(sv.runs_file(tmp_path, "dtp:1", 200), "dtp:1", 200, long)
+    rows = {(r["schedule"], r["steps"]): r for r in exp.main(["verdicts", "--runs", str(tmp_path)])}
+    assert "growth" not in rows["dtp:1", 50] and rows["dtp:1", 200]["growth"]["verdict"] == sv.GROWS
+    assert rows["dtp:1", 200]["growth"]["from_steps"] == 50
+    out = capsys.readouterr().out
+    assert "dtp:1 at 200 steps: helps" in out
+    assert "the speedup from 50 steps: grows (runs 1.82×–1.82× at the shorter budget, 2.50×–2.67× at the longer)" in out
+
+
 # ---- the committed runs files and the verdicts command ------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]
