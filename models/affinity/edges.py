@@ -171,7 +171,7 @@ def _finalise_edge(acc: _EdgeAccumulator, pair: Pair, layers: Any, shape: ModelS
         scores = torch.zeros(H, G, dtype=torch.float64)
         for g, rows in enumerate(_qkv_rows(receiver.self_attn, shape)):
             fold = torch.einsum("cd,dhe->hce", rows.double() * gamma, w_o)  # F_hg: [H, C, hd]
-            scores[:, g] = (torch.bmm(fold, cov) * fold).sum((1, 2)).cpu()
+            scores[:, g] = quadratic_trace(fold, cov).cpu()
         matrix = scores.view(G, per_group, G).sum(1).numpy()
         return _scores(matrix, matrix)
     theirs = ffn_units(receiver, routing)
@@ -192,6 +192,13 @@ def sum_of_squares(mg: torch.Tensor, mu: torch.Tensor, aa: torch.Tensor, ab: tor
     A sum of squares, but its expansion cancels where mg·A ≈ −mu·B and rounds to about −1e-14 there: clamped at 0
     (an affinity is non-negative, and ScheduleAffinity refuses a negative entry)."""
     return (mg.square() * aa + 2 * mg * mu * ab + mu.square() * bb).clamp_min(0.0)
+
+
+def quadratic_trace(fold: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """tr(F_h Σ_h F_hᵀ) per sending head h (fold [H, C, hd], cov [H, hd, hd] a sum of outer products): non-negative,
+    but where F_h's rows lie in Σ_h's null space (a head that writes nothing the receiver reads) its elementwise
+    sum rounds to about ±1e-16; clamped at 0 as `sum_of_squares` is, for the same reason."""
+    return (torch.bmm(fold, cov) * fold).sum((1, 2)).clamp_min(0.0)  # [H]
 
 
 SPARSE_ENTRY = 16  # bytes of one kept entry of a SparseEdge: int32 row and column, float64 value

@@ -25,7 +25,7 @@ import torch
 from torch.func import jvp, vmap
 
 from models.affinity.edge_memory import accumulator_bytes, dense_edge_bytes
-from models.affinity.edges import _EdgeAccumulator, schedule_affinity_pass, sum_of_squares
+from models.affinity.edges import _EdgeAccumulator, quadratic_trace, schedule_affinity_pass, sum_of_squares
 from models.affinity.file import AffinityResult
 from models.families import model_shape
 from models.layouts import layout as layout_mod
@@ -204,3 +204,20 @@ def test_a_cancelling_neuron_to_neuron_form_is_zero_not_negative() -> None:
     mu = torch.rand(50, dtype=torch.float64, generator=g)  # nothing cancels: the form is the sum of squares
     torch.testing.assert_close(sum_of_squares(mg, mu, (a * a).sum(), (a * b).sum(), (b * b).sum()),
                                ((mg[:, None] * a + mu[:, None] * b) ** 2).sum(1), rtol=1e-12, atol=0)
+
+
+def test_a_head_to_head_form_in_the_covariances_null_space_is_zero_not_negative() -> None:
+    # a receiver whose folded rows F_h lie in the null space of the sender's covariance Σ_h (rank 5 of 8): the exact
+    # tr(F Σ Fᵀ) is 0; the elementwise sum rounds to about ±1e-16 (negative here for head 1)
+    g = torch.Generator().manual_seed(0)
+    writes = torch.randn(3, 5, 8, dtype=torch.float64, generator=g)  # [H, T, hd]
+    cov = writes.transpose(1, 2) @ writes  # [H, hd, hd]
+    null = [torch.linalg.qr(w.t(), mode="complete")[0][:, 5:] for w in writes]  # [hd, 3] each
+    fold = torch.stack([torch.randn(4, 3, dtype=torch.float64, generator=g) @ n.t() for n in null])  # [H, C, hd]
+    expanded = (torch.bmm(fold, cov) * fold).sum((1, 2))
+    assert (expanded < 0).any()  # the rounding this guards against
+    assert (quadratic_trace(fold, cov) >= 0).all()
+    torch.testing.assert_close(quadratic_trace(fold, cov), torch.zeros(3, dtype=torch.float64), atol=1e-14, rtol=0)
+    fold = torch.randn(3, 4, 8, dtype=torch.float64, generator=g)  # in general: the trace itself
+    direct = torch.stack([torch.trace(f @ c @ f.t()) for f, c in zip(fold, cov, strict=True)])
+    torch.testing.assert_close(quadratic_trace(fold, cov), direct, rtol=1e-12, atol=0)
