@@ -53,6 +53,16 @@ def truncated(model: Any, layers: int) -> Any:
     return model
 
 
+def refuse_a_layout_again(schedule: str, made: Layout, built: dict[str, Layout], restarts: int) -> None:
+    """SystemExit where `made` is an optimised layout already built, up to a relabelling of the devices (with few
+    restarts the contiguous start can win for every seed; at spd every seed finds the one exact optimum)."""
+    for other, lay in built.items():
+        same = neuron_agreement(made, lay)
+        if other.startswith(OPTIMISED) and same["neurons"] == 1.0 and same["kv_groups"] == 1.0:
+            raise SystemExit(f"{schedule}: {made.name} is {other}'s layout again (--restarts {restarts}); raise "
+                             "--restarts, give --second-optimised calibration, or --optimised-layouts 1")
+
+
 class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -120,29 +130,51 @@ class Experiment:
         if not (out / f"{OPTIMISED}.json").exists():
             built = self.build_layouts(schedule)
             for k in range(1, self.args.optimised_layouts):
-                built[f"{OPTIMISED}-seed{k}"] = self.optimised_seed(schedule, k, built)
+                made = (self.optimised_seed(schedule, k) if self.args.second_optimised == "restarts"
+                        else self.optimised_calibration(schedule, k))
+                refuse_a_layout_again(schedule, made, built, self.args.restarts)
+                built[made.name] = made
             for name, lay in built.items():  # all or none: a refused seed leaves no half-built set behind
                 lay.save(out / f"{name}.json")
         return out
 
-    def optimised_seed(self, schedule: str, seed: int, built: dict[str, Layout]) -> Layout:
+    def optimised_seed(self, schedule: str, seed: int) -> Layout:
         """Another optimised layout for the amended rule's second optimised layout: the optimiser's random
-        restarts drawn with `seed` (`optimised` is seed 0). Refused when it is a layout already there, up to a
-        relabelling of the devices (with few restarts the contiguous start can win for every seed)."""
-        sched, result, devices = self.schedule(schedule), self.affinity(schedule), self.args.devices
+        restarts drawn with `seed` (`optimised` is seed 0)."""
+        result = self.affinity(schedule)
+        return self.optimised_on(schedule, result, f"{OPTIMISED}-seed{seed}", seed=seed)
+
+    def optimised_calibration(self, schedule: str, part: int) -> Layout:
+        """Another optimised layout from a calibration subset: the optimiser (seed 0) on the affinity of the
+        `part`-th of `--optimised-layouts` equal parts of the calibration blocks, kept in the work directory.
+        For a schedule whose optimum every seed finds (spd: each edge alone, J at its exact bound)."""
+        parts = self.args.optimised_layouts
+        name = f"{OPTIMISED}-calib{part}"
+        path = self.work / "affinity" / f"{slug(schedule)}-calib{part}of{parts}" / AFFINITY_FILE
+        if not path.exists():
+            blocks = self.blocks()  # [B, S]
+            subset = blocks[part * len(blocks) // parts:(part + 1) * len(blocks) // parts]
+            if len(subset) == 0:
+                raise SystemExit(f"{schedule}: {len(blocks)} calibration block(s) cannot be split into {parts} "
+                                 "parts; raise --calib-sequences or lower --optimised-layouts")
+            spec = pipeline.OptimiseSpec(devices=self.args.devices, schedule=parse_schedule(self.resolved(schedule)),
+                                         export=False)
+            about = {"model": str(self.args.model), "calibration_part": f"{part}/{parts}"}
+            result = pipeline.run_affinity(self.model, subset, schedule=self.schedule(schedule), spec=spec,
+                                           metadata=about)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            result.save(path)
+        return self.optimised_on(schedule, AffinityResult.load(path), name, seed=0)
+
+    def optimised_on(self, schedule: str, result: AffinityResult, name: str, *, seed: int) -> Layout:
+        """The optimiser on `result`'s J_σ, the layout scored in J_σ of the schedule's own (full) affinity."""
+        sched, devices = self.schedule(schedule), self.args.devices
         affinity = objective_affinity(result, "fo", sched)
         best = optimise(affinity, devices, bound=upper_bound(affinity, devices), restarts=self.args.restarts,
                         seed=seed)
-        name = f"{OPTIMISED}-seed{seed}"
         lay = Layout(name, devices, 1, result.shape, best.kv_group_device, best.neuron_device, schedule=str(sched))
-        for other, made in built.items():
-            same = neuron_agreement(lay, made)
-            if other.startswith(OPTIMISED) and same["neurons"] == 1.0 and same["kv_groups"] == 1.0:
-                raise SystemExit(f"{schedule}: the optimiser with seed {seed} gave {other}'s layout again "
-                                 f"(--restarts {self.args.restarts}); raise --restarts, or give "
-                                 "--optimised-layouts 1")
-        return scored_layout(lay, result, score_name="fo", objective="fo", restarts=self.args.restarts,
-                             schedule=sched)
+        return scored_layout(lay, self.affinity(schedule), score_name="fo", objective="fo",
+                             restarts=self.args.restarts, schedule=sched)
 
     def build_layouts(self, schedule: str) -> dict[str, Layout]:
         """The first set: optimised, contiguous, the random layouts, and with --other optimised-other."""

@@ -65,9 +65,10 @@ class Run:
 
 
 def arm_of(layout: str) -> str:
-    """The arm a layout of the experiment belongs to, by its name: `optimised` or `optimised-seed<N>` (another
-    optimiser seed), `contiguous`, `random-<seed>`; anything else (optimised-other, an intervention) is OTHER."""
-    if re.fullmatch(r"optimised(-seed\d+)?", layout):
+    """The arm a layout of the experiment belongs to, by its name: `optimised`, `optimised-seed<N>` (another
+    optimiser seed) or `optimised-calib<N>` (another calibration subset), `contiguous`, `random-<seed>`; anything
+    else (optimised-other, an intervention) is OTHER."""
+    if re.fullmatch(r"optimised(-(seed|calib)\d+)?", layout):
         return OPTIMISED
     if layout == CONTIGUOUS:
         return CONTIGUOUS

@@ -15,6 +15,11 @@ import pytest
 import torch
 
 from bench import schedule_experiment as exp
+from models.affinity.file import AffinityResult
+from models.layouts import layout as layout_file
+from models.run.files import AFFINITY_FILE
+from models.schedules.grammar import resolve_schedule
+from models.variants.set import score_both
 from tests.tiny import tiny_model
 
 
@@ -137,8 +142,8 @@ def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_r
               "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
               "--eval", str(tmp_path / "eval.npy"), "--optimised-layouts", "2", "--random-layouts", "2"]
     # no restarts: every seed's optimiser starts from contiguous only, so seed 1 gives seed 0's layout again
-    with pytest.raises(SystemExit, match=r"dtp:2: the optimiser with seed 1 gave optimised's layout again "
-                                         r"\(--restarts 0\)"):
+    with pytest.raises(SystemExit, match=r"dtp:2: optimised-seed1 is optimised's layout again \(--restarts 0\); "
+                                         r"raise --restarts, give --second-optimised calibration"):
         exp.main([*common, "--work", str(tmp_path / "w0")])
     assert not list((tmp_path / "w0").rglob("layouts/*/*.json"))  # all or none: no one-layout set left to resume
     row = exp.main([*common, "--restarts", "3", "--work", str(tmp_path / "w3")])["dtp:2"]
@@ -146,3 +151,18 @@ def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_r
     layouts = tmp_path / "w3" / "layouts" / "dtp-2"
     first, second = (json.loads((layouts / f"{n}.json").read_text()) for n in ("optimised", "optimised-seed1"))
     assert first != second and second["score"]["restarts"] == 3
+    # or from a calibration subset: the optimiser (seed 0, no restarts) on the second half of the calibration blocks
+    row = exp.main([*common, "--second-optimised", "calibration", "--work", str(tmp_path / "wc")])["dtp:2"]
+    assert set(row["step0_kl"]) == {"optimised", "optimised-calib1", "contiguous", "random-1000", "random-1001"}
+    full, half = (AffinityResult.load(tmp_path / "wc" / "affinity" / d / AFFINITY_FILE)
+                  for d in ("dtp-2", "dtp-2-calib1of2"))
+    assert half.tokens * 2 == full.tokens and half.metadata["calibration_part"] == "1/2"
+    layouts = tmp_path / "wc" / "layouts" / "dtp-2"
+    first, second = (layout_file.load(layouts / f"{n}.json") for n in ("optimised", "optimised-calib1"))
+    assert not np.array_equal(first.neuron_device, second.neuron_device)
+    # scored in J_σ of the full calibration's affinity, as every other arm is, not of the half it was built on
+    dtp2 = resolve_schedule("dtp:2", full.shape.num_layers, 2)
+    on_full, on_half = (score_both(r, second.kv_group_device, second.neuron_device, 2, dtp2)["fo"]["J"]
+                        for r in (full, half))
+    assert second.score is not None and second.score["J"] == pytest.approx(on_full)
+    assert on_full != pytest.approx(on_half)

@@ -117,9 +117,9 @@ def test_a_never_reaching_run_counts_as_no_speedup():
 
 
 def test_arms_by_layout_name():
-    assert [sv.arm_of(n) for n in ("optimised", "optimised-seed1", "optimised-other", "contiguous", "random-1000",
-                                   "optimised-broken", "optimised-skip1")] == [
-        "optimised", "optimised", "other", "contiguous", "random", "other", "other"]
+    assert [sv.arm_of(n) for n in ("optimised", "optimised-seed1", "optimised-calib1", "optimised-other",
+                                   "contiguous", "random-1000", "optimised-broken", "optimised-skip1")] == [
+        "optimised", "optimised", "optimised", "other", "contiguous", "random", "other", "other"]
 
 
 # ---- the speedup across budgets ------------------------------------------------------------------------------
