@@ -21,7 +21,7 @@ from bench.schedule_experiment import (
     ranking,
     verdict,
 )
-from bench.schedule_runs_kept import restore_kept
+from bench.schedule_runs_kept import restore_kept, restore_layouts
 from bench.schedule_verdicts import Run, amended_verdict, arm_of, runs_file, slug, write_runs
 from models import distill
 from models.affinity.file import AffinityResult
@@ -127,6 +127,10 @@ class Experiment:
         optimised-other}.json, scored in J_σ of σ. A directory that has them is used as it is: its arms are its
         files (bench/edge_intervention.py writes its own set there)."""
         out = self.work / "layouts" / slug(schedule)
+        restored = restore_layouts(self.work, schedule, self.args.steps, self.args.kept)
+        if restored:
+            print(f"{schedule}: layouts {', '.join(restored)} restored from {self.args.kept} (kept by an earlier "
+                  "session)", flush=True)
         if not (out / f"{OPTIMISED}.json").exists():
             built = self.build_layouts(schedule)
             for k in range(1, self.args.optimised_layouts):

@@ -6,13 +6,17 @@ into docs/schedule_runs/in_progress/<schedule>-<steps>steps/, with the sha256 of
 trained. The
 experiment restores them before it trains (`restore_kept`, called by `Experiment.train`): a kept run whose layout file
 differs from the one the experiment has just built is refused, naming it, so a run is never counted for a layout
-it did not train.
+it did not train. Every layout file of the set is kept too (gzipped), trained or not, and a work directory that has
+no layouts of the schedule yet starts from them (`restore_layouts`): another machine's affinity pass can differ in
+its last bits, and that can move the optimiser to another placement, which would leave the kept runs refused and
+the set's remaining runs training other layouts.
 
     .venv/bin/python -m bench.schedule_experiment keep --schedules "dtp:1" --steps 200 --work var/exp-200
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import shutil
@@ -23,6 +27,7 @@ from bench.schedule_verdicts import RUNS_DIR, runs_file, slug
 KEPT_DIR = RUNS_DIR / "in_progress"
 KEPT_FILES = ("metrics.json", "secondary.json")  # what the experiment reads of a finished run
 LAYOUTS_FILE = "layouts.json"  # {layout name: sha256 of its file}
+KEPT_LAYOUTS = "layouts"  # every layout file of the set, as <name>.json.gz
 
 
 def kept_dir(schedule: str, steps: int, root: Path = KEPT_DIR) -> Path:
@@ -48,19 +53,39 @@ def keep(work: Path, schedule: str, steps: int, root: Path = KEPT_DIR) -> list[s
     distill_dir, layouts = work / "distill" / slug(schedule), work / "layouts" / slug(schedule)
     out = kept_dir(schedule, steps, root)
     recorded = json.loads((out / LAYOUTS_FILE).read_text()) if (out / LAYOUTS_FILE).exists() else {}
+    runs = finished_runs(distill_dir)
+    if not runs:
+        return []
+    for path in sorted(layouts.glob("*.json")):  # the whole set: the runs still to train need it as well
+        sha = digest(path)
+        if recorded.setdefault(path.stem, sha) != sha:
+            raise ValueError(f"{out}: layout {path.stem} was kept with another file ({recorded[path.stem][:12]}…, "
+                             f"now {sha[:12]}…); remove the kept runs or keep them elsewhere")
+        (out / KEPT_LAYOUTS).mkdir(parents=True, exist_ok=True)
+        (out / KEPT_LAYOUTS / f"{path.name}.gz").write_bytes(gzip.compress(path.read_bytes(), mtime=0))
     names = []
-    for run in finished_runs(distill_dir):
+    for run in runs:
         layout, seed = run.parent.name, run.name
-        sha = digest(layouts / f"{layout}.json")
-        if recorded.setdefault(layout, sha) != sha:
-            raise ValueError(f"{out}: layout {layout} was kept with another file ({recorded[layout][:12]}…, now "
-                             f"{sha[:12]}…); remove the kept runs or keep them elsewhere")
         (out / "runs" / layout / seed).mkdir(parents=True, exist_ok=True)
         for name in KEPT_FILES:
             shutil.copyfile(run / name, out / "runs" / layout / seed / name)
         names.append(f"{layout}/{seed}")
-    if names:
-        (out / LAYOUTS_FILE).write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+    (out / LAYOUTS_FILE).write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+    return names
+
+
+def restore_layouts(work: Path, schedule: str, steps: int, root: Path = KEPT_DIR) -> list[str]:
+    """The kept set's layout files into `work`'s layouts of `schedule`, where it has none yet (a directory with
+    layouts is used as it is, and `restore_kept` checks it against the kept runs); the names restored."""
+    source = kept_dir(schedule, steps, root) / KEPT_LAYOUTS
+    target = work / "layouts" / slug(schedule)
+    if not source.is_dir() or any(target.glob("*.json")):
+        return []
+    target.mkdir(parents=True, exist_ok=True)
+    names = []
+    for packed in sorted(source.glob("*.json.gz")):
+        (target / packed.name.removesuffix(".gz")).write_bytes(gzip.decompress(packed.read_bytes()))
+        names.append(packed.name.removesuffix(".json.gz"))
     return names
 
 

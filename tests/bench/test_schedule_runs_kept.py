@@ -77,3 +77,31 @@ def test_the_keep_command_reads_the_experiments_flags(tmp_path, capsys):
     assert said == {"pt:4": ["optimised/seed-2"]}
     assert "pt:4 at 50 steps: 1 finished run(s) kept in" in capsys.readouterr().out
     assert (tmp_path / "kept" / "pt-4-50steps" / "runs" / "optimised" / "seed-2" / "metrics.json").exists()
+
+
+def test_the_whole_layout_set_is_kept_and_starts_a_work_directory_that_has_none(tmp_path):
+    # another machine's affinity can move the optimiser: the next machine trains the kept placements, not its own
+    first, root = tmp_path / "first", tmp_path / "kept"
+    layouts(first, optimised=placement([0, 1, 2]), contiguous=placement([0, 0, 1]),
+            **{"random-1000": placement([2, 1, 0])})
+    finished_run(first, "optimised", 0, 1.1)  # random-1000 not trained yet: its layout is kept all the same
+    kept.keep(first, "pt:4", 50, root)
+    packed = root / "pt-4-50steps" / "layouts"
+    before = {p.name: p.read_bytes() for p in packed.iterdir()}
+    assert sorted(before) == ["contiguous.json.gz", "optimised.json.gz", "random-1000.json.gz"]
+    recorded = json.loads((root / "pt-4-50steps" / "layouts.json").read_text())
+    assert set(recorded) == {"optimised", "contiguous", "random-1000"}
+    second = tmp_path / "second"
+    assert kept.restore_layouts(second, "pt:4", 50, root) == ["contiguous", "optimised", "random-1000"]
+    for name in ("optimised", "contiguous", "random-1000"):
+        assert (second / "layouts" / "pt-4" / f"{name}.json").read_text() == \
+            (first / "layouts" / "pt-4" / f"{name}.json").read_text()
+    assert kept.restore_kept(second, "pt:4", 50, second / "layouts" / "pt-4", root) == ["optimised/seed-0"]
+    # a work directory with its own layouts is used as it is (restore_kept then checks it against the runs)
+    third = tmp_path / "third"
+    own = layouts(third, optimised=placement([1, 0, 2]))
+    assert kept.restore_layouts(third, "pt:4", 50, root) == [] and sorted(p.name for p in own.iterdir()) == [
+        "optimised.json"]
+    assert kept.restore_layouts(second, "pt:4", 100, root) == []  # another budget: nothing kept
+    kept.keep(first, "pt:4", 50, root)  # kept again unchanged: the same bytes (gzip without a time stamp)
+    assert {p.name: p.read_bytes() for p in packed.iterdir()} == before
