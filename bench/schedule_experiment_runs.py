@@ -145,8 +145,8 @@ class Experiment:
     def optimised_seed(self, schedule: str, seed: int) -> Layout:
         """Another optimised layout for the amended rule's second optimised layout: the optimiser's random
         restarts drawn with `seed` (`optimised` is seed 0)."""
-        result = self.affinity(schedule)
-        return self.optimised_on(schedule, result, f"{OPTIMISED}-seed{seed}", seed=seed)
+        result = self.affinity(schedule)  # loaded once: a dense pt:4 affinity file is about 1 GB
+        return self.optimised_on(schedule, result, result, f"{OPTIMISED}-seed{seed}", seed=seed)
 
     def optimised_calibration(self, schedule: str, part: int) -> Layout:
         """Another optimised layout from a calibration subset: the optimiser (seed 0) on the affinity of the
@@ -168,16 +168,17 @@ class Experiment:
                                            metadata=about)
             path.parent.mkdir(parents=True, exist_ok=True)
             result.save(path)
-        return self.optimised_on(schedule, AffinityResult.load(path), name, seed=0)
+        return self.optimised_on(schedule, AffinityResult.load(path), self.affinity(schedule), name, seed=0)
 
-    def optimised_on(self, schedule: str, result: AffinityResult, name: str, *, seed: int) -> Layout:
-        """The optimiser on `result`'s J_σ, the layout scored in J_σ of the schedule's own (full) affinity."""
+    def optimised_on(self, schedule: str, result: AffinityResult, full: AffinityResult, name: str, *,
+                     seed: int) -> Layout:
+        """The optimiser on `result`'s J_σ, the layout scored in J_σ of the schedule's own (`full`) affinity."""
         sched, devices = self.schedule(schedule), self.args.devices
         affinity = objective_affinity(result, "fo", sched)
         best = optimise(affinity, devices, bound=upper_bound(affinity, devices), restarts=self.args.restarts,
                         seed=seed)
         lay = Layout(name, devices, 1, result.shape, best.kv_group_device, best.neuron_device, schedule=str(sched))
-        return scored_layout(lay, self.affinity(schedule), score_name="fo", objective="fo",
+        return scored_layout(lay, full, score_name="fo", objective="fo",
                              restarts=self.args.restarts, schedule=sched)
 
     def build_layouts(self, schedule: str) -> dict[str, Layout]:
