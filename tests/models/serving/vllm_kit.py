@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -51,6 +52,41 @@ def ensure_plugin(python: str | Path | None = None) -> None:
     with open(venv / ".plugin-lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         refresh(venv)
+        if venv not in INSPECTED:
+            inspect_architectures(venv / "bin" / "python")
+            INSPECTED.add(venv)
+
+
+INSPECTED: set[Path] = set()  # the venvs whose DTP architectures this process has had vLLM inspect
+# vLLM inspects a lazily registered architecture (ours: `module:Class`) in a child Python of its own the first
+# time an engine asks for it and caches what it found in VLLM_CACHE_ROOT/modelinfos; if that child fails, vLLM
+# logs it and refuses the model with "failed to be inspected", the child's error far above in the engine's log
+# (a CI run lost the mistral engine so). Here each architecture is inspected once, under the plugin lock (one
+# xdist worker at a time, before any engine of theirs runs), its child's error raised whole.
+INSPECT = """
+import json
+from vllm.model_executor.models.registry import ModelRegistry
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+archs = sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith("Dtp"))
+for arch in archs:
+    ModelRegistry.models[arch].inspect_model_cls()  # the cache's entry, or the child's run; raises its stderr
+print(json.dumps(archs))
+"""
+
+
+def inspect_architectures(python: Path) -> list[str]:
+    """vLLM's inspection of every registered DTP architecture under `python`, cached by vLLM for its engines;
+    the architectures, or a RuntimeError with what failed."""
+    done = subprocess.run([str(python), "-c", INSPECT], capture_output=True, text=True, timeout=900,
+                          env=cpu_env(), cwd=str(REPO))
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM's inspection of the DTP architectures failed ({done.returncode}):\n"
+                           + done.stderr[-6000:])
+    archs: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    if not archs:
+        raise RuntimeError("the plugin registered no DTP architecture in vLLM:\n" + done.stderr[-3000:])
+    return archs
 
 
 def export_tiny(out: Path, *, case: str, schedule: str, devices: int = 2, seed: int = 0,
@@ -85,9 +121,18 @@ def log_tail(log: Path, chars: int = 4000) -> str:
     """The log's ERROR lines (the root cause sits far above the end) and its end."""
     if not log.is_file():
         return ""
-    text = log.read_text(errors="replace")
-    errors = [line for line in text.splitlines() if " ERROR " in line or line.startswith(("ServingError", "E "))]
-    return "\n".join(errors[:40]) + "\n...\n" + text[-chars:]
+    lines = log.read_text(errors="replace").splitlines()
+    errors: list[str] = []  # each ERROR line and the traceback logged with it (vLLM's logger.exception)
+    for i, line in enumerate(lines):
+        if " ERROR " in line or line.startswith(("ServingError", "E ")):
+            errors.append(line)
+            for follow in lines[i + 1:i + 60]:
+                if not (follow.startswith((" ", "Traceback", "During handling", "The above")) or
+                        re.match(r"[\w.]+(Error|Exception)\b", follow) or not follow.strip()):
+                    break
+                errors.append(follow)
+    text = "\n".join(lines)
+    return "\n".join(errors[:120]) + "\n...\n" + text[-chars:]
 
 
 class Server:
