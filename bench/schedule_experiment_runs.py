@@ -53,14 +53,20 @@ def truncated(model: Any, layers: int) -> Any:
     return model
 
 
-def refuse_a_layout_again(schedule: str, made: Layout, built: dict[str, Layout], restarts: int) -> None:
+def refuse_a_layout_again(schedule: str, made: Layout, built: dict[str, Layout], restarts: int,
+                          second: str = "restarts") -> None:
     """SystemExit where `made` is an optimised layout already built, up to a relabelling of the devices (with few
-    restarts the contiguous start can win for every seed; at spd every seed finds the one exact optimum)."""
+    restarts the contiguous start can win for every seed; at spd every seed finds the one exact optimum); what
+    to change is named for the way `made` was built (`second`: --second-optimised)."""
     for other, lay in built.items():
         same = neuron_agreement(made, lay)
         if other.startswith(OPTIMISED) and same["neurons"] == 1.0 and same["kv_groups"] == 1.0:
-            raise SystemExit(f"{schedule}: {made.name} is {other}'s layout again (--restarts {restarts}); raise "
-                             "--restarts, give --second-optimised calibration, or --optimised-layouts 1")
+            how = ("raise --restarts, give --second-optimised calibration, or --optimised-layouts 1"
+                   if second == "restarts" else
+                   "the calibration subset has the whole calibration's optimum: give a longer --calib, "
+                   "--second-optimised restarts, or --optimised-layouts 1")
+            raise SystemExit(f"{schedule}: {made.name} is {other}'s layout again (--restarts {restarts}, "
+                             f"--second-optimised {second}); {how}")
 
 
 class Experiment:
@@ -136,7 +142,7 @@ class Experiment:
             for k in range(1, self.args.optimised_layouts):
                 made = (self.optimised_seed(schedule, k) if self.args.second_optimised == "restarts"
                         else self.optimised_calibration(schedule, k))
-                refuse_a_layout_again(schedule, made, built, self.args.restarts)
+                refuse_a_layout_again(schedule, made, built, self.args.restarts, self.args.second_optimised)
                 built[made.name] = made
             for name, lay in built.items():  # all or none: a refused seed leaves no half-built set behind
                 lay.save(out / f"{name}.json")

@@ -7,6 +7,7 @@ contiguous's final KL at least 1.5× sooner.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -142,8 +143,9 @@ def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_r
               "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
               "--eval", str(tmp_path / "eval.npy"), "--optimised-layouts", "2", "--random-layouts", "2"]
     # no restarts: every seed's optimiser starts from contiguous only, so seed 1 gives seed 0's layout again
-    with pytest.raises(SystemExit, match=r"dtp:2: optimised-seed1 is optimised's layout again \(--restarts 0\); "
-                                         r"raise --restarts, give --second-optimised calibration"):
+    with pytest.raises(SystemExit, match=r"dtp:2: optimised-seed1 is optimised's layout again \(--restarts 0, "
+                                         r"--second-optimised restarts\); raise --restarts, give --second-optimised "
+                                         r"calibration"):
         exp.main([*common, "--work", str(tmp_path / "w0")])
     assert not list((tmp_path / "w0").rglob("layouts/*/*.json"))  # all or none: no one-layout set left to resume
     row = exp.main([*common, "--restarts", "3", "--work", str(tmp_path / "w3")])["dtp:2"]
@@ -166,3 +168,13 @@ def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_r
                         for r in (full, half))
     assert second.score is not None and second.score["J"] == pytest.approx(on_full)
     assert on_full != pytest.approx(on_half)
+    # a calibration subset with the whole calibration's optimum is refused by what would change it, not by the
+    # option already given
+    from bench.schedule_experiment_runs import refuse_a_layout_again
+
+    again = dataclasses.replace(first, name="optimised-calib1")  # its placement is the first's
+    with pytest.raises(SystemExit, match=r"optimised-calib1 is optimised's layout again \(--restarts 0, "
+                                         r"--second-optimised calibration\); the calibration subset has the whole "
+                                         r"calibration's optimum: give a longer --calib") as refused:
+        refuse_a_layout_again("dtp:2", again, {"optimised": first}, 0, "calibration")
+    assert "give --second-optimised calibration" not in str(refused.value)
