@@ -69,6 +69,23 @@ def refuse_a_layout_again(schedule: str, made: Layout, built: dict[str, Layout],
                              f"--second-optimised {second}); {how}")
 
 
+def finished_curves(out: Path) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], list[str]]:
+    """The primary curves of the finished runs under a schedule's distill folder `out` ({layout: {seed: [(step,
+    KL)]}}) and the names of those still running. A run is finished once its secondary.json is written (after
+    its last step and the second domain's last evaluation): another process on the same work directory (a set
+    split over the cores by --seeds) may be midway through a run whose metrics.json already holds its first
+    evaluations, which a verdict must not read as that run's curve."""
+    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    running = []
+    for path in sorted((out / "runs").glob("*/seed-*/metrics.json")):
+        if not (path.parent / "secondary.json").exists():
+            running.append(f"{path.parent.parent.name}/{path.parent.name}")
+            continue
+        for r in json.loads(path.read_text())["records"]:
+            curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
+    return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}, running
+
+
 class Experiment:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -273,11 +290,11 @@ class Experiment:
                     remove_checkpoint(run_dir / CHECKPOINT_DIR)
                     (run_dir / "secondary-partial.json").unlink(missing_ok=True)  # secondary.json has its points
                 secondary.setdefault(arm, []).append(float(json.loads(done.read_text())["kl"]))
-        curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
-        for path in sorted((out / "runs").glob("*/seed-*/metrics.json")):
-            for r in json.loads(path.read_text())["records"]:
-                curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
-        return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}, secondary
+        curves, running = finished_curves(out)
+        for name in running:
+            print(f"{schedule}: run {name} is not finished (no secondary.json): left out of this set's curves",
+                  flush=True)
+        return curves, secondary
 
     def runs(self, schedule: str, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> list[Run]:
         """Each (layout, seed) run as the verdict rule reads it, with its second domain's curve (or, for runs

@@ -178,3 +178,19 @@ def test_the_amended_rules_second_optimised_and_random_layouts_are_built_and_a_r
                                          r"calibration's optimum: give a longer --calib") as refused:
         refuse_a_layout_again("dtp:2", again, {"optimised": first}, 0, "calibration")
     assert "give --second-optimised calibration" not in str(refused.value)
+
+
+def test_a_run_still_training_in_another_process_is_not_read_as_finished(tmp_path):
+    """A set split over the cores (`--seeds`): one process ends while the other is midway through a run whose
+    metrics.json holds its first evaluations; that run is left out of the curves, not read as ending there."""
+    from bench.schedule_experiment_runs import finished_curves
+
+    for layout, seed, steps, finished in (("contiguous", 0, (0, 10, 20), True), ("random-1001", 0, (0, 10), False)):
+        run = tmp_path / "runs" / layout / f"seed-{seed}"
+        run.mkdir(parents=True)
+        records = [{"layout": layout, "seed": seed, "step": s, "kl": 5.0 - s / 10} for s in steps]
+        (run / "metrics.json").write_text(json.dumps({"records": records}))
+        if finished:
+            (run / "secondary.json").write_text(json.dumps({"kl": 4.0, "curve": [[20, 4.0]]}))
+    curves, running = finished_curves(tmp_path)
+    assert curves == {"contiguous": {0: [(0, 5.0), (10, 4.0), (20, 3.0)]}} and running == ["random-1001/seed-0"]
