@@ -188,6 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--arms", default=None,
+                    help="comma-separated layouts to train (default every layout of the schedule), to split a set "
+                         "over the cores by layout; the verdict and the runs file read every finished run")
     ap.add_argument("--restarts", type=int, default=2)
     ap.add_argument("--optimised-layouts", type=int, default=2,
                     help="optimised layouts per schedule (the amended rule needs 2): optimised, then "

@@ -222,6 +222,18 @@ class Experiment:
     def arms(self, schedule: str) -> list[str]:
         return sorted(p.stem for p in self.layouts(schedule).glob("*.json"))
 
+    def chosen_arms(self, schedule: str) -> list[str] | None:
+        """--arms, checked against the schedule's layouts (None: every one)."""
+        if self.args.arms is None:
+            return None
+        chosen = [a.strip() for a in self.args.arms.split(",") if a.strip()]
+        known = self.arms(schedule)
+        unknown = [a for a in chosen if a not in known]
+        if unknown or not chosen:
+            raise SystemExit(f"--arms {self.args.arms!r}: {', '.join(unknown) or 'none given'} not among "
+                             f"{schedule}'s layouts ({', '.join(known)})")
+        return chosen
+
     def predictors(self, schedule: str, result: AffinityResult | None = None) -> dict[str, dict[str, float]]:
         """{predictor: {arm: value}}: J_σ damage-weighted and unit-mass, and minus the missing FFN damage, on
         `result` (default: the work directory's affinity of σ)."""
@@ -262,16 +274,15 @@ class Experiment:
 
     def train(self, schedule: str, arms: list[str] | None = None
               ) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], dict[str, list[float]]]:
-        """Every arm (or only `arms`) × seed distilled under σ, one run at a time: ({arm: {seed: [(step, kl)]}}
-        on the primary evaluation set, {arm: [final KL on the second domain per seed]}), from the runs' own
-        files."""
+        """Every arm (or only `arms`) × seed distilled under σ, one run at a time, then every finished run of
+        the schedule read back from its own files, whichever process trained it: ({arm: {seed: [(step, kl)]}} on
+        the primary evaluation set, {arm: [final KL on the second domain per seed]})."""
         a = self.args
         seeds = tuple(int(s) for s in a.seeds.split(","))
         out = self.work / "distill" / slug(schedule)
         recipe = self.recipe()
         for name in restore_kept(self.work, schedule, recipe.steps, self.layouts(schedule), self.args.kept):
             print(f"{schedule}: run {name} restored from {self.args.kept} (kept by an earlier session)", flush=True)
-        secondary: dict[str, list[float]] = {}
         for arm in arms if arms is not None else self.arms(schedule):
             for seed in seeds:
                 spec = self.distill_spec(schedule, arm, seed)
@@ -289,11 +300,12 @@ class Experiment:
                                                 "kl": curve[recipe.steps], "curve": sorted(curve.items())}))
                     remove_checkpoint(run_dir / CHECKPOINT_DIR)
                     (run_dir / "secondary-partial.json").unlink(missing_ok=True)  # secondary.json has its points
-                secondary.setdefault(arm, []).append(float(json.loads(done.read_text())["kl"]))
         curves, running = finished_curves(out)
         for name in running:
             print(f"{schedule}: run {name} is not finished (no secondary.json): left out of this set's curves",
                   flush=True)
+        secondary = {layout: [float(json.loads((run_dir_for(out, layout, seed) / "secondary.json").read_text())["kl"])
+                              for seed in sorted(by_seed)] for layout, by_seed in curves.items()}
         return curves, secondary
 
     def runs(self, schedule: str, curves: dict[str, dict[int, list[tuple[int, float]]]]) -> list[Run]:
@@ -360,7 +372,7 @@ class Experiment:
             return self.step0(schedule)
         t0 = time.perf_counter()
         predicted = self.predictors(schedule)
-        curves, secondary = self.train(schedule)
+        curves, secondary = self.train(schedule, self.chosen_arms(schedule))
         finals = {arm: [c[-1][1] for _, c in sorted(by_seed.items())] for arm, by_seed in curves.items()}
         row = {"resolved": self.resolved(schedule), "device": str(self.device), "predictors": predicted,
                "final_kl": finals,

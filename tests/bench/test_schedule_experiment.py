@@ -99,6 +99,14 @@ def test_a_quick_run_on_a_tiny_model_trains_every_arm_and_says_a_verdict(tmp_pat
                       "--eval", str(tmp_path / "eval.npy"), "--eval2", str(tmp_path / "eval2.npy"), "--other", "dtp:1",
                         "--work", str(tmp_path / "work")])
     assert again["dtp:2"]["final_kl"] == row["final_kl"]  # resumed: nothing retrained
+    # --arms trains only the layouts named (a set split over the cores) and reads every finished run
+    common = ["--quick", "--model", str(model_dir), "--devices", "2", "--schedules", "dtp:2", "--calib",
+              str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"), "--eval", str(tmp_path / "eval.npy"),
+              "--eval2", str(tmp_path / "eval2.npy"), "--other", "dtp:1", "--work", str(tmp_path / "work")]
+    assert exp.main([*common, "--arms", "contiguous"])["dtp:2"]["final_kl"] == row["final_kl"]
+    with pytest.raises(SystemExit, match=r"--arms 'contiguous,optimised-seed9': optimised-seed9 not among dtp:2's "
+                                         r"layouts \(contiguous, optimised, optimised-other, random-1000\)"):
+        exp.main([*common, "--arms", "contiguous,optimised-seed9"])
     step0 = exp.main(["--quick", "--step0-only", "--model", str(model_dir), "--devices", "2", "--schedules",
                       "dtp:2", "--calib", str(tmp_path / "calib.npy"), "--train", str(tmp_path / "train.npy"),
                       "--eval", str(tmp_path / "eval.npy"), "--eval2", str(tmp_path / "eval2.npy"), "--other", "dtp:1",
