@@ -4,8 +4,11 @@ distillations, each kept in the work directory so that a rerun does only what is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,6 +70,49 @@ def refuse_a_layout_again(schedule: str, made: Layout, built: dict[str, Layout],
                    "--second-optimised restarts, or --optimised-layouts 1")
             raise SystemExit(f"{schedule}: {made.name} is {other}'s layout again (--restarts {restarts}, "
                              f"--second-optimised {second}); {how}")
+
+
+CLAIM_FILE = "training.pid"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def claim(run_dir: Path) -> Iterator[int | None]:
+    """This process's claim on a run (run_dir/training.pid, created exclusively): yields None while it holds
+    it, or the pid of the live process that does (two processes splitting a set over the cores by --seeds or
+    --arms, on one work directory, never train the same run). A claim whose process is gone is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / CLAIM_FILE
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                holder = 0
+            if holder and holder != os.getpid() and alive(holder):
+                yield holder
+                return
+            path.unlink(missing_ok=True)  # a stale claim: its process ended without finishing the run
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            yield None
+        finally:
+            path.unlink(missing_ok=True)
+        return
+    raise RuntimeError(f"{path}: could not claim the run (claimed and released twice while looking)")
 
 
 def finished_curves(out: Path) -> tuple[dict[str, dict[int, list[tuple[int, float]]]], list[str]]:
@@ -288,7 +334,16 @@ class Experiment:
                 spec = self.distill_spec(schedule, arm, seed)
                 run_dir = run_dir_for(out, arm, seed)
                 done = run_dir / "secondary.json"
-                if not done.exists():  # keep the final weights until the second domain has evaluated them
+                if done.exists():
+                    continue
+                with claim(run_dir) as other:
+                    if other is not None:
+                        print(f"{schedule}: run {arm}/seed-{seed} is being trained by process {other}: skipped",
+                              flush=True)
+                        continue
+                    if done.exists():  # finished by another process between the two looks
+                        continue
+                    # keep the final weights until the second domain has evaluated them
                     layout_file = self.layouts(schedule) / f"{arm}.json"
                     curve = self.second_curve(run_dir)
                     distill.run_distill(spec, teacher=self.model, tokenizer=self.tokenizer, out_dir=out,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -202,3 +203,27 @@ def test_a_run_still_training_in_another_process_is_not_read_as_finished(tmp_pat
             (run / "secondary.json").write_text(json.dumps({"kl": 4.0, "curve": [[20, 4.0]]}))
     curves, running = finished_curves(tmp_path)
     assert curves == {"contiguous": {0: [(0, 5.0), (10, 4.0), (20, 3.0)]}} and running == ["random-1001/seed-0"]
+
+
+def test_a_run_claimed_by_a_live_process_is_left_to_it_and_a_dead_ones_claim_is_taken_over(tmp_path):
+    """Two processes splitting a set over the cores on one work directory never train the same run."""
+    import subprocess
+    import sys
+
+    from bench.schedule_experiment_runs import CLAIM_FILE, claim
+
+    run = tmp_path / "runs" / "random-1000" / "seed-1"
+    with claim(run) as other:
+        assert other is None and (run / CLAIM_FILE).read_text() == str(os.getpid())
+    assert not (run / CLAIM_FILE).exists()  # released after the run
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / CLAIM_FILE).write_text(str(holder.pid))
+        with claim(run) as other:
+            assert other == holder.pid  # alive: its run, not this process's
+        assert (run / CLAIM_FILE).read_text() == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    with claim(run) as other:  # its process is gone: the claim is stale and taken over
+        assert other is None and (run / CLAIM_FILE).read_text() == str(os.getpid())
