@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from bench.schedule_experiment import (
@@ -75,16 +76,6 @@ def refuse_a_layout_again(schedule: str, made: Layout, built: dict[str, Layout],
 CLAIM_FILE = "training.pid"
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def claim(run_dir: Path) -> Iterator[int | None]:
     """This process's claim on a run (run_dir/training.pid, created exclusively): yields None while it holds
@@ -100,7 +91,7 @@ def claim(run_dir: Path) -> Iterator[int | None]:
                 holder = int(path.read_text().strip() or 0)
             except (OSError, ValueError):
                 holder = 0
-            if holder and holder != os.getpid() and alive(holder):
+            if holder and holder != os.getpid() and psutil.pid_exists(holder):
                 yield holder
                 return
             path.unlink(missing_ok=True)  # a stale claim: its process ended without finishing the run
