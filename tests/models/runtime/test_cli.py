@@ -155,6 +155,19 @@ def _group_members(pgid: int, command: str) -> list[str]:
     return found
 
 
+def _group_state(pgid: int) -> list[str]:
+    """Each process of the group: pid, state, the kernel function it sleeps in, its threads, its command line."""
+    found = []
+    for pid in _group_pids(pgid):
+        with contextlib.suppress(OSError):
+            proc = Path(f"/proc/{pid}")
+            state = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = proc.joinpath("cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            threads = len(list(proc.joinpath("task").iterdir()))
+            found.append(f"{pid} {state} {proc.joinpath('wchan').read_text() or '-'} {threads} thread(s): {cmd}")
+    return found
+
+
 def _ctrl_c(pgid: int, thread: str) -> None:
     """The terminal's ctrl-C: SIGINT to every process of the group. The kernel gives a process's copy to any of
     its threads that does not block it; `thread="other"` makes it one of the command's other threads (the
@@ -195,7 +208,12 @@ def test_ctrl_c_stops_every_rank(shards: Any, prompt: Any, thread: str) -> None:
         time.sleep(1.0)
         _ctrl_c(proc.pid, thread)
         t0, stop_bound = time.monotonic(), patient(15)
-        code = proc.wait(timeout=patient(30))
+        try:
+            code = proc.wait(timeout=patient(30))
+        except subprocess.TimeoutExpired:  # say where it hangs: the group's processes and what stderr said
+            _, said_after = _until(lines, time.monotonic() + 1.0, None)
+            pytest.fail(f"no exit {patient(30):.0f} s after ctrl-C; the group: {_group_state(proc.pid)}; stderr "
+                        f"after the ctrl-C: {said_after!r}")
         time.sleep(1.0)
         assert _group_members(proc.pid, "multiprocessing.forkserver") == []  # generate ended it before exiting
         ended, rest = _until(lines, t0 + stop_bound, None)  # stderr ends when every process holding it has exited
