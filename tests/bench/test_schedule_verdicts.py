@@ -180,7 +180,8 @@ def test_the_speedup_across_budgets_needs_the_rules_layouts_at_both(tmp_path, ca
 REPO = Path(__file__).resolve().parents[2]
 # Re-run under the amended rule (2 optimised and 2 random layouts, 3 seeds): the verdict the command gives.
 RERUN = {("dtp:1", 50): "helps", ("pt:2", 50): "helps", ("dtp:2", 50): "helps",
-         ("dtp:1@15", 50): "helps", ("pt:4", 50): "not shown at this budget"}
+         ("dtp:1@15", 50): "helps", ("pt:4", 50): "not shown at this budget",
+         ("spd:auto:8", 50): "not applicable at this budget"}
 RECOVERED = {("dtp:2", 50): "docs/schedules_other_dtp2.json", ("dtp:2", 100): "docs/schedules_dtp2_100steps.json",
              ("pt:4", 100): "docs/schedules_pt4_100steps.json"}
 # issue 29's runs of a schedule since re-run (one layout an arm), kept beside the re-run: the page's first table
