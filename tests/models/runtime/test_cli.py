@@ -155,6 +155,14 @@ def _group_members(pgid: int, command: str) -> list[str]:
     return found
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT's default action, as a terminal's command gets it. An ignored SIGINT is
+    inherited through exec, and Python then installs no KeyboardInterrupt handler: in the full suite an xdist
+    worker had it ignored by an earlier test, and the command, rightly, ignored the ctrl-C (the failure message
+    showed both ranks still running and nothing said on stderr, twice in two full runs; never alone)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _group_state(pgid: int) -> list[str]:
     """Each process of the group: pid, state, the kernel function it sleeps in, its threads, its command line."""
     found = []
@@ -197,7 +205,7 @@ def test_ctrl_c_stops_every_rank(shards: Any, prompt: Any, thread: str) -> None:
     proc = subprocess.Popen([str(BIN / "dtp-layout"), "generate", str(shards("llama", 2, 1)), "--ids",
                              str(prompt[0]), "--max-new-tokens", "1000000", "--ignore-eos", "--link-latency-us", "2000",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_as_at_a_terminal)
     share_priority(proc.pid)  # a session of its own: keep this test process's priority (tests/xdist_kit.py)
     try:
         lines = _stderr_lines(proc)
