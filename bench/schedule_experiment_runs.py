@@ -25,7 +25,7 @@ from bench.schedule_experiment import (
     ranking,
     verdict,
 )
-from bench.schedule_runs_kept import restore_kept, restore_layouts
+from bench.schedule_runs_kept import finished_runs, restore_kept, restore_layouts
 from bench.schedule_verdicts import Run, amended_verdict, arm_of, runs_file, slug, write_runs
 from models import distill
 from models.affinity.file import AffinityResult
@@ -113,12 +113,11 @@ def finished_curves(out: Path) -> tuple[dict[str, dict[int, list[tuple[int, floa
     split over the cores by --seeds) may be midway through a run whose metrics.json already holds its first
     evaluations, which a verdict must not read as that run's curve."""
     curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    running = []
-    for path in sorted((out / "runs").glob("*/seed-*/metrics.json")):
-        if not (path.parent / "secondary.json").exists():
-            running.append(f"{path.parent.parent.name}/{path.parent.name}")
-            continue
-        for r in json.loads(path.read_text())["records"]:
+    finished = finished_runs(out)  # the one definition of a finished run, which `keep` reads too
+    started = sorted(m.parent for m in (out / "runs").glob("*/seed-*/metrics.json"))
+    running = [f"{p.parent.name}/{p.name}" for p in started if p not in finished]
+    for run in finished:
+        for r in json.loads((run / "metrics.json").read_text())["records"]:
             curves.setdefault(r["layout"], {}).setdefault(int(r["seed"]), []).append((int(r["step"]), r["kl"]))
     return {arm: {seed: sorted(c) for seed, c in by_seed.items()} for arm, by_seed in curves.items()}, running
 
