@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,15 @@ torch.set_num_threads(WORKER_THREADS)
 # into the user's cache (set here, at import, so that every subprocess inherits it).
 TEST_CACHE_DIR = tempfile.mkdtemp(prefix="dtp-layout-test-cache-")
 os.environ["DTP_LAYOUT_CACHE_DIR"] = TEST_CACHE_DIR
+
+
+# A suite started in the background of a non-interactive shell (`make test &`) starts with SIGINT ignored: the
+# shell ignores it for background jobs, Python then installs no KeyboardInterrupt handler, and every process
+# the suite starts inherits the ignored signal through exec, so a test of ctrl-C would see its command ignore
+# the ctrl-C. The suite's processes get SIGINT's usual handling however it was started (at import: in the
+# controller and in each xdist worker, before any test starts a process).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -157,9 +157,11 @@ def _group_members(pgid: int, command: str) -> list[str]:
 
 def _sigint_as_at_a_terminal() -> None:
     """In the child before exec: SIGINT's default action, as a terminal's command gets it. An ignored SIGINT is
-    inherited through exec, and Python then installs no KeyboardInterrupt handler: in the full suite an xdist
-    worker had it ignored by an earlier test, and the command, rightly, ignored the ctrl-C (the failure message
-    showed both ranks still running and nothing said on stderr, twice in two full runs; never alone)."""
+    inherited through exec, and Python then installs no KeyboardInterrupt handler. A suite started in the
+    background of a non-interactive shell (`make test &`, as a script or an agent starts it) has SIGINT ignored
+    from its start: the shell ignores it for background jobs, and pytest, its xdist workers and every command
+    they start inherit that. The command then rightly ignored the ctrl-C (both ranks still running, nothing on
+    stderr, twice in two such full runs; never in the foreground, nor in CI)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
