@@ -155,16 +155,6 @@ def _group_members(pgid: int, command: str) -> list[str]:
     return found
 
 
-def _sigint_as_at_a_terminal() -> None:
-    """In the child before exec: SIGINT's default action, as a terminal's command gets it. An ignored SIGINT is
-    inherited through exec, and Python then installs no KeyboardInterrupt handler. A suite started in the
-    background of a non-interactive shell (`make test &`, as a script or an agent starts it) has SIGINT ignored
-    from its start: the shell ignores it for background jobs, and pytest, its xdist workers and every command
-    they start inherit that. The command then rightly ignored the ctrl-C (both ranks still running, nothing on
-    stderr, twice in two such full runs; never in the foreground, nor in CI)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _group_state(pgid: int) -> list[str]:
     """Each process of the group: pid, state, the kernel function it sleeps in, its threads, its command line."""
     found = []
@@ -207,7 +197,7 @@ def test_ctrl_c_stops_every_rank(shards: Any, prompt: Any, thread: str) -> None:
     proc = subprocess.Popen([str(BIN / "dtp-layout"), "generate", str(shards("llama", 2, 1)), "--ids",
                              str(prompt[0]), "--max-new-tokens", "1000000", "--ignore-eos", "--link-latency-us", "2000",
                              "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            start_new_session=True, preexec_fn=_sigint_as_at_a_terminal)
+                            start_new_session=True)
     share_priority(proc.pid)  # a session of its own: keep this test process's priority (tests/xdist_kit.py)
     try:
         lines = _stderr_lines(proc)
