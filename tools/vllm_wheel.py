@@ -359,15 +359,23 @@ def installed_digest(venv: Path, package: str) -> str | None:
     return None
 
 
+def up_to_date(venv: Path, root: Path = ROOT) -> bool:
+    """Whether `venv` holds the wheel of these sources and no editable dtp-layout beside it. A reinstall
+    uninstalls first, and an engine starting meanwhile (another test process's) would find no plugin: so
+    nothing is reinstalled that need not be."""
+    cfg = load_config(root)
+    stale_project = any(next(site.glob("dtp_layout-*.dist-info"), None) for site in _site_packages(venv))
+    return installed_digest(venv, cfg.package) == source_digest(cfg, closure(cfg, root), root) and not stale_project
+
+
 def refresh(venv: Path, root: Path = ROOT) -> bool:
     """Install the wheel of this checkout into the venv `venv` unless the one there was built from the same
     sources; the project itself (an editable dtp-layout, as `make vllm-env` installed it before the plugin had a
     distribution of its own) is removed. No index is reached (--no-deps: vLLM brought the requirements). Whether
     it installed. For the vLLM tests and a quick reinstall after editing models/; `make vllm-env` does the same."""
-    cfg = load_config(root)
-    stale_project = any(site.glob("dtp_layout-*.dist-info") for site in _site_packages(venv))
-    if installed_digest(venv, cfg.package) == source_digest(cfg, closure(cfg, root), root) and not stale_project:
+    if up_to_date(venv, root):
         return False
+    cfg = load_config(root)
     python = venv / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix="dtp-layout-vllm-") as tmp:
         wheel = build_wheel(Path(tmp), root)

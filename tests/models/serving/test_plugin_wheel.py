@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from tests.models.serving.vllm_kit import VLLM_PYTHON
-from tools.vllm_wheel import PluginBuildError, build_wheel, load_config, wheel_filename
+from tools.vllm_wheel import (
+    PluginBuildError,
+    build_wheel,
+    closure,
+    load_config,
+    refresh,
+    source_digest,
+    up_to_date,
+    wheel_filename,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 SERVICE = {"app", "worker", "migrations", "models", "tests", "fastapi", "starlette", "sqlalchemy", "alembic",
@@ -163,6 +172,28 @@ def test_the_build_renames_imports_and_module_strings_only(tmp_path):
                         "models/serving/vllm/__init__.py": "import importlib\nM = 'models.other'\n"}
     with pytest.raises(PluginBuildError, match=r"names models\.other, which the plugin does not import"):
         build_wheel(tmp_path / "out2", root=_fake_checkout(tmp_path / "b", a_string_outside))
+
+
+def test_refresh_leaves_a_venv_whose_wheel_is_of_these_sources_alone(tmp_path):
+    """A reinstall uninstalls first, and another test process's engine starting meanwhile finds no plugin (a
+    full suite lost a module's engines so, while every refresh reinstalled): nothing is reinstalled that need not
+    be. The venv here has no Python at all, so any install would fail."""
+    cfg = load_config()
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (site / cfg.package).mkdir(parents=True)
+    build = site / cfg.package / "_build.json"
+    build.write_text(json.dumps({"source_digest": source_digest(cfg, closure(cfg))}))
+    (site / "vllm-0.1.dist-info").mkdir()  # another distribution beside it
+    assert up_to_date(tmp_path / "venv") and refresh(tmp_path / "venv") is False
+    for stale in ("older sources", "editable project"):
+        if stale == "older sources":
+            build.write_text(json.dumps({"source_digest": "0" * 64}))
+        else:
+            build.write_text(json.dumps({"source_digest": source_digest(cfg, closure(cfg))}))
+            (site / "dtp_layout-0.1.0.dist-info").mkdir()  # the project, as an older vllm-env installed it
+        assert not up_to_date(tmp_path / "venv")
+        with pytest.raises((PluginBuildError, FileNotFoundError)):  # it tries: uninstall with the venv's Python
+            refresh(tmp_path / "venv")
 
 
 def _pip_target(python: str | Path, wheel: Path, target: Path) -> None:
