@@ -147,6 +147,11 @@ def sweep_once() -> list[str]:
     return sent
 
 
+# multipart upload id → when this worker's sweeper first listed it (worker.sweeps.store: an undeclared upload is
+# aborted only once stale by this clock too, whatever the store's own says)
+MULTIPARTS_SEEN: dict[str, float] = {}
+
+
 def sweep_store_once() -> None:
     from app.core.storage.root import Storage
     from worker.sweeps.owned import sweep_owned
@@ -154,7 +159,8 @@ def sweep_store_once() -> None:
 
     settings = get_settings()
     storage = Storage.from_settings(settings)
-    sweep_store(database(settings.database_url), storage.objects, stale_s=settings.multipart_stale_s)
+    sweep_store(database(settings.database_url), storage.objects, stale_s=settings.multipart_stale_s,
+                seen=MULTIPARTS_SEEN)
     sweep_owned(database(settings.database_url), storage, open_ttl_s=settings.upload_open_ttl_s)
 
 

@@ -94,6 +94,28 @@ def test_a_declared_uploads_multipart_is_left_to_the_owned_sweep_whatever_the_st
     assert [p.number for p in objects.list_parts("uploads/t/u1/files/model.safetensors", declared)] == [1]
 
 
+def test_the_sweeper_aborts_an_undeclared_upload_only_once_stale_by_its_own_clock_too(world):
+    """The API begins a file's multipart upload a moment before it writes the row naming it; a worker's sweep
+    in that moment, on a store whose clock says the upload is old (moto: 2010-11-10), aborted a tenant's live
+    upload (a full suite, moto then answering its part with a 500). With the sweeper's `seen`, an undeclared
+    upload goes only once stale by the time this process first listed it as well."""
+    settings, objects = world
+    db = database(settings.database_url)
+    begun = objects.begin_multipart("uploads/t/u3/files/model.safetensors")
+    time.sleep(1.1)  # stale by the store's clock (moto's at once)
+    seen: dict[str, float] = {}
+
+    first = sweep_store(db, objects, stale_s=1.0, seen=seen)
+
+    assert first.aborted == 0 and [u.upload_id for u in objects.list_multipart("")] == [begun]
+    assert list(seen) == [begun]
+    time.sleep(1.1)
+    assert sweep_store(db, objects, stale_s=1.0, seen=seen).aborted == 1  # an orphan still goes, a sweep later
+    assert objects.list_multipart("") == []
+    sweep_store(db, objects, stale_s=1.0, seen=seen)
+    assert seen == {}  # what the store no longer lists is forgotten
+
+
 def test_local_sweep_removes_old_temporaries(tmp_path):
     settings = make_settings(tmp_path / "var")
     settings.var_dir.mkdir(parents=True)

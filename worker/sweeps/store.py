@@ -6,7 +6,11 @@
   (worker.sweeps.owned) expires open uploads by the database's clock (DTP_LAYOUT_UPLOAD_OPEN_TTL_S).
   The store's own "initiated" time is not trusted with a live client upload: a store whose clock is
   off (moto reports every upload as begun on 2010-11-10) would have it aborted between its last part
-  and its completion;
+  and its completion. Nor, in the worker's sweeper, with one not yet declared: the API begins a file's
+  multipart upload a moment before it writes the row that names it, and a sweep in that moment (a worker
+  starting) aborted a tenant's upload on such a store (a full suite: moto answered the next part with a
+  500). The sweeper passes `seen`, when this process first listed each upload, and an undeclared upload is
+  aborted only once it is stale by that clock too;
 - objects under `jobs/<id>/artifacts*/` that no artifact row lists are removed once the job has ended
   or is gone (an attempt killed between its upload and its row, a run that lost its job, a retried
   attempt's copy): while the job is queued or running, its upload may be about to be recorded;
@@ -59,16 +63,25 @@ def _declared_multiparts(db: Database, upload_ids: list[str]) -> set[str]:
     return found
 
 
-def sweep_store(db: Database, objects: ObjectStore, *, stale_s: float) -> StoreSweep:
+def sweep_store(db: Database, objects: ObjectStore, *, stale_s: float,
+                seen: dict[str, float] | None = None) -> StoreSweep:
+    """`seen`: upload id → when this process first listed it, kept across sweeps by the caller (updated
+    here); None trusts the store's clock alone (a one-off sweep, the tests' stale_s=0)."""
     now = time.time()
     aborted = 0
     pending = objects.list_multipart("")
+    if seen is not None:
+        listed = {u.upload_id for u in pending}
+        for gone in set(seen) - listed:
+            del seen[gone]
+        for upload_id in listed:
+            seen.setdefault(upload_id, now)
     declared = _declared_multiparts(db, [u.upload_id for u in pending])
     for upload in pending:
-        if now - upload.started > stale_s and upload.upload_id not in declared:
+        age = now - max(upload.started, seen[upload.upload_id] if seen is not None else upload.started)
+        if age > stale_s and upload.upload_id not in declared:
             objects.abort_multipart(upload.key, upload.upload_id)
-            log.warning("store sweep: aborted the multipart upload to %s begun %.0f s ago", upload.key,
-                        now - upload.started)
+            log.warning("store sweep: aborted the multipart upload to %s begun %.0f s ago", upload.key, age)
             aborted += 1
     by_job: dict[str, list[str]] = {}
     for info in objects.list_prefix(JOBS):
