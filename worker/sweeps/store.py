@@ -70,15 +70,16 @@ def sweep_store(db: Database, objects: ObjectStore, *, stale_s: float,
     now = time.time()
     aborted = 0
     pending = objects.list_multipart("")
+    upload_ids = [u.upload_id for u in pending]
     if seen is not None:
-        listed = {u.upload_id for u in pending}
-        for gone in set(seen) - listed:
+        for gone in set(seen) - set(upload_ids):
             del seen[gone]
-        for upload_id in listed:
+        for upload_id in upload_ids:
             seen.setdefault(upload_id, now)
-    declared = _declared_multiparts(db, [u.upload_id for u in pending])
+    declared = _declared_multiparts(db, upload_ids)
     for upload in pending:
-        age = now - max(upload.started, seen[upload.upload_id] if seen is not None else upload.started)
+        since = upload.started if seen is None else max(upload.started, seen[upload.upload_id])
+        age = now - since
         if age > stale_s and upload.upload_id not in declared:
             objects.abort_multipart(upload.key, upload.upload_id)
             log.warning("store sweep: aborted the multipart upload to %s begun %.0f s ago", upload.key, age)

@@ -185,15 +185,17 @@ def test_refresh_leaves_a_venv_whose_wheel_is_of_these_sources_alone(tmp_path):
     build.write_text(json.dumps({"source_digest": source_digest(cfg, closure(cfg))}))
     (site / "vllm-0.1.dist-info").mkdir()  # another distribution beside it
     assert up_to_date(tmp_path / "venv") and refresh(tmp_path / "venv") is False
-    for stale in ("older sources", "editable project"):
-        if stale == "older sources":
-            build.write_text(json.dumps({"source_digest": "0" * 64}))
-        else:
-            build.write_text(json.dumps({"source_digest": source_digest(cfg, closure(cfg))}))
-            (site / "dtp_layout-0.1.0.dist-info").mkdir()  # the project, as an older vllm-env installed it
-        assert not up_to_date(tmp_path / "venv")
-        with pytest.raises((PluginBuildError, FileNotFoundError)):  # it tries: uninstall with the venv's Python
-            refresh(tmp_path / "venv")
+
+    build.write_text(json.dumps({"source_digest": "0" * 64}))  # built from older sources
+    assert not up_to_date(tmp_path / "venv")
+    with pytest.raises((PluginBuildError, FileNotFoundError)):  # it tries: uninstall with the venv's Python
+        refresh(tmp_path / "venv")
+
+    build.write_text(json.dumps({"source_digest": source_digest(cfg, closure(cfg))}))
+    (site / "dtp_layout-0.1.0.dist-info").mkdir()  # the project beside it, as an older vllm-env installed it
+    assert not up_to_date(tmp_path / "venv")
+    with pytest.raises((PluginBuildError, FileNotFoundError)):
+        refresh(tmp_path / "venv")
 
 
 def _pip_target(python: str | Path, wheel: Path, target: Path) -> None:
